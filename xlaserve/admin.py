@@ -1,0 +1,65 @@
+"""The admin HTTP port: ``/healthz``, ``/readyz`` and ``/metrics``. A tiny HTTP/1.1 responder on
+Trio; it answers GET and HEAD and closes the connection after each response."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import trio
+
+log = logging.getLogger("xlaserve.admin")
+
+Route = Callable[[], tuple[int, str, bytes]]
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 503: "Service Unavailable"}
+_MAX_HEADER = 16 * 1024
+
+
+async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
+                      task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            try:
+                with trio.move_on_after(10):
+                    await _answer(stream, routes)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    listeners = await trio.open_tcp_listeners(port, host=host or None)
+    bound = listeners[0].socket.getsockname()[1]
+    log.info("admin HTTP on %s:%d (/healthz /readyz /metrics)", host, bound)
+    task_status.started(bound)
+    await trio.serve_listeners(handle, listeners)
+
+
+async def _answer(stream: trio.SocketStream, routes: dict[str, Route]) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await stream.receive_some(4096)
+        if not chunk:
+            return
+        data += chunk
+        if len(data) > _MAX_HEADER:
+            await _send(stream, 400, "text/plain", b"request header too large\n", False)
+            return
+    request_line = data.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = request_line.split()
+    if len(parts) != 3:
+        await _send(stream, 400, "text/plain", b"malformed request line\n", False)
+        return
+    method, target, _ = parts
+    path = target.split("?", 1)[0]
+    route = routes.get(path)
+    if route is None:
+        await _send(stream, 404, "text/plain", f"no such path {path}; try {' '.join(routes)}\n".encode(), False)
+        return
+    if method not in ("GET", "HEAD"):
+        await _send(stream, 405, "text/plain", b"only GET and HEAD\n", False)
+        return
+    status, ctype, body = route()
+    await _send(stream, status, ctype, body, method == "HEAD")
+
+
+async def _send(stream: trio.SocketStream, status: int, ctype: str, body: bytes, head_only: bool) -> None:
+    header = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: {ctype}\r\n"
+              f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    await stream.send_all(header if head_only else header + body)

@@ -1,0 +1,271 @@
+"""Loading a bundle: manifest, weights and modules, validated against each ``@main``.
+
+:func:`load_bundle` is blocking (file reads, MLIR parsing, XLA compilation); the lifecycle
+actor runs it off the Trio thread. It returns an immutable :class:`ModelVersion` or raises
+:class:`BundleError` with a message that names the bundle, the tensor, what was expected and
+what was found.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import numpy as np
+import yaml
+from safetensors import safe_open
+
+from xlaserve._hooks import Registration, collecting_registrations
+from xlaserve.dtypes import BY_MLIR, DType, from_numpy
+from xlaserve.errors import BundleError
+from xlaserve.manifest import Manifest, TensorDecl, parse_manifest
+from xlaserve.runtime.pjrt import CompiledMemory, Device, ModuleError, Signature, TensorType, read_signature
+
+MANIFEST = "manifest.yaml"
+HOOKS_FILE = "model.py"
+_MODULE_RE = re.compile(r"^model\.b(\d+)\.(mlir|mlirbc)$")
+
+
+@dataclass(frozen=True, slots=True)
+class HostWeights:
+    """A model's weights in host RAM, in binding order."""
+
+    names: tuple[str, ...]
+    arrays: tuple[np.ndarray, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledModule:
+    batch_size: int
+    path: Path
+    executable: object = field(repr=False)
+    memory: CompiledMemory
+    cache_hit: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ModelVersion:
+    """One immutable, ready-to-serve version of a bundle."""
+
+    name: str
+    version: int
+    path: Path
+    manifest: Manifest
+    fingerprint: str
+    weights: HostWeights | None
+    weight_bytes: int
+    modules: Mapping[int, CompiledModule]
+    hooks: Registration | None
+    loaded_at: float
+
+    @property
+    def compiled_batch_sizes(self) -> tuple[int, ...]:
+        return self.manifest.compiled_batch_sizes
+
+    @property
+    def is_meta(self) -> bool:
+        return self.manifest.kind == "meta"
+
+
+def is_bundle(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file() and not path.name.startswith(".")
+
+
+def bundle_fingerprint(path: Path) -> str:
+    """A digest of every file of the bundle (names, sizes, mtimes): changes when any file does."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        st = f.stat()
+        h.update(f"{f.relative_to(path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def read_manifest(path: Path) -> Manifest:
+    name = path.name
+    try:
+        text = (path / MANIFEST).read_text()
+    except OSError as exc:
+        raise BundleError(name, f"cannot read {MANIFEST}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise BundleError(name, f"{MANIFEST} is not valid YAML: {exc}") from None
+    return parse_manifest(data, name)
+
+
+def find_modules(path: Path, manifest: Manifest) -> dict[int, Path]:
+    """The module file of each compiled batch size; every size needs exactly one."""
+    found: dict[int, Path] = {}
+    for f in sorted(path.iterdir()):
+        m = _MODULE_RE.match(f.name)
+        if not m:
+            continue
+        size = int(m.group(1))
+        if size in found:
+            raise BundleError(manifest.bundle, f"batch size {size} has two modules: {found[size].name} and {f.name}")
+        found[size] = f
+    sizes = set(manifest.compiled_batch_sizes)
+    missing = sorted(sizes - set(found))
+    if missing:
+        raise BundleError(manifest.bundle, "no module for compiled batch size(s) "
+                          f"{missing}: expected {', '.join(f'model.b{n}.mlir' for n in missing)} (or .mlirbc)")
+    extra = sorted(set(found) - sizes)
+    if extra:
+        raise BundleError(manifest.bundle, f"module(s) {', '.join(found[n].name for n in extra)} for batch size(s) "
+                          f"{extra} not listed in batching.compiled_batch_sizes {list(manifest.compiled_batch_sizes)}")
+    return found
+
+
+def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
+    """Materialize the weights in host RAM once, in binding order."""
+    if manifest.weights_file is None:
+        return None
+    file = path / manifest.weights_file
+    if not file.is_file():
+        raise BundleError(manifest.bundle, f"weights file {manifest.weights_file} is missing")
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            names = list(f.keys())
+            order = manifest.weights_order if manifest.weights_order is not None else tuple(sorted(names))
+            missing = [n for n in order if n not in names]
+            if missing:
+                raise BundleError(manifest.bundle, f"weights.order names {missing} but {manifest.weights_file} "
+                                  f"holds {sorted(names)}")
+            arrays = tuple(np.ascontiguousarray(f.get_tensor(n)) for n in order)
+    except BundleError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for truncated or bad files
+        raise BundleError(manifest.bundle, f"cannot read {manifest.weights_file}: {exc}") from None
+    for a in arrays:
+        a.flags.writeable = False
+    return HostWeights(tuple(order), arrays)
+
+
+def _type_of_decl(decl: TensorDecl, batch: int) -> TensorType:
+    return TensorType(decl.row_major_shape(batch), decl.dtype.mlir or "?")
+
+
+def _describe(t: TensorType) -> str:
+    dtype = BY_MLIR.get(t.element)
+    kserve = dtype.kserve if dtype else t.element
+    return f"{t} ({kserve}[{','.join('?' if d is None else str(d) for d in t.shape)}])"
+
+
+def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signature,
+                       weights: HostWeights | None) -> None:
+    """Check one module's ``@main`` against the manifest and weights; raise on the first mismatch."""
+    def fail(msg: str) -> BundleError:
+        return BundleError(manifest.bundle, f"{module.name}: {msg}")
+
+    expected_in: list[tuple[str, TensorType]] = []
+    if weights is not None:
+        for name, arr in zip(weights.names, weights.arrays):
+            dt: DType = from_numpy(arr.dtype)
+            expected_in.append((f"weight '{name}'", TensorType(tuple(arr.shape), dt.mlir or "?")))
+    expected_in += [(f"input '{d.name}'", _type_of_decl(d, batch)) for d in manifest.executable_inputs]
+    expected_out = [(f"output '{d.name}'", _type_of_decl(d, batch)) for d in manifest.executable_outputs]
+
+    n_w = len(weights.names) if weights else 0
+    if len(sig.inputs) != len(expected_in):
+        raise fail(f"@main takes {len(sig.inputs)} argument(s) but the manifest gives {len(expected_in)} "
+                   f"({n_w} weight(s) then {len(manifest.executable_inputs)} executable input(s): "
+                   f"{', '.join(label for label, _ in expected_in)})")
+    if len(sig.outputs) != len(expected_out):
+        raise fail(f"@main returns {len(sig.outputs)} result(s) but the manifest lists "
+                   f"{len(expected_out)} executable output(s) ({', '.join(label for label, _ in expected_out)})")
+    for i, ((label, want), got) in enumerate(zip(expected_in, sig.inputs)):
+        if want != got:
+            raise fail(f"{label} (argument {i} of @main): expected {_describe(want)}, found {_describe(got)}")
+    for i, ((label, want), got) in enumerate(zip(expected_out, sig.outputs)):
+        if want != got:
+            raise fail(f"{label} (result {i} of @main): expected {_describe(want)}, found {_describe(got)}")
+
+
+def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration | None:
+    """Import the bundle's model.py in isolation and return what it registered for this bundle."""
+    file = path / HOOKS_FILE
+    if not file.is_file():
+        if manifest.kind == "meta":
+            raise BundleError(manifest.bundle, f"kind: meta needs a {HOOKS_FILE} that calls register_model(..., run=...)")
+        return None
+    # A fresh, unique module name per load: bundles never clash and a reload re-imports.
+    module_name = f"_xlaserve_bundle_{re.sub(r'[^0-9A-Za-z_]', '_', manifest.bundle)}_v{version}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with collecting_registrations() as table:
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise BundleError(manifest.bundle, f"{HOOKS_FILE} raised {type(exc).__name__}: {exc}") from None
+        finally:
+            sys.modules.pop(module_name, None)
+    others = sorted(set(table) - {manifest.bundle})
+    if others:
+        raise BundleError(manifest.bundle, f"{HOOKS_FILE} registers {others}; a bundle registers only its own "
+                          f"name '{manifest.bundle}'")
+    reg = table.get(manifest.bundle)
+    if manifest.kind == "meta" and (reg is None or reg.run is None):
+        raise BundleError(manifest.bundle, f"kind: meta needs register_model('{manifest.bundle}', run=...) in {HOOKS_FILE}")
+    if manifest.kind == "model" and reg is not None and reg.run is not None:
+        raise BundleError(manifest.bundle, "run= is only for kind: meta bundles; use preprocess/postprocess")
+    return reg
+
+
+Compile = Callable[[Path, bytes], tuple[object, bool]]
+
+
+def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
+                progress: Callable[[str], None] | None = None) -> ModelVersion:
+    """Read, validate and compile one bundle. ``compile_module(path, module_bytes)`` returns
+    ``(executable, cache_hit)``; by default it compiles with ``device`` directly."""
+    fingerprint = bundle_fingerprint(path)
+    manifest = read_manifest(path)
+    hooks = import_hooks(path, manifest, version)
+    if manifest.kind == "meta":
+        return ModelVersion(manifest.bundle, version, path, manifest, fingerprint, None, 0,
+                            MappingProxyType({}), hooks, time.time())
+    module_files = find_modules(path, manifest)
+    weights = read_weights(path, manifest)
+    texts: dict[int, bytes] = {}
+    for size, file in module_files.items():
+        try:
+            texts[size] = file.read_bytes()
+            sig = read_signature(texts[size])
+        except OSError as exc:
+            raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
+        except ModuleError as exc:
+            raise BundleError(manifest.bundle, f"{file.name}: {exc}") from None
+        validate_signature(manifest, file, size, sig, weights)
+    if compile_module is None:
+        def compile_module(_file: Path, data: bytes) -> tuple[object, bool]:
+            return device.compile(data), False
+    modules: dict[int, CompiledModule] = {}
+    for size, file in module_files.items():
+        started = time.perf_counter()
+        try:
+            executable, hit = compile_module(file, texts[size])
+        except BundleError:
+            raise
+        except Exception as exc:
+            raise BundleError(manifest.bundle, f"{file.name}: XLA could not compile it: {_oneline(exc)}") from None
+        modules[size] = CompiledModule(size, file, executable, device.compiled_memory(executable), hit)
+        if progress:
+            progress(f"{manifest.bundle}: {file.name} {'cache hit' if hit else 'compiled'} "
+                     f"in {time.perf_counter() - started:.2f}s")
+    return ModelVersion(manifest.bundle, version, path, manifest, fingerprint, weights,
+                        weights.nbytes if weights else 0, MappingProxyType(modules), hooks, time.time())
+
+
+def _oneline(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:400] or type(exc).__name__

@@ -1,0 +1,187 @@
+"""KServe V2 tensors <-> NumPy arrays, validated against a manifest. Pure: no I/O.
+
+The wire is row-major, as are NumPy and StableHLO; manifests name axes column-major, so the
+expected wire shape of a tensor is its manifest letters reversed (see :mod:`xlaserve.manifest`).
+Decoding is zero-copy where the wire allows: raw contents become ``np.frombuffer`` views.
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from xlaserve.dtypes import BY_KSERVE, DType
+from xlaserve.errors import InvalidArgument
+from xlaserve.manifest import TensorDecl
+
+# Which InferTensorContents field carries each datatype (KServe V2 protocol).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+
+ShmReader = Callable[[str, object], memoryview]
+"""``(tensor_name, tensor_parameters) -> buffer`` or raises; supplied by the shared-memory extension."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedInputs:
+    arrays: Mapping[str, np.ndarray]
+    rows: int                       # the batch size the request carries
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def deserialize_bytes(buf, count: int, name: str) -> np.ndarray:
+    """Length-prefixed BYTES elements (uint32 little-endian length, then the bytes)."""
+    view = memoryview(buf)
+    out = np.empty(count, dtype=object)
+    offset = 0
+    for i in range(count):
+        if offset + 4 > len(view):
+            raise InvalidArgument(f"input '{name}': BYTES data ends after {i} of {count} elements")
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + length > len(view):
+            raise InvalidArgument(f"input '{name}': BYTES element {i} claims {length} bytes past the end of the data")
+        out[i] = bytes(view[offset:offset + length])
+        offset += length
+    if offset != len(view):
+        raise InvalidArgument(f"input '{name}': {len(view) - offset} trailing bytes after {count} BYTES elements")
+    return out
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    parts = []
+    for item in array.reshape(-1):
+        b = item if isinstance(item, bytes) else str(item).encode()
+        parts.append(struct.pack("<I", len(b)))
+        parts.append(b)
+    return b"".join(parts)
+
+
+def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
+                  read_shm: ShmReader | None = None) -> DecodedInputs:
+    """Decode and validate a ModelInferRequest's inputs against the model's client inputs.
+
+    Every error is :class:`InvalidArgument` naming the tensor, what was expected and what was
+    sent. ``max_rows`` bounds the batch dimension (the largest compiled batch size).
+    """
+    by_name = {d.name: d for d in expected}
+    want = ", ".join(f"'{d.name}' {d.describe()}" for d in expected)
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
+                              "when raw contents are used, every input needs exactly one")
+    arrays: dict[str, np.ndarray] = {}
+    rows: int | None = None
+    rows_from = ""
+    for i, tensor in enumerate(request.inputs):
+        decl = by_name.get(tensor.name)
+        if decl is None:
+            raise InvalidArgument(f"unknown input '{tensor.name}'; the model takes {want}")
+        if tensor.name in arrays:
+            raise InvalidArgument(f"input '{tensor.name}' is given twice")
+        if tensor.datatype != decl.dtype.kserve:
+            raise InvalidArgument(f"input '{tensor.name}': expected datatype {decl.dtype.kserve}, got "
+                                  f"'{tensor.datatype}'")
+        shape = tuple(int(d) for d in tensor.shape)
+        _check_shape(tensor.name, decl, shape)
+        axis = decl.batch_axis
+        if axis is not None:
+            n = shape[axis]
+            if rows is None:
+                rows, rows_from = n, tensor.name
+            elif n != rows:
+                raise InvalidArgument(f"input '{tensor.name}' has batch size {n} but input '{rows_from}' has "
+                                      f"{rows}; all inputs of one request share the batch axis")
+        buffer = None
+        params = tensor.parameters
+        if "shared_memory_region" in params:
+            if read_shm is None:
+                raise InvalidArgument(f"input '{tensor.name}' names a shared-memory region, but client shared "
+                                      "memory is not enabled on this server")
+            buffer = read_shm(tensor.name, params)
+        elif raw:
+            buffer = raw[i]
+        if buffer is not None:
+            arrays[tensor.name] = _from_buffer(tensor.name, decl.dtype, shape, buffer)
+        else:
+            arrays[tensor.name] = _from_contents(tensor, decl.dtype, shape)
+    missing = [d.name for d in expected if d.name not in arrays]
+    if missing:
+        raise InvalidArgument(f"missing input(s) {', '.join(repr(m) for m in missing)}; the model takes {want}")
+    rows = rows if rows is not None else 1
+    if rows < 1:
+        raise InvalidArgument(f"input '{rows_from}': the batch dimension must be at least 1, got {rows}")
+    if max_rows is not None and rows > max_rows:
+        raise InvalidArgument(f"input '{rows_from}': batch size {rows} is larger than the largest compiled batch "
+                              f"size {max_rows}")
+    return DecodedInputs(arrays, rows)
+
+
+def _check_shape(name: str, decl: TensorDecl, shape: tuple[int, ...]) -> None:
+    expected = decl.wire_dims()
+    ok = len(shape) == len(expected) and all(
+        (w == -1 and g >= 0) or w == g for w, g in zip(expected, shape))
+    if not ok:
+        raise InvalidArgument(f"input '{name}': expected shape {_shape_text(expected)} (-1: any batch size), "
+                              f"got {_shape_text(shape)}")
+
+
+def _from_buffer(name: str, dtype: DType, shape: tuple[int, ...], buffer) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype.kserve == "BYTES":
+        return deserialize_bytes(buffer, count, name).reshape(shape)
+    want = count * dtype.itemsize
+    got = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
+    if got != want:
+        raise InvalidArgument(f"input '{name}': expected {want} bytes for {dtype.kserve}{_shape_text(shape)}, "
+                              f"got {got}")
+    return np.frombuffer(buffer, dtype=dtype.numpy, count=count).reshape(shape)
+
+
+def _from_contents(tensor, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+    name = tensor.name
+    field = CONTENTS_FIELD.get(dtype.kserve)
+    if field is None:
+        raise InvalidArgument(f"input '{name}': {dtype.kserve} can only travel in raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(values) != count:
+        raise InvalidArgument(f"input '{name}': expected {count} values in contents.{field} for "
+                              f"{dtype.kserve}{_shape_text(shape)}, got {len(values)}")
+    if dtype.kserve == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+        return array.reshape(shape)
+    try:
+        return np.asarray(values, dtype=dtype.numpy).reshape(shape)
+    except OverflowError:
+        raise InvalidArgument(f"input '{name}': a value in contents.{field} does not fit {dtype.kserve}") from None
+
+
+def encode_output(array: np.ndarray, dtype: DType) -> bytes:
+    """Raw wire bytes of one output tensor."""
+    if dtype.kserve == "BYTES":
+        return serialize_bytes(array)
+    if array.dtype != dtype.numpy:
+        array = array.astype(dtype.numpy)
+    return np.ascontiguousarray(array).tobytes()
+
+
+def datatype(name: str) -> DType:
+    """The DType for a KServe datatype string, or InvalidArgument."""
+    try:
+        return BY_KSERVE[name]
+    except KeyError:
+        raise InvalidArgument(f"unknown datatype '{name}' (known: {', '.join(BY_KSERVE)})") from None

@@ -1,0 +1,77 @@
+"""xlaserve's expected failures and the one mapping from each to a gRPC status.
+
+Anything that is not an :class:`XlaserveError` reaching the frontend is a bug: it is logged
+once with its traceback and answered INTERNAL.
+"""
+from __future__ import annotations
+
+from grpclib.const import Status
+
+
+class XlaserveError(Exception):
+    """Base of every expected failure. ``str(error)`` is the message the client sees."""
+
+    status: Status = Status.INTERNAL
+
+
+class InvalidArgument(XlaserveError):
+    """A request is malformed: wrong dtype, shape, byte size, unknown input..."""
+
+    status = Status.INVALID_ARGUMENT
+
+
+class ModelNotFound(XlaserveError):
+    status = Status.NOT_FOUND
+
+    def __init__(self, model: str, known: list[str] | None = None) -> None:
+        hint = f" (known models: {', '.join(sorted(known))})" if known else ""
+        super().__init__(f"model '{model}' is not in the repository{hint}")
+        self.model = model
+
+
+class NotFound(XlaserveError):
+    """Something other than a model is unknown (a shared-memory region, a version)."""
+
+    status = Status.NOT_FOUND
+
+
+class ModelNotReady(XlaserveError):
+    status = Status.UNAVAILABLE
+
+
+class Unavailable(XlaserveError):
+    status = Status.UNAVAILABLE
+
+
+class QueueFull(XlaserveError):
+    status = Status.RESOURCE_EXHAUSTED
+
+
+class ResourceExhausted(XlaserveError):
+    status = Status.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(XlaserveError):
+    status = Status.DEADLINE_EXCEEDED
+
+
+class Unimplemented(XlaserveError):
+    status = Status.UNIMPLEMENTED
+
+
+class FailedPrecondition(XlaserveError):
+    status = Status.FAILED_PRECONDITION
+
+
+class InternalError(XlaserveError):
+    """An expected internal failure whose message is safe to show (a hook raised, say)."""
+
+    status = Status.INTERNAL
+
+
+class BundleError(Exception):
+    """A bundle cannot be loaded. The message names the bundle, the part, expected and found."""
+
+    def __init__(self, bundle: str, message: str) -> None:
+        super().__init__(f"bundle '{bundle}': {message}")
+        self.bundle = bundle

@@ -1,0 +1,200 @@
+"""The bundle manifest: parsing and validation, no I/O.
+
+Axes are named one letter each, listed fastest-varying first (column-major), as in the design we
+started from; ``n`` is the batch axis. Row-major arrays (NumPy, StableHLO types, the KServe wire)
+list the same axes in reverse, so :meth:`TensorDecl.row_major_shape` reverses the letters.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES, DType
+from xlaserve.errors import BundleError
+
+FORMAT_VERSION = "2.0"
+BATCH_AXIS = "n"
+_TOP_KEYS = {"format_version", "name", "kind", "executable_inputs", "executable_outputs",
+             "client_inputs", "client_outputs", "weights", "batching"}
+_TENSOR_KEYS = {"name", "dtype", "shape", "dims"}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDecl:
+    """One tensor of a manifest. ``shape`` is column-major letters; ``dims`` sizes all but ``n``."""
+
+    name: str
+    dtype: DType
+    shape: str
+    dims: Mapping[str, int]
+
+    @property
+    def batched(self) -> bool:
+        return BATCH_AXIS in self.shape
+
+    @property
+    def batch_axis(self) -> int | None:
+        """The batch axis's index in the row-major shape, or None when the tensor has none."""
+        if not self.batched:
+            return None
+        return len(self.shape) - 1 - self.shape.index(BATCH_AXIS)
+
+    def row_major_shape(self, batch: int) -> tuple[int, ...]:
+        return tuple(batch if a == BATCH_AXIS else self.dims[a] for a in reversed(self.shape))
+
+    def wire_dims(self) -> tuple[int, ...]:
+        """Row-major dims as KServe metadata reports them: -1 for the batch axis."""
+        return self.row_major_shape(-1)
+
+    def describe(self, batch: int | str = "B") -> str:
+        dims = ",".join(str(batch) if a == BATCH_AXIS else str(self.dims[a]) for a in reversed(self.shape))
+        return f"{self.dtype.kserve}[{dims}]"
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    bundle: str
+    kind: str                                   # "model" | "meta"
+    executable_inputs: tuple[TensorDecl, ...]
+    executable_outputs: tuple[TensorDecl, ...]
+    client_inputs: tuple[TensorDecl, ...]
+    client_outputs: tuple[TensorDecl, ...]
+    weights_file: str | None
+    weights_order: tuple[str, ...] | None       # None: tensor names sorted
+    compiled_batch_sizes: tuple[int, ...]       # ascending
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.compiled_batch_sizes[-1] if self.compiled_batch_sizes else 0
+
+    def client_input(self, name: str) -> TensorDecl | None:
+        return next((t for t in self.client_inputs if t.name == name), None)
+
+
+def parse_manifest(data: Any, bundle: str) -> Manifest:
+    """Validate a manifest's parsed YAML. Raises :class:`BundleError` naming the key at fault."""
+    def fail(msg: str) -> BundleError:
+        return BundleError(bundle, f"manifest.yaml: {msg}")
+
+    if not isinstance(data, dict):
+        raise fail(f"expected a mapping at the top level, got {type(data).__name__}")
+    unknown = set(data) - _TOP_KEYS
+    if unknown:
+        raise fail(f"unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: {', '.join(sorted(_TOP_KEYS))})")
+    version = data.get("format_version")
+    if str(version) != FORMAT_VERSION:
+        raise fail(f"format_version: expected \"{FORMAT_VERSION}\", got {version!r}")
+    name = data.get("name")
+    if name is not None and name != bundle:
+        raise fail(f"name: '{name}' must equal the bundle's directory name '{bundle}'")
+    kind = data.get("kind", "model")
+    if kind not in ("model", "meta"):
+        raise fail(f"kind: expected 'model' or 'meta', got {kind!r}")
+
+    if kind == "meta":
+        for key in ("executable_inputs", "executable_outputs", "weights", "batching"):
+            if key in data:
+                raise fail(f"{key}: a kind: meta bundle has no modules, so it takes no {key}")
+        for key in ("client_inputs", "client_outputs"):
+            if key not in data:
+                raise fail(f"{key}: required for kind: meta")
+        exe_in: tuple[TensorDecl, ...] = ()
+        exe_out: tuple[TensorDecl, ...] = ()
+        sizes: tuple[int, ...] = ()
+    else:
+        for key in ("executable_inputs", "executable_outputs", "batching"):
+            if key not in data:
+                raise fail(f"{key}: required")
+        exe_in = _tensors(data["executable_inputs"], "executable_inputs", fail, executable=True)
+        exe_out = _tensors(data["executable_outputs"], "executable_outputs", fail, executable=True)
+        sizes = _batching(data["batching"], fail)
+
+    cli_in = _tensors(data["client_inputs"], "client_inputs", fail, executable=False) if "client_inputs" in data else exe_in
+    cli_out = _tensors(data["client_outputs"], "client_outputs", fail, executable=False) if "client_outputs" in data else exe_out
+
+    weights_file, weights_order = None, None
+    if "weights" in data:
+        w = data["weights"]
+        if not isinstance(w, dict):
+            raise fail(f"weights: expected a mapping {{file, order}}, got {type(w).__name__}")
+        unknown = set(w) - {"file", "order"}
+        if unknown:
+            raise fail(f"weights: unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: file, order)")
+        weights_file = w.get("file", "weights.safetensors")
+        if not isinstance(weights_file, str) or "/" in weights_file or weights_file.startswith("."):
+            raise fail(f"weights.file: expected a file name inside the bundle, got {weights_file!r}")
+        if "order" in w:
+            order = w["order"]
+            if not isinstance(order, list) or not all(isinstance(o, str) for o in order):
+                raise fail(f"weights.order: expected a list of tensor names, got {order!r}")
+            if len(set(order)) != len(order):
+                raise fail("weights.order: names repeat")
+            weights_order = tuple(order)
+
+    return Manifest(bundle, kind, exe_in, exe_out, cli_in, cli_out, weights_file, weights_order,
+                    sizes, MappingProxyType(dict(data)))
+
+
+def _batching(batching: Any, fail) -> tuple[int, ...]:
+    if not isinstance(batching, dict):
+        raise fail(f"batching: expected a mapping with compiled_batch_sizes, got {type(batching).__name__}")
+    unknown = set(batching) - {"compiled_batch_sizes"}
+    if unknown:
+        raise fail(f"batching: unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: compiled_batch_sizes)")
+    sizes = batching.get("compiled_batch_sizes")
+    if (not isinstance(sizes, list) or not sizes
+            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)):
+        raise fail(f"batching.compiled_batch_sizes: expected a non-empty list of positive integers, got {sizes!r}")
+    if len(set(sizes)) != len(sizes):
+        raise fail(f"batching.compiled_batch_sizes: sizes repeat in {sizes}")
+    return tuple(sorted(sizes))
+
+
+def _tensors(items: Any, key: str, fail, *, executable: bool) -> tuple[TensorDecl, ...]:
+    if not isinstance(items, list) or not items:
+        raise fail(f"{key}: expected a non-empty list of {{name, dtype, shape, dims}}")
+    out: list[TensorDecl] = []
+    for i, item in enumerate(items):
+        where = f"{key}[{i}]"
+        if not isinstance(item, dict):
+            raise fail(f"{where}: expected a mapping {{name, dtype, shape, dims}}, got {item!r}")
+        unknown = set(item) - _TENSOR_KEYS
+        if unknown:
+            raise fail(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: dims, dtype, name, shape)")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise fail(f"{where}.name: expected a non-empty string, got {name!r}")
+        where = f"{key}[{i}] ('{name}')"
+        if any(t.name == name for t in out):
+            raise fail(f"{where}: the name repeats")
+        code = item.get("dtype")
+        allowed = EXECUTABLE_CODES if executable else tuple(BY_CODE)
+        if code not in allowed:
+            raise fail(f"{where}.dtype: expected one of {' '.join(allowed)}, got {code!r}")
+        shape = item.get("shape")
+        if not isinstance(shape, str) or not shape.isascii() or not shape.isalpha() or not shape.islower():
+            raise fail(f"{where}.shape: expected lowercase axis letters such as \"whn\", got {shape!r}")
+        if len(set(shape)) != len(shape):
+            raise fail(f"{where}.shape: axis letters repeat in \"{shape}\"")
+        dims = item.get("dims", {}) or {}
+        if not isinstance(dims, dict):
+            raise fail(f"{where}.dims: expected a mapping from axis letter to size, got {dims!r}")
+        if BATCH_AXIS in dims:
+            raise fail(f"{where}.dims: '{BATCH_AXIS}' is the batch axis and takes no size")
+        need = set(shape) - {BATCH_AXIS}
+        missing = need - set(dims)
+        if missing:
+            raise fail(f"{where}.dims: no size for axis {', '.join(sorted(missing))} of shape \"{shape}\"")
+        extra = set(dims) - need
+        if extra:
+            raise fail(f"{where}.dims: axis {', '.join(sorted(map(str, extra)))} is not in shape \"{shape}\"")
+        for axis, size in dims.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise fail(f"{where}.dims.{axis}: expected a positive integer, got {size!r}")
+        if executable and BATCH_AXIS not in shape:
+            raise fail(f"{where}.shape: executable tensors need the batch axis '{BATCH_AXIS}', got \"{shape}\"")
+        out.append(TensorDecl(name, BY_CODE[code], shape, MappingProxyType(dict(dims))))
+    return tuple(out)

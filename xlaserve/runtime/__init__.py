@@ -1,0 +1,1 @@
+"""Device runtime: the PJRT seam (``pjrt``) and the weight cache."""

@@ -1,0 +1,187 @@
+"""The one module that touches JAX internals.
+
+Everything xlaserve needs from JAX's PJRT client lives here: opening a backend
+(``jax.extend.backend``), reading a StableHLO module's ``@main`` signature (jaxlib's MLIR
+bindings), compiling (``compile_and_load``), executing (``execute_sharded``), copying host
+arrays to the device, and (de)serializing executables. The jax version is pinned in
+pyproject.toml because these names move between releases. Nothing outside this module
+imports jax or jaxlib.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+import jax
+import jaxlib
+from jax.extend import backend as jax_backend
+from jax.extend import mlir as jax_mlir
+from jax._src.interpreters import mlir as jax_mlir_internal
+from jax._src.lib import xla_client
+from jax._src.lib.mlir import ir
+
+JAX_VERSION = jax.__version__
+JAXLIB_VERSION = jaxlib.__version__
+
+
+@dataclass(frozen=True, slots=True)
+class TensorType:
+    """A ranked tensor type of a module signature, row-major. ``None`` marks a dynamic dim."""
+
+    shape: tuple[int | None, ...]
+    element: str  # MLIR element type: f32, ui8, i1, bf16...
+
+    def __str__(self) -> str:
+        dims = "".join(f"{'?' if d is None else d}x" for d in self.shape)
+        return f"tensor<{dims}{self.element}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    inputs: tuple[TensorType, ...]
+    outputs: tuple[TensorType, ...]
+
+
+class ModuleError(ValueError):
+    """A module cannot be parsed or has no usable ``@main``."""
+
+
+_context_lock = threading.Lock()
+
+
+def read_signature(module: bytes) -> Signature:
+    """The ``@main`` signature of a StableHLO module given as text, MLIR bytecode or a portable
+    (VHLO) artifact."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        try:
+            parsed = ir.Module.parse(module, context=ctx)
+        except Exception as exc:  # MLIR raises a bare Exception subclass with diagnostics
+            raise ModuleError(f"not a parsable StableHLO module: {_first_line(exc)}") from None
+        if any(op.operation.name.startswith("vhlo.") for op in parsed.body.operations):
+            try:
+                parsed = jax_mlir.deserialize_portable_artifact(module)
+            except Exception as exc:
+                raise ModuleError(f"not a readable portable StableHLO artifact: {_first_line(exc)}") from None
+            if isinstance(parsed, (str, bytes)):
+                parsed = ir.Module.parse(parsed, context=ctx)
+        for op in parsed.body.operations:
+            if op.operation.name != "func.func":
+                continue
+            if ir.StringAttr(op.attributes["sym_name"]).value != "main":
+                continue
+            ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
+            return Signature(tuple(_tensor_type(t) for t in ftype.inputs),
+                             tuple(_tensor_type(t) for t in ftype.results))
+    raise ModuleError("the module has no func.func @main")
+
+
+def _tensor_type(t) -> TensorType:
+    try:
+        rt = ir.RankedTensorType(t)
+    except ValueError:
+        raise ModuleError(f"@main uses {t}, but only ranked tensors are supported") from None
+    shape = tuple(None if rt.is_dynamic_dim(i) else rt.get_dim_size(i) for i in range(rt.rank))
+    return TensorType(shape, str(rt.element_type))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return re.sub(r"\s+", " ", text)[:300] or type(exc).__name__
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledMemory:
+    """What XLA says an executable needs, in bytes."""
+
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    code_bytes: int
+
+
+class Device:
+    """One PJRT device (``cpu`` or ``cuda``) and the client that owns it.
+
+    Every method that runs or copies blocks; callers run them off the Trio thread.
+    """
+
+    def __init__(self, backend: str, ordinal: int = 0) -> None:
+        self.backend = backend
+        self._client = jax_backend.get_backend(backend)
+        devices = self._client.local_devices()
+        if ordinal >= len(devices):
+            raise RuntimeError(f"{backend} has {len(devices)} device(s); ordinal {ordinal} does not exist")
+        self._device = devices[ordinal]
+        self._device_list = xla_client.DeviceList((self._device,))
+
+    @property
+    def kind(self) -> str:
+        return str(self._device.device_kind)
+
+    @property
+    def platform_version(self) -> str:
+        return str(self._client.platform_version)
+
+    def memory_bytes(self) -> int | None:
+        """Total device memory as the allocator reports it, or None where it does not (cpu)."""
+        stats = self._device.memory_stats()
+        return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+    def compile(self, module: bytes):
+        """Compile a StableHLO module (text, bytecode or portable artifact) for this device."""
+        return self._client.compile_and_load(module, self._device_list, xla_client.CompileOptions())
+
+    @staticmethod
+    def compiled_memory(executable) -> CompiledMemory:
+        stats = executable.get_compiled_memory_stats()
+        return CompiledMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                              int(stats.temp_size_in_bytes), int(stats.generated_code_size_in_bytes))
+
+    def serialize(self, executable) -> bytes:
+        return bytes(self._client.serialize_executable(executable))
+
+    def deserialize(self, blob: bytes):
+        return self._client.deserialize_executable(blob, self._device_list, xla_client.CompileOptions())
+
+    def to_device(self, host: np.ndarray, *, copy: bool = False):
+        """A device array holding ``host``. With ``copy`` the result never aliases ``host``
+        (on cpu, PJRT may otherwise wrap suitably aligned host memory in place)."""
+        if copy:
+            host = np.array(host, copy=True, order="C")
+        array = jax.device_put(host, self._device)
+        if copy:
+            array.block_until_ready()
+        return array
+
+    @staticmethod
+    def device_bytes(array) -> int:
+        return int(array.nbytes)
+
+    def execute(self, executable, arguments: list) -> list[np.ndarray]:
+        """Run once and return the outputs on the host. NumPy arrays among ``arguments`` are
+        put on the device first (on cpu without a copy where PJRT can alias them)."""
+        device_args = [a if isinstance(a, jax.Array) else jax.device_put(a, self._device) for a in arguments]
+        results = executable.execute_sharded(device_args)
+        return [np.asarray(shards[0]) for shards in results.disassemble_into_single_device_arrays()]
+
+    def defragment(self) -> bool:
+        """Compact device memory where the backend can; False where there is nothing to do."""
+        if self.backend == "cpu":
+            return False
+        self._client.defragment()
+        return True
+
+
+def available_backends() -> list[str]:
+    """Backends whose PJRT plugin loads here."""
+    found = []
+    for name in ("cpu", "cuda"):
+        try:
+            jax_backend.get_backend(name)
+        except RuntimeError:
+            continue
+        found.append(name)
+    return found

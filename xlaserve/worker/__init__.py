@@ -1,0 +1,1 @@
+"""One worker: Trio actors around one device."""

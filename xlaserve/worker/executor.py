@@ -1,0 +1,75 @@
+"""The executor: the only code that runs a model on the device, always off the Trio thread."""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from xlaserve.bundle import ModelVersion
+from xlaserve.runtime.pjrt import Device
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """Each request's own rows of every executable output, in request order."""
+
+    per_request: tuple[Mapping[str, np.ndarray], ...]
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+def assemble(model: ModelVersion, requests: Sequence[Mapping[str, np.ndarray]], size: int) -> list[np.ndarray]:
+    """Concatenate the requests' rows along each input's batch axis and zero-pad to ``size``."""
+    arrays = []
+    for decl in model.manifest.executable_inputs:
+        axis = decl.batch_axis
+        parts = [r[decl.name] for r in requests]
+        rows = sum(p.shape[axis] for p in parts)
+        if rows < size:
+            pad_shape = list(parts[0].shape)
+            pad_shape[axis] = size - rows
+            parts.append(np.zeros(pad_shape, dtype=decl.dtype.numpy))
+        if len(parts) == 1:
+            arrays.append(np.ascontiguousarray(parts[0], dtype=decl.dtype.numpy))
+        else:
+            arrays.append(np.concatenate(parts, axis=axis).astype(decl.dtype.numpy, copy=False))
+    return arrays
+
+
+def split(model: ModelVersion, outputs: Sequence[np.ndarray], rows: Sequence[int]) -> tuple[dict[str, np.ndarray], ...]:
+    """Cut each output back into the requests' own rows (views; padding is dropped)."""
+    per_request: list[dict[str, np.ndarray]] = [{} for _ in rows]
+    for decl, out in zip(model.manifest.executable_outputs, outputs):
+        axis = decl.batch_axis
+        start = 0
+        for i, n in enumerate(rows):
+            index = [slice(None)] * out.ndim
+            index[axis] = slice(start, start + n)
+            per_request[i][decl.name] = out[tuple(index)]
+            start += n
+    return tuple(per_request)
+
+
+class Executor:
+    def __init__(self, device: Device, limiter: trio.CapacityLimiter) -> None:
+        self.device = device
+        self._limiter = limiter
+
+    async def run(self, model: ModelVersion, size: int, weights: tuple[object, ...],
+                  requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]) -> BatchResult:
+        return await trio.to_thread.run_sync(self._run, model, size, weights, requests, rows,
+                                             limiter=self._limiter)
+
+    def _run(self, model, size, weights, requests, rows) -> BatchResult:
+        t0 = time.perf_counter_ns()
+        inputs = assemble(model, requests, size)
+        t1 = time.perf_counter_ns()
+        outputs = self.device.execute(model.modules[size].executable, [*weights, *inputs])
+        t2 = time.perf_counter_ns()
+        per_request = split(model, outputs, rows)
+        t3 = time.perf_counter_ns()
+        return BatchResult(per_request, t1 - t0, t2 - t1, t3 - t2)

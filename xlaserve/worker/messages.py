@@ -1,0 +1,51 @@
+"""Messages between a worker's actors. Frozen and slotted; one union per inbox."""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from xlaserve.bundle import ModelVersion
+from xlaserve.errors import XlaserveError
+
+
+@dataclass(frozen=True, slots=True)
+class InferResult:
+    """A request's own rows of every executable output, and where its time went."""
+
+    outputs: Mapping[str, np.ndarray]
+    batch_size: int           # the compiled batch size it ran at
+    queue_ns: int
+    compute_input_ns: int
+    compute_infer_ns: int
+    compute_output_ns: int
+
+
+Outcome = InferResult | XlaserveError
+Reply = Callable[[Outcome], None]
+"""A one-shot reply: called exactly once, on the Trio thread."""
+
+
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    """Executable inputs of one request, validated against ``model``, waiting for the device."""
+
+    model: ModelVersion
+    inputs: Mapping[str, np.ndarray]
+    rows: int
+    request_id: str
+    timeout: float | None          # seconds the caller still allows, from admission; None: no deadline
+    reply: Reply
+    received_ns: int               # time.perf_counter_ns() when the frontend received it
+
+
+@dataclass(frozen=True, slots=True)
+class DropModel:
+    """Answer every queued request of ``name`` with ``error`` (the model went away)."""
+
+    name: str
+    error: XlaserveError
+
+
+SchedulerMessage = InferRequest | DropModel

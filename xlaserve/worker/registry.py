@@ -1,0 +1,61 @@
+"""The model table: what the worker serves. Written by the lifecycle actor only; everyone else
+reads :attr:`ModelTable.snapshot`, an immutable mapping replaced on every change."""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+
+import trio
+
+from xlaserve.bundle import ModelVersion
+
+
+class ModelState(enum.StrEnum):
+    LOADING = "LOADING"
+    READY = "READY"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNLOADING = "UNLOADING"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    state: ModelState
+    reason: str = ""
+    serving: ModelVersion | None = None   # the version requests are admitted to
+
+    @property
+    def version(self) -> int | None:
+        return self.serving.version if self.serving else None
+
+
+class ModelTable:
+    def __init__(self) -> None:
+        self.snapshot: Mapping[str, ModelEntry] = MappingProxyType({})
+        self.startup_done = trio.Event()
+        self._changed = trio.Event()
+
+    def publish(self, entry: ModelEntry) -> None:
+        table = dict(self.snapshot)
+        table[entry.name] = entry
+        self._swap(table)
+
+    def update(self, name: str, **changes) -> ModelEntry:
+        entry = replace(self.snapshot[name], **changes)
+        self.publish(entry)
+        return entry
+
+    def remove(self, name: str) -> None:
+        table = dict(self.snapshot)
+        if table.pop(name, None) is not None:
+            self._swap(table)
+
+    def _swap(self, table: dict[str, ModelEntry]) -> None:
+        self.snapshot = MappingProxyType(dict(sorted(table.items())))
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()

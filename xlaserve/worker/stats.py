@@ -1,0 +1,76 @@
+"""Per-model statistics as Triton's ModelStatistics reports them. Owned by the scheduler."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from collections.abc import Mapping
+
+
+@dataclass(frozen=True, slots=True)
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def plus(self, ns: int, count: int = 1) -> "Duration":
+        return Duration(self.count + count, self.ns + ns)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    compute_input: Duration = Duration()
+    compute_infer: Duration = Duration()
+    compute_output: Duration = Duration()
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """Cumulative counts and durations of one model (version-independent)."""
+
+    success: Duration = Duration()
+    fail: Duration = Duration()
+    queue: Duration = Duration()
+    compute_input: Duration = Duration()
+    compute_infer: Duration = Duration()
+    compute_output: Duration = Duration()
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batches: Mapping[int, BatchStats] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class StatsBook:
+    """The scheduler's running totals; :meth:`get` hands out immutable values."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelStats] = {}
+
+    def get(self, model: str) -> ModelStats:
+        return self._models.get(model, ModelStats())
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def record_success(self, model: str, total_ns: int, queue_ns: int, input_ns: int, infer_ns: int,
+                       output_ns: int, now_ms: int) -> None:
+        s = self.get(model)
+        self._models[model] = ModelStats(
+            s.success.plus(total_ns), s.fail, s.queue.plus(queue_ns), s.compute_input.plus(input_ns),
+            s.compute_infer.plus(infer_ns), s.compute_output.plus(output_ns), s.inference_count,
+            s.execution_count, now_ms, s.batches)
+
+    def record_failure(self, model: str, total_ns: int) -> None:
+        s = self.get(model)
+        self._models[model] = ModelStats(
+            s.success, s.fail.plus(total_ns), s.queue, s.compute_input, s.compute_infer,
+            s.compute_output, s.inference_count, s.execution_count, s.last_inference_ms, s.batches)
+
+    def record_execution(self, model: str, size: int, rows: int, input_ns: int, infer_ns: int,
+                         output_ns: int) -> None:
+        s = self.get(model)
+        b = s.batches.get(size, BatchStats())
+        batches = dict(s.batches)
+        batches[size] = BatchStats(b.compute_input.plus(input_ns), b.compute_infer.plus(infer_ns),
+                                   b.compute_output.plus(output_ns))
+        self._models[model] = ModelStats(
+            s.success, s.fail, s.queue, s.compute_input, s.compute_infer, s.compute_output,
+            s.inference_count + rows, s.execution_count + 1, s.last_inference_ms, MappingProxyType(batches))
