@@ -1,0 +1,393 @@
+"""Export a JAX function as an xlaserve bundle.
+
+A bundle is a directory ``<model_repo>/<name>/`` holding ``manifest.yaml``, one StableHLO module
+per compiled batch size (``model.b{N}.mlir`` text or ``model.b{N}.mlirbc`` bytecode) and, when the
+model has weights, ``weights.safetensors``. ``docs/bundles.md`` is the full contract.
+
+The function to export works on row-major arrays, exactly as the server's executable will::
+
+    def fn(*weights_in_order, *inputs_in_manifest_order) -> tuple_of_outputs_in_manifest_order
+
+Output is deterministic: exporting the same code twice gives byte-identical files, wherever the
+repository is checked out (source locations are left out of the modules; see ``_module_locations``).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import re
+import shutil
+import tempfile
+import threading
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+from safetensors.numpy import save_file
+
+from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES
+
+__all__ = [
+    "DTYPES",
+    "TensorSpec",
+    "export_bundle",
+    "module_file_name",
+    "row_major_shape",
+]
+
+FORMAT_VERSION = "2.0"
+MANIFEST_FILE = "manifest.yaml"
+WEIGHTS_FILE = "weights.safetensors"
+
+#: Manifest dtype code -> NumPy dtype, for every type a module argument can have.
+DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
+    {code: BY_CODE[code].numpy for code in EXECUTABLE_CODES}
+)
+
+BATCH_AXIS = "n"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One manifest tensor: ``{name, dtype, shape, dims}``.
+
+    ``shape`` names every axis with one letter, fastest-varying first (column-major); ``n`` is the
+    batch axis and ``dims`` gives the size of every other letter. A row-major NumPy array lists
+    the axes in reverse: NHWC ``[B, 224, 224, 3]`` is ``TensorSpec("x", "u8", "cwhn",
+    {"c": 3, "w": 224, "h": 224})``.
+    """
+
+    name: str
+    dtype: str
+    shape: str
+    dims: Mapping[str, int] = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        # A read-only copy: a TensorSpec is a value, and two equal specs must stay equal.
+        object.__setattr__(self, "dims", types.MappingProxyType(dict(self.dims)))
+        if not self.name:
+            raise ValueError("tensor name must not be empty")
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}"
+            )
+        if not re.fullmatch(r"[a-z]*", self.shape) or len(set(self.shape)) != len(self.shape):
+            raise ValueError(
+                f"tensor {self.name!r}: shape {self.shape!r} must be distinct lowercase letters,"
+                " one per axis"
+            )
+        expected = set(self.shape) - {BATCH_AXIS}
+        if set(self.dims) != expected:
+            raise ValueError(
+                f"tensor {self.name!r}: dims must name exactly the non-batch axes"
+                f" {sorted(expected)} of shape {self.shape!r}, found {sorted(self.dims)}"
+            )
+        for letter, size in self.dims.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ValueError(
+                    f"tensor {self.name!r}: dims[{letter!r}] must be a non-negative int,"
+                    f" found {size!r}"
+                )
+
+    def row_major(self, batch: int) -> tuple[int, ...]:
+        """The row-major (NumPy, StableHLO, wire) shape of this tensor at batch size ``batch``."""
+        return row_major_shape(self.shape, self.dims, batch)
+
+    def to_manifest(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            # Listed in axis order so the manifest reads like the shape string.
+            "dims": {letter: self.dims[letter] for letter in self.shape if letter != BATCH_AXIS},
+        }
+
+
+def row_major_shape(shape: str, dims: Mapping[str, int], batch: int) -> tuple[int, ...]:
+    """Convert a column-major shape string to a row-major shape.
+
+    The letters are reversed and ``n`` becomes ``batch``::
+
+        >>> row_major_shape("cwhn", {"c": 3, "w": 224, "h": 224}, 8)
+        (8, 224, 224, 3)
+    """
+    try:
+        return tuple(batch if letter == BATCH_AXIS else int(dims[letter]) for letter in reversed(shape))
+    except KeyError as e:
+        raise ValueError(f"shape {shape!r}: no size in dims for axis {e.args[0]!r}") from None
+
+
+def module_file_name(batch: int, *, bytecode: bool = False) -> str:
+    """``model.b{N}.mlir`` (StableHLO text) or ``model.b{N}.mlirbc`` (bytecode)."""
+    return f"model.b{batch}.{'mlirbc' if bytecode else 'mlir'}"
+
+
+def export_bundle(
+    out_dir: str | os.PathLike[str],
+    fn: Callable[..., Any],
+    *,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    weights: Mapping[str, np.ndarray] | None,
+    compiled_batch_sizes: Sequence[int],
+    weights_order: Sequence[str] | None = None,
+    bytecode: bool = False,
+    client_inputs: Sequence[TensorSpec] | None = None,
+    client_outputs: Sequence[TensorSpec] | None = None,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Trace ``fn`` once per compiled batch size and write a complete bundle to ``out_dir``.
+
+    ``fn(*weights, *inputs)`` takes the weights in ``weights_order`` (default: names sorted), then
+    the ``inputs`` in order, all as row-major arrays, and returns the ``outputs`` in order as a
+    tuple (a single array is accepted for one output). The basename of ``out_dir`` is the model
+    name. Every traced output is checked against ``outputs`` (dtype and row-major shape).
+
+    ``bytecode=False`` writes StableHLO text, ``model.b{N}.mlir`` (``Exported.mlir_module()``).
+    ``bytecode=True`` writes ``model.b{N}.mlirbc``: the StableHLO *portable artifact*
+    (``Exported.mlir_module_serialized``, VHLO bytecode with StableHLO's compatibility window),
+    which PJRT compiles directly. If in doubt, use text: it is diffable and reviewable.
+
+    ``extra_files`` maps file names to text written beside the modules (a bundle's ``model.py``).
+
+    The bundle is staged in a hidden sibling directory (``.<name>.*.tmp``) and renamed into place,
+    so a repository watcher sees either no bundle, the old one, or the complete new one. On Linux an
+    existing bundle is swapped atomically; elsewhere it is moved aside first.
+
+    Returns the bundle directory.
+    """
+    out_dir = Path(out_dir)
+    name = out_dir.name
+    if not name or name.startswith("."):
+        raise ValueError(f"bundle directory name {name!r} must be non-empty and not start with '.'")
+    sizes = _check_batch_sizes(compiled_batch_sizes)
+    inputs, outputs = list(inputs), list(outputs)
+    _check_unique("executable_inputs", inputs)
+    _check_unique("executable_outputs", outputs)
+    weights = {k: np.ascontiguousarray(v) for k, v in (weights or {}).items()}
+    order = _weights_order(weights, weights_order)
+    files: dict[str, bytes] = {}
+
+    for batch in sizes:
+        exported = _export_one(name, fn, weights, order, inputs, outputs, batch)
+        if bytecode:
+            files[module_file_name(batch, bytecode=True)] = exported.mlir_module_serialized
+        else:
+            files[module_file_name(batch)] = exported.mlir_module().encode()
+
+    manifest = _manifest(
+        name, inputs, outputs, client_inputs, client_outputs, order if weights else None, sizes
+    )
+    files[MANIFEST_FILE] = yaml.safe_dump(
+        manifest, sort_keys=False, default_flow_style=None, width=100
+    ).encode()
+
+    for file_name, text in (extra_files or {}).items():
+        if Path(file_name).name != file_name or file_name.startswith("."):
+            raise ValueError(f"extra file {file_name!r} must be a plain file name")
+        if file_name in files or file_name == WEIGHTS_FILE:
+            raise ValueError(f"extra file {file_name!r} would overwrite a generated file")
+        files[file_name] = text.encode()
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        staging.chmod(0o755)
+        for file_name, data in files.items():
+            (staging / file_name).write_bytes(data)
+        if weights:
+            save_file(weights, str(staging / WEIGHTS_FILE))
+        for path in staging.iterdir():
+            path.chmod(0o644)  # as readable as any file the operator writes by hand
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_batch_sizes(compiled_batch_sizes: Sequence[int]) -> list[int]:
+    sizes = list(compiled_batch_sizes)
+    if not sizes:
+        raise ValueError("compiled_batch_sizes must not be empty")
+    for size in sizes:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"compiled batch size {size!r} must be a positive int")
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"compiled_batch_sizes {sizes} has duplicates")
+    return sorted(sizes)
+
+
+def _check_unique(field: str, specs: Sequence[TensorSpec]) -> None:
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{field}: tensor names {names} are not unique")
+
+
+def _weights_order(weights: Mapping[str, np.ndarray], weights_order: Sequence[str] | None) -> list[str]:
+    for weight_name, array in weights.items():
+        if array.dtype not in DTYPES.values():
+            raise ValueError(f"weight {weight_name!r}: dtype {array.dtype} has no manifest code")
+    if weights_order is None:
+        return sorted(weights)
+    order = list(weights_order)
+    if sorted(order) != sorted(weights) or len(set(order)) != len(order):
+        raise ValueError(
+            f"weights_order {order} must list every weight exactly once: {sorted(weights)}"
+        )
+    return order
+
+
+def _manifest(
+    name: str,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    client_inputs: Sequence[TensorSpec] | None,
+    client_outputs: Sequence[TensorSpec] | None,
+    order: list[str] | None,
+    sizes: list[int],
+) -> dict[str, Any]:
+    manifest: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "executable_inputs": [spec.to_manifest() for spec in inputs],
+        "executable_outputs": [spec.to_manifest() for spec in outputs],
+    }
+    if client_inputs is not None:
+        manifest["client_inputs"] = [spec.to_manifest() for spec in client_inputs]
+    if client_outputs is not None:
+        manifest["client_outputs"] = [spec.to_manifest() for spec in client_outputs]
+    if order is not None:
+        manifest["weights"] = {"file": WEIGHTS_FILE, "order": list(order)}
+    manifest["batching"] = {"compiled_batch_sizes": list(sizes)}
+    return manifest
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class _Named:
+    """An ordered group of named arguments.
+
+    Its pytree keys become the argument locations in the module, so ``@main`` reads
+    ``%arg0: tensor<512x512xf32> loc("weights['w']")`` instead of ``loc("args[0]")``.
+    """
+
+    def __init__(self, names: Sequence[str], values: Sequence[Any]) -> None:
+        self.names = tuple(names)
+        self.values = tuple(values)
+
+    def tree_flatten_with_keys(self):
+        keys = [jax.tree_util.DictKey(n) for n in self.names]
+        return list(zip(keys, self.values)), self.names
+
+    @classmethod
+    def tree_unflatten(cls, names, values):
+        return cls(names, values)
+
+
+def _export_one(
+    name: str,
+    fn: Callable[..., Any],
+    weights: Mapping[str, np.ndarray],
+    order: list[str],
+    inputs: list[TensorSpec],
+    outputs: list[TensorSpec],
+    batch: int,
+) -> jax.export.Exported:
+    def main(weights: _Named, inputs: _Named):
+        result = fn(*weights.values, *inputs.values)
+        results = tuple(result) if isinstance(result, (tuple, list)) else (result,)
+        if len(results) != len(outputs):  # checked properly below, with a better message
+            return results
+        return _Named([spec.name for spec in outputs], results)
+
+    # The module is named after the bundle (`module @jit_<name>`), never after fn.
+    main.__name__ = main.__qualname__ = name if name.isidentifier() else "main"
+    weight_args = _Named(
+        order, [jax.ShapeDtypeStruct(weights[w].shape, weights[w].dtype) for w in order]
+    )
+    input_args = _Named(
+        [spec.name for spec in inputs],
+        [jax.ShapeDtypeStruct(spec.row_major(batch), DTYPES[spec.dtype]) for spec in inputs],
+    )
+    with _module_locations():
+        exported = jax.export.export(jax.jit(main))(weight_args, input_args)
+
+    found = exported.out_avals
+    if len(found) != len(outputs):
+        raise ValueError(
+            f"bundle {name!r} b{batch}: fn returned {len(found)} outputs,"
+            f" executable_outputs lists {len(outputs)}"
+        )
+    for spec, aval in zip(outputs, found):
+        expected = (spec.row_major(batch), DTYPES[spec.dtype])
+        if (tuple(aval.shape), np.dtype(aval.dtype)) != expected:
+            raise ValueError(
+                f"bundle {name!r} b{batch}: output {spec.name!r} expected"
+                f" {expected[1]}{list(expected[0])}, fn returned {np.dtype(aval.dtype)}{list(aval.shape)}"
+            )
+    return exported
+
+
+_config_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _module_locations() -> Iterator[None]:
+    """Keep op names in module locations, leave Python source locations out.
+
+    By default JAX records a Python traceback (file path, line, column) in every op's location, so
+    a module would depend on where the repository is checked out and on who called export. With a
+    traceback limit of 0, an op's location is only its name (``loc("jit(mlp)/tanh")``).
+    These are process-global settings, so they are set and restored under a lock.
+    """
+    settings = {
+        "jax_include_full_tracebacks_in_locations": True,
+        "jax_traceback_in_locations_limit": 0,
+    }
+    with _config_lock:
+        previous = {key: getattr(jax.config, key) for key in settings}
+        try:
+            for key, value in settings.items():
+                jax.config.update(key, value)
+            yield
+        finally:
+            for key, value in previous.items():
+                jax.config.update(key, value)
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        os.rename(staging, out_dir)
+        return
+    if _exchange(staging, out_dir):
+        # staging now holds the previous bundle.
+        shutil.rmtree(staging)
+        return
+    previous = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+    os.rename(out_dir, previous / out_dir.name)
+    os.rename(staging, out_dir)
+    shutil.rmtree(previous)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with Linux ``renameat2(RENAME_EXCHANGE)``; False if unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
