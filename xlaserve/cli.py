@@ -1,0 +1,59 @@
+"""The ``xlaserve`` command."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from xlaserve.config import ConfigError, load_node_config, resolve_worker
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Serve a node file. One worker serves the public ports itself."""
+    from xlaserve.node import run_node
+    try:
+        node = load_node_config(args.node)
+    except ConfigError as exc:
+        print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
+        return 2
+    return run_node(node)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one worker of a node file (what the supervisor starts per device)."""
+    from xlaserve.worker.server import serve
+    try:
+        node = load_node_config(args.node)
+        which = int(args.worker) if args.worker.isdigit() else args.worker
+        config = resolve_worker(node, which)
+    except ConfigError as exc:
+        print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="xlaserve", description=__doc__)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="serve a node file (the supervisor)")
+    p.add_argument("node", help="path of the node YAML file")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("worker", help="run one worker of a node file")
+    p.add_argument("node")
+    p.add_argument("--worker", default="0", help="worker name or index (default 0)")
+    p.set_defaults(func=cmd_worker)
+    args = parser.parse_args(argv)
+    _logging(args.log_level)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

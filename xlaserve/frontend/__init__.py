@@ -1,0 +1,1 @@
+"""The gRPC frontend (grpclib, asyncio) and its one bridge to the Trio actors."""

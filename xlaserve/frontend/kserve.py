@@ -1,0 +1,334 @@
+"""KServe V2 ``inference.GRPCInferenceService`` on grpclib: decode, validate, hand a message to the
+Trio side through the bridge, await the reply, encode. No model logic lives here."""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from xlaserve import __version__
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve._proto import model_config_pb2 as mc
+from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
+from xlaserve.bundle import ModelVersion
+from xlaserve.codec import decode_inputs, encode_output
+from xlaserve.errors import (FailedPrecondition, InvalidArgument, ModelNotFound, ModelNotReady, NotFound,
+                             Unimplemented, XlaserveError)
+from xlaserve.manifest import TensorDecl
+from xlaserve.worker.inference import ClientRequest
+from xlaserve.worker.messages import InferResult
+from xlaserve.worker.registry import ModelEntry, ModelState
+from xlaserve.worker.stats import Duration
+
+if TYPE_CHECKING:
+    from xlaserve.worker.server import WorkerHandles
+
+log = logging.getLogger("xlaserve.frontend")
+
+SERVER_NAME = "xlaserve"
+EXTENSIONS = ("model_repository", "model_configuration", "statistics", "system_shared_memory",
+              "binary_tensor_data", "schedule_policy")
+PLATFORM = "xla_stablehlo"
+
+
+def rpc(method):
+    """Map expected failures to their gRPC status; log anything else once and answer INTERNAL."""
+    @functools.wraps(method)
+    async def wrapper(self, stream):
+        try:
+            await method(self, stream)
+        except GRPCError:
+            raise
+        except XlaserveError as exc:
+            raise GRPCError(exc.status, str(exc)) from None
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            raise GRPCError(Status.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}") \
+                from None
+    return wrapper
+
+
+def _config_dtype(decl: TensorDecl) -> int:
+    name = "TYPE_STRING" if decl.dtype.kserve == "BYTES" else f"TYPE_{decl.dtype.kserve}"
+    return mc.DataType.Value(name)
+
+
+def _leading_batch(model: ModelVersion) -> bool:
+    """True when every client tensor has its batch axis first on the wire (Triton's convention)."""
+    tensors = (*model.manifest.client_inputs, *model.manifest.client_outputs)
+    return all(t.batch_axis == 0 for t in tensors)
+
+
+def _duration(d: Duration) -> pb.StatisticDuration:
+    return pb.StatisticDuration(count=d.count, ns=d.ns)
+
+
+def _request_timeout(request, stream) -> float | None:
+    """Seconds the caller allows: Triton's ``timeout`` parameter (microseconds) or the gRPC deadline,
+    whichever is sooner."""
+    timeouts = []
+    param = request.parameters.get("timeout") if "timeout" in request.parameters else None
+    if param is not None:
+        which = param.WhichOneof("parameter_choice")
+        if which not in ("int64_param", "uint64_param"):
+            raise InvalidArgument(f"parameter 'timeout' must be an integer number of microseconds, got {which}")
+        value = getattr(param, which)
+        if value < 0:
+            raise InvalidArgument(f"parameter 'timeout' must not be negative, got {value}")
+        if value > 0:
+            timeouts.append(value / 1e6)
+    if stream.deadline is not None:
+        timeouts.append(max(0.0, stream.deadline.time_remaining()))
+    return min(timeouts) if timeouts else None
+
+
+class KServeService(GRPCInferenceServiceBase):
+    def __init__(self, worker: "WorkerHandles") -> None:
+        self._worker = worker
+
+    # ---- model lookup --------------------------------------------------------------------
+    def _entry(self, name: str, version: str = "") -> ModelEntry:
+        table = self._worker.table.snapshot
+        entry = table.get(name)
+        if entry is None:
+            raise ModelNotFound(name, list(table))
+        if version and entry.serving is not None and version != str(entry.serving.version):
+            raise NotFound(f"model '{name}' serves version {entry.serving.version}; version '{version}' is not "
+                           "available (leave model_version empty for the current one)")
+        return entry
+
+    def _ready(self, name: str, version: str = "") -> ModelVersion:
+        entry = self._entry(name, version)
+        if entry.state is not ModelState.READY or entry.serving is None:
+            why = f": {entry.reason}" if entry.reason else ""
+            raise ModelNotReady(f"model '{name}' is {entry.state.value}{why}")
+        return entry.serving
+
+    # ---- health and metadata ---------------------------------------------------------------
+    @rpc
+    async def ServerLive(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.ServerLiveResponse(live=True))
+
+    @rpc
+    async def ServerReady(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.ServerReadyResponse(ready=self._worker.ready()))
+
+    @rpc
+    async def ModelReady(self, stream) -> None:
+        request = await stream.recv_message()
+        entry = self._worker.table.snapshot.get(request.name)
+        ready = (entry is not None and entry.state is ModelState.READY and
+                 (not request.version or (entry.serving is not None and request.version == str(entry.version))))
+        await stream.send_message(pb.ModelReadyResponse(ready=ready))
+
+    @rpc
+    async def ServerMetadata(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__,
+                                                            extensions=list(EXTENSIONS)))
+
+    @rpc
+    async def ModelMetadata(self, stream) -> None:
+        request = await stream.recv_message()
+        model = self._ready(request.name, request.version)
+        m = model.manifest
+
+        def tensors(decls):
+            return [pb.ModelMetadataResponse.TensorMetadata(name=d.name, datatype=d.dtype.kserve,
+                                                            shape=list(d.wire_dims())) for d in decls]
+        await stream.send_message(pb.ModelMetadataResponse(
+            name=model.name, versions=[str(model.version)], platform=PLATFORM,
+            inputs=tensors(m.client_inputs), outputs=tensors(m.client_outputs)))
+
+    @rpc
+    async def ModelConfig(self, stream) -> None:
+        request = await stream.recv_message()
+        model = self._ready(request.name, request.version)
+        m = model.manifest
+        leading = _leading_batch(model)
+        max_batch = m.max_batch_size if leading and not model.is_meta else 0
+
+        def dims(d: TensorDecl) -> list[int]:
+            shape = list(d.wire_dims())
+            return shape[1:] if max_batch else shape
+        config = mc.ModelConfig(
+            name=model.name, platform=PLATFORM, backend="xlaserve", max_batch_size=max_batch,
+            input=[mc.ModelInput(name=d.name, data_type=_config_dtype(d), dims=dims(d)) for d in m.client_inputs],
+            output=[mc.ModelOutput(name=d.name, data_type=_config_dtype(d), dims=dims(d)) for d in m.client_outputs])
+        if max_batch and len(m.compiled_batch_sizes) > 1:
+            config.dynamic_batching.preferred_batch_size.extend(m.compiled_batch_sizes)
+        await stream.send_message(pb.ModelConfigResponse(config=config))
+
+    @rpc
+    async def ModelStatistics(self, stream) -> None:
+        request = await stream.recv_message()
+        table = self._worker.table.snapshot
+        if request.name:
+            entry = self._entry(request.name, request.version)
+            entries = [entry]
+        else:
+            entries = list(table.values())
+        book = self._worker.stats
+        out = []
+        for entry in entries:
+            s = book.get(entry.name)
+            out.append(pb.ModelStatistics(
+                name=entry.name, version=str(entry.version or ""), last_inference=s.last_inference_ms,
+                inference_count=s.inference_count, execution_count=s.execution_count,
+                inference_stats=pb.InferStatistics(
+                    success=_duration(s.success), fail=_duration(s.fail), queue=_duration(s.queue),
+                    compute_input=_duration(s.compute_input), compute_infer=_duration(s.compute_infer),
+                    compute_output=_duration(s.compute_output)),
+                batch_stats=[pb.InferBatchStatistics(
+                    batch_size=size, compute_input=_duration(b.compute_input),
+                    compute_infer=_duration(b.compute_infer), compute_output=_duration(b.compute_output))
+                    for size, b in sorted(s.batches.items())]))
+        await stream.send_message(pb.ModelStatisticsResponse(model_stats=out))
+
+    # ---- repository --------------------------------------------------------------------
+    @rpc
+    async def RepositoryIndex(self, stream) -> None:
+        request = await stream.recv_message()
+        if request.repository_name:
+            raise NotFound(f"repository '{request.repository_name}' is unknown; this worker serves one "
+                           "repository (leave repository_name empty)")
+        models = []
+        for entry in self._worker.table.snapshot.values():
+            if request.ready and entry.state is not ModelState.READY:
+                continue
+            models.append(pb.RepositoryIndexResponse.ModelIndex(
+                name=entry.name, version=str(entry.version or ""), state=entry.state.value, reason=entry.reason))
+        await stream.send_message(pb.RepositoryIndexResponse(models=models))
+
+    @rpc
+    async def RepositoryModelLoad(self, stream) -> None:
+        request = await stream.recv_message()
+        await self._worker.control_load(request.model_name)
+        await stream.send_message(pb.RepositoryModelLoadResponse())
+
+    @rpc
+    async def RepositoryModelUnload(self, stream) -> None:
+        request = await stream.recv_message()
+        await self._worker.control_unload(request.model_name)
+        await stream.send_message(pb.RepositoryModelUnloadResponse())
+
+    # ---- inference ---------------------------------------------------------------------
+    @rpc
+    async def ModelInfer(self, stream) -> None:
+        received_ns = time.perf_counter_ns()
+        request = await stream.recv_message()
+        model_name = request.model_name
+        status = "OK"
+        try:
+            response = await self._infer(request, stream, received_ns)
+        except XlaserveError as exc:
+            status = exc.status.name
+            raise
+        finally:
+            self._worker.metrics.observe_request(model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+        await stream.send_message(response)
+
+    async def _infer(self, request, stream, received_ns: int) -> pb.ModelInferResponse:
+        model = self._ready(request.model_name, request.model_version)
+        if model.is_meta:
+            max_rows = None
+        else:
+            max_rows = model.manifest.max_batch_size
+        shm = self._worker.shared_memory
+        decoded = decode_inputs(request, model.manifest.client_inputs, max_rows,
+                                shm.read_input if shm is not None else None)
+        wanted = self._requested_outputs(request, model)
+        timeout = _request_timeout(request, stream)
+        client = functools.partial(ClientRequest, model, decoded.arrays, decoded.rows, request.id, timeout)
+        result: InferResult = await self._worker.bridge.call(
+            lambda reply: self._worker.service.submit(client(reply, received_ns)))
+        return self._response(request, model, result.outputs, wanted)
+
+    @staticmethod
+    def _requested_outputs(request, model: ModelVersion) -> list:
+        decls = {d.name: d for d in model.manifest.client_outputs}
+        if not request.outputs:
+            return [(d, None) for d in model.manifest.client_outputs]
+        out = []
+        for o in request.outputs:
+            decl = decls.get(o.name)
+            if decl is None:
+                raise InvalidArgument(f"unknown output '{o.name}' requested; the model gives "
+                                      f"{', '.join(repr(n) for n in decls)}")
+            if "classification" in o.parameters:
+                raise InvalidArgument(f"output '{o.name}': the 'classification' extension is not supported")
+            out.append((decl, o))
+        return out
+
+    def _response(self, request, model: ModelVersion, outputs: Mapping[str, np.ndarray],
+                  wanted: list) -> pb.ModelInferResponse:
+        response = pb.ModelInferResponse(model_name=model.name, model_version=str(model.version), id=request.id)
+        shm = self._worker.shared_memory
+        for decl, requested in wanted:
+            array = outputs.get(decl.name)
+            if array is None:
+                raise FailedPrecondition(f"model '{model.name}' produced no output '{decl.name}'")
+            tensor = response.outputs.add(name=decl.name, datatype=decl.dtype.kserve, shape=list(array.shape))
+            if requested is not None and "shared_memory_region" in requested.parameters:
+                if shm is None:
+                    raise InvalidArgument(f"output '{decl.name}' names a shared-memory region, but client shared "
+                                          "memory is not enabled on this server")
+                shm.write_output(decl, array, requested.parameters, tensor)
+                continue
+            response.raw_output_contents.append(encode_output(array, decl.dtype))
+        return response
+
+    # ---- extensions ---------------------------------------------------------------------
+    async def ModelStreamInfer(self, stream) -> None:
+        raise GRPCError(Status.UNIMPLEMENTED, "ModelStreamInfer (decoupled streaming) is not supported by "
+                                              "xlaserve; use ModelInfer")
+
+    @rpc
+    async def SystemSharedMemoryStatus(self, stream) -> None:
+        await self._shm_unavailable(stream, "SystemSharedMemoryStatus")
+
+    @rpc
+    async def SystemSharedMemoryRegister(self, stream) -> None:
+        await self._shm_unavailable(stream, "SystemSharedMemoryRegister")
+
+    @rpc
+    async def SystemSharedMemoryUnregister(self, stream) -> None:
+        await self._shm_unavailable(stream, "SystemSharedMemoryUnregister")
+
+    async def _shm_unavailable(self, stream, name: str) -> None:
+        await stream.recv_message()
+        raise Unimplemented(f"{name}: system shared memory is not available in this build")
+
+    @rpc
+    async def CudaSharedMemoryStatus(self, stream) -> None:
+        await stream.recv_message()
+        raise Unimplemented("CudaSharedMemoryStatus is not supported")
+
+    @rpc
+    async def CudaSharedMemoryRegister(self, stream) -> None:
+        await stream.recv_message()
+        raise Unimplemented("CudaSharedMemoryRegister is not supported")
+
+    @rpc
+    async def CudaSharedMemoryUnregister(self, stream) -> None:
+        await stream.recv_message()
+        raise Unimplemented("CudaSharedMemoryUnregister is not supported")
+
+    @rpc
+    async def TraceSetting(self, stream) -> None:
+        await stream.recv_message()
+        raise Unimplemented("TraceSetting: request tracing is not supported by xlaserve")
+
+    @rpc
+    async def LogSettings(self, stream) -> None:
+        await stream.recv_message()
+        raise Unimplemented("LogSettings: xlaserve's log level is set at start-up (--log-level); it cannot be "
+                            "changed at run time")

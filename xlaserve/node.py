@@ -1,0 +1,24 @@
+"""The node supervisor behind ``xlaserve run``.
+
+A one-worker node (the only shape so far) runs its worker in this process, serving the public
+``listen`` addresses itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from xlaserve.config import NodeConfig, resolve_worker
+
+log = logging.getLogger("xlaserve.node")
+
+
+def run_node(node: NodeConfig) -> int:
+    from xlaserve.worker.server import serve
+    workers = max(1, len(node.workers))
+    if workers > 1:
+        log.error("this node file lists %d workers; multi-worker nodes (supervisor + gateway) are not "
+                  "available yet: run one worker per process with `xlaserve worker NODE --worker NAME`", workers)
+        return 2
+    asyncio.run(serve(resolve_worker(node, 0)))
+    return 0
