@@ -1,0 +1,106 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModelControl(_message.Message):
+    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions")
+    class LearnedCostSecondsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    LEARNED_COST_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    version: int
+    reason: str
+    residency: str
+    resident_bytes: int
+    weight_bytes: int
+    queue_depth: int
+    learned_cost_seconds: _containers.ScalarMap[int, float]
+    weight: float
+    max_batch_size: int
+    requests: int
+    executions: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ...) -> None: ...
+
+class ModelControlStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelControlStatusResponse(_message.Message):
+    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelControl]
+    worker: str
+    backend: str
+    budget_bytes: int
+    resident_bytes: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
+
+class SetModelResidencyRequest(_message.Message):
+    __slots__ = ("model", "residency")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    residency: str
+    def __init__(self, model: _Optional[str] = ..., residency: _Optional[str] = ...) -> None: ...
+
+class SetModelResidencyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetModelPolicyRequest(_message.Message):
+    __slots__ = ("model", "weight", "max_batch_size")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    weight: float
+    max_batch_size: int
+    def __init__(self, model: _Optional[str] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class SetModelPolicyResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CompactMemoryRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CompactMemoryResponse(_message.Message):
+    __slots__ = ("message", "freed_bytes")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    freed_bytes: int
+    def __init__(self, message: _Optional[str] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class WatchStatusRequest(_message.Message):
+    __slots__ = ("interval_seconds",)
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    interval_seconds: float
+    def __init__(self, interval_seconds: _Optional[float] = ...) -> None: ...
