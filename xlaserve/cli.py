@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from xlaserve.config import ConfigError, load_node_config, resolve_worker
@@ -18,25 +19,40 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Serve a node file. One worker serves the public ports itself."""
     from xlaserve.node import run_node
     try:
-        node = load_node_config(args.node)
+        node = load_node_config(args.node, os.environ)
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
-    return run_node(node)
+    return run_node(node, ready_file=args.ready_file)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker of a node file (what the supervisor starts per device)."""
     from xlaserve.worker.server import serve
     try:
-        node = load_node_config(args.node)
+        node = load_node_config(args.node, os.environ)
         which = int(args.worker) if args.worker.isdigit() else args.worker
         config = resolve_worker(node, which)
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, ready_callback=_ready_writer(args.ready_file)))
     return 0
+
+
+def _ready_writer(path: str | None):
+    """With ``--ready-file``, write the bound ports there (atomically) once gRPC listens."""
+    if not path:
+        return None
+
+    def write(grpc_port: int, http_port: int) -> None:
+        import json
+        import os
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}, f)
+        os.replace(tmp, path)
+    return write
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,10 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve a node file (the supervisor)")
     p.add_argument("node", help="path of the node YAML file")
+    p.add_argument("--ready-file", help="write the bound ports as JSON here once serving (for tests, scripts)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("worker", help="run one worker of a node file")
     p.add_argument("node")
     p.add_argument("--worker", default="0", help="worker name or index (default 0)")
+    p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
     p.set_defaults(func=cmd_worker)
     args = parser.parse_args(argv)
     _logging(args.log_level)

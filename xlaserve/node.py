@@ -13,12 +13,13 @@ from xlaserve.config import NodeConfig, resolve_worker
 log = logging.getLogger("xlaserve.node")
 
 
-def run_node(node: NodeConfig) -> int:
+def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
     from xlaserve.worker.server import serve
     workers = max(1, len(node.workers))
     if workers > 1:
         log.error("this node file lists %d workers; multi-worker nodes (supervisor + gateway) are not "
                   "available yet: run one worker per process with `xlaserve worker NODE --worker NAME`", workers)
         return 2
-    asyncio.run(serve(resolve_worker(node, 0)))
+    from xlaserve.cli import _ready_writer
+    asyncio.run(serve(resolve_worker(node, 0), ready_callback=_ready_writer(ready_file)))
     return 0
