@@ -1,0 +1,139 @@
+"""Bundle loading: the manifest and weights validated against each module's @main signature."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from safetensors.numpy import save_file
+
+from examples.export_examples import export_mlp, export_simple
+from xlaserve.bundle import load_bundle
+from xlaserve.errors import BundleError
+from xlaserve.runtime.pjrt import Device
+
+
+@pytest.fixture(scope="module")
+def device():
+    return Device("cpu")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("pristine")
+    export_mlp(repo, (1, 4))
+    export_simple(repo, (2,))
+    return repo
+
+
+@pytest.fixture
+def repo(tmp_path, pristine):
+    shutil.copytree(pristine, tmp_path / "repo")
+    return tmp_path / "repo"
+
+
+def edit_manifest(bundle, fn):
+    path = bundle / "manifest.yaml"
+    data = yaml.safe_load(path.read_text())
+    fn(data)
+    path.write_text(yaml.safe_dump(data))
+
+
+def load_error(bundle, device) -> str:
+    with pytest.raises(BundleError) as info:
+        load_bundle(bundle, 1, device)
+    return str(info.value)
+
+
+def test_valid_bundle_loads_and_runs(repo, device):
+    model = load_bundle(repo / "mlp", 1, device)
+    assert model.compiled_batch_sizes == (1, 4)
+    assert model.weights.names == ("w",) and model.weight_bytes == 512 * 512 * 4
+    x = np.ones((4, 512), np.float32)
+    (out,) = device.execute(model.modules[4].executable, [*model.weights.arrays, x])
+    assert out.shape == (4, 512)
+
+
+def test_input_shape_mismatch_names_bundle_tensor_expected_and_found(repo, device):
+    edit_manifest(repo / "mlp", lambda d: d["executable_inputs"][0]["dims"].update(f=256))
+    msg = load_error(repo / "mlp", device)
+    assert msg.startswith("bundle 'mlp': model.b1.mlir: input 'input' (argument 1 of @main): ")
+    assert "expected tensor<1x256xf32>" in msg and "found tensor<1x512xf32>" in msg
+
+
+def test_dtype_mismatch(repo, device):
+    edit_manifest(repo / "simple", lambda d: d["executable_outputs"][1].update(dtype="i64"))
+    msg = load_error(repo / "simple", device)
+    assert "output 'OUTPUT1' (result 1 of @main): expected tensor<2x16xi64> (INT64[2,16]), found " \
+           "tensor<2x16xi32> (INT32[2,16])" in msg
+
+
+def test_wrong_batch_size_in_module_name(repo, device):
+    (repo / "simple" / "model.b2.mlir").rename(repo / "simple" / "model.b3.mlir")
+    edit_manifest(repo / "simple", lambda d: d["batching"].update(compiled_batch_sizes=[3]))
+    assert "input 'INPUT0' (argument 0 of @main): expected tensor<3x16xi32>" in load_error(repo / "simple", device)
+
+
+def test_argument_count_mismatch(repo, device):
+    edit_manifest(repo / "simple", lambda d: d["executable_inputs"].pop())
+    msg = load_error(repo / "simple", device)
+    assert "@main takes 2 argument(s) but the manifest gives 1" in msg
+
+
+def test_weight_shape_mismatch(repo, device):
+    save_file({"w": np.zeros((512, 256), np.float32)}, str(repo / "mlp" / "weights.safetensors"))
+    msg = load_error(repo / "mlp", device)
+    assert "weight 'w' (argument 0 of @main): expected tensor<512x256xf32>" in msg
+    assert "found tensor<512x512xf32>" in msg
+
+
+def test_missing_and_truncated_weights(repo, device):
+    data = (repo / "mlp" / "weights.safetensors").read_bytes()
+    (repo / "mlp" / "weights.safetensors").write_bytes(data[: len(data) // 2])
+    assert "cannot read weights.safetensors" in load_error(repo / "mlp", device)
+    (repo / "mlp" / "weights.safetensors").unlink()
+    assert "weights file weights.safetensors is missing" in load_error(repo / "mlp", device)
+
+
+def test_missing_module_and_unlisted_module(repo, device):
+    (repo / "mlp" / "model.b4.mlir").unlink()
+    assert "no module for compiled batch size(s) [4]" in load_error(repo / "mlp", device)
+    shutil.copy(repo / "mlp" / "model.b1.mlir", repo / "mlp" / "model.b4.mlir")
+    shutil.copy(repo / "mlp" / "model.b1.mlir", repo / "mlp" / "model.b9.mlir")
+    assert "model.b9.mlir for batch size(s) [9] not listed" in load_error(repo / "mlp", device)
+
+
+def test_garbage_module(repo, device):
+    (repo / "simple" / "model.b2.mlir").write_text("this is not mlir")
+    assert "model.b2.mlir: not a parsable StableHLO module" in load_error(repo / "simple", device)
+
+
+def test_model_py_registering_another_name(repo, device):
+    (repo / "simple" / "model.py").write_text(
+        "from xlaserve import register_model\nregister_model('other', postprocess=lambda t: t)\n")
+    assert "model.py registers ['other']" in load_error(repo / "simple", device)
+
+
+def test_failing_bundle_is_unavailable_and_others_serve(repo, tmp_path):
+    import tritonclient.grpc as grpcclient
+    from tests.conftest import serve
+    edit_manifest(repo / "mlp", lambda d: d["executable_inputs"][0]["dims"].update(f=256))
+    with serve(tmp_path / "srv", repo) as server:
+        c = grpcclient.InferenceServerClient(server.url)
+        index = {m.name: m for m in c.get_model_repository_index().models}
+        assert index["mlp"].state == "UNAVAILABLE"
+        assert "input 'input' (argument 1 of @main)" in index["mlp"].reason
+        assert not c.is_model_ready("mlp")
+        assert c.is_model_ready("simple")
+        a = np.ones((2, 16), np.int32)
+        ins = []
+        for name in ("INPUT0", "INPUT1"):
+            t = grpcclient.InferInput(name, [2, 16], "INT32")
+            t.set_data_from_numpy(a)
+            ins.append(t)
+        assert (c.infer("simple", ins).as_numpy("OUTPUT0") == 2).all()
+        with pytest.raises(Exception, match="model 'mlp' is UNAVAILABLE"):
+            x = grpcclient.InferInput("input", [1, 512], "FP32")
+            x.set_data_from_numpy(np.zeros((1, 512), np.float32))
+            c.infer("mlp", [x])

@@ -1,0 +1,88 @@
+"""Wire <-> NumPy decoding and validation, without a server."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.codec import decode_inputs, deserialize_bytes, encode_output, serialize_bytes
+from xlaserve.dtypes import BY_CODE
+from xlaserve.errors import InvalidArgument
+from xlaserve.manifest import parse_manifest
+
+M = parse_manifest({
+    "format_version": "2.0",
+    "executable_inputs": [
+        {"name": "a", "dtype": "i32", "shape": "xn", "dims": {"x": 4}},
+        {"name": "b", "dtype": "f16", "shape": "xn", "dims": {"x": 4}}],
+    "executable_outputs": [{"name": "y", "dtype": "f32", "shape": "n"}],
+    "batching": {"compiled_batch_sizes": [1, 4]}}, "m")
+
+
+def request(a: np.ndarray, b: np.ndarray, raw=True):
+    r = pb.ModelInferRequest(model_name="m")
+    r.inputs.add(name="a", datatype="INT32", shape=list(a.shape))
+    r.inputs.add(name="b", datatype="FP16", shape=list(b.shape))
+    if raw:
+        r.raw_input_contents.extend([a.tobytes(), b.tobytes()])
+    return r
+
+
+def test_raw_inputs_decode_as_views():
+    a = np.arange(8, dtype=np.int32).reshape(2, 4)
+    b = np.ones((2, 4), np.float16)
+    d = decode_inputs(request(a, b), M.client_inputs, 4)
+    assert d.rows == 2
+    np.testing.assert_array_equal(d.arrays["a"], a)
+    assert d.arrays["b"].dtype == np.float16
+    assert not d.arrays["a"].flags.writeable  # a view of the message bytes, not a copy
+
+
+def test_typed_contents():
+    r = pb.ModelInferRequest(model_name="m")
+    t = r.inputs.add(name="a", datatype="INT32", shape=[1, 4])
+    t.contents.int_contents.extend([1, 2, 3, 4])
+    r.inputs.add(name="b", datatype="FP16", shape=[1, 4])
+    with pytest.raises(InvalidArgument, match="FP16 can only travel in raw_input_contents"):
+        decode_inputs(r, M.client_inputs, 4)
+
+
+@pytest.mark.parametrize("mutate, fragment", [
+    (lambda r: r.inputs[0].ClearField("datatype") or setattr(r.inputs[0], "datatype", "INT64"),
+     "input 'a': expected datatype INT32, got 'INT64'"),
+    (lambda r: r.inputs[0].shape.__setitem__(1, 5), "input 'a': expected shape [-1,4] (-1: any batch size), got [2,5]"),
+    (lambda r: r.inputs[1].shape.__setitem__(0, 3), "input 'b' has batch size 3 but input 'a' has 2"),
+    (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 4), "input 'a': expected 32 bytes for INT32[2,4], got 4"),
+    (lambda r: r.raw_input_contents.pop(), "raw_input_contents has 1 entries for 2 inputs"),
+    (lambda r: (r.inputs.add(name="c", datatype="FP32", shape=[1]), r.raw_input_contents.append(b"\0" * 4)),
+     "unknown input 'c'; the model takes 'a' INT32[B,4], 'b' FP16[B,4]"),
+    (lambda r: (r.inputs.pop(), r.raw_input_contents.pop()), "missing input(s) 'b'"),
+])
+def test_bad_inputs_say_what_was_expected(mutate, fragment):
+    r = request(np.zeros((2, 4), np.int32), np.zeros((2, 4), np.float16))
+    mutate(r)
+    with pytest.raises(InvalidArgument) as info:
+        decode_inputs(r, M.client_inputs, 4)
+    assert fragment in str(info.value)
+
+
+def test_batch_larger_than_largest_compiled_size():
+    r = request(np.zeros((5, 4), np.int32), np.zeros((5, 4), np.float16))
+    with pytest.raises(InvalidArgument, match="batch size 5 is larger than the largest compiled batch size 4"):
+        decode_inputs(r, M.client_inputs, 4)
+
+
+def test_bytes_round_trip_and_truncation():
+    arr = np.array([b"mild", b"", "severe"], dtype=object)
+    wire = serialize_bytes(arr)
+    back = deserialize_bytes(wire, 3, "label")
+    assert list(back) == [b"mild", b"", b"severe"]
+    with pytest.raises(InvalidArgument, match="past the end"):
+        deserialize_bytes(wire[:-1], 3, "label")
+    with pytest.raises(InvalidArgument, match="trailing bytes"):
+        deserialize_bytes(wire + b"x", 3, "label")
+
+
+def test_encode_output_casts_to_declared_dtype():
+    out = encode_output(np.array([1.5, 2.5], np.float64), BY_CODE["f32"])
+    assert np.frombuffer(out, np.float32).tolist() == [1.5, 2.5]
