@@ -9,6 +9,7 @@ imports jax or jaxlib.
 """
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from dataclasses import dataclass
@@ -145,6 +146,14 @@ class Device:
 
     def deserialize(self, blob: bytes):
         return self._client.deserialize_executable(blob, self._device_list, xla_client.CompileOptions())
+
+    def cache_key_parts(self) -> dict[str, str]:
+        """What, besides the module bytes, decides whether a serialized executable fits this
+        device: versions, backend, device kind and the compile options :meth:`compile` uses."""
+        options = xla_client.CompileOptions().SerializeAsString()
+        return {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
+                "platform_version": self.platform_version,
+                "compile_options": hashlib.sha256(options).hexdigest()}
 
     def to_device(self, host: np.ndarray, *, copy: bool = False):
         """A device array holding ``host``. With ``copy`` the result never aliases ``host``

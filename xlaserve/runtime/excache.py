@@ -1,0 +1,196 @@
+"""The compiled-executable cache in ``cache_dir``: compile a module once, reuse it across restarts.
+
+An entry is keyed by a digest of the module bytes and of everything else that decides whether a
+serialized executable fits this device (:meth:`Device.cache_key_parts`: jax and jaxlib versions,
+backend, device kind, platform version, compile options). Entries are written to a temporary
+file and renamed into place, so a reader never sees half an entry. An entry that is truncated,
+corrupt, written for another key or that the backend refuses to deserialize is ignored, rebuilt
+and overwritten.
+
+Deserializing an executable can run the code in it, so the cache refuses a directory that
+another user could write to (:class:`CacheDirRefused`): the directory, and every ancestor
+without the sticky bit, must be owned by this user or root and not group- or world-writable.
+
+Every method blocks (file I/O, XLA); the lifecycle actor calls :meth:`compile_module` off the
+Trio thread, one bundle at a time.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from xlaserve.runtime.pjrt import Device
+
+log = logging.getLogger("xlaserve.excache")
+
+MAGIC = b"XLASERVE-EXECUTABLE 1\n"
+_DIGEST_LEN = 64  # hex sha256
+
+
+class CacheDirRefused(Exception):
+    """``cache_dir`` is unsafe to load executables from; the message says why and what to do."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStatistics:
+    hits: int
+    misses: int       # no entry: compiled and written
+    rejected: int     # an entry existed but was unusable: compiled and overwritten
+    write_errors: int
+
+
+def check_private_dir(path: Path) -> None:
+    """Raise :class:`CacheDirRefused` unless only this user (or root) can write ``path`` and
+    replace it. Ancestors with the sticky bit (``/tmp``) protect their entries and are fine."""
+    uid = os.getuid()
+    trusted = {uid, 0}
+    st = path.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise CacheDirRefused(f"cache_dir {path} is not a directory")
+    if st.st_uid not in trusted:
+        raise CacheDirRefused(f"cache_dir {path} is owned by uid {st.st_uid}, not by this user (uid {uid}); "
+                              "loading a cached executable can run code, so the cache must be private. "
+                              "Point cache_dir at a directory you own, or set it to null to disable the cache")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CacheDirRefused(f"cache_dir {path} is writable by other users (mode {stat.filemode(st.st_mode)}); "
+                              "loading a cached executable can run code, so the cache must be private. "
+                              f"Run 'chmod go-w {path}', or set cache_dir to null to disable the cache")
+    for parent in path.resolve().parents:
+        pst = parent.stat()
+        if pst.st_mode & stat.S_ISVTX:
+            continue
+        if pst.st_uid not in trusted or pst.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CacheDirRefused(f"cache_dir {path} lies under {parent}, which other users can write "
+                                  f"(mode {stat.filemode(pst.st_mode)}, uid {pst.st_uid}) and so could replace "
+                                  "the cache; loading a cached executable can run code. Move cache_dir under "
+                                  "a directory only you can write, or set it to null to disable the cache")
+
+
+class ExecutableCache:
+    """Compiled executables of one device, stored under ``directory``.
+
+    ``on_result(kind)`` is called with ``"hit"``, ``"miss"`` or ``"rejected"`` for each module
+    (for metrics)."""
+
+    def __init__(self, directory: Path, device: Device,
+                 on_result: Callable[[str], None] | None = None) -> None:
+        directory = Path(directory)
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheDirRefused(f"cannot create cache_dir {directory}: {exc.strerror}") from None
+        check_private_dir(directory)
+        self.directory = directory
+        self._device = device
+        parts = device.cache_key_parts()
+        self._salt = "\n".join(f"{k}={parts[k]}" for k in sorted(parts)).encode()
+        self._on_result = on_result
+        self._lock = threading.Lock()
+        self._counts = {"hit": 0, "miss": 0, "rejected": 0, "write_error": 0}
+
+    def key(self, module: bytes) -> str:
+        h = hashlib.sha256()
+        h.update(self._salt)
+        h.update(b"\0module\0")
+        h.update(module)
+        return h.hexdigest()
+
+    def entry_path(self, key: str) -> Path:
+        return self.directory / key[:2] / f"{key}.xlaexe"
+
+    def statistics(self) -> CacheStatistics:
+        with self._lock:
+            c = dict(self._counts)
+        return CacheStatistics(c["hit"], c["miss"], c["rejected"], c["write_error"])
+
+    def compile_module(self, path: Path, module: bytes) -> tuple[object, bool]:
+        """The executable of ``module``: from the cache when a valid entry exists, else compiled
+        and stored. The signature of :data:`xlaserve.bundle.Compile`."""
+        key = self.key(module)
+        entry = self.entry_path(key)
+        blob, why = self._read(entry, key)
+        if blob is not None:
+            try:
+                executable = self._device.deserialize(blob)
+            except Exception as exc:  # the backend's own error types; the entry is unusable
+                why = f"the backend cannot deserialize it ({' '.join(str(exc).split())[:200]})"
+            else:
+                self._count("hit")
+                return executable, True
+        if why:
+            log.warning("executable cache: ignoring entry %s for %s: %s; recompiling", entry.name, path.name, why)
+            self._count("rejected")
+        else:
+            self._count("miss")
+        executable = self._device.compile(module)
+        self._write(entry, key, executable)
+        return executable, False
+
+    def _read(self, entry: Path, key: str) -> tuple[bytes | None, str]:
+        """The entry's payload, or (None, why it is unusable); ('', '') when there is none."""
+        try:
+            data = entry.read_bytes()
+        except FileNotFoundError:
+            return None, ""
+        except OSError as exc:
+            return None, f"cannot read it: {exc.strerror}"
+        header_len = len(MAGIC) + 2 * (_DIGEST_LEN + 1)
+        if len(data) < header_len or not data.startswith(MAGIC):
+            return None, "it is not an xlaserve executable entry (truncated or foreign)"
+        stored_key = data[len(MAGIC):len(MAGIC) + _DIGEST_LEN].decode("ascii", "replace")
+        offset = len(MAGIC) + _DIGEST_LEN + 1
+        digest = data[offset:offset + _DIGEST_LEN].decode("ascii", "replace")
+        payload = data[header_len:]
+        if stored_key != key:
+            return None, "it was written for a different module, device or version"
+        if hashlib.sha256(payload).hexdigest() != digest:
+            return None, "its checksum does not match (truncated or corrupt)"
+        return payload, ""
+
+    def _write(self, entry: Path, key: str, executable) -> None:
+        try:
+            payload = self._device.serialize(executable)
+            entry.parent.mkdir(mode=0o700, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{entry.name}.", suffix=".tmp", dir=entry.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(MAGIC + key.encode() + b"\n" + hashlib.sha256(payload).hexdigest().encode() + b"\n")
+                    f.write(payload)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, entry)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except Exception as exc:  # a full disk or a backend that cannot serialize: serve uncached
+            log.warning("executable cache: cannot store %s: %s: %s", entry.name, type(exc).__name__, exc)
+            self._count("write_error")
+
+    def _count(self, kind: str) -> None:
+        with self._lock:
+            self._counts[kind] += 1
+        if self._on_result is not None and kind != "write_error":
+            self._on_result(kind)
+
+
+def open_executable_cache(cache_dir: Path | None, device: Device,
+                          on_result: Callable[[str], None] | None = None) -> ExecutableCache | None:
+    """The worker's cache, or None when ``cache_dir`` is null or refused (the reason is logged
+    as an error; the worker then compiles every module)."""
+    if cache_dir is None:
+        log.info("executable cache: disabled (cache_dir is null)")
+        return None
+    try:
+        cache = ExecutableCache(cache_dir, device, on_result)
+    except CacheDirRefused as exc:
+        log.error("executable cache: disabled: %s", exc)
+        return None
+    log.info("executable cache: %s", cache.directory)
+    return cache
