@@ -20,6 +20,8 @@ from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output
 from xlaserve.errors import (FailedPrecondition, InvalidArgument, ModelNotFound, ModelNotReady, NotFound,
                              Unimplemented, XlaserveError)
+from xlaserve.frontend.shm import cuda_unavailable
+from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.manifest import TensorDecl
 from xlaserve.worker.inference import ClientRequest
 from xlaserve.worker.messages import InferResult
@@ -246,6 +248,9 @@ class KServeService(GRPCInferenceServiceBase):
         decoded = decode_inputs(request, model.manifest.client_inputs, max_rows,
                                 shm.read_input if shm is not None else None)
         wanted = self._requested_outputs(request, model)
+        for decl, requested in wanted:
+            if requested is not None and "shared_memory_region" in requested.parameters and shm is not None:
+                shm.check_output(decl.name, requested.parameters)
         timeout = _request_timeout(request, stream)
         client = functools.partial(ClientRequest, model, decoded.arrays, decoded.rows, request.id, timeout)
         result: InferResult = await self._worker.bridge.call(
@@ -280,8 +285,9 @@ class KServeService(GRPCInferenceServiceBase):
             if requested is not None and "shared_memory_region" in requested.parameters:
                 if shm is None:
                     raise InvalidArgument(f"output '{decl.name}' names a shared-memory region, but client shared "
-                                          "memory is not enabled on this server")
+                                          "memory is not enabled on this server (endpoints.allow_client_shm)")
                 shm.write_output(decl, array, requested.parameters, tensor)
+                response.raw_output_contents.append(b"")   # Triton keeps one entry per output
                 continue
             response.raw_output_contents.append(encode_output(array, decl.dtype))
         return response
@@ -291,36 +297,51 @@ class KServeService(GRPCInferenceServiceBase):
         raise GRPCError(Status.UNIMPLEMENTED, "ModelStreamInfer (decoupled streaming) is not supported by "
                                               "xlaserve; use ModelInfer")
 
+    def _shm_registry(self, rpc_name: str):
+        shm = self._worker.shared_memory
+        if shm is None:
+            raise shm_disabled(rpc_name)
+        return shm
+
     @rpc
     async def SystemSharedMemoryStatus(self, stream) -> None:
-        await self._shm_unavailable(stream, "SystemSharedMemoryStatus")
+        request = await stream.recv_message()
+        regions = self._shm_registry("SystemSharedMemoryStatus").status(request.name)
+        status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+        await stream.send_message(pb.SystemSharedMemoryStatusResponse(regions={
+            r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size) for r in regions}))
 
     @rpc
     async def SystemSharedMemoryRegister(self, stream) -> None:
-        await self._shm_unavailable(stream, "SystemSharedMemoryRegister")
+        request = await stream.recv_message()
+        self._shm_registry("SystemSharedMemoryRegister").register(request.name, request.key, request.offset,
+                                                                  request.byte_size)
+        await stream.send_message(pb.SystemSharedMemoryRegisterResponse())
 
     @rpc
     async def SystemSharedMemoryUnregister(self, stream) -> None:
-        await self._shm_unavailable(stream, "SystemSharedMemoryUnregister")
+        request = await stream.recv_message()
+        self._shm_registry("SystemSharedMemoryUnregister").unregister(request.name)
+        await stream.send_message(pb.SystemSharedMemoryUnregisterResponse())
 
-    async def _shm_unavailable(self, stream, name: str) -> None:
-        await stream.recv_message()
-        raise Unimplemented(f"{name}: system shared memory is not available in this build")
-
+    # Triton's clients call CUDA Status and Unregister-all before using system shared memory, so
+    # those two succeed (there are never CUDA regions); registering one says why it cannot work.
     @rpc
     async def CudaSharedMemoryStatus(self, stream) -> None:
-        await stream.recv_message()
-        raise Unimplemented("CudaSharedMemoryStatus is not supported")
+        request = await stream.recv_message()
+        if request.name:
+            raise NotFound(f"CUDA shared-memory region '{request.name}' is not registered (none can be)")
+        await stream.send_message(pb.CudaSharedMemoryStatusResponse())
 
     @rpc
     async def CudaSharedMemoryRegister(self, stream) -> None:
         await stream.recv_message()
-        raise Unimplemented("CudaSharedMemoryRegister is not supported")
+        raise cuda_unavailable("CudaSharedMemoryRegister")
 
     @rpc
     async def CudaSharedMemoryUnregister(self, stream) -> None:
         await stream.recv_message()
-        raise Unimplemented("CudaSharedMemoryUnregister is not supported")
+        await stream.send_message(pb.CudaSharedMemoryUnregisterResponse())
 
     @rpc
     async def TraceSetting(self, stream) -> None:

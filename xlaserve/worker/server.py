@@ -153,6 +153,9 @@ async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
         outcome.unwrap()
         raise
     handles.bridge = Bridge(loop, _trio_token_of(handles))
+    if config.endpoints.allow_client_shm:
+        from xlaserve.frontend.shm import SharedMemoryRegistry
+        handles.shared_memory = SharedMemoryRegistry()
     from xlaserve.frontend.kserve import KServeService
     services = [KServeService(handles)]
     services += handles.extras.get("services", [])

@@ -1,0 +1,233 @@
+"""Triton's system shared-memory extension: clients on the same host register POSIX shared-memory
+objects by name and pass tensors through them instead of through the gRPC message.
+
+The registry is frontend state, owned by the asyncio side (one thread, no locks). A region is an
+``mmap`` of ``[offset, offset + byte_size)`` of ``/dev/shm/<key>``. Inputs are handed to the codec
+as ``memoryview`` slices of that map, so ``np.frombuffer`` reads the client's bytes in place; outputs
+are copied straight from the result array into the map.
+
+Unregistering a region that requests are still reading is safe: the region leaves the table at
+once (new requests get NOT_FOUND), but the mapping itself is released only when the last view of
+it is gone. Every array decoded from a region holds a buffer export on the map, and ``mmap``
+refuses to close while exports exist; so :meth:`SharedMemoryRegistry.unregister` closes what it can
+now and leaves a busy map to be unmapped by its last user (CPython unmaps an ``mmap`` when it is
+freed). Nothing ever reads unmapped memory.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from xlaserve.codec import serialize_bytes
+from xlaserve.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from xlaserve.manifest import TensorDecl
+
+SHM_DIR = "/dev/shm"
+ENABLE_HINT = ("client shared memory is disabled on this server; set endpoints.allow_client_shm: true in the "
+               "node file (or its environment override) to enable it, and only for clients on the same host "
+               "that you trust")
+CUDA_UNAVAILABLE = ("CUDA shared memory is not available: xlaserve takes system shared memory "
+                    "(SystemSharedMemoryRegister) on every backend; CUDA IPC regions are not supported")
+
+# A POSIX shared-memory name: optional leading slashes (shm_open's convention, which tritonclient
+# keeps), then one path component of ordinary characters.
+_KEY = re.compile(r"/*([A-Za-z0-9_.\-:@+]{1,255})")
+
+
+@dataclass(frozen=True, slots=True)
+class RegionStatus:
+    """A snapshot of one registered region, as SystemSharedMemoryStatus reports it."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+class _Region:
+    """One mapped region. Owned by the registry; ``view`` covers exactly the registered bytes."""
+
+    __slots__ = ("status", "_map", "view")
+
+    def __init__(self, status: RegionStatus, mapping: mmap.mmap, start: int) -> None:
+        self.status = status
+        self._map = mapping
+        self.view = memoryview(mapping)[start:start + status.byte_size]
+
+    def release(self) -> bool:
+        """Drop this region's own hold on the map; True if it was unmapped now, False if in-flight
+        requests still hold views (the map is then freed with the last of them)."""
+        try:
+            self.view.release()
+            self._map.close()
+            return True
+        except BufferError:
+            return False
+
+
+def _object_name(key: str) -> str:
+    """The /dev/shm entry a key names, or InvalidArgument when the key is not a plain name."""
+    match = _KEY.fullmatch(key)
+    if match is None or match.group(1) in (".", ".."):
+        raise InvalidArgument(f"shared-memory key '{key}' is not a POSIX shared-memory object name: expected "
+                              "one name of letters, digits and '_.-:@+' with an optional leading '/' (as "
+                              "shm_open takes it), never a path ('/' inside, '..')")
+    return match.group(1)
+
+
+def _int_param(parameters: Mapping, key: str, tensor: str) -> int | None:
+    if key not in parameters:
+        return None
+    param = parameters[key]
+    which = param.WhichOneof("parameter_choice")
+    if which not in ("int64_param", "uint64_param"):
+        raise InvalidArgument(f"tensor '{tensor}': parameter '{key}' must be an integer, got {which}")
+    value = getattr(param, which)
+    if value < 0:
+        raise InvalidArgument(f"tensor '{tensor}': parameter '{key}' must not be negative, got {value}")
+    return value
+
+
+class SharedMemoryRegistry:
+    """Registered system shared-memory regions by name. Not thread-safe: the asyncio frontend owns it."""
+
+    def __init__(self, shm_dir: str = SHM_DIR) -> None:
+        self._dir = shm_dir
+        self._regions: dict[str, _Region] = {}
+
+    # ---- the three RPCs -------------------------------------------------------------------
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> RegionStatus:
+        if not name:
+            raise InvalidArgument("a shared-memory region needs a non-empty name")
+        if name in self._regions:
+            have = self._regions[name].status
+            raise InvalidArgument(f"shared-memory region '{name}' is already registered (key '{have.key}', "
+                                  f"offset {have.offset}, byte_size {have.byte_size}); unregister it first")
+        obj = _object_name(key)
+        if offset < 0 or byte_size <= 0:
+            raise InvalidArgument(f"shared-memory region '{name}': offset must be >= 0 and byte_size > 0, got "
+                                  f"offset {offset}, byte_size {byte_size}")
+        path = os.path.join(self._dir, obj)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise InvalidArgument(f"shared-memory region '{name}': no shared-memory object '{key}' exists "
+                                  f"({path}); create it (shm_open) before registering") from None
+        except OSError as exc:
+            raise InvalidArgument(f"shared-memory region '{name}': cannot open shared-memory object '{key}': "
+                                  f"{exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise InvalidArgument(f"shared-memory region '{name}': '{key}' is not a shared-memory object")
+            if offset + byte_size > info.st_size:
+                raise InvalidArgument(f"shared-memory region '{name}': offset {offset} + byte_size {byte_size} = "
+                                      f"{offset + byte_size} runs past the end of shared-memory object '{key}' "
+                                      f"({info.st_size} bytes)")
+            start = offset % mmap.ALLOCATIONGRANULARITY
+            mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
+        finally:
+            os.close(fd)
+        status = RegionStatus(name, key, offset, byte_size)
+        self._regions[name] = _Region(status, mapping, start)
+        return status
+
+    def unregister(self, name: str = "") -> list[str]:
+        """Forget one region (or all, for ``""``). Unknown names are not an error (as in Triton), so
+        clean-up code may call this unconditionally. Returns the names removed."""
+        names = [name] if name else list(self._regions)
+        removed = []
+        for n in names:
+            region = self._regions.pop(n, None)
+            if region is not None:
+                region.release()
+                removed.append(n)
+        return removed
+
+    def status(self, name: str = "") -> list[RegionStatus]:
+        if name:
+            region = self._regions.get(name)
+            if region is None:
+                raise NotFound(self._unknown(name))
+            return [region.status]
+        return [r.status for r in self._regions.values()]
+
+    def close(self) -> None:
+        self.unregister()
+
+    # ---- the data path ------------------------------------------------------------------
+    def read_input(self, tensor_name: str, parameters: Mapping) -> memoryview:
+        """The bytes an input tensor names: a view into the region, no copy (``codec.ShmReader``)."""
+        region, offset, size = self._locate(tensor_name, parameters)
+        return region.view[offset:offset + size]
+
+    def check_output(self, tensor_name: str, parameters: Mapping) -> None:
+        """Validate a requested output's region before the model runs, so a bad region costs nothing."""
+        self._locate(tensor_name, parameters)
+
+    def write_output(self, decl: TensorDecl, array: np.ndarray, parameters: Mapping, tensor) -> None:
+        """Copy one output into its region and describe it on the response tensor.
+
+        Like Triton, the response tensor keeps its name, datatype and shape; the caller adds an empty
+        ``raw_output_contents`` entry in its place. The tensor also carries the region parameters
+        (the byte size is what was written), so a client can read exactly those bytes back.
+        """
+        region, offset, size = self._locate(decl.name, parameters)
+        if decl.dtype.kserve == "BYTES":
+            data = serialize_bytes(array)
+            nbytes = len(data)
+        else:
+            array = np.asarray(array, dtype=decl.dtype.numpy)
+            nbytes = array.nbytes
+        if nbytes > size:
+            raise InvalidArgument(f"output '{decl.name}': shared_memory_byte_size {size} is too small for the "
+                                  f"result ({nbytes} bytes for {decl.dtype.kserve}{list(array.shape)})")
+        target = region.view[offset:offset + nbytes]
+        if decl.dtype.kserve == "BYTES":
+            target[:] = data
+        else:
+            np.copyto(np.frombuffer(target, dtype=decl.dtype.numpy).reshape(array.shape), array, casting="no")
+        target.release()
+        tensor.parameters["shared_memory_region"].string_param = region.status.name
+        tensor.parameters["shared_memory_byte_size"].int64_param = nbytes
+        if offset:
+            tensor.parameters["shared_memory_offset"].int64_param = offset
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _locate(self, tensor_name: str, parameters: Mapping) -> tuple[_Region, int, int]:
+        param = parameters["shared_memory_region"]
+        if param.WhichOneof("parameter_choice") != "string_param":
+            raise InvalidArgument(f"tensor '{tensor_name}': parameter 'shared_memory_region' must be a string")
+        name = param.string_param
+        size = _int_param(parameters, "shared_memory_byte_size", tensor_name)
+        if size is None:
+            raise InvalidArgument(f"tensor '{tensor_name}' names shared-memory region '{name}' without "
+                                  "'shared_memory_byte_size'; both are required")
+        offset = _int_param(parameters, "shared_memory_offset", tensor_name) or 0
+        region = self._regions.get(name)
+        if region is None:
+            raise NotFound(f"tensor '{tensor_name}': {self._unknown(name)}")
+        if offset + size > region.status.byte_size:
+            raise InvalidArgument(f"tensor '{tensor_name}': shared_memory_offset {offset} + shared_memory_byte_size "
+                                  f"{size} = {offset + size} is outside region '{name}' "
+                                  f"({region.status.byte_size} bytes registered)")
+        return region, offset, size
+
+    def _unknown(self, name: str) -> str:
+        known = ", ".join(repr(n) for n in self._regions) or "none"
+        return f"shared-memory region '{name}' is not registered (registered: {known})"
+
+
+def disabled(rpc: str) -> FailedPrecondition:
+    """What every system shared-memory RPC answers while ``endpoints.allow_client_shm`` is false."""
+    return FailedPrecondition(f"{rpc}: {ENABLE_HINT}")
+
+
+def cuda_unavailable(rpc: str) -> Unavailable:
+    return Unavailable(f"{rpc}: {CUDA_UNAVAILABLE}")
