@@ -137,9 +137,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", type=Path, default=DEFAULT_OUT_DIR,
                         help=f"model repository to write into (default: {DEFAULT_OUT_DIR})")
+    parser.add_argument("--if-missing", action="store_true",
+                        help="skip bundles that already exist (what the README's run command uses)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     for name, export in EXPORTERS.items():
+        if args.if_missing and (args.out_dir / name / "manifest.yaml").is_file():
+            continue
         t0 = time.perf_counter()
         bundle = export(args.out_dir)
         print(f"{name:10s} {time.perf_counter() - t0:6.2f}s  {bundle}")
