@@ -1,4 +1,5 @@
-"""What a bundle's ``model.py`` imports: :class:`NamedTensor` and :func:`register_model`.
+"""What a bundle's ``model.py`` imports: :class:`NamedTensor` and :func:`register_model`; and
+:func:`conform`, how the server checks what hooks give back against the manifest.
 
 The bundle loader imports ``model.py`` inside :func:`collecting_registrations`, so
 ``register_model`` calls land in that load's own table; nothing is global.
@@ -7,11 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from xlaserve.dtypes import from_numpy
+from xlaserve.errors import InternalError
+from xlaserve.manifest import TensorDecl
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +66,91 @@ def collecting_registrations() -> Iterator[dict[str, Registration]]:
         yield table
     finally:
         _collector.reset(token)
+
+
+def conform(tensors: Any, decls: Sequence[TensorDecl], *, where: str, rows: int | None,
+            any_rows: bool = False, max_rows: int | None = None) -> tuple[dict[str, np.ndarray], int]:
+    """Check tensors a hook produced (or a meta model passes on) against manifest declarations.
+
+    ``tensors`` is a list of :class:`NamedTensor` or a mapping of name to array. Every declared
+    tensor must be present once and nothing else; each must be a NumPy array of the declared
+    dtype (BYTES: object, ``bytes_`` or ``str_`` arrays) with the declared row-major shape.
+    ``rows`` is the length every batch axis must have; None takes it from the first batched
+    tensor (all must agree, at least 1, at most ``max_rows``); ``any_rows`` lets each batch axis
+    have any length, zero included (a meta model's outputs). Returns the arrays in declaration
+    order and the rows. Raises :class:`InternalError` whose message starts with ``where`` and
+    names the tensor, what the manifest declares and what was found.
+    """
+    declared = ", ".join(f"'{d.name}' {d.describe()}" for d in decls)
+    if isinstance(tensors, Mapping):
+        items = list(tensors.items())
+    elif isinstance(tensors, (list, tuple)):
+        bad = next((t for t in tensors if not isinstance(t, NamedTensor)), None)
+        if bad is not None:
+            raise InternalError(f"{where}: expected a list of NamedTensor, found an element of type "
+                                f"{type(bad).__name__}")
+        items = [(t.name, t.data) for t in tensors]
+    else:
+        raise InternalError(f"{where}: expected a list of NamedTensor, found {type(tensors).__name__}")
+    given: dict[str, Any] = {}
+    for name, data in items:
+        if name in given:
+            raise InternalError(f"{where}: tensor '{name}' appears twice")
+        given[name] = data
+    by_name = {d.name: d for d in decls}
+    unknown = [n for n in given if n not in by_name]
+    if unknown:
+        raise InternalError(f"{where}: unexpected tensor(s) {', '.join(repr(n) for n in unknown)}; "
+                            f"the manifest declares {declared}")
+    missing = [d.name for d in decls if d.name not in given]
+    if missing:
+        raise InternalError(f"{where}: missing tensor(s) {', '.join(repr(n) for n in missing)}; "
+                            f"the manifest declares {declared}")
+    out: dict[str, np.ndarray] = {}
+    rows_from = ""
+    for decl in decls:
+        data = given[decl.name]
+        if not isinstance(data, np.ndarray):
+            raise InternalError(f"{where}: tensor '{decl.name}': expected a NumPy array {decl.describe(rows or 'B')}, "
+                                f"found {type(data).__name__}")
+        if not _dtype_ok(decl, data):
+            raise InternalError(f"{where}: tensor '{decl.name}': expected dtype {decl.dtype.kserve} "
+                                f"({decl.describe(rows or 'B')}), found {_found(data)}")
+        axis = decl.batch_axis
+        if axis is not None and not any_rows and data.ndim == len(decl.shape):
+            n = int(data.shape[axis])
+            if rows is None:
+                if n < 1 or (max_rows is not None and n > max_rows):
+                    limit = f" and at most {max_rows} (the largest compiled batch size)" if max_rows else ""
+                    raise InternalError(f"{where}: tensor '{decl.name}': the batch axis (axis {axis}) must be at "
+                                        f"least 1{limit}, found {_found(data)}")
+                rows, rows_from = n, decl.name
+            elif n != rows and rows_from:
+                raise InternalError(f"{where}: tensor '{decl.name}' has {n} rows on its batch axis but "
+                                    f"'{rows_from}' has {rows}; all tensors share the batch axis")
+        expected = decl.row_major_shape(rows if rows is not None else -1)
+        ok = data.ndim == len(expected) and all(
+            g == w or (a == axis and (any_rows or rows is None)) for a, (w, g) in enumerate(zip(expected, data.shape)))
+        if not ok:
+            want = decl.describe("any" if any_rows else rows if rows is not None else "B")
+            raise InternalError(f"{where}: tensor '{decl.name}': expected shape {want}, found {_found(data)}")
+        out[decl.name] = data
+    return out, rows if rows is not None else 1
+
+
+def _dtype_ok(decl: TensorDecl, data: np.ndarray) -> bool:
+    if decl.dtype.kserve == "BYTES":
+        if data.dtype.kind in "SU":
+            return True
+        return data.dtype.kind == "O" and all(isinstance(x, (bytes, str)) for x in data.reshape(-1))
+    return data.dtype == decl.dtype.numpy
+
+
+def _found(data: np.ndarray) -> str:
+    try:
+        name = from_numpy(data.dtype).kserve
+    except KeyError:
+        name = str(data.dtype)
+    if data.dtype.kind == "O":
+        name = "object"
+    return f"{name}[{','.join(str(d) for d in data.shape)}]"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import re
 import sys
 import time
@@ -191,6 +192,9 @@ def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signat
             raise fail(f"{label} (result {i} of @main): expected {_describe(want)}, found {_describe(got)}")
 
 
+_hook_loads = itertools.count(1)
+
+
 def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration | None:
     """Import the bundle's model.py in isolation and return what it registered for this bundle."""
     file = path / HOOKS_FILE
@@ -198,18 +202,30 @@ def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration |
         if manifest.kind == "meta":
             raise BundleError(manifest.bundle, f"kind: meta needs a {HOOKS_FILE} that calls register_model(..., run=...)")
         return None
-    # A fresh, unique module name per load: bundles never clash and a reload re-imports.
-    module_name = f"_xlaserve_bundle_{re.sub(r'[^0-9A-Za-z_]', '_', manifest.bundle)}_v{version}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    assert spec is not None and spec.loader is not None
+    # A fresh, unique module name per load: bundles never clash and a reload re-imports. The
+    # module is a package over the bundle directory, so `from . import helpers` finds the
+    # bundle's own helpers.py under the same unique prefix. The source is compiled here rather
+    # than by the import system so that no __pycache__ is written into the model repository.
+    module_name = (f"_xlaserve_bundle_{re.sub(r'[^0-9A-Za-z_]', '_', manifest.bundle)}_v{version}"
+                   f"_{next(_hook_loads)}")
+    spec = importlib.util.spec_from_file_location(module_name, file, submodule_search_locations=[str(path)])
+    assert spec is not None
     module = importlib.util.module_from_spec(spec)
+    try:
+        code = compile(file.read_bytes(), str(file), "exec", dont_inherit=True)
+    except OSError as exc:
+        raise BundleError(manifest.bundle, f"cannot read {HOOKS_FILE}: {exc.strerror}") from None
+    except SyntaxError as exc:
+        raise BundleError(manifest.bundle, f"{HOOKS_FILE} line {exc.lineno}: {exc.msg}") from None
+    sys.modules[module_name] = module
     with collecting_registrations() as table:
         try:
-            spec.loader.exec_module(module)
+            exec(code, module.__dict__)
         except Exception as exc:
             raise BundleError(manifest.bundle, f"{HOOKS_FILE} raised {type(exc).__name__}: {exc}") from None
         finally:
-            sys.modules.pop(module_name, None)
+            for loaded in [m for m in sys.modules if m == module_name or m.startswith(module_name + ".")]:
+                del sys.modules[loaded]
     others = sorted(set(table) - {manifest.bundle})
     if others:
         raise BundleError(manifest.bundle, f"{HOOKS_FILE} registers {others}; a bundle registers only its own "

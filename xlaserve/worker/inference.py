@@ -1,25 +1,45 @@
-"""The request path on the Trio side: hooks around the scheduler.
+"""The request path on the Trio side: Python hooks and meta models around the scheduler.
 
 A request whose model has no hooks goes straight to the scheduler's inbox and its reply goes
-straight back to the caller. A request with ``preprocess``/``postprocess`` gets a task that
-runs each hook in the hooks thread pool, so the dispatch loop never waits on Python hooks.
+straight back to the caller. A request with ``preprocess``/``postprocess`` gets a task that runs
+each hook in the hooks thread pool, so the dispatch loop never waits on Python: while one
+request's postprocess runs, the device executes the next batch. A meta model's ``run`` gets a
+task and a thread of its own (the meta pool); each ``ctx.infer`` it makes enters the scheduler
+like any request, with what is left of the meta request's deadline.
+
+Everything a hook returns is checked against the manifest (:func:`xlaserve._hooks.conform`); a
+hook that raises or returns the wrong tensors fails its own request only, with INTERNAL naming
+the model, the hook and what went wrong.
 """
 from __future__ import annotations
 
+import itertools
 import logging
+import math
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import trio
 
-from xlaserve._hooks import NamedTensor
+from xlaserve._hooks import NamedTensor, conform
 from xlaserve.bundle import ModelVersion
-from xlaserve.errors import InternalError, QueueFull, XlaserveError
+from xlaserve.errors import (DeadlineExceeded, InternalError, ModelNotFound, ModelNotReady, QueueFull, Unavailable,
+                             XlaserveError)
+from xlaserve.manifest import TensorDecl
 from xlaserve.worker.messages import InferRequest, InferResult, Outcome, Reply, SchedulerMessage
+from xlaserve.worker.registry import ModelState
 
 log = logging.getLogger("xlaserve.inference")
+
+HOOK_THREADS = 16
+"""Hooks of different requests that may run at once. Hooks that release the GIL (NumPy, I/O)
+overlap with each other and with the device; pure-Python hooks share the GIL."""
+META_THREADS = 64
+"""Meta requests whose ``run`` may be in progress at once; each mostly waits on its sub-calls."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,21 +55,50 @@ class ClientRequest:
     received_ns: int
 
 
+class SubCallError(XlaserveError):
+    """A meta model's ``ctx.infer`` failed. Keeps the sub-call's status (DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED, UNAVAILABLE, ...); the message names the meta model and the sub-model."""
+
+    def __init__(self, message: str, cause: XlaserveError) -> None:
+        super().__init__(message)
+        self.status = cause.status
+        self.cause = cause
+
+
+def _remaining(deadline: float) -> float | None:
+    """Seconds left until ``deadline`` (trio clock), or None for no deadline."""
+    return None if math.isinf(deadline) else deadline - trio.current_time()
+
+
 class InferenceService:
+    """Accepts decoded client requests; owns the hook and meta thread pools.
+
+    ``table`` is the model table meta models look sub-models up in; ``stats`` (optional) gets one
+    success or failure per meta request (its sub-calls are counted under the sub-models).
+    """
+
     def __init__(self, scheduler: trio.MemorySendChannel[SchedulerMessage], nursery: trio.Nursery,
-                 hook_threads: int = 4) -> None:
+                 table=None, stats=None, hook_threads: int = HOOK_THREADS,
+                 meta_threads: int = META_THREADS) -> None:
         self._scheduler = scheduler
         self._nursery = nursery
+        self._table = table
+        self._stats = stats
         self._hooks_limiter = trio.CapacityLimiter(hook_threads)
+        self._meta_limiter = trio.CapacityLimiter(meta_threads)
 
     def submit(self, request: ClientRequest) -> None:
         """Accept one request; its reply is called exactly once. Runs on the Trio thread."""
-        hooks = request.model.hooks
-        if hooks is None or (hooks.preprocess is None and hooks.postprocess is None):
-            self._enqueue(InferRequest(request.model, request.inputs, request.rows, request.request_id,
+        model = request.model
+        hooks = model.hooks
+        deadline = math.inf if request.timeout is None else trio.current_time() + request.timeout
+        if model.is_meta:
+            self._nursery.start_soon(self._meta, request, deadline)
+        elif hooks is None or (hooks.preprocess is None and hooks.postprocess is None):
+            self._enqueue(InferRequest(model, request.inputs, request.rows, request.request_id,
                                        request.timeout, request.reply, request.received_ns))
         else:
-            self._nursery.start_soon(self._with_hooks, request)
+            self._nursery.start_soon(self._with_hooks, request, deadline)
 
     def _enqueue(self, request: InferRequest) -> None:
         try:
@@ -57,47 +106,151 @@ class InferenceService:
         except trio.WouldBlock:
             request.reply(QueueFull("the worker's admission channel is full; retry later"))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
-            from xlaserve.errors import Unavailable
             request.reply(Unavailable("the worker is shutting down"))
 
-    async def _with_hooks(self, request: ClientRequest) -> None:
-        model = request.model
-        hooks = model.hooks
-        try:
-            inputs = request.inputs
-            if hooks.preprocess is not None:
-                inputs = await self._run_hook(model, "preprocess", hooks.preprocess, inputs)
-            outcome = await self.execute(model, inputs, request.rows, request.request_id, request.timeout,
-                                         request.received_ns)
-            if isinstance(outcome, InferResult) and hooks.postprocess is not None:
-                outputs = await self._run_hook(model, "postprocess", hooks.postprocess, outcome.outputs)
-                outcome = InferResult(outputs, outcome.batch_size, outcome.queue_ns, outcome.compute_input_ns,
-                                      outcome.compute_infer_ns, outcome.compute_output_ns)
-        except XlaserveError as exc:
-            outcome = exc
-        request.reply(outcome)
-
     async def execute(self, model: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int,
-                      request_id: str, timeout: float | None, received_ns: int | None = None) -> Outcome:
-        """Queue executable inputs and wait for their outcome."""
+                      request_id: str, deadline: float = math.inf, received_ns: int | None = None) -> Outcome:
+        """Queue executable inputs with what is left until ``deadline`` and wait for their outcome."""
+        timeout = _remaining(deadline)
+        if timeout is not None and timeout <= 0:
+            return DeadlineExceeded(f"model '{model.name}': request '{request_id}' ran out of time before it "
+                                    "could be queued")
         send, receive = trio.open_memory_channel[Outcome](1)
         self._enqueue(InferRequest(model, inputs, rows, request_id, timeout, send.send_nowait,
                                    received_ns or time.perf_counter_ns()))
         async with receive:
             return await receive.receive()
 
-    async def _run_hook(self, model: ModelVersion, label: str, hook, tensors: Mapping[str, np.ndarray]):
-        named = [NamedTensor(k, v) for k, v in tensors.items()]
-
-        def call():
-            return hook(named)
-
+    # ---- preprocess / postprocess -------------------------------------------------------
+    async def _with_hooks(self, request: ClientRequest, deadline: float) -> None:
+        model = request.model
+        hooks = model.hooks
+        manifest = model.manifest
         try:
-            result = await trio.to_thread.run_sync(call, limiter=self._hooks_limiter)
+            inputs = request.inputs
+            if hooks.preprocess is not None:
+                inputs = await trio.to_thread.run_sync(
+                    call_hook, model, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs,
+                    request.rows, limiter=self._hooks_limiter)
+            outcome = await self.execute(model, inputs, request.rows, request.request_id, deadline,
+                                         request.received_ns)
+            if isinstance(outcome, InferResult) and hooks.postprocess is not None:
+                outputs = await trio.to_thread.run_sync(
+                    call_hook, model, "postprocess", hooks.postprocess, outcome.outputs, manifest.client_outputs,
+                    request.rows, limiter=self._hooks_limiter)
+                outcome = InferResult(outputs, outcome.batch_size, outcome.queue_ns, outcome.compute_input_ns,
+                                      outcome.compute_infer_ns, outcome.compute_output_ns)
+        except XlaserveError as exc:
+            outcome = exc
+        request.reply(outcome)
+
+    # ---- meta models --------------------------------------------------------------------
+    async def _meta(self, request: ClientRequest, deadline: float) -> None:
+        model = request.model
+        ctx = MetaContext(self, model, request.request_id, deadline, trio.lowlevel.current_trio_token())
+        tensors = [NamedTensor(name, array) for name, array in request.inputs.items()]
+        started_ns = time.perf_counter_ns()
+        try:
+            outputs = await trio.to_thread.run_sync(ctx._run, tensors, limiter=self._meta_limiter)
+            outcome: Outcome = InferResult(outputs, 0, 0, 0, time.perf_counter_ns() - started_ns, 0)
+        except XlaserveError as exc:
+            outcome = exc
+        if self._stats is not None:
+            total_ns = time.perf_counter_ns() - request.received_ns
+            if isinstance(outcome, InferResult):
+                self._stats.record_success(model.name, total_ns, max(0, started_ns - request.received_ns), 0,
+                                           outcome.compute_infer_ns, 0, time.time_ns() // 1_000_000)
+            else:
+                self._stats.record_failure(model.name, total_ns)
+        request.reply(outcome)
+
+    def _sub_model(self, meta: str, name: str) -> ModelVersion:
+        """The version of ``name`` serving now; reads the table's immutable snapshot (any thread)."""
+        table = self._table.snapshot if self._table is not None else {}
+        entry = table.get(name)
+        where = f"model '{meta}': run: ctx.infer('{name}')"
+        if entry is None:
+            cause = ModelNotFound(name, list(table))
+            raise SubCallError(f"{where}: {cause}", cause)
+        if entry.state is not ModelState.READY or entry.serving is None:
+            cause = ModelNotReady(f"model '{name}' is {entry.state.value}")
+            raise SubCallError(f"{where}: {cause}", cause)
+        if entry.serving.is_meta:
+            raise InternalError(f"{where}: '{name}' is a meta model; a meta model calls compiled models only")
+        return entry.serving
+
+
+def call_hook(model: ModelVersion, label: str, hook: Callable, tensors: Mapping[str, np.ndarray],
+              expected: Sequence[TensorDecl], rows: int) -> dict[str, np.ndarray]:
+    """Run one pre/postprocess hook (blocking) and check what it returns against ``expected``."""
+    named = [NamedTensor(name, array) for name, array in tensors.items()]
+    try:
+        result = hook(named)
+    except Exception as exc:
+        log.warning("model '%s': %s hook raised %s: %s", model.name, label, type(exc).__name__, exc, exc_info=True)
+        raise InternalError(f"model '{model.name}': {label} hook raised {type(exc).__name__}: {exc}") from None
+    kind = "executable_inputs" if label == "preprocess" else "client_outputs"
+    outputs, _ = conform(result, expected, where=f"model '{model.name}': {label} hook output (checked against "
+                                                 f"{kind})", rows=rows)
+    return outputs
+
+
+class MetaContext:
+    """What a meta model's ``run(tensors, ctx)`` gets: ``ctx.infer`` calls other models.
+
+    ``ctx.infer(model, tensors)`` takes a list of :class:`NamedTensor` (or a mapping of name to
+    array) matching the sub-model's client inputs, applies its preprocess, queues it in the
+    scheduler with what is left of this request's deadline, applies its postprocess and returns
+    a ``dict`` of the sub-model's client outputs by name. It blocks its thread only; call it from
+    ``run``'s own thread or from threads ``run`` starts, to overlap several sub-calls. A failure
+    raises :class:`SubCallError` (an ``XlaserveError``) carrying the sub-call's status.
+    """
+
+    def __init__(self, service: InferenceService, model: ModelVersion, request_id: str, deadline: float,
+                 token: trio.lowlevel.TrioToken) -> None:
+        self.model = model.name
+        self.request_id = request_id
+        self._meta = model
+        self._service = service
+        self._deadline = deadline
+        self._token = token
+        self._run_thread: int | None = None
+        self._calls = itertools.count(1)
+
+    def _run(self, tensors: list[NamedTensor]) -> dict[str, np.ndarray]:
+        """The meta request's whole body, in a meta-pool thread."""
+        self._run_thread = threading.get_ident()
+        name = self.model
+        try:
+            result = self._meta.hooks.run(tensors, self)
+        except XlaserveError:
+            raise
         except Exception as exc:
-            log.warning("model %s: %s raised %s: %s", model.name, label, type(exc).__name__, exc)
-            raise InternalError(f"model '{model.name}': {label} hook raised {type(exc).__name__}: {exc}") from None
-        if not isinstance(result, (list, tuple)) or not all(isinstance(t, NamedTensor) for t in result):
-            raise InternalError(f"model '{model.name}': {label} hook must return a list of NamedTensor, got "
-                                f"{type(result).__name__}")
-        return {t.name: np.asarray(t.data) for t in result}
+            log.warning("model '%s': run hook raised %s: %s", name, type(exc).__name__, exc, exc_info=True)
+            raise InternalError(f"model '{name}': run hook raised {type(exc).__name__}: {exc}") from None
+        outputs, _ = conform(result, self._meta.manifest.client_outputs,
+                             where=f"model '{name}': run hook output (checked against client_outputs)",
+                             rows=None, any_rows=True)
+        return outputs
+
+    def infer(self, model: str, tensors: Sequence[NamedTensor] | Mapping[str, Any]) -> dict[str, np.ndarray]:
+        sub = self._service._sub_model(self.model, model)
+        where = f"model '{self.model}': run: ctx.infer('{model}')"
+        manifest = sub.manifest
+        inputs, rows = conform(tensors, manifest.client_inputs, where=f"{where} inputs (checked against "
+                               f"'{model}' client_inputs)", rows=None, max_rows=manifest.max_batch_size)
+        hooks = sub.hooks
+        if hooks is not None and hooks.preprocess is not None:
+            inputs = call_hook(sub, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs, rows)
+        request_id = f"{self.request_id}/{model}#{next(self._calls)}"
+        args = (self._service.execute, sub, inputs, rows, request_id, self._deadline)
+        if threading.get_ident() == self._run_thread:
+            outcome = trio.from_thread.run(*args)   # in run's own task: cancelled with it
+        else:
+            outcome = trio.from_thread.run(*args, trio_token=self._token)
+        if isinstance(outcome, XlaserveError):
+            raise SubCallError(f"{where}: {outcome}", outcome)
+        outputs = outcome.outputs
+        if hooks is not None and hooks.postprocess is not None:
+            outputs = call_hook(sub, "postprocess", hooks.postprocess, outputs, manifest.client_outputs, rows)
+        return dict(outputs)

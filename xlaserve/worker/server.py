@@ -118,7 +118,7 @@ async def trio_main(config: WorkerConfig, on_started) -> None:
     to_lifecycle, lifecycle_inbox = trio.open_memory_channel(64)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run, scheduler_inbox)
-        service = InferenceService(to_scheduler, nursery)
+        service = InferenceService(to_scheduler, nursery, table, stats)
         lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights)
         handles = WorkerHandles(config, device, table, stats, metrics, scheduler, service, to_lifecycle,
                                 weights, nursery.cancel_scope)
