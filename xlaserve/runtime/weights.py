@@ -27,6 +27,9 @@ class WeightCache:
         self._device = device
         self._limiter = limiter
         self._resident: dict[tuple[str, int], tuple[object, ...]] = {}
+        # Versions replaced or unloaded: requests admitted to them still run, on a transient copy.
+        self._retired: set[tuple[str, int]] = set()
+        self._floors: dict[str, str] = {}
 
     async def ensure_resident(self, model: ModelVersion) -> tuple[object, ...]:
         """The model's weights as device arrays, in binding order; copied on first use."""
@@ -35,7 +38,8 @@ class WeightCache:
         if arrays is None:
             host = model.weights.arrays if model.weights else ()
             arrays = await trio.to_thread.run_sync(self._copy, host, limiter=self._limiter)
-            self._resident[key] = arrays
+            if key not in self._retired:
+                self._resident[key] = arrays
         return arrays
 
     def _copy(self, host) -> tuple[object, ...]:
@@ -45,6 +49,28 @@ class WeightCache:
         """Forget a model's device copy (all versions when ``version`` is None)."""
         for key in [k for k in self._resident if k[0] == name and (version is None or k[1] == version)]:
             del self._resident[key]
+            self._retired.add(key)
+        if version is not None:
+            self._retired.add((name, version))
+
+    def set_residency(self, name: str, floor: str) -> None:
+        """Record a model's residency floor (``device``, ``system`` or ``unpinned``). Minimal
+        first version (issue 5): recorded and reported; the budgeted cache enforces it."""
+        if floor not in ("device", "system", "unpinned"):
+            raise ValueError(f"residency must be one of device, system, unpinned; got {floor!r}")
+        self._floors[name] = floor
+
+    def residency(self, name: str) -> str | None:
+        return self._floors.get(name)
+
+    async def compact(self) -> int:
+        """Drop device copies of models not pinned with ``device`` and defragment; the bytes freed.
+        Minimal first version (issue 5); the budgeted cache refines it."""
+        freed = 0
+        for key in [k for k in self._resident if self._floors.get(k[0]) != "device"]:
+            freed += sum(self._device.device_bytes(a) for a in self._resident.pop(key))
+        await trio.to_thread.run_sync(self._device.defragment, limiter=self._limiter)
+        return freed
 
     def snapshot(self) -> tuple[Residency, ...]:
         return tuple(Residency(n, v, sum(self._device.device_bytes(a) for a in arrays))

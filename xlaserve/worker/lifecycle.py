@@ -1,17 +1,37 @@
 """The lifecycle actor: finds bundles in ``model_repo``, loads them off the Trio thread and
 publishes each ready version to the model table. A version is immutable; a new one is built
-beside the old and swapped in, and a failed load never takes down a working version."""
+beside the old and swapped in, and a failed load never takes down a working version.
+
+``model_control_mode`` decides what drives it:
+
+- ``dynamic``: the start-up set, then the repository watcher. watchfiles reports file events
+  (grouped: it yields once the repository has been quiet for a moment), and a rescan every
+  ``model_poll_seconds`` catches anything events miss (network filesystems, a full inotify
+  table). Each rescan compares every bundle's :func:`bundle_fingerprint` with the one of its
+  last load attempt and loads, reloads or unloads what differs.
+- ``static``: the start-up set only; the control surface refuses loads and unloads.
+- ``explicit``: nothing until :class:`LoadModel` / :class:`UnloadModel` arrive.
+
+One task owns the actor's state; requests from the control surface and repository rescans
+take turns under ``_turn``.
+
+Memory of a replaced version: the swap releases the old version's device copy
+(``WeightCache.release``). Requests admitted to the old version still hold its
+:class:`ModelVersion` (host weights and executables) and finish on it; the weight cache gives
+them a transient device copy, so the old version's memory is gone once the last of them is
+answered.
+"""
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import trio
 
-from xlaserve.bundle import ModelVersion, is_bundle, load_bundle
+from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, is_bundle, load_bundle
 from xlaserve.config import WorkerConfig
 from xlaserve.errors import BundleError, ModelNotFound, Unavailable
 from xlaserve.runtime.pjrt import Device
@@ -19,6 +39,9 @@ from xlaserve.worker.messages import DropModel, SchedulerMessage
 from xlaserve.worker.registry import ModelEntry, ModelState, ModelTable
 
 log = logging.getLogger("xlaserve.lifecycle")
+
+WATCH_STEP_MS = 200          # quiet time that ends a group of file events
+WATCH_DEBOUNCE_MS = 1600     # longest a group of events is held before a rescan
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,63 +59,194 @@ class UnloadModel:
 LifecycleMessage = LoadModel | UnloadModel
 
 
+@dataclass(frozen=True, slots=True)
+class RescanPlan:
+    """What a rescan does: bundles to load for the first time, to reload, and to unload."""
+
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+
+def plan_rescan(seen: Mapping[str, str], current: Mapping[str, str]) -> RescanPlan:
+    """Compare the fingerprints of the last load attempts (``seen``) with the repository now
+    (``current``): new names are added, different fingerprints changed, missing names removed."""
+    return RescanPlan(tuple(sorted(set(current) - set(seen))),
+                      tuple(sorted(n for n in current if n in seen and seen[n] != current[n])),
+                      tuple(sorted(set(seen) - set(current))))
+
+
+class LifecycleMetrics:
+    """The lifecycle's Prometheus series, registered in the worker's registry."""
+
+    def __init__(self, registry) -> None:
+        from prometheus_client import Counter, Histogram
+        self.loads = Counter("xlaserve_model_loads", "Bundle load attempts (start-up, reload, control RPC), "
+                             "by model and outcome (ok, failed)", ["model", "outcome"], registry=registry)
+        self.load_seconds = Histogram("xlaserve_model_load_duration_seconds",
+                                      "Time to build a new version of a bundle (read, validate, compile)",
+                                      ["model"], buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+                                      registry=registry)
+        self.unloads = Counter("xlaserve_model_unloads", "Bundles unloaded", ["model"], registry=registry)
+        self.executable_cache = Counter("xlaserve_executable_cache", "Compiled-executable cache lookups by "
+                                        "result (hit, miss, rejected: a corrupt or mismatched entry rebuilt)",
+                                        ["result"], registry=registry)
+
+
 class Lifecycle:
     def __init__(self, config: WorkerConfig, device: Device, table: ModelTable,
-                 scheduler: trio.MemorySendChannel[SchedulerMessage], weights, compile_module=None) -> None:
+                 scheduler: trio.MemorySendChannel[SchedulerMessage], weights, compile_module=None,
+                 metrics: LifecycleMetrics | None = None) -> None:
         self._config = config
         self._device = device
         self._table = table
         self._scheduler = scheduler
         self._weights = weights
         self._compile_module = compile_module
+        self._metrics = metrics
         self._versions: dict[str, int] = {}
+        self._seen: dict[str, str] = {}   # bundle -> fingerprint at its last load attempt or unload
         self._compile_limiter = trio.CapacityLimiter(1)
+        self._turn = trio.Lock()
 
     @property
     def repo(self) -> Path:
         return Path(self._config.model_repo)
+
+    def _included(self, name: str) -> bool:
+        include = self._config.models_include
+        return not include or name in include
 
     def discover(self) -> list[str]:
         """Bundle names in the repository, filtered by ``models_include`` when set."""
         if not self.repo.is_dir():
             log.error("model_repo %s is not a directory; serving no models", self.repo)
             return []
-        names = sorted(p.name for p in self.repo.iterdir() if is_bundle(p))
-        include = self._config.models_include
-        return [n for n in names if not include or n in include]
+        return sorted(p.name for p in self.repo.iterdir() if is_bundle(p) and self._included(p.name))
 
+    # ---- the actor -----------------------------------------------------------------------
     async def run(self, inbox: trio.MemoryReceiveChannel[LifecycleMessage], *,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        if self._config.model_control_mode != "explicit":
-            await self.load_all(self.discover())
-        self._table.startup_done.set()
-        async with inbox:
-            async for message in inbox:
-                match message:
-                    case LoadModel(name=name, reply=reply):
-                        reply(await self._load_requested(name))
-                    case UnloadModel(name=name, reply=reply):
-                        reply(await self.unload(name))
+        mode = self._config.model_control_mode
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            if mode != "explicit":
+                await self.load_all(self.discover())
+            else:
+                log.info("model_control_mode is explicit: no model loads until RepositoryModelLoad asks")
+            self._table.startup_done.set()
+            if mode == "dynamic":
+                rescans_send, rescans = trio.open_memory_channel[None](1)
+                rescans_send.send_nowait(None)   # catch what changed while the start-up set loaded
+                nursery.start_soon(self._watch, rescans_send.clone())
+                nursery.start_soon(self._poll, rescans_send)
+                nursery.start_soon(self._serve_rescans, rescans)
+            async with inbox:
+                async for message in inbox:
+                    async with self._turn:
+                        match message:
+                            case LoadModel(name=name, reply=reply):
+                                reply(await self._load_requested(name))
+                            case UnloadModel(name=name, reply=reply):
+                                reply(await self.unload(name))
+            nursery.cancel_scope.cancel()
 
+    async def _serve_rescans(self, rescans: trio.MemoryReceiveChannel[None]) -> None:
+        async with rescans:
+            async for _ in rescans:
+                async with self._turn:
+                    await self.rescan()
+
+    async def _watch(self, rescans: trio.MemorySendChannel[None]) -> None:
+        """File events from watchfiles, each group one rescan request (requests coalesce)."""
+        import watchfiles
+        async with rescans:
+            try:
+                async for changes in watchfiles.awatch(self.repo, debounce=WATCH_DEBOUNCE_MS, step=WATCH_STEP_MS,
+                                                       recursive=True):
+                    log.debug("repository events: %d file change(s)", len(changes))
+                    _request_rescan(rescans)
+            except (OSError, RuntimeError) as exc:
+                log.warning("cannot watch %s for file events (%s: %s); rescanning every %gs "
+                            "(model_poll_seconds) instead", self.repo, type(exc).__name__, exc,
+                            self._config.model_poll_seconds)
+
+    async def _poll(self, rescans: trio.MemorySendChannel[None]) -> None:
+        """The fallback: one rescan every ``model_poll_seconds``."""
+        async with rescans:
+            while True:
+                await trio.sleep(self._config.model_poll_seconds)
+                _request_rescan(rescans)
+
+    # ---- repository rescans ------------------------------------------------------------------
+    def current_fingerprints(self) -> dict[str, str]:
+        """Every bundle directory now, with its fingerprint. A directory the actor already
+        knows counts even while its manifest is missing (a half-done edit), so that edit is a
+        failed reload, never an unload."""
+        current: dict[str, str] = {}
+        if not self.repo.is_dir():
+            return current
+        for p in self.repo.iterdir():
+            name = p.name
+            if name.startswith(".") or not self._included(name) or not p.is_dir():
+                continue
+            if not (is_bundle(p) or name in self._seen):
+                continue
+            try:
+                current[name] = bundle_fingerprint(p)
+            except OSError:   # removed while we looked: the next rescan sees it gone
+                continue
+        return current
+
+    async def rescan(self) -> RescanPlan:
+        plan = plan_rescan(self._seen, self.current_fingerprints())
+        if plan:
+            log.info("repository changed: added %s, changed %s, removed %s",
+                     list(plan.added) or "-", list(plan.changed) or "-", list(plan.removed) or "-")
+        for name in plan.removed:
+            self._seen.pop(name, None)
+            if name in self._table.snapshot:
+                await self.unload(name)
+        for name in (*plan.added, *plan.changed):
+            await self.load(name)
+        return plan
+
+    # ---- loading -------------------------------------------------------------------------
     async def load_all(self, names: list[str]) -> None:
         started = time.perf_counter()
+        hits = compiled = 0
         for i, name in enumerate(names, 1):
-            log.info("loading %s (%d of %d)", name, i, len(names))
-            await self.load(name)
+            log.info("start-up: loading %s (%d of %d)", name, i, len(names))
+            entry = await self.load(name)
+            if entry.serving is not None:
+                for module in entry.serving.modules.values():
+                    hits += module.cache_hit
+                    compiled += not module.cache_hit
         ready = sum(1 for n in names if self._table.snapshot[n].state is ModelState.READY)
-        log.info("start-up: %d of %d bundle(s) ready in %.1fs", ready, len(names), time.perf_counter() - started)
+        log.info("start-up: %d of %d bundle(s) ready, %d failed, in %.1fs (%d module(s) from the executable "
+                 "cache, %d compiled)", ready, len(names), len(names) - ready, time.perf_counter() - started,
+                 hits, compiled)
 
     async def _load_requested(self, name: str) -> Exception | None:
+        if not self._included(name):
+            return ModelNotFound(name, self.discover())
         if not is_bundle(self.repo / name):
             return ModelNotFound(name, self.discover())
         entry = await self.load(name)
-        if entry.state is not ModelState.READY:
+        if entry.state is not ModelState.READY or entry.reason:
             return Unavailable(f"model '{name}' failed to load: {entry.reason}")
         return None
 
     async def load(self, name: str) -> ModelEntry:
         """Build a new version of ``name`` and swap it in; on failure the old one keeps serving."""
+        path = self.repo / name
+        try:
+            self._seen[name] = bundle_fingerprint(path)
+        except OSError:
+            self._seen[name] = ""
         current = self._table.snapshot.get(name)
         if current is None:
             self._table.publish(ModelEntry(name, ModelState.LOADING))
@@ -101,32 +255,63 @@ class Lifecycle:
         started = time.perf_counter()
         try:
             model: ModelVersion = await trio.to_thread.run_sync(
-                self._load_blocking, self.repo / name, version, limiter=self._compile_limiter)
-        except BundleError as exc:
-            reason = str(exc)
-            log.error("%s", reason)
-            previous = self._table.snapshot.get(name)
-            if previous is not None and previous.serving is not None:
-                return self._table.update(name, reason=f"reload failed, still serving version "
-                                                       f"{previous.version}: {reason}")
-            return self._table.update(name, state=ModelState.UNAVAILABLE, reason=reason)
+                self._load_blocking, path, version, limiter=self._compile_limiter)
+        except (BundleError, OSError) as exc:
+            return self._failed(name, exc)
+        seconds = time.perf_counter() - started
         old = self._table.snapshot.get(name)
         entry = ModelEntry(name, ModelState.READY, "", model)
         self._table.publish(entry)
-        log.info("%s version %d ready in %.2fs", name, version, time.perf_counter() - started)
+        hits = sum(m.cache_hit for m in model.modules.values())
+        log.info("%s version %d ready in %.2fs (%d of %d module(s) from the executable cache)", name, version,
+                 seconds, hits, len(model.modules))
+        if self._metrics is not None:
+            self._metrics.loads.labels(name, "ok").inc()
+            self._metrics.load_seconds.labels(name).observe(seconds)
         if old is not None and old.serving is not None:
             self._weights.release(name, old.serving.version)
+            log.info("%s version %d retired; requests admitted to it finish on it", name, old.serving.version)
         return entry
 
+    def _failed(self, name: str, exc: Exception) -> ModelEntry:
+        reason = str(exc) if isinstance(exc, BundleError) else \
+            f"bundle '{name}': cannot read it: {getattr(exc, 'strerror', None) or exc}"
+        if self._metrics is not None:
+            self._metrics.loads.labels(name, "failed").inc()
+        previous = self._table.snapshot.get(name)
+        if previous is not None and previous.serving is not None:
+            log.error("%s; still serving version %d", reason, previous.serving.version)
+            return self._table.update(name, reason=f"reload failed, still serving version "
+                                                   f"{previous.serving.version}: {reason}")
+        log.error("%s", reason)
+        return self._table.update(name, state=ModelState.UNAVAILABLE, reason=reason)
+
     def _load_blocking(self, path: Path, version: int) -> ModelVersion:
+        if not (path / MANIFEST).is_file():
+            raise BundleError(path.name, f"{MANIFEST} is missing (a bundle directory needs one)")
         return load_bundle(path, version, self._device, self._compile_module, progress=log.info)
 
     async def unload(self, name: str) -> Exception | None:
         entry = self._table.snapshot.get(name)
         if entry is None:
             return ModelNotFound(name, list(self._table.snapshot))
+        if name in self._seen:
+            # An unload on request holds in dynamic mode until the bundle's files change.
+            try:
+                self._seen[name] = bundle_fingerprint(self.repo / name)
+            except OSError:
+                self._seen.pop(name, None)
         self._table.remove(name)
         await self._scheduler.send(DropModel(name, Unavailable(f"model '{name}' was unloaded")))
         self._weights.release(name)
+        if self._metrics is not None:
+            self._metrics.unloads.labels(name).inc()
         log.info("%s unloaded", name)
         return None
+
+
+def _request_rescan(rescans: trio.MemorySendChannel[None]) -> None:
+    try:
+        rescans.send_nowait(None)
+    except trio.WouldBlock:
+        pass   # a rescan is already pending; it will see this change too
