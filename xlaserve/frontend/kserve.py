@@ -19,7 +19,7 @@ from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output
 from xlaserve.errors import (FailedPrecondition, InvalidArgument, ModelNotFound, ModelNotReady, NotFound,
-                             Unimplemented, XlaserveError)
+                             ResourceExhausted, Unimplemented, XlaserveError)
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.manifest import TensorDecl
@@ -93,6 +93,7 @@ def _request_timeout(request, stream) -> float | None:
 class KServeService(GRPCInferenceServiceBase):
     def __init__(self, worker: "WorkerHandles") -> None:
         self._worker = worker
+        self._in_flight = 0
 
     # ---- model lookup --------------------------------------------------------------------
     def _entry(self, name: str, version: str = "") -> ModelEntry:
@@ -229,12 +230,23 @@ class KServeService(GRPCInferenceServiceBase):
         request = await stream.recv_message()
         model_name = request.model_name
         status = "OK"
+        endpoints = self._worker.config.endpoints
+        self._in_flight += 1
         try:
+            if endpoints.max_concurrent_requests and self._in_flight > endpoints.max_concurrent_requests:
+                raise ResourceExhausted(f"{self._in_flight - 1} inference requests are in flight, the limit "
+                                        f"(endpoints.max_concurrent_requests) is {endpoints.max_concurrent_requests}; "
+                                        "retry later")
+            size = request.ByteSize()
+            if size > endpoints.max_recv_msg_bytes:
+                raise ResourceExhausted(f"the request is {size} bytes, the limit (endpoints.max_recv_msg_bytes) is "
+                                        f"{endpoints.max_recv_msg_bytes}; send large tensors through shared memory")
             response = await self._infer(request, stream, received_ns)
         except XlaserveError as exc:
             status = exc.status.name
             raise
         finally:
+            self._in_flight -= 1
             self._worker.metrics.observe_request(model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
         await stream.send_message(response)
 
