@@ -1,0 +1,277 @@
+"""Python hooks without a server: what hooks return is checked against the manifest, model.py is
+imported in isolation, the CORAL postprocess counts leading positive logits, and meta sub-calls
+enter the scheduler with the meta request's deadline."""
+from __future__ import annotations
+
+import functools
+import shutil
+import time
+from pathlib import Path
+from types import MappingProxyType, SimpleNamespace
+
+import numpy as np
+import pytest
+import trio
+
+from examples import reference
+from xlaserve._hooks import NamedTensor, conform
+from xlaserve.bundle import ModelVersion, import_hooks
+from xlaserve.errors import BundleError, InternalError, XlaserveError
+from xlaserve.manifest import parse_manifest
+from xlaserve.worker.inference import ClientRequest, InferenceService, SubCallError, call_hook
+from xlaserve.worker.messages import InferRequest, InferResult
+from xlaserve.worker.registry import ModelEntry, ModelState, ModelTable
+
+HOOKS = Path(__file__).resolve().parent.parent / "examples" / "hooks"
+
+
+def _manifest(name: str, **extra):
+    data = {"format_version": "2.0", "name": name,
+            "executable_inputs": [{"name": "x", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+            "executable_outputs": [{"name": "y", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+            "batching": {"compiled_batch_sizes": [1, 4]}}
+    data.update(extra)
+    return parse_manifest(data, name)
+
+
+GRADE_OUT = _manifest("g", client_outputs=[{"name": "grade", "dtype": "i64", "shape": "yn", "dims": {"y": 1}},
+                                           {"name": "label", "dtype": "bytes", "shape": "yn", "dims": {"y": 1}}])
+
+
+# ---- conform: what hooks return, checked against the manifest ------------------------------
+def test_conform_accepts_declared_tensors_and_bytes_as_object_or_numpy_strings():
+    grade = np.zeros((3, 1), np.int64)
+    for label in (np.array([[b"a"], [b"b"], ["c"]], dtype=object), np.array([[b"a"], [b"b"], [b"c"]])):
+        out, rows = conform([NamedTensor("label", label), NamedTensor("grade", grade)], GRADE_OUT.client_outputs,
+                            where="w", rows=3)
+        assert list(out) == ["grade", "label"] and rows == 3
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([NamedTensor("grade", np.zeros((3, 1), np.float64)), NamedTensor("label", np.full((3, 1), b"x"))],
+     "tensor 'grade': expected dtype INT64 (INT64[3,1]), found FP64[3,1]"),
+    ([NamedTensor("grade", np.zeros((2, 1), np.int64)), NamedTensor("label", np.full((3, 1), b"x"))],
+     "tensor 'grade': expected shape INT64[3,1], found INT64[2,1]"),
+    ([NamedTensor("grade", np.zeros((3, 1), np.int64))], "missing tensor(s) 'label'"),
+    ([NamedTensor("grade", np.zeros((3, 1), np.int64)), NamedTensor("label", np.full((3, 1), b"x")),
+      NamedTensor("extra", np.zeros(3))], "unexpected tensor(s) 'extra'"),
+    ([NamedTensor("grade", [[1], [2], [3]]), NamedTensor("label", np.full((3, 1), b"x"))],
+     "tensor 'grade': expected a NumPy array INT64[3,1], found list"),
+    ([NamedTensor("grade", np.zeros((3, 1), np.int64)), NamedTensor("label", np.array([[1], [2], [3]], object))],
+     "tensor 'label': expected dtype BYTES"),
+    ({"grade": np.zeros((3, 1), np.int64)}.values(), "expected a list of NamedTensor, found dict_values"),
+    ([("grade", np.zeros((3, 1)))], "expected a list of NamedTensor, found an element of type tuple"),
+])
+def test_conform_names_the_tensor_expected_and_found(returned, message):
+    with pytest.raises(InternalError) as info:
+        conform(returned, GRADE_OUT.client_outputs, where="model 'g': postprocess hook output", rows=3)
+    assert str(info.value).startswith("model 'g': postprocess hook output: ")
+    assert message in str(info.value)
+
+
+def test_conform_rows_from_the_batch_axis_and_free_rows_for_meta_outputs():
+    decls = _manifest("m").executable_inputs
+    _, rows = conform({"x": np.zeros((3, 4), np.float32)}, decls, where="w", rows=None, max_rows=4)
+    assert rows == 3
+    with pytest.raises(InternalError, match=r"at most 4 \(the largest compiled batch size\), found FP32\[5,4\]"):
+        conform({"x": np.zeros((5, 4), np.float32)}, decls, where="w", rows=None, max_rows=4)
+    with pytest.raises(InternalError, match="must be at least 1"):
+        conform({"x": np.zeros((0, 4), np.float32)}, decls, where="w", rows=None)
+    out, _ = conform({"x": np.zeros((0, 4), np.float32)}, decls, where="w", rows=None, any_rows=True)
+    assert out["x"].shape == (0, 4)
+
+
+def test_call_hook_names_model_hook_and_exception():
+    model = SimpleNamespace(name="grader")
+
+    def broken(tensors):
+        raise ValueError("no logits today")
+    with pytest.raises(InternalError, match=r"^model 'grader': postprocess hook raised ValueError: no logits today$"):
+        call_hook(model, "postprocess", broken, {"y": np.zeros((1, 4), np.float32)}, GRADE_OUT.client_outputs, 1)
+    with pytest.raises(InternalError, match=r"model 'grader': postprocess hook output \(checked against "
+                                            r"client_outputs\): expected a list of NamedTensor, found NoneType"):
+        call_hook(model, "postprocess", lambda t: None, {}, GRADE_OUT.client_outputs, 1)
+
+
+# ---- import_hooks: isolation and reload ---------------------------------------------------
+def _bundle(root: Path, name: str, hooks: str, helper: str | None = None, **manifest) -> Path:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.py").write_text(hooks)
+    if helper is not None:
+        (path / "helpers.py").write_text(helper)
+    return path
+
+
+HOOK_WITH_HELPER = """
+from xlaserve import NamedTensor, register_model
+from . import helpers
+import numpy as np
+
+def postprocess(outputs):
+    return [NamedTensor("y", outputs[0].data + np.float32(helpers.OFFSET))]
+
+register_model({name!r}, postprocess=postprocess)
+"""
+
+
+def _offset_of(reg) -> float:
+    (out,) = reg.postprocess([NamedTensor("y", np.zeros((1, 4), np.float32))])
+    return float(out.data[0, 0])
+
+
+def test_each_bundle_imports_its_own_helpers_and_a_reload_reimports(tmp_path):
+    a = _bundle(tmp_path, "a", HOOK_WITH_HELPER.format(name="a"), "OFFSET = 1")
+    b = _bundle(tmp_path, "b", HOOK_WITH_HELPER.format(name="b"), "OFFSET = 2")
+    reg_a = import_hooks(a, _manifest("a"), 1)
+    reg_b = import_hooks(b, _manifest("b"), 1)
+    assert (_offset_of(reg_a), _offset_of(reg_b)) == (1.0, 2.0)
+    (a / "helpers.py").write_text("OFFSET = 10")
+    assert _offset_of(import_hooks(a, _manifest("a"), 1)) == 10.0   # same version: still fresh
+    assert _offset_of(reg_a) == 1.0                                  # the old version keeps its code
+    assert not (a / "__pycache__").exists()
+
+
+def test_import_hooks_errors_name_the_bundle(tmp_path):
+    other = _bundle(tmp_path, "c", "from xlaserve import register_model\nregister_model('d', postprocess=len)\n")
+    with pytest.raises(BundleError, match=r"bundle 'c': model.py registers \['d'\]"):
+        import_hooks(other, _manifest("c"), 1)
+    syntax = _bundle(tmp_path, "e", "def broken(:\n")
+    with pytest.raises(BundleError, match=r"bundle 'e': model.py line 1"):
+        import_hooks(syntax, _manifest("e"), 1)
+    meta = parse_manifest({"format_version": "2.0", "kind": "meta",
+                           "client_inputs": [{"name": "x", "dtype": "f32", "shape": "n"}],
+                           "client_outputs": [{"name": "y", "dtype": "f32", "shape": "n"}]}, "f")
+    no_run = _bundle(tmp_path, "f", "from xlaserve import register_model\nregister_model('f', postprocess=len)\n")
+    with pytest.raises(BundleError, match=r"kind: meta needs register_model\('f', run=...\)"):
+        import_hooks(no_run, meta, 1)
+
+
+# ---- the CORAL postprocess of severity_grader -------------------------------------------
+@pytest.fixture(scope="module")
+def grader_postprocess(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hooks") / "severity_grader"
+    path.mkdir()
+    shutil.copy(HOOKS / "severity_grader.py", path / "model.py")
+    manifest = _manifest("severity_grader")
+    return import_hooks(path, manifest, 1).postprocess
+
+
+def test_coral_grade_counts_leading_positive_logits_and_stops_at_the_first_other(grader_postprocess):
+    logits = np.array([
+        [1, 1, -1, 1, 1, 1, 1, 1, 1],      # stops at the third: 2, not 8
+        [1] * 9,                           # every threshold passed: 9
+        [-1, 1, 1, 1, 1, 1, 1, 1, 1],      # first is not positive: 0
+        [1, 1, 1, 0, 1, 1, 1, 1, 1],       # zero is not positive: 3
+    ], dtype=np.float32)
+    grade, label = grader_postprocess([NamedTensor("OUTPUT__0", logits)])
+    assert (grade.name, label.name) == ("grade", "label")
+    np.testing.assert_array_equal(grade.data, [[2], [9], [0], [3]])
+    assert grade.data.dtype == np.int64 and grade.data.shape == (4, 1)
+    assert list(label.data[:, 0]) == [b"minimal", b"critical", b"none", b"mild"]
+    random = np.random.default_rng(0).standard_normal((64, 9)).astype(np.float32) + 0.8
+    (grade, _) = grader_postprocess([NamedTensor("OUTPUT__0", random)])
+    np.testing.assert_array_equal(grade.data, reference.coral_grade_ref(random))
+
+
+# ---- meta models against a stand-in scheduler ---------------------------------------------
+def _version(manifest, hooks=None) -> ModelVersion:
+    return ModelVersion(manifest.bundle, 1, Path("/nonexistent"), manifest, "f", None, 0, MappingProxyType({}),
+                        hooks, 0.0)
+
+
+def _meta(run):
+    from xlaserve._hooks import Registration
+    manifest = parse_manifest({"format_version": "2.0", "kind": "meta",
+                               "client_inputs": [{"name": "x", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}],
+                               "client_outputs": [{"name": "y", "dtype": "f32", "shape": "fn", "dims": {"f": 4}}]},
+                              "meta")
+    return _version(manifest, Registration("meta", run=run))
+
+
+async def _serve_meta(meta: ModelVersion, requests: int, timeout: float | None):
+    """Submit ``requests`` meta requests; a stand-in scheduler doubles every sub-call's x."""
+    table = ModelTable()
+    sub = _version(_manifest("double"))
+    table.publish(ModelEntry("double", ModelState.READY, serving=sub))
+    table.publish(ModelEntry("meta", ModelState.READY, serving=meta))
+    seen: list[InferRequest] = []
+    outcomes: dict[int, object] = {}
+    all_replied = trio.Event()
+    to_scheduler, inbox = trio.open_memory_channel(100)
+
+    def reply(i, outcome):
+        outcomes[i] = outcome
+        if len(outcomes) == requests:
+            all_replied.set()
+
+    async def scheduler():
+        async for request in inbox:
+            seen.append(request)
+            request.reply(InferResult({"y": request.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler)
+        service = InferenceService(to_scheduler, nursery, table)
+        for i in range(requests):
+            x = np.full((1, 4), i, np.float32)
+            service.submit(ClientRequest(meta, {"x": x}, 1, f"r{i}", timeout, functools.partial(reply, i),
+                                         time.perf_counter_ns()))
+        await all_replied.wait()
+        nursery.cancel_scope.cancel()
+    return seen, outcomes
+
+
+def test_meta_sub_calls_enter_the_scheduler_with_the_meta_deadline_many_at_once():
+    started = []
+
+    def run(tensors, ctx):
+        started.append(ctx.request_id)
+        once = ctx.infer("double", [NamedTensor("x", tensors[0].data)])["y"]
+        return [NamedTensor("y", ctx.infer("double", {"x": once})["y"])]
+
+    seen, outcomes = trio.run(_serve_meta, _meta(run), 8, 30.0)
+    assert len(seen) == 16 and sorted(started) == [f"r{i}" for i in range(8)]
+    assert all(0 < r.timeout <= 30.0 for r in seen)
+    assert {r.request_id.split("/")[1] for r in seen} == {"double#1", "double#2"}
+    for i, outcome in outcomes.items():
+        assert isinstance(outcome, InferResult)
+        np.testing.assert_array_equal(outcome.outputs["y"], np.full((1, 4), 4 * i, np.float32))
+
+
+def test_meta_errors_name_the_model_hook_and_keep_sub_call_status():
+    def bad_input(tensors, ctx):
+        return [NamedTensor("y", ctx.infer("double", {"x": np.zeros((1, 4), np.float64)})["y"])]
+
+    def unknown(tensors, ctx):
+        return ctx.infer("nope", tensors)
+
+    def raises(tensors, ctx):
+        raise KeyError("k")
+
+    def wrong_output(tensors, ctx):
+        return [NamedTensor("z", tensors[0].data)]
+
+    (out,) = trio.run(_serve_meta, _meta(bad_input), 1, None)[1].values()
+    assert isinstance(out, InternalError)
+    assert "model 'meta': run: ctx.infer('double') inputs (checked against 'double' client_inputs): tensor 'x': " \
+           "expected dtype FP32" in str(out)
+    (out,) = trio.run(_serve_meta, _meta(unknown), 1, None)[1].values()
+    assert isinstance(out, SubCallError) and out.status.name == "NOT_FOUND"
+    assert str(out).startswith("model 'meta': run: ctx.infer('nope'): model 'nope' is not in the repository")
+    (out,) = trio.run(_serve_meta, _meta(raises), 1, None)[1].values()
+    assert isinstance(out, InternalError) and str(out) == "model 'meta': run hook raised KeyError: 'k'"
+    (out,) = trio.run(_serve_meta, _meta(wrong_output), 1, None)[1].values()
+    assert isinstance(out, XlaserveError) and "run hook output (checked against client_outputs): unexpected " \
+                                              "tensor(s) 'z'" in str(out)
+
+
+def test_a_spent_deadline_fails_the_sub_call_with_deadline_exceeded():
+    def run(tensors, ctx):
+        time.sleep(0.05)   # the thread, not the Trio loop, spends the meta request's time
+        return ctx.infer("double", tensors)
+
+    seen, outcomes = trio.run(_serve_meta, _meta(run), 1, 0.01)
+    (out,) = outcomes.values()
+    assert not seen and out.status.name == "DEADLINE_EXCEEDED"
+    assert "ctx.infer('double')" in str(out)
