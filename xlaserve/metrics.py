@@ -22,6 +22,21 @@ class Metrics:
         self.batch_rows = Histogram("xlaserve_batch_rows", "Request rows coalesced into one execution",
                                     ["model"], buckets=_ROW_BUCKETS, registry=r)
         self.models = Gauge("xlaserve_models", "Models in the table, by state", ["state"], registry=r)
+        self.queue_depth = Gauge("xlaserve_queue_depth", "Requests waiting in the model's queue",
+                                 ["model"], registry=r)
+        self.batch_size = Histogram("xlaserve_batch_size", "Compiled batch size of each execution",
+                                    ["model"], buckets=_ROW_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("xlaserve_queue_duration_seconds",
+                                       "Time from receiving a request to its dispatch to the device",
+                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.compute_seconds = Histogram("xlaserve_compute_duration_seconds",
+                                         "Time of one execution (assemble inputs, run, split outputs)",
+                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejections = Counter("xlaserve_rejections",
+                                  "Requests the scheduler answered without running them, by reason "
+                                  "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
+                                  "model_dropped, execution_failed)",
+                                  ["model", "reason"], registry=r)
 
     def observe_request(self, model: str, status: str, seconds: float) -> None:
         self.requests.labels(model, status).inc()
@@ -32,5 +47,90 @@ class Metrics:
         self.executions.labels(model, str(size)).inc()
         self.batch_rows.labels(model).observe(rows)
 
+    def set_queue_depth(self, model: str, depth: int) -> None:
+        self.queue_depth.labels(model).set(depth)
+
+    def observe_dispatch(self, model: str, size: int, rows: int, queue_ns, compute_ns: int) -> None:
+        """One execution at compiled ``size`` serving ``rows``; ``queue_ns`` holds each request's wait."""
+        self.observe_execution(model, size, rows)
+        self.batch_size.labels(model).observe(size)
+        self.compute_seconds.labels(model).observe(compute_ns / 1e9)
+        queue = self.queue_seconds.labels(model)
+        for ns in queue_ns:
+            queue.observe(ns / 1e9)
+
+    def observe_rejection(self, model: str, reason: str) -> None:
+        self.rejections.labels(model, reason).inc()
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class WeightCacheMetrics:
+    """The weight cache's metrics (issue 4), per model and in total, in a worker's registry.
+    Totals are separate unlabelled series so that dashboards need no ``sum()``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.resident_model = Gauge("xlaserve_weight_cache_model_resident_bytes",
+                                    "Weight bytes of the model on the device now", ["model"], registry=r)
+        self.resident_total = Gauge("xlaserve_weight_cache_resident_bytes",
+                                    "Weight bytes on the device now, all models", registry=r)
+        self.budget = Gauge("xlaserve_weight_cache_budget_bytes", "The device weight budget", registry=r)
+        self.hits_model = Counter("xlaserve_weight_cache_model_hits",
+                                  "Dispatches that found the weights resident", ["model"], registry=r)
+        self.hits_total = Counter("xlaserve_weight_cache_hits", "Dispatches that found the weights resident",
+                                  registry=r)
+        self.misses_model = Counter("xlaserve_weight_cache_model_misses",
+                                    "Dispatches that had to copy the weights onto the device", ["model"], registry=r)
+        self.misses_total = Counter("xlaserve_weight_cache_misses",
+                                    "Dispatches that had to copy the weights onto the device", registry=r)
+        self.evictions_model = Counter("xlaserve_weight_cache_model_evictions",
+                                       "Device copies evicted to make room", ["model"], registry=r)
+        self.evictions_total = Counter("xlaserve_weight_cache_evictions", "Device copies evicted to make room",
+                                       registry=r)
+        self.prefetch_hits_model = Counter("xlaserve_weight_cache_model_prefetch_hits",
+                                           "Dispatches served by weights a prefetch copied", ["model"], registry=r)
+        self.prefetch_hits_total = Counter("xlaserve_weight_cache_prefetch_hits",
+                                           "Dispatches served by weights a prefetch copied", registry=r)
+        self.load_seconds_model = Histogram("xlaserve_weight_cache_model_load_seconds",
+                                            "Time of one host-to-device weight copy (on demand or prefetch)",
+                                            ["model"], buckets=_LOAD_BUCKETS, registry=r)
+        self.load_seconds_total = Histogram("xlaserve_weight_cache_load_seconds",
+                                            "Time of one host-to-device weight copy, all models",
+                                            buckets=_LOAD_BUCKETS, registry=r)
+
+    def hit(self, model: str, prefetched: bool) -> None:
+        self.hits_model.labels(model).inc()
+        self.hits_total.inc()
+        if prefetched:
+            self.prefetch_hits_model.labels(model).inc()
+            self.prefetch_hits_total.inc()
+
+    def load(self, model: str, seconds: float, prefetch: bool) -> None:
+        self.load_seconds_model.labels(model).observe(seconds)
+        self.load_seconds_total.observe(seconds)
+        if not prefetch:
+            self.misses_model.labels(model).inc()
+            self.misses_total.inc()
+
+    def evict(self, model: str) -> None:
+        self.evictions_model.labels(model).inc()
+        self.evictions_total.inc()
+
+    def resident(self, model: str, nbytes: int) -> None:
+        self.resident_model.labels(model).set(nbytes)
+
+    def totals(self, resident: int, budget: int) -> None:
+        self.resident_total.set(resident)
+        self.budget.set(budget)
+
+    def forget(self, model: str) -> None:
+        """A model left the cache: its resident gauge goes (counters stay, as Prometheus expects)."""
+        try:
+            self.resident_model.remove(model)
+        except KeyError:
+            pass

@@ -1,30 +1,50 @@
 """The scheduler actor: per-model bounded queues and the one dispatch loop of a worker.
 
-Requests arrive on an inbox channel. Whenever the device is free the dispatch loop asks the
-policy which model goes next, takes that model's queued requests (same version, never split)
-up to the best compiled batch size, makes its weights resident and runs one execution.
+Requests arrive on an inbox channel and wait in their model's queue (at most
+``scheduler.max_queue_depth``). Whenever the device is free the dispatch loop asks the policy
+(``scheduler.discipline``) which backlogged model goes next, takes as many of that model's
+queued requests as fit the best compiled batch size (same version, never split, at most the
+model's ``max_batch_size`` rows), makes its weights resident and runs one execution; the
+outputs are cut back into each request's own rows. Nothing waits on purpose: while one
+execution runs, the queues fill, and the next dispatch takes what has gathered.
+
+Every queued request is due for dispatch by ``min(its deadline, admission +
+dispatch_timeout_seconds)``; the expiry task answers DEADLINE_EXCEEDED for any request still
+queued at that moment, so it never runs. Under ``edf`` a request that cannot finish in time
+given the learned execution cost is shed early, at admission or when its batch is formed.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 
+from xlaserve.bundle import ModelVersion
 from xlaserve.config import SchedulerConfig
-from xlaserve.errors import InternalError, QueueFull
+from xlaserve.errors import DeadlineExceeded, InternalError, QueueFull, XlaserveError
 from xlaserve.runtime.weights import WeightCache
-from xlaserve.worker.batching import choose_batch
+from xlaserve.worker.batching import BatchPlan, plan_batch, smallest_holding
 from xlaserve.worker.executor import Executor
 from xlaserve.worker.messages import DropModel, InferRequest, InferResult, SchedulerMessage
+from xlaserve.worker.policy import Candidate, CostModel, CostSnapshot, Policy, make_policy
 from xlaserve.worker.stats import StatsBook
 
 log = logging.getLogger("xlaserve.scheduler")
+
+# rejection reasons, as the ``xlaserve_rejections`` metric labels them
+QUEUE_FULL = "queue_full"
+DEADLINE_EXPIRED = "deadline_expired"     # the request's own deadline passed while queued
+DEADLINE_SHED = "deadline_shed"           # edf: could not finish in time given the learned cost
+DISPATCH_TIMEOUT = "dispatch_timeout"     # waited scheduler.dispatch_timeout_seconds
+MODEL_DROPPED = "model_dropped"
+EXECUTION_FAILED = "execution_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +52,8 @@ class Queued:
     request: InferRequest
     seq: int                 # admission order across all models
     admitted_at: float       # trio.current_time()
-
-
-class Policy(Protocol):
-    def pick(self, queues: Mapping[str, deque[Queued]], now: float) -> str:
-        """The model to dispatch next; ``queues`` holds only non-empty queues."""
-
-
-class FifoPolicy:
-    """The model of the oldest queued request goes next."""
-
-    def pick(self, queues: Mapping[str, deque[Queued]], now: float) -> str:
-        return min(queues, key=lambda name: queues[name][0].seq)
+    deadline: float          # the request's own deadline on the Trio clock; inf: none
+    dispatch_by: float       # min(deadline, admitted_at + dispatch_timeout_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +63,23 @@ class QueueSnapshot:
     rows: int
 
 
+@dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """A model's effective scheduling settings (config, then run-time overrides)."""
+
+    model: str
+    weight: float
+    max_batch_size: int | None
+
+
 class Scheduler:
+    """Owns the queues, the learned costs and the policy; nothing else touches them.
+
+    ``executor`` needs ``await run(model, size, weights, inputs, rows) -> BatchResult``;
+    ``weights`` needs ``await ensure_resident(model) -> weights``. Both are awaited on the
+    dispatch loop only, so tests can pass fakes that ``await trio.sleep(cost)``.
+    """
+
     def __init__(self, config: SchedulerConfig, executor: Executor, weights: WeightCache,
                  stats: StatsBook, metrics=None, policy: Policy | None = None) -> None:
         self._config = config
@@ -61,11 +87,47 @@ class Scheduler:
         self._weights = weights
         self._stats = stats
         self._metrics = metrics
-        self._policy = policy or FifoPolicy()
+        self._costs = CostModel(config.ema_halflife_seconds)
+        self._overrides: dict[str, dict[str, float | int | None]] = {}
+        self._policy = policy or make_policy(config.discipline, self._costs, self.weight)
+        self._edf = config.discipline == "edf" and policy is None
         self._queues: dict[str, deque[Queued]] = {}
+        self._queued: set[int] = set()                          # seqs still waiting
+        self._expiry: list[tuple[float, int, str]] = []         # heap of (dispatch_by, seq, model)
         self._seq = itertools.count()
         self._wakeup = trio.Event()
+        self._expiry_changed = trio.Event()
+        self._armed_at = math.inf
         self._closing = False
+
+    # ---- policy settings -----------------------------------------------------------------
+    def weight(self, model: str) -> float:
+        override = self._overrides.get(model, {}).get("weight")
+        return float(override) if override is not None else self._config.for_model(model).weight
+
+    def max_batch_size(self, model: str) -> int | None:
+        override = self._overrides.get(model, {})
+        if "max_batch_size" in override:
+            return override["max_batch_size"]
+        return self._config.for_model(model).max_batch_size
+
+    def set_policy(self, model: str, weight: float | None = None, max_batch_size: int | None = None) -> ModelPolicy:
+        """Override a model's ``weight`` and/or ``max_batch_size`` from now on (None: unchanged).
+
+        A new weight changes the ``fair`` shares from the next dispatch on."""
+        if weight is not None and not weight > 0:
+            raise ValueError(f"weight of model '{model}' must be > 0, got {weight}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size of model '{model}' must be >= 1, got {max_batch_size}")
+        override = self._overrides.setdefault(model, {})
+        if weight is not None:
+            override["weight"] = weight
+        if max_batch_size is not None:
+            override["max_batch_size"] = max_batch_size
+        return self.policy(model)
+
+    def policy(self, model: str) -> ModelPolicy:
+        return ModelPolicy(model, self.weight(model), self.max_batch_size(model))
 
     # ---- introspection (snapshots) -------------------------------------------------------
     def queues(self) -> tuple[QueueSnapshot, ...]:
@@ -74,12 +136,17 @@ class Scheduler:
     def depth(self, model: str) -> int:
         return len(self._queues.get(model, ()))
 
+    def costs(self) -> tuple[CostSnapshot, ...]:
+        """The learned execution time of every (model, compiled batch size) measured so far."""
+        return self._costs.snapshot()
+
     # ---- the actor ---------------------------------------------------------------------
     async def run(self, inbox: trio.MemoryReceiveChannel[SchedulerMessage], *,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve until ``inbox`` closes, then finish what is queued and return."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._dispatch_loop)
+            nursery.start_soon(self._expiry_loop)
             task_status.started()
             async with inbox:
                 async for message in inbox:
@@ -87,70 +154,219 @@ class Scheduler:
                         case InferRequest():
                             self._admit(message)
                         case DropModel(name=name, error=error):
-                            for queued in self._queues.pop(name, ()):
-                                self._fail(queued.request, error)
+                            self._drop(name, error)
             self._closing = True
             self._wakeup.set()
+            self._expiry_changed.set()
 
     def _admit(self, request: InferRequest) -> None:
         name = request.model.name
+        now = trio.current_time()
         queue = self._queues.get(name)
         if queue is None:
             queue = self._queues[name] = deque()
         limit = self._config.max_queue_depth
         if len(queue) >= limit:
-            self._fail(request, QueueFull(f"model '{name}' has {len(queue)} requests queued, the limit "
-                                          f"(scheduler.max_queue_depth) is {limit}; retry later"))
+            self._reject(request, QUEUE_FULL, QueueFull(
+                f"model '{name}' has {len(queue)} requests queued, the limit (scheduler.max_queue_depth) "
+                f"is {limit}; retry later"))
             return
-        queue.append(Queued(request, next(self._seq), trio.current_time()))
+        deadline = math.inf
+        if request.timeout is not None:
+            if request.timeout <= 0:
+                self._reject(request, DEADLINE_EXPIRED, DeadlineExceeded(
+                    f"model '{name}': the request's deadline had already passed when it was queued"))
+                return
+            deadline = now + request.timeout
+            if self._edf and not self._can_finish(request.model, request.rows, now, deadline):
+                self._reject(request, DEADLINE_SHED, DeadlineExceeded(
+                    f"model '{name}': a timeout of {request.timeout * 1e3:.1f} ms is shorter than its learned "
+                    f"execution time; shed without running"))
+                return
+        dispatch_by = min(deadline, now + self._config.dispatch_timeout_seconds)
+        seq = next(self._seq)
+        queue.append(Queued(request, seq, now, deadline, dispatch_by))
+        self._queued.add(seq)
+        heapq.heappush(self._expiry, (dispatch_by, seq, name))
+        if dispatch_by < self._armed_at:
+            self._expiry_changed.set()
         self._wakeup.set()
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(name, len(queue))
 
-    def _fail(self, request: InferRequest, error) -> None:
+    def _can_finish(self, model: ModelVersion, rows: int, now: float, deadline: float) -> bool:
+        size = smallest_holding(model.compiled_batch_sizes, rows) or model.compiled_batch_sizes[-1]
+        cost = self._costs.estimate(model.name, size)
+        return cost is None or now + cost <= deadline
+
+    def _drop(self, name: str, error: XlaserveError) -> None:
+        for queued in self._queues.pop(name, ()):
+            self._queued.discard(queued.seq)
+            self._reject(queued.request, MODEL_DROPPED, error)
+        self._costs.forget(name)
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(name, 0)
+
+    def _reject(self, request: InferRequest, reason: str, error: XlaserveError) -> None:
         self._stats.record_failure(request.model.name, time.perf_counter_ns() - request.received_ns)
+        if self._metrics is not None:
+            self._metrics.observe_rejection(request.model.name, reason)
         request.reply(error)
 
+    # ---- expiry --------------------------------------------------------------------------
+    async def _expiry_loop(self) -> None:
+        """Answer DEADLINE_EXCEEDED for every request still queued at its ``dispatch_by``."""
+        heap = self._expiry
+        while True:
+            while heap and heap[0][1] not in self._queued:
+                heapq.heappop(heap)
+            if not heap and self._closing:
+                return
+            self._armed_at = heap[0][0] if heap else math.inf
+            if self._armed_at <= trio.current_time():
+                self._expire(trio.current_time())
+                continue
+            self._expiry_changed = trio.Event()
+            with trio.move_on_at(self._armed_at):
+                await self._expiry_changed.wait()
+
+    def _expire(self, now: float) -> None:
+        heap = self._expiry
+        expired: dict[str, set[int]] = {}
+        while heap and heap[0][0] <= now:
+            _, seq, name = heapq.heappop(heap)
+            if seq in self._queued:
+                self._queued.discard(seq)
+                expired.setdefault(name, set()).add(seq)
+        for name, seqs in expired.items():
+            queue = self._queues.get(name, deque())
+            kept: deque[Queued] = deque()
+            for queued in queue:
+                if queued.seq not in seqs:
+                    kept.append(queued)
+                    continue
+                waited = now - queued.admitted_at
+                if queued.deadline <= queued.dispatch_by:
+                    self._reject(queued.request, DEADLINE_EXPIRED, DeadlineExceeded(
+                        f"model '{name}': the request's deadline passed after {waited * 1e3:.1f} ms in the "
+                        f"queue ({len(queue) - 1} others queued for this model); it was not run"))
+                else:
+                    self._reject(queued.request, DISPATCH_TIMEOUT, DeadlineExceeded(
+                        f"model '{name}': waited {waited:.3f} s for dispatch, longer than "
+                        f"scheduler.dispatch_timeout_seconds ({self._config.dispatch_timeout_seconds} s); "
+                        f"it was not run"))
+            self._queues[name] = kept
+            if self._metrics is not None:
+                self._metrics.set_queue_depth(name, len(kept))
+
+    # ---- dispatch ------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
         while True:
             backlog = {n: q for n, q in self._queues.items() if q}
             if not backlog:
                 if self._closing:
+                    self._expiry_changed.set()
                     return
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
                 continue
-            name = self._policy.pick(backlog, trio.current_time())
-            await self._dispatch(backlog[name])
+            now = trio.current_time()
+            plans: dict[str, tuple[list[Queued], BatchPlan]] = {}
+            candidates: dict[str, Candidate] = {}
+            for name, queue in backlog.items():
+                order, plan = self._plan(name, queue)
+                plans[name] = order, plan
+                due = min(q.dispatch_by for q in queue) if self._edf else queue[0].dispatch_by
+                candidates[name] = Candidate(name, plan.size, queue[0].seq, due)
+            name = self._policy.pick(candidates, now)
+            order, plan = plans[name]
+            batch = [order[i] for i in plan.indices]
+            if self._edf and self._shed(name, batch, plan.size, now):
+                continue
+            self._take(name, batch)
+            await self._dispatch(name, batch, plan.size)
 
-    async def _dispatch(self, queue: deque[Queued]) -> None:
-        model = queue[0].request.model
-        same_version = itertools.takewhile(lambda q: q.request.model is model, queue)
-        rows = [q.request.rows for q in same_version]
-        cap = self._config.for_model(model.name).max_batch_size
-        count, size = choose_batch(rows, model.compiled_batch_sizes, cap)
-        batch = [queue.popleft() for _ in range(count)]
+    def _plan(self, name: str, queue: deque[Queued]) -> tuple[list[Queued], BatchPlan]:
+        """The order in which ``queue`` is considered for the next batch, and the batch."""
+        if self._edf:
+            order = sorted(queue, key=lambda q: (q.dispatch_by, q.seq))
+        else:
+            order = list(itertools.islice(queue, 0, 4096))
+        model = order[0].request.model
+        if any(q.request.model is not model for q in order):
+            order = [q for q in order if q.request.model is model]  # one version per execution
+        try:
+            plan = plan_batch([q.request.rows for q in order], model.compiled_batch_sizes,
+                              self.max_batch_size(name))
+        except ValueError:
+            # the frontend bounds rows by the largest compiled size; this is a bug if it happens
+            plan = BatchPlan((0,), order[0].request.rows, model.compiled_batch_sizes[-1])
+        return order, plan
+
+    def _shed(self, name: str, batch: list[Queued], size: int, now: float) -> bool:
+        """edf: answer the requests of ``batch`` that cannot finish by their deadline; any shed?"""
+        cost = self._costs.estimate(name, size)
+        if cost is None:
+            return False
+        late = [q for q in batch if q.deadline < now + cost]
+        if not late:
+            return False
+        self._take(name, late)
+        for q in late:
+            left = max(0.0, q.deadline - now)
+            self._reject(q.request, DEADLINE_SHED, DeadlineExceeded(
+                f"model '{name}': {left * 1e3:.1f} ms were left before the request's deadline but an execution "
+                f"at batch size {size} takes {cost * 1e3:.1f} ms (learned); shed without running"))
+        return True
+
+    def _take(self, name: str, batch: Sequence[Queued]) -> None:
+        """Remove ``batch`` from the model's queue."""
+        queue = self._queues[name]
+        for q in batch:
+            self._queued.discard(q.seq)
+        if all(queue[i] is q for i, q in enumerate(batch)):
+            for _ in batch:
+                queue.popleft()
+        else:
+            taken = {q.seq for q in batch}
+            self._queues[name] = queue = deque(q for q in queue if q.seq not in taken)
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(name, len(queue))
+
+    async def _dispatch(self, name: str, batch: list[Queued], size: int) -> None:
+        model = batch[0].request.model
+        rows = [q.request.rows for q in batch]
         started_ns = time.perf_counter_ns()
         try:
             weights = await self._weights.ensure_resident(model)
-            result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch],
-                                              [q.request.rows for q in batch])
+            # Prefetch hint: the model of the oldest other queued request likely runs next.
+            waiting = [q[0] for n, q in self._queues.items() if q and n != name]
+            if waiting and hasattr(self._weights, "hint_next"):
+                self._weights.hint_next(min(waiting, key=lambda q: q.seq).request.model)
+            started = trio.current_time()
+            result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows)
+            finished = trio.current_time()
         except Exception as exc:  # an XLA runtime failure fails this batch only
             log.exception("model %s: execution at batch size %d failed", model.name, size)
-            error = InternalError(f"model '{model.name}': execution failed: {type(exc).__name__}: {exc}")
+            error = InternalError(f"model '{model.name}': execution at batch size {size} failed: "
+                                  f"{type(exc).__name__}: {exc}")
             for q in batch:
-                self._fail(q.request, error)
+                self._reject(q.request, EXECUTION_FAILED, error)
             return
-        total_rows = sum(rows[:count])
-        self._stats.record_execution(model.name, size, total_rows, result.compute_input_ns,
+        self._costs.observe(name, size, finished - started, finished)
+        total_rows = sum(rows)
+        self._stats.record_execution(name, size, total_rows, result.compute_input_ns,
                                      result.compute_infer_ns, result.compute_output_ns)
-        if self._metrics is not None:
-            self._metrics.observe_execution(model.name, size, total_rows)
         done_ns = time.perf_counter_ns()
         now_ms = time.time_ns() // 1_000_000
-        for q, outputs in zip(batch, result.per_request):
+        queue_ns = [max(0, started_ns - q.request.received_ns) for q in batch]
+        if self._metrics is not None:
+            compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
+            self._metrics.observe_dispatch(name, size, total_rows, queue_ns, compute_ns)
+        for q, waited_ns, outputs in zip(batch, queue_ns, result.per_request):
             request = q.request
-            queue_ns = max(0, started_ns - request.received_ns)
-            self._stats.record_success(model.name, done_ns - request.received_ns, queue_ns,
+            self._stats.record_success(name, done_ns - request.received_ns, waited_ns,
                                        result.compute_input_ns, result.compute_infer_ns,
                                        result.compute_output_ns, now_ms)
-            request.reply(InferResult(outputs, size, queue_ns, result.compute_input_ns,
+            request.reply(InferResult(outputs, size, waited_ns, result.compute_input_ns,
                                       result.compute_infer_ns, result.compute_output_ns))

@@ -1,0 +1,383 @@
+"""The scheduler's policies on a fake device, under Trio's MockClock: every timing is exact."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+import trio
+from trio.testing import MockClock
+
+from xlaserve.config import ModelSchedConfig, SchedulerConfig
+from xlaserve.errors import DeadlineExceeded, QueueFull
+from xlaserve.worker.executor import BatchResult
+from xlaserve.worker.messages import DropModel, InferRequest, InferResult
+from xlaserve.worker.policy import Candidate, CostModel, DeficitRoundRobin, EdfPolicy, FifoPolicy
+from xlaserve.worker.scheduler import Scheduler
+from xlaserve.worker.stats import StatsBook
+
+
+@dataclass(frozen=True, eq=False)
+class FakeModel:
+    name: str
+    compiled_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    version: int = 1
+
+
+@dataclass
+class FakeDevice:
+    """Executes by sleeping on the Trio clock: ``cost[model](size)`` seconds per execution."""
+
+    cost: dict
+    log: list = field(default_factory=list)   # (start, model, size, rows)
+
+    async def run(self, model, size, weights, inputs, rows):
+        start = trio.current_time()
+        self.log.append((start, model.name, size, tuple(rows)))
+        await trio.sleep(self.cost[model.name](size))
+        return BatchResult(tuple({"x": r["x"]} for r in inputs), 0, 0, 0)
+
+    def device_time(self, since: float = 0.0) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for start, name, size, _ in self.log:
+            if start >= since:
+                out[name] = out.get(name, 0.0) + self.cost[name](size)
+        return out
+
+
+class FakeWeights:
+    async def ensure_resident(self, model):
+        return ()
+
+
+def config(**kw) -> SchedulerConfig:
+    models = kw.pop("models", {})
+    return SchedulerConfig(models=MappingProxyType({k: ModelSchedConfig(**v) for k, v in models.items()}), **kw)
+
+
+class Harness:
+    def __init__(self, cfg: SchedulerConfig, cost: dict, nursery: trio.Nursery) -> None:
+        self.device = FakeDevice(cost)
+        self.stats = StatsBook()
+        self.scheduler = Scheduler(cfg, self.device, FakeWeights(), self.stats)
+        self.send, self._inbox = trio.open_memory_channel(1000)
+        self.models: dict[str, FakeModel] = {}
+        self.nursery = nursery
+
+    async def start(self):
+        await self.nursery.start(self.scheduler.run, self._inbox)
+
+    def model(self, name: str, sizes=(1, 2, 4, 8)) -> FakeModel:
+        return self.models.setdefault(name, FakeModel(name, tuple(sizes)))
+
+    async def infer(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0):
+        send, receive = trio.open_memory_channel(1)
+        x = np.full((rows, 1), tag, dtype=np.int64)
+        await self.send.send(InferRequest(self.model(name), {"x": x}, rows, str(tag), timeout,
+                                          send.send_nowait, 0))
+        return await receive.receive()
+
+    def submit(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, into=None):
+        async def one():
+            outcome = await self.infer(name, rows, timeout, tag)
+            if into is not None:
+                into.append((trio.current_time(), name, tag, outcome))
+        self.nursery.start_soon(one)
+
+    def closed_loop(self, name: str, clients: int, latencies: list | None = None):
+        async def client():
+            while True:
+                t0 = trio.current_time()
+                await self.infer(name)
+                if latencies is not None:
+                    latencies.append(trio.current_time() - t0)
+        for _ in range(clients):
+            self.nursery.start_soon(client)
+
+
+def run(test, cfg: SchedulerConfig, cost: dict):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            h = Harness(cfg, cost, nursery)
+            await h.start()
+            await test(h)
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def per_batch(seconds: float):
+    return lambda size: seconds
+
+
+# ---- coalescing --------------------------------------------------------------------------
+
+def test_requests_queued_while_busy_run_as_one_batch_with_their_own_rows():
+    results = []
+
+    async def test(h: Harness):
+        for tag in range(6):
+            h.submit("m", tag=tag, into=results)
+        await trio.sleep(1)
+        # the first dispatch found one request (the others were not yet admitted) or all six
+        sizes = [(size, rows) for _, _, size, rows in h.device.log]
+        assert sum(len(rows) for _, rows in sizes) == 6
+        assert len(sizes) <= 2 and sizes[-1][0] in (4, 8)
+        for _, _, tag, outcome in results:
+            assert isinstance(outcome, InferResult)
+            np.testing.assert_array_equal(outcome.outputs["x"], [[tag]])
+        assert h.stats.get("m").inference_count == 6
+        assert h.stats.get("m").execution_count == len(sizes)
+
+    run(test, config(), {"m": per_batch(0.01)})
+
+
+def test_backlog_coalesces_to_the_largest_size_and_pads_the_rest():
+    async def test(h: Harness):
+        h.submit("m", rows=3)            # starts alone
+        await trio.sleep(0.001)
+        for _ in range(11):
+            h.submit("m")
+        await trio.sleep(1)
+        assert [(size, sum(rows)) for _, _, size, rows in h.device.log] == [(4, 3), (8, 8), (4, 3)]
+
+    run(test, config(), {"m": per_batch(0.1)})
+
+
+def test_max_batch_size_caps_rows_but_a_larger_request_still_runs():
+    async def test(h: Harness):
+        h.submit("m")
+        await trio.sleep(0.001)
+        for rows in (1, 1, 1, 1, 1, 8):
+            h.submit("m", rows=rows)
+            await trio.sleep(0.001)
+        await trio.sleep(1)
+        assert [(size, rows) for _, _, size, rows in h.device.log] == \
+            [(1, (1,)), (2, (1, 1)), (2, (1, 1)), (1, (1,)), (8, (8,))]
+
+    run(test, config(models={"m": {"max_batch_size": 2}}), {"m": per_batch(0.1)})
+
+
+def test_full_queue_rejects_with_resource_exhausted_naming_model_and_depth():
+    results = []
+
+    async def test(h: Harness):
+        for tag in range(4):
+            h.submit("m", tag=tag, into=results)   # one runs, two queue, the fourth is refused
+            await trio.sleep(0.001)
+        await trio.sleep(1)
+        refused = [o for _, _, _, o in results if isinstance(o, QueueFull)]
+        assert len(refused) == 1
+        assert "model 'm' has 2 requests queued" in str(refused[0])
+        assert "scheduler.max_queue_depth" in str(refused[0]) and "is 2" in str(refused[0])
+        assert h.stats.get("m").fail.count == 1
+
+    run(test, config(max_queue_depth=2), {"m": per_batch(0.1)})
+
+
+def test_drop_model_answers_its_queue():
+    results = []
+
+    async def test(h: Harness):
+        for tag in range(3):
+            h.submit("m", tag=tag, into=results)
+            await trio.sleep(0.001)
+        from xlaserve.errors import ModelNotReady
+        await h.send.send(DropModel("m", ModelNotReady("model 'm' was unloaded")))
+        await trio.sleep(1)
+        errors = [o for _, _, _, o in results if isinstance(o, ModelNotReady)]
+        assert len(errors) == 2 and len(h.device.log) == 1
+
+    run(test, config(), {"m": per_batch(0.1)})
+
+
+# ---- fair: deficit round robin -----------------------------------------------------------
+
+def test_drr_device_time_converges_to_the_weights():
+    async def test(h: Harness):
+        # more clients than one batch takes (8), so every model stays backlogged
+        h.closed_loop("a", 16)
+        h.closed_loop("b", 16)
+        h.closed_loop("c", 16)
+        await trio.sleep(20)
+        share = h.device.device_time(since=2.0)
+        total = sum(share.values())
+        assert share["a"] / total == pytest.approx(1 / 6, abs=0.01)
+        assert share["b"] / total == pytest.approx(2 / 6, abs=0.01)
+        assert share["c"] / total == pytest.approx(3 / 6, abs=0.01)
+
+    # very different costs per dispatch: shares follow the weights, not the dispatch counts
+    cfg = config(models={"a": {"weight": 1}, "b": {"weight": 2}, "c": {"weight": 3}})
+    run(test, cfg, {"a": per_batch(0.050), "b": per_batch(0.015), "c": lambda size: 0.01 * size})
+
+
+def test_fifo_gives_device_time_by_arrival_not_weight():
+    async def test(h: Harness):
+        h.closed_loop("a", 16)
+        h.closed_loop("b", 16)
+        await trio.sleep(10)
+        share = h.device.device_time(since=2.0)
+        # both always have a queue; fifo alternates batches, so the dearer model gets more time
+        assert share["a"] > 5 * share["b"]
+
+    run(test, config(discipline="fifo", models={"b": {"weight": 10}}),
+        {"a": per_batch(0.050), "b": per_batch(0.005)})
+
+
+def test_light_model_is_not_starved_by_a_heavy_one_under_fair():
+    latencies: list[float] = []
+
+    async def test(h: Harness):
+        h.closed_loop("heavy", 28)
+        h.closed_loop("light", 1, latencies)
+        await trio.sleep(5)
+        # light waits for at most one heavy batch plus its own execution
+        assert max(latencies[5:]) <= 0.020 + 0.002 + 1e-9
+
+    run(test, config(models={"heavy": {"max_batch_size": 8}}),
+        {"heavy": per_batch(0.020), "light": per_batch(0.002)})
+
+
+def test_idle_model_banks_no_credit():
+    async def test(h: Harness):
+        h.closed_loop("a", 16)
+        await trio.sleep(3)               # b is idle all this time
+        h.closed_loop("b", 16)
+        await trio.sleep(0.5)
+        start = 3.0
+        share = h.device.device_time(since=start)
+        # equal weights: b gets half, not 10 s of saved-up credit
+        assert share["b"] / sum(share.values()) == pytest.approx(0.5, abs=0.1)
+
+    run(test, config(), {"a": per_batch(0.01), "b": per_batch(0.01)})
+
+
+def test_set_policy_weight_changes_fair_shares():
+    async def test(h: Harness):
+        h.closed_loop("a", 16)
+        h.closed_loop("b", 16)
+        await trio.sleep(2)
+        h.scheduler.set_policy("b", weight=4.0)
+        await trio.sleep(0.1)
+        since = trio.current_time()
+        await trio.sleep(10)
+        share = h.device.device_time(since=since)
+        assert share["b"] / sum(share.values()) == pytest.approx(0.8, abs=0.02)
+        assert h.scheduler.policy("b").weight == 4.0
+
+    run(test, config(), {"a": per_batch(0.05), "b": per_batch(0.05)})
+
+
+def test_drr_charges_an_unmeasured_model_conservatively():
+    costs = CostModel(halflife=30)
+    costs.observe("a", 1, 0.010, now=0)
+    policy = DeficitRoundRobin(costs, lambda name: 1.0)
+    # b has never run: charged the dearest measured dispatch (or the default), never zero
+    assert costs.charge("b", 1) == pytest.approx(0.05)
+    costs.observe("a", 8, 0.080, now=0)
+    assert costs.charge("b", 1) == pytest.approx(0.080)
+    picks = [policy.pick({"a": Candidate("a", 1, 0, math.inf), "b": Candidate("b", 1, 1, math.inf)}, 0)
+             for _ in range(9)]
+    # b is charged 80 ms a dispatch until measured, a 10 ms: a runs about 8 times as often
+    assert picks.count("b") == 1
+
+
+# ---- the cost model ----------------------------------------------------------------------
+
+def test_cost_ema_half_life_on_the_clock():
+    costs = CostModel(halflife=10)
+    assert costs.estimate("m", 4) is None
+    costs.observe("m", 4, 1.0, now=0)
+    assert costs.estimate("m", 4) == 1.0                  # the first sample as is
+    costs.observe("m", 4, 3.0, now=10)                     # the old sample now weighs 1/2
+    assert costs.estimate("m", 4) == pytest.approx((0.5 * 1 + 3) / 1.5)
+    costs.observe("m", 4, 3.0, now=1000)                   # long ago: forgotten
+    assert costs.estimate("m", 4) == pytest.approx(3.0, rel=1e-6)
+    # unmeasured sizes borrow from a larger size, or scale a smaller one
+    assert costs.estimate("m", 2) == pytest.approx(3.0, rel=1e-6)
+    assert costs.estimate("m", 8) == pytest.approx(6.0, rel=1e-6)
+
+
+# ---- fifo / edf order --------------------------------------------------------------------
+
+def test_fifo_and_edf_policies_order():
+    c = {"a": Candidate("a", 1, oldest_seq=5, earliest_deadline=1.0),
+         "b": Candidate("b", 1, oldest_seq=2, earliest_deadline=3.0),
+         "c": Candidate("c", 1, oldest_seq=9, earliest_deadline=math.inf)}
+    assert FifoPolicy().pick(c, 0) == "b"
+    assert EdfPolicy().pick(c, 0) == "a"
+
+
+def test_edf_runs_the_most_urgent_model_first():
+    async def test(h: Harness):
+        h.submit("busy")
+        await trio.sleep(0.001)
+        h.submit("late", timeout=5.0)
+        h.submit("none")                   # no deadline: due at the dispatch timeout (30 s)
+        h.submit("soon", timeout=1.0)
+        await trio.sleep(2)
+        assert [name for _, name, _, _ in h.device.log] == ["busy", "soon", "late", "none"]
+
+    run(test, config(discipline="edf"), {n: per_batch(0.1) for n in ("busy", "late", "none", "soon")})
+
+
+def test_deadline_passing_in_the_queue_fails_without_running():
+    results = []
+
+    async def test(h: Harness):
+        h.submit("busy", tag=1, into=results)
+        await trio.sleep(0.001)
+        h.submit("m", timeout=0.5, tag=2, into=results)
+        await trio.sleep(3)
+        (when, _, _, outcome), = [r for r in results if r[2] == 2]
+        assert isinstance(outcome, DeadlineExceeded)
+        assert when == pytest.approx(0.501)
+        assert "deadline passed" in str(outcome)
+        assert [name for _, name, _, _ in h.device.log] == ["busy"]
+
+    run(test, config(discipline="fifo"), {"busy": per_batch(2.0), "m": per_batch(0.1)})
+
+
+def test_edf_sheds_work_that_cannot_finish_in_time():
+    results = []
+
+    async def test(h: Harness):
+        await h.infer("m")                                  # learn: 0.2 s per execution
+        h.submit("m", timeout=0.1, tag=1, into=results)     # shed at admission
+        await trio.sleep(0.01)
+        h.submit("m", timeout=10, tag=2, into=results)      # runs now, until t=0.41
+        await trio.sleep(0.001)
+        h.submit("m", timeout=0.3, tag=3, into=results)     # by its turn 0.09 s are left: shed
+        await trio.sleep(2)
+        outcomes = {tag: o for _, _, tag, o in results}
+        assert isinstance(outcomes[1], DeadlineExceeded) and "shed" in str(outcomes[1])
+        assert isinstance(outcomes[2], InferResult)
+        assert isinstance(outcomes[3], DeadlineExceeded) and "shed" in str(outcomes[3])
+        shed_at = next(when for when, _, tag, _ in results if tag == 3)
+        assert shed_at == pytest.approx(0.41)               # early: its deadline was 0.511
+        assert len(h.device.log) == 2
+
+    run(test, config(discipline="edf"), {"m": per_batch(0.2)})
+
+
+@pytest.mark.parametrize("discipline", ["fair", "fifo", "edf"])
+def test_dispatch_timeout_bounds_the_wait_under_every_discipline(discipline):
+    results = []
+
+    async def test(h: Harness):
+        h.submit("busy", tag=1, into=results)
+        await trio.sleep(0.001)
+        h.submit("m", tag=2, into=results)                  # no deadline of its own
+        h.submit("m", timeout=60, tag=3, into=results)      # a deadline past the dispatch timeout
+        await trio.sleep(10)
+        outcomes = {tag: (when, o) for when, _, tag, o in results}
+        for tag in (2, 3):
+            when, outcome = outcomes[tag]
+            assert isinstance(outcome, DeadlineExceeded)
+            assert "scheduler.dispatch_timeout_seconds" in str(outcome)
+            assert when == pytest.approx(1.001)
+        assert [name for _, name, _, _ in h.device.log] == ["busy"]
+
+    run(test, config(discipline=discipline, dispatch_timeout_seconds=1.0),
+        {"busy": per_batch(5.0), "m": per_batch(0.1)})
