@@ -10,7 +10,11 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import itertools
+import json
+import mmap
+import os
 import re
+import struct
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -18,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+import ml_dtypes
 import numpy as np
 import yaml
-from safetensors import safe_open
 
 from xlaserve._hooks import Registration, collecting_registrations
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
@@ -34,15 +38,88 @@ _MODULE_RE = re.compile(r"^model\.b(\d+)\.(mlir|mlirbc)$")
 
 
 @dataclass(frozen=True, slots=True)
-class HostWeights:
-    """A model's weights in host RAM, in binding order."""
+class WeightTensor:
+    """One tensor of a safetensors file: where its bytes are (absolute file offset)."""
 
-    names: tuple[str, ...]
-    arrays: tuple[np.ndarray, ...]
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays)
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class HostWeights:
+    """Where a model's weights live in its safetensors file, in binding order.
+
+    Holds no arrays itself, so a version whose residency floor is ``unpinned`` keeps no host
+    copy: the weight cache calls :meth:`map` for a zero-copy host copy it keeps (floors
+    ``system``/``device``) or :meth:`read` for a fresh copy from disk on every load.
+    """
+
+    file: Path
+    tensors: tuple[WeightTensor, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """Read-only arrays over a fresh mapping of the file (see :meth:`map`)."""
+        return self.map()
+
+    def map(self) -> tuple[np.ndarray, ...]:
+        """Zero-copy, read-only arrays over the file, mapped with its pages faulted in now
+        (``MAP_POPULATE``): the page cache is the host copy. The mapping lives as long as any
+        array does. The file must not be truncated or rewritten in place meanwhile."""
+        if not self.tensors:
+            return ()
+        with open(self.file, "rb") as f:
+            self._check_size(os.fstat(f.fileno()).st_size)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        buffer = memoryview(mapped)
+        return tuple(self._view(buffer, t, t.offset) for t in self.tensors)
+
+    def read(self) -> tuple[np.ndarray, ...]:
+        """A fresh private copy from disk: one read of the tensors' byte span into one
+        page-aligned buffer; the arrays are views of it."""
+        if not self.tensors:
+            return ()
+        start = min(t.offset for t in self.tensors)
+        end = max(t.offset + t.nbytes for t in self.tensors)
+        raw = np.empty(end - start + 4096, np.uint8)
+        skew = (-raw.ctypes.data) % 4096
+        buffer = raw[skew:skew + end - start]
+        with open(self.file, "rb") as f:
+            self._check_size(os.fstat(f.fileno()).st_size)
+            f.seek(start)
+            got = f.readinto(memoryview(buffer))
+        if got != end - start:
+            raise OSError(f"{self.file}: read {got} of {end - start} weight bytes (was the file truncated?)")
+        arrays = tuple(self._view(memoryview(buffer), t, t.offset - start) for t in self.tensors)
+        return arrays
+
+    def _check_size(self, size: int) -> None:
+        end = max(t.offset + t.nbytes for t in self.tensors)
+        if size < end:
+            raise OSError(f"{self.file} is {size} bytes but its tensors end at byte {end}; it changed "
+                          "on disk after the model was loaded")
+
+    @staticmethod
+    def _view(buffer: memoryview, t: WeightTensor, offset: int) -> np.ndarray:
+        count = t.nbytes // t.dtype.itemsize
+        array = np.frombuffer(buffer, t.dtype, count, offset).reshape(t.shape)
+        array.flags.writeable = False
+        return array
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,29 +204,64 @@ def find_modules(path: Path, manifest: Manifest) -> dict[int, Path]:
     return found
 
 
+_SAFETENSORS_DTYPES = {
+    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16), "I16": np.dtype(np.int16), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "U32": np.dtype(np.uint32), "I32": np.dtype(np.int32),
+    "F32": np.dtype(np.float32), "U64": np.dtype(np.uint64), "I64": np.dtype(np.int64),
+    "F64": np.dtype(np.float64),
+}
+
+
+def _read_safetensors_header(file: Path) -> dict[str, WeightTensor]:
+    """The tensor table of a safetensors file: an 8-byte little-endian header length, a JSON
+    header, then the data; offsets in the header are relative to the data."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError("shorter than the 8-byte safetensors header length")
+        (length,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if length > size - 8:
+            raise ValueError(f"header length {length} runs past the end of the {size}-byte file")
+        header = json.loads(f.read(length))
+    data = 8 + length
+    tensors: dict[str, WeightTensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has dtype {info.get('dtype')!r}; supported: "
+                             f"{', '.join(_SAFETENSORS_DTYPES)}")
+        begin, end = info["data_offsets"]
+        t = WeightTensor(name, dtype, tuple(int(d) for d in info["shape"]), data + int(begin))
+        if end - begin != t.nbytes or data + end > size:
+            raise ValueError(f"tensor {name!r} spans bytes {begin}..{end} of the data but its shape "
+                             f"{list(t.shape)} of {info['dtype']} needs {t.nbytes} (file is {size} bytes)")
+        tensors[name] = t
+    return tensors
+
+
 def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
-    """Materialize the weights in host RAM once, in binding order."""
+    """Read the weights file's tensor table and check it against ``weights.order``. The bytes
+    themselves are mapped or read by the weight cache (:class:`HostWeights`)."""
     if manifest.weights_file is None:
         return None
     file = path / manifest.weights_file
     if not file.is_file():
         raise BundleError(manifest.bundle, f"weights file {manifest.weights_file} is missing")
     try:
-        with safe_open(str(file), framework="numpy") as f:
-            names = list(f.keys())
-            order = manifest.weights_order if manifest.weights_order is not None else tuple(sorted(names))
-            missing = [n for n in order if n not in names]
-            if missing:
-                raise BundleError(manifest.bundle, f"weights.order names {missing} but {manifest.weights_file} "
-                                  f"holds {sorted(names)}")
-            arrays = tuple(np.ascontiguousarray(f.get_tensor(n)) for n in order)
-    except BundleError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for truncated or bad files
+        table = _read_safetensors_header(file)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BundleError(manifest.bundle, f"cannot read {manifest.weights_file}: {exc}") from None
-    for a in arrays:
-        a.flags.writeable = False
-    return HostWeights(tuple(order), arrays)
+    names = list(table)
+    order = manifest.weights_order if manifest.weights_order is not None else tuple(sorted(names))
+    missing = [n for n in order if n not in names]
+    if missing:
+        raise BundleError(manifest.bundle, f"weights.order names {missing} but {manifest.weights_file} "
+                          f"holds {sorted(names)}")
+    return HostWeights(file.resolve(), tuple(table[n] for n in order))
 
 
 def _type_of_decl(decl: TensorDecl, batch: int) -> TensorType:
@@ -170,9 +282,9 @@ def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signat
 
     expected_in: list[tuple[str, TensorType]] = []
     if weights is not None:
-        for name, arr in zip(weights.names, weights.arrays):
-            dt: DType = from_numpy(arr.dtype)
-            expected_in.append((f"weight '{name}'", TensorType(tuple(arr.shape), dt.mlir or "?")))
+        for t in weights.tensors:
+            dt: DType = from_numpy(t.dtype)
+            expected_in.append((f"weight '{t.name}'", TensorType(t.shape, dt.mlir or "?")))
     expected_in += [(f"input '{d.name}'", _type_of_decl(d, batch)) for d in manifest.executable_inputs]
     expected_out = [(f"output '{d.name}'", _type_of_decl(d, batch)) for d in manifest.executable_outputs]
 

@@ -169,6 +169,48 @@ class Device:
     def device_bytes(array) -> int:
         return int(array.nbytes)
 
+    @property
+    def host_memory_kind(self) -> str:
+        """Where :meth:`host_store` keeps weights: ``pinned_host`` (page-locked, DMA-able) when
+        the device offers that memory kind and is not the cpu, else ``numpy``."""
+        if self.backend == "cpu":
+            return "numpy"
+        kinds = {m.kind for m in self._device.addressable_memories()}
+        return "pinned_host" if "pinned_host" in kinds else "numpy"
+
+    def host_store(self, arrays) -> tuple:
+        """The host copy of a model's weights. On a GPU with page-locked host memory the arrays
+        are copied into it once (``memory_kind="pinned_host"``) so that every later load is a
+        DMA; elsewhere the (memory-mapped) NumPy arrays are kept as they are."""
+        if self.host_memory_kind != "pinned_host" or not arrays:
+            return tuple(arrays)
+        pinned = jax.sharding.SingleDeviceSharding(self._device, memory_kind="pinned_host")
+        out = jax.device_put(list(arrays), pinned)
+        jax.block_until_ready(out)
+        return tuple(out)
+
+    def put_weights(self, host) -> tuple:
+        """Copy a model's host weights onto the device in one batched transfer and wait for it.
+        The result never aliases host memory (on cpu, ``device_put`` would otherwise wrap
+        aligned NumPy memory in place, making the "device copy" free and the budget fiction)."""
+        if not host:
+            return ()
+        target = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device") \
+            if self.backend != "cpu" else self._device
+        out = jax.device_put(list(host), target, may_alias=False)
+        jax.block_until_ready(out)
+        return tuple(out)
+
+    @staticmethod
+    def shares_memory(device_array, host: np.ndarray) -> bool:
+        """Whether a device array's buffer is ``host``'s memory (cpu aliasing check, for tests)."""
+        return device_array.unsafe_buffer_pointer() == host.ctypes.data
+
+    def memory_in_use(self) -> int | None:
+        """Bytes the device allocator holds, or None where it does not say (cpu)."""
+        stats = self._device.memory_stats()
+        return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+
     def execute(self, executable, arguments: list) -> list[np.ndarray]:
         """Run once and return the outputs on the host. NumPy arrays among ``arguments`` are
         put on the device first (on cpu without a copy where PJRT can alias them)."""

@@ -1,77 +1,486 @@
-"""The weight cache: which models' weights are on the device.
+"""The weight cache: every model's weights in host RAM, device copies on demand under a budget.
 
-Owned by the dispatch loop (one task); nothing else calls it. This first version keeps every
-model that has run resident; the byte budget and LRU eviction build on :meth:`ensure_resident`.
+One object, used from the Trio thread only (the dispatch loop asks :meth:`WeightCache.ensure_resident`
+before each execution; the lifecycle actor calls :meth:`admit` and :meth:`release`; the control
+API calls :meth:`set_residency` and :meth:`compact`). Every transition that copies is serialized
+by one lock, so the bookkeeping in :class:`~xlaserve.runtime.residency.ResidencyBook` always
+matches the device arrays held here. Copies run off the Trio thread: on-demand loads under the
+device's capacity limiter (one thing touches the device at a time), prefetches under a limiter
+of their own so that they overlap the execution that is running.
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
 
 from xlaserve.bundle import ModelVersion
+from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
+
+log = logging.getLogger("xlaserve.weights")
+
+Key = tuple[str, int]
+
+
+class CatalogTooLarge(RuntimeError):
+    """With ``weight_cache_fraction: 0`` every model must be resident, and they do not fit."""
 
 
 @dataclass(frozen=True, slots=True)
-class Residency:
-    """A snapshot of one model's device residency."""
+class ModelResidency:
+    """A snapshot of one model version in the weight cache."""
 
     model: str
     version: int
-    device_bytes: int
+    floor: str               # device | system | unpinned
+    weight_bytes: int
+    resident_bytes: int      # on the device now (0 or weight_bytes)
+    host_bytes: int          # host copy kept (0 for unpinned)
+    loads: int
+    hits: int
+    evictions: int
+
+    @property
+    def device_bytes(self) -> int:
+        """Same as ``resident_bytes`` (the name the first version used)."""
+        return self.resident_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """A snapshot of the whole weight cache; models are listed least recently used first among
+    the resident ones, then the rest by name."""
+
+    budget_bytes: int
+    resident_bytes: int
+    pinned_bytes: int
+    arena_bytes: int
+    headroom_bytes: int
+    on_demand: bool
+    host_memory_kind: str
+    models: tuple[ModelResidency, ...]
+
+    def __iter__(self):
+        """Iterating a snapshot yields its per-model entries."""
+        return iter(self.models)
+
+
+def budget_for(runtime, device: Device) -> Budget:
+    """The budget a worker starts with, from its ``runtime:`` config (before any executable's
+    activations are known). The arena is ``mem_fraction`` x device memory on a GPU and
+    ``device_memory_bytes`` (default: all of the machine's RAM) on cpu."""
+    if device.backend == "cpu":
+        arena = runtime.device_memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    else:
+        total = device.memory_bytes()
+        if total is None:
+            raise RuntimeError(f"the {device.backend} device does not report its memory size; "
+                               "cannot size the weight budget")
+        arena = int(runtime.mem_fraction * total)
+    return Budget(int(arena), runtime.weight_cache_fraction, int(runtime.weight_cache_wiggle_fraction * arena))
+
+
+def activation_bytes(model: ModelVersion) -> int:
+    """The most device memory one execution of ``model`` needs besides its weights."""
+    most = 0
+    for module in model.modules.values():
+        m = module.memory
+        most = max(most, m.temp_bytes + m.output_bytes + max(0, m.argument_bytes - model.weight_bytes))
+    return most
+
+
+@dataclass(slots=True)
+class _Counts:
+    loads: int = 0
+    hits: int = 0
+    evictions: int = 0
 
 
 class WeightCache:
-    def __init__(self, device: Device, limiter: trio.CapacityLimiter) -> None:
+    def __init__(self, device: Device, limiter: trio.CapacityLimiter, budget: Budget | None = None, *,
+                 residency: Callable[[str], str] = lambda name: "system", metrics=None,
+                 compaction_interval: int = 0, prefetch: bool = True) -> None:
         self._device = device
         self._limiter = limiter
-        self._resident: dict[tuple[str, int], tuple[object, ...]] = {}
-        # Versions replaced or unloaded: requests admitted to them still run, on a transient copy.
-        self._retired: set[tuple[str, int]] = set()
-        self._floors: dict[str, str] = {}
+        self._transfer_limiter = trio.CapacityLimiter(1)
+        self._budget = budget or Budget(1 << 62, 1.0, 0)
+        self._book = ResidencyBook(self._budget.bytes)
+        self._residency = residency
+        self._overrides: dict[str, Floor] = {}
+        self._metrics = metrics
+        self._compaction_interval = compaction_interval
+        self._prefetch_enabled = prefetch
+        self._lock = trio.Lock()
+        self._models: dict[Key, ModelVersion] = {}
+        self._host: dict[Key, tuple] = {}
+        # Issue 5 (reload): a replaced version's host mapping, kept for requests admitted to it
+        # that have not run yet; they get a transient device copy. Re-reading by path would give
+        # them the new file's weights. Dropped when a newer version of the model first runs
+        # (per-model queues are FIFO, so no older request is left) or when the model unloads.
+        self._retired: dict[Key, tuple] = {}
+        self._released: set[Key] = set()
+        self._device_arrays: dict[Key, tuple] = {}
+        self._counts: dict[Key, _Counts] = {}
+        self._prefetching: dict[Key, trio.Event] = {}
+        self._prefetched: set[Key] = set()
+        self._current: Key | None = None
+        self._loads_since_compaction = 0
+        self._thrash = ThrashMonitor()
+        self._recent_evictions: deque[tuple[str, int]] = deque(maxlen=self._thrash.window)
+        self._nursery: trio.Nursery | None = None
+        self._publish_budget()
 
-    async def ensure_resident(self, model: ModelVersion) -> tuple[object, ...]:
-        """The model's weights as device arrays, in binding order; copied on first use."""
+    # ---- the actor's home: a nursery for prefetches ---------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Host prefetch copies until cancelled. Without it the cache works, minus prefetch."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    @property
+    def budget(self) -> Budget:
+        return self._budget
+
+    # ---- admission (lifecycle) ------------------------------------------------------------
+    def floor_of(self, name: str) -> Floor:
+        if not self._budget.on_demand:
+            return Floor.DEVICE
+        return self._overrides.get(name) or Floor.parse(self._residency(name))
+
+    async def admit(self, model: ModelVersion, *, during_startup: bool = False) -> str:
+        """Take a newly loaded version into the cache: size the activation headroom from its
+        executables, check that its weights can ever fit, keep its host copy (floors
+        ``system``/``device``) and pin it (``device``). Returns why the model cannot be served
+        (the reason its state becomes UNAVAILABLE), or ''. With ``weight_cache_fraction: 0`` a
+        catalog that does not fit raises :class:`CatalogTooLarge` during start-up."""
         key = (model.name, model.version)
-        arrays = self._resident.get(key)
-        if arrays is None:
-            host = model.weights.arrays if model.weights else ()
-            arrays = await trio.to_thread.run_sync(self._copy, host, limiter=self._limiter)
-            if key not in self._retired:
-                self._resident[key] = arrays
-        return arrays
+        if key in self._book or model.weights is None:
+            return ""
+        self._grow_headroom(activation_bytes(model))
+        floor = self.floor_of(model.name)
+        refused = self._book.add(key, model.weight_bytes, floor)
+        if refused:
+            reason = f"model '{model.name}' cannot be served on this device: {refused} ({self._budget.explain()})"
+            if not self._budget.on_demand:
+                reason = (f"weight_cache_fraction is 0 (all weights resident) and model '{model.name}' does not "
+                          f"fit: {refused}; resident already: {self._describe_resident()} ({self._budget.explain()})")
+                if during_startup:
+                    raise CatalogTooLarge(reason)
+            return reason
+        self._models[key] = model
+        self._counts[key] = _Counts()
+        try:
+            if floor is not Floor.UNPINNED:
+                self._host[key] = await trio.to_thread.run_sync(self._map_host, model)
+            if floor is Floor.DEVICE:
+                async with self._lock:
+                    await self._make_resident(key, self._limiter)
+        except BaseException:
+            self.release(model.name, model.version)
+            raise
+        self._publish(model.name)
+        return ""
 
-    def _copy(self, host) -> tuple[object, ...]:
-        return tuple(self._device.to_device(a, copy=True) for a in host)
+    def _map_host(self, model: ModelVersion) -> tuple:
+        return self._device.host_store(model.weights.map())
+
+    def _grow_headroom(self, activations: int) -> None:
+        if activations <= self._budget.activations:
+            return
+        self._budget = Budget(self._budget.arena, self._budget.fraction, self._budget.wiggle, activations)
+        self._book.set_budget(self._budget.bytes)
+        log.info("weight cache: %s", self._budget.explain())
+        # A smaller budget: evict what no longer fits (idle, unpinned models only).
+        while self._book.free_bytes() < 0:
+            victim = next((k for k in self._book.lru_order() if self._book.floor(k) is not Floor.DEVICE
+                           and not self._book.is_loading(k) and k != self._current), None)
+            if victim is None:
+                break
+            self._evict(victim)
+        self._publish_budget()
 
     def release(self, name: str, version: int | None = None) -> None:
-        """Forget a model's device copy (all versions when ``version`` is None)."""
-        for key in [k for k in self._resident if k[0] == name and (version is None or k[1] == version)]:
-            del self._resident[key]
-            self._retired.add(key)
+        """Forget a model (all versions when ``version`` is None): device copy, host copy, state."""
+        for key in [k for k in self._retired if k[0] == name]:
+            del self._retired[key]
         if version is not None:
-            self._retired.add((name, version))
+            self._released.add((name, version))
+            if (name, version) in self._host:
+                self._retired[(name, version)] = self._host[(name, version)]
+        else:
+            self._released.update(k for k in self._book.keys() if k[0] == name)
+        for key in [k for k in self._book.keys() if k[0] == name and (version is None or k[1] == version)]:
+            self._book.remove(key)
+            self._device_arrays.pop(key, None)
+            self._host.pop(key, None)
+            self._models.pop(key, None)
+            self._counts.pop(key, None)
+            self._prefetched.discard(key)
+        if self._metrics is not None:
+            self._metrics.forget(name)
+        self._publish_totals()
 
-    def set_residency(self, name: str, floor: str) -> None:
-        """Record a model's residency floor (``device``, ``system`` or ``unpinned``). Minimal
-        first version (issue 5): recorded and reported; the budgeted cache enforces it."""
-        if floor not in ("device", "system", "unpinned"):
-            raise ValueError(f"residency must be one of device, system, unpinned; got {floor!r}")
-        self._floors[name] = floor
+    # ---- the dispatch loop's side ---------------------------------------------------------
+    async def ensure_resident(self, model: ModelVersion) -> tuple[object, ...]:
+        """The model's weights as device arrays, in binding order. A cold model costs one
+        batched host-to-device copy after evicting least-recently-used unpinned models."""
+        if model.weights is None:
+            return ()
+        key = (model.name, model.version)
+        if key in self._released:
+            host = self._retired.get(key)
+            if host is None:
+                raise Unavailable(f"model '{model.name}' version {model.version} was replaced or unloaded before "
+                                  "this request ran and its weights are gone; retry")
+            return await trio.to_thread.run_sync(self._device.put_weights, host, limiter=self._limiter)
+        for old in [k for k in self._retired if k[0] == model.name and k[1] < model.version]:
+            del self._retired[old]
+        if key not in self._book:
+            reason = await self.admit(model)
+            if reason:
+                raise Unavailable(reason)
+        pending = self._prefetching.get(key)
+        if pending is not None:
+            await pending.wait()
+        evicted = 0
+        if self._book.is_resident(key):
+            self._hit(key)
+            arrays = self._device_arrays[key]
+        else:
+            async with self._lock:
+                if self._book.is_resident(key):
+                    self._hit(key)
+                    arrays = self._device_arrays[key]
+                else:
+                    evicted, arrays = await self._make_resident(key, self._limiter)
+        self._current = key
+        self._book.touch(key)
+        if self._thrash.record(evicted > 0):
+            self._warn_thrashing()
+        return arrays
 
-    def residency(self, name: str) -> str | None:
-        return self._floors.get(name)
+    def _hit(self, key: Key) -> None:
+        self._counts[key].hits += 1
+        prefetched = key in self._prefetched
+        self._prefetched.discard(key)
+        if self._metrics is not None:
+            self._metrics.hit(key[0], prefetched)
 
-    async def compact(self) -> int:
-        """Drop device copies of models not pinned with ``device`` and defragment; the bytes freed.
-        Minimal first version (issue 5); the budgeted cache refines it."""
-        freed = 0
-        for key in [k for k in self._resident if self._floors.get(k[0]) != "device"]:
-            freed += sum(self._device.device_bytes(a) for a in self._resident.pop(key))
-        await trio.to_thread.run_sync(self._device.defragment, limiter=self._limiter)
-        return freed
+    async def _make_resident(self, key: Key, limiter: trio.CapacityLimiter, *, prefetch: bool = False,
+                             protect: tuple[Key, ...] = ()) -> tuple[int, tuple]:
+        """Evict what the plan says and copy ``key`` onto the device; the lock is held. Returns
+        how many models were evicted and the device arrays. Raises Unavailable when it cannot
+        fit now."""
+        plan = self._book.plan(key, protect)
+        if not plan.ok:
+            raise Unavailable(f"model '{key[0]}' cannot be made resident now: {plan.refused}")
+        for victim in plan.evict:
+            self._evict(victim)
+        self._book.begin_load(key)
+        model = self._models[key]
+        started = time.perf_counter()
+        try:
+            arrays = await trio.to_thread.run_sync(self._copy_blocking, key, model, limiter=limiter)
+        except BaseException:
+            self._book.finish_load(key, ok=False)
+            raise
+        seconds = time.perf_counter() - started
+        if key not in self._book:          # released while the copy ran: usable once, not kept
+            return len(plan.evict), arrays
+        self._book.finish_load(key)
+        self._device_arrays[key] = arrays
+        self._counts[key].loads += 1
+        if prefetch:
+            self._prefetched.add(key)
+        if self._metrics is not None:
+            self._metrics.load(key[0], seconds, prefetch)
+        self._publish(key[0])
+        log.debug("loaded %s v%d: %s in %.1f ms%s", key[0], key[1], fmt_bytes(model.weight_bytes),
+                  seconds * 1e3, " (prefetch)" if prefetch else "")
+        await self._maybe_compact()
+        return len(plan.evict), arrays
 
-    def snapshot(self) -> tuple[Residency, ...]:
-        return tuple(Residency(n, v, sum(self._device.device_bytes(a) for a in arrays))
-                     for (n, v), arrays in self._resident.items())
+    def _copy_blocking(self, key: Key, model: ModelVersion) -> tuple:
+        host = self._host.get(key)
+        if host is None:                    # unpinned: no host copy, read from disk every time
+            host = model.weights.read()
+        return self._device.put_weights(host)
+
+    def _evict(self, key: Key) -> None:
+        self._book.evict(key)
+        self._device_arrays.pop(key, None)
+        self._counts[key].evictions += 1
+        self._prefetched.discard(key)
+        nbytes = self._book.nbytes(key)
+        self._recent_evictions.append((key[0], nbytes))
+        if self._metrics is not None:
+            self._metrics.evict(key[0])
+        self._publish(key[0])
+
+    def _warn_thrashing(self) -> None:
+        sizes: dict[str, int] = {}
+        for name, nbytes in self._recent_evictions:
+            sizes[name] = nbytes
+        listed = ", ".join(f"{n} ({fmt_bytes(b)})" for n, b in sorted(sizes.items(), key=lambda x: -x[1]))
+        log.warning("weight cache is thrashing: %.0f%% of the last %d dispatches evicted weights; evicted: %s; "
+                    "%s. Serve fewer models on this worker, pin the hot ones (residency: device), or raise "
+                    "weight_cache_fraction", 100 * self._thrash.evicting_share, self._thrash.window, listed,
+                    self._budget.explain())
+
+    def hint_next(self, model: ModelVersion | None) -> None:
+        """The scheduler expects to dispatch ``model`` next: start copying its weights now, while
+        the current model executes, unless that would evict the model in use or a pinned one."""
+        if (model is None or model.weights is None or not self._prefetch_enabled or self._nursery is None
+                or self._lock.locked()):
+            return
+        key = (model.name, model.version)
+        if key not in self._book or self._book.is_resident(key) or key in self._prefetching:
+            return
+        protect = (self._current,) if self._current else ()
+        if not self._book.plan(key, protect).ok:
+            return
+        done = self._prefetching[key] = trio.Event()
+        self._nursery.start_soon(self._prefetch, key, protect, done)
+
+    async def _prefetch(self, key: Key, protect: tuple[Key, ...], done: trio.Event) -> None:
+        try:
+            async with self._lock:
+                if key in self._book and not self._book.is_resident(key):
+                    await self._make_resident(key, self._transfer_limiter, prefetch=True, protect=protect)
+        except Unavailable as exc:
+            log.debug("prefetch of %s skipped: %s", key[0], exc)
+        finally:
+            del self._prefetching[key]
+            done.set()
+
+    # ---- control API ----------------------------------------------------------------------
+    def residency(self, model_name: str) -> str | None:
+        """The floor set for ``model_name`` at run time or from its loaded version, or None."""
+        override = self._overrides.get(model_name)
+        if override is not None:
+            return override.value
+        keys = [k for k in self._book.keys() if k[0] == model_name]
+        return self._book.floor(max(keys)).value if keys else None
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._budget.bytes
+
+    def set_residency(self, model_name: str, floor: str) -> None:
+        """Change a model's residency floor now and for its later versions. The bookkeeping
+        changes at once; the host mapping and a pin's device copy follow in the background.
+        Raises ValueError for an unknown floor and FailedPrecondition when pinning would exceed
+        the budget or ``weight_cache_fraction`` is 0."""
+        new = Floor.parse(floor)
+        if not self._budget.on_demand and new is not Floor.DEVICE:
+            raise FailedPrecondition("weight_cache_fraction is 0: every model stays resident on the device; "
+                                     "set weight_cache_fraction above 0 to use on-demand residency")
+        keys = [k for k in self._book.keys() if k[0] == model_name]
+        previous = {k: self._book.floor(k) for k in keys}
+        for key in keys:
+            refused = self._book.set_floor(key, new)
+            if refused:
+                for k, f in previous.items():
+                    self._book.set_floor(k, f)
+                raise FailedPrecondition(f"cannot set model '{model_name}' to residency device: {refused}")
+        self._overrides[model_name] = new
+        for key in keys:
+            if new is Floor.UNPINNED:
+                self._host.pop(key, None)
+        if self._nursery is not None and new is not Floor.UNPINNED:
+            self._nursery.start_soon(self._apply_residency, keys)
+        for key in keys:
+            self._publish(key[0])
+        log.info("model %s: residency %s", model_name, new.value)
+
+    async def _apply_residency(self, keys: list[Key]) -> None:
+        """Bring host and device copies up to the keys' floors (after :meth:`set_residency`)."""
+        for key in keys:
+            try:
+                floor = self._book.floor(key)
+                if floor is not Floor.UNPINNED and key not in self._host:
+                    host = await trio.to_thread.run_sync(self._map_host, self._models[key])
+                    if key in self._book and self._book.floor(key) is not Floor.UNPINNED:
+                        self._host[key] = host
+                if key in self._book and self._book.floor(key) is Floor.DEVICE:
+                    async with self._lock:
+                        if key in self._book and not self._book.is_resident(key):
+                            await self._make_resident(key, self._limiter)
+            except KeyError:
+                continue            # released meanwhile
+            except (Unavailable, OSError) as exc:
+                log.error("model %s: cannot apply residency %s: %s", key[0], self._book.floor(key).value
+                          if key in self._book else "?", exc)
+
+    async def compact(self) -> tuple[str, int]:
+        """Defragment device memory where the backend can. Returns a message and the bytes freed."""
+        async with self._lock:
+            return await self._compact_locked()
+
+    async def _compact_locked(self) -> tuple[str, int]:
+        before = self._device.memory_in_use()
+        if self._device.backend == "cpu":
+            return ("nothing to do: the cpu backend allocates each buffer from the system allocator, "
+                    "so device memory does not fragment", 0)
+        try:
+            done = await trio.to_thread.run_sync(self._device.defragment, limiter=self._limiter)
+        except Exception as exc:  # a plugin without defragmentation support
+            return (f"the {self._device.backend} PJRT client cannot defragment: {type(exc).__name__}: {exc}", 0)
+        after = self._device.memory_in_use()
+        freed = max(0, (before or 0) - (after or 0))
+        return (f"defragmented {self._device.backend} memory" if done else "nothing to do", freed)
+
+    async def _maybe_compact(self) -> None:
+        if not self._compaction_interval:
+            return
+        self._loads_since_compaction += 1
+        if self._loads_since_compaction >= self._compaction_interval:
+            self._loads_since_compaction = 0
+            message, freed = await self._compact_locked()
+            log.info("compaction after %d on-demand loads: %s (%s freed)", self._compaction_interval,
+                     message, fmt_bytes(freed))
+
+    # ---- introspection --------------------------------------------------------------------
+    def snapshot(self) -> CacheSnapshot:
+        lru = self._book.lru_order()
+        order = [k for k in lru if self._book.is_resident(k)] + sorted(
+            k for k in self._book.keys() if not self._book.is_resident(k))
+        models = []
+        for key in order:
+            counts = self._counts.get(key, _Counts())
+            nbytes = self._book.nbytes(key)
+            models.append(ModelResidency(key[0], key[1], self._book.floor(key).value, nbytes,
+                                         nbytes if self._book.is_resident(key) else 0,
+                                         nbytes if key in self._host else 0,
+                                         counts.loads, counts.hits, counts.evictions))
+        return CacheSnapshot(self._budget.bytes, self._book.resident_bytes(), self._book.pinned_bytes(),
+                             self._budget.arena, self._budget.headroom, self._budget.on_demand,
+                             self._device.host_memory_kind, tuple(models))
+
+    def _describe_resident(self) -> str:
+        keys = [k for k in self._book.keys() if self._book.is_resident(k)]
+        if not keys:
+            return "none"
+        return f"{len(keys)} model(s), {fmt_bytes(sum(self._book.nbytes(k) for k in keys))}"
+
+    def _publish(self, name: str) -> None:
+        if self._metrics is None:
+            return
+        resident = sum(self._book.nbytes(k) for k in self._book.keys() if k[0] == name and self._book.is_resident(k))
+        self._metrics.resident(name, resident)
+        self._publish_totals()
+
+    def _publish_totals(self) -> None:
+        if self._metrics is not None:
+            self._metrics.totals(self._book.resident_bytes(), self._budget.bytes)
+
+    def _publish_budget(self) -> None:
+        self._publish_totals()

@@ -258,6 +258,9 @@ class Lifecycle:
                 self._load_blocking, path, version, limiter=self._compile_limiter)
         except (BundleError, OSError) as exc:
             return self._failed(name, exc)
+        refused = await self._weights.admit(model, during_startup=not self._table.startup_done.is_set())
+        if refused:       # its weights can never fit the device weight budget
+            return self._failed(name, BundleError(name, refused))
         seconds = time.perf_counter() - started
         old = self._table.snapshot.get(name)
         entry = ModelEntry(name, ModelState.READY, "", model)

@@ -19,9 +19,9 @@ from xlaserve.admin import serve_admin
 from xlaserve.config import WorkerConfig, effective_config_lines
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
-from xlaserve.metrics import Metrics
+from xlaserve.metrics import Metrics, WeightCacheMetrics
 from xlaserve.runtime.pjrt import Device
-from xlaserve.runtime.weights import WeightCache
+from xlaserve.runtime.weights import WeightCache, budget_for
 from xlaserve.worker.inference import InferenceService
 from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LoadModel, UnloadModel
 from xlaserve.worker.registry import ModelState, ModelTable
@@ -111,12 +111,17 @@ async def trio_main(config: WorkerConfig, on_started) -> None:
     table = ModelTable()
     stats = StatsBook()
     metrics = Metrics()
-    weights = WeightCache(device, device_limiter)
+    weights = WeightCache(device, device_limiter, budget_for(config.runtime, device),
+                          residency=lambda name: config.scheduler.for_model(name).residency,
+                          metrics=WeightCacheMetrics(metrics.registry),
+                          compaction_interval=config.scheduler.compaction_interval)
+    log.info("weight cache: %s; host copies in %s memory", weights.budget.explain(), device.host_memory_kind)
     from xlaserve.worker.executor import Executor
     scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
     to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
     to_lifecycle, lifecycle_inbox = trio.open_memory_channel(64)
     async with trio.open_nursery() as nursery:
+        await nursery.start(weights.run)
         await nursery.start(scheduler.run, scheduler_inbox)
         service = InferenceService(to_scheduler, nursery, table, stats)
         lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights)

@@ -1,0 +1,258 @@
+"""Residency policy of the weight cache: the byte budget, residency floors and LRU order.
+
+Pure bookkeeping, no I/O: :class:`ResidencyBook` decides what is resident, what to evict to
+make room and what may never be evicted; :class:`~xlaserve.runtime.weights.WeightCache` does the
+copies it decides on. :class:`ThrashMonitor` watches how often dispatches evict.
+"""
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+
+class Floor(enum.StrEnum):
+    """How resident a model's weights stay at least (``scheduler.models.<name>.residency``)."""
+
+    DEVICE = "device"      # on the device for the server's lifetime; counted in the budget
+    SYSTEM = "system"      # host copy kept; device copy on demand, evicted LRU
+    UNPINNED = "unpinned"  # no host copy; read from disk on every load
+
+    @classmethod
+    def parse(cls, value: str) -> Floor:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"residency must be one of device, system, unpinned; got {value!r}") from None
+
+
+def fmt_bytes(n: int) -> str:
+    """``1536`` -> ``'1.5 KiB (1536 bytes)'``: human and exact, for messages."""
+    size = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    return f"{n} bytes" if unit == "bytes" else f"{size:.1f} {unit} ({n} bytes)"
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """The device weight budget and how it was derived, in bytes.
+
+    ``bytes = min(weight_cache_fraction x arena, arena - headroom)``; ``headroom`` is the larger
+    of ``weight_cache_wiggle_fraction x arena`` and the biggest activation footprint (temp +
+    output + input bytes) of any compiled executable seen so far.
+    """
+
+    arena: int
+    fraction: float
+    wiggle: int
+    activations: int = 0
+
+    @property
+    def headroom(self) -> int:
+        return max(self.wiggle, self.activations)
+
+    @property
+    def on_demand(self) -> bool:
+        """False when ``weight_cache_fraction`` is 0: every model's weights stay resident."""
+        return self.fraction > 0
+
+    @property
+    def bytes(self) -> int:
+        room = max(0, self.arena - self.headroom)
+        return room if not self.on_demand else min(int(self.fraction * self.arena), room)
+
+    def explain(self) -> str:
+        share = (f"weight_cache_fraction {self.fraction:g} of the arena" if self.on_demand
+                 else "weight_cache_fraction 0: all weights resident")
+        return (f"device weight budget {fmt_bytes(self.bytes)}: arena {fmt_bytes(self.arena)}, {share}, "
+                f"headroom {fmt_bytes(self.headroom)} kept free for activations "
+                f"(wiggle {fmt_bytes(self.wiggle)}, largest executable {fmt_bytes(self.activations)})")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What making one model resident takes: the models to evict first, least recent first.
+    ``refused`` says why it cannot be done now (nothing is evicted then)."""
+
+    evict: tuple[Hashable, ...] = ()
+    refused: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
+@dataclass(slots=True)
+class _Entry:
+    nbytes: int
+    floor: Floor
+    resident: bool = False
+    loading: bool = False   # a copy is under way; its bytes are already reserved
+
+
+class ResidencyBook:
+    """Which models are resident, in least-recently-used order, against a byte budget.
+
+    Keys are opaque (the cache uses ``(name, version)``). A model with floor ``device`` is
+    never chosen for eviction; neither is any key in ``protect`` (the model executing now).
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._entries: dict[Hashable, _Entry] = {}
+        self._lru: OrderedDict[Hashable, None] = OrderedDict()  # resident or loading, oldest first
+
+    # ---- registration ----------------------------------------------------------------------
+    def add(self, key: Hashable, nbytes: int, floor: Floor) -> str:
+        """Register a model; returns why it can never be served under this budget, or ''."""
+        if nbytes > self.budget:
+            return (f"its weights take {fmt_bytes(nbytes)} but the whole device weight budget is "
+                    f"{fmt_bytes(self.budget)}")
+        if floor is Floor.DEVICE and self.pinned_bytes() + nbytes > self.budget:
+            return (f"pinning it (residency: device) needs {fmt_bytes(nbytes)} but models already pinned "
+                    f"hold {fmt_bytes(self.pinned_bytes())} of the {fmt_bytes(self.budget)} budget")
+        self._entries[key] = _Entry(nbytes, floor)
+        return ""
+
+    def remove(self, key: Hashable) -> bool:
+        """Forget a model; True when it was resident or loading (its device copy must go)."""
+        entry = self._entries.pop(key, None)
+        self._lru.pop(key, None)
+        return entry is not None and (entry.resident or entry.loading)
+
+    def set_floor(self, key: Hashable, floor: Floor) -> str:
+        """Change a model's floor; returns why not (pinning past the budget), or ''."""
+        entry = self._entries[key]
+        if floor is Floor.DEVICE and entry.floor is not Floor.DEVICE:
+            pinned = self.pinned_bytes()
+            if pinned + entry.nbytes > self.budget:
+                return (f"pinning it needs {fmt_bytes(entry.nbytes)} but models already pinned hold "
+                        f"{fmt_bytes(pinned)} of the {fmt_bytes(self.budget)} budget")
+        entry.floor = floor
+        return ""
+
+    def set_budget(self, budget: int) -> None:
+        self.budget = budget
+
+    # ---- queries ---------------------------------------------------------------------------
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def floor(self, key: Hashable) -> Floor:
+        return self._entries[key].floor
+
+    def nbytes(self, key: Hashable) -> int:
+        return self._entries[key].nbytes
+
+    def is_resident(self, key: Hashable) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.resident
+
+    def is_loading(self, key: Hashable) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.loading
+
+    def keys(self) -> tuple[Hashable, ...]:
+        return tuple(self._entries)
+
+    def lru_order(self) -> tuple[Hashable, ...]:
+        """Resident (or loading) models, least recently used first."""
+        return tuple(self._lru)
+
+    def used_bytes(self) -> int:
+        """Bytes resident or reserved by a copy under way."""
+        return sum(self._entries[k].nbytes for k in self._lru)
+
+    def resident_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.resident)
+
+    def pinned_bytes(self) -> int:
+        return sum(e.nbytes for e in self._entries.values() if e.floor is Floor.DEVICE)
+
+    def free_bytes(self) -> int:
+        return self.budget - self.used_bytes()
+
+    # ---- decisions -------------------------------------------------------------------------
+    def plan(self, key: Hashable, protect: Iterable[Hashable] = (), *, may_evict: bool = True) -> Plan:
+        """What making ``key`` resident takes. With ``may_evict=False`` (prefetch is polite)
+        the plan is refused unless the model fits in free space already."""
+        entry = self._entries[key]
+        if entry.resident or entry.loading:
+            return Plan()
+        need = entry.nbytes - self.free_bytes()
+        if need <= 0:
+            return Plan()
+        if not may_evict:
+            return Plan(refused=f"needs {fmt_bytes(need)} more than is free")
+        protected = set(protect) | {key}
+        victims: list[Hashable] = []
+        for other in self._lru:
+            e = self._entries[other]
+            if other in protected or e.floor is Floor.DEVICE or e.loading:
+                continue
+            victims.append(other)
+            need -= e.nbytes
+            if need <= 0:
+                return Plan(tuple(victims))
+        return Plan(refused=(f"it needs {fmt_bytes(entry.nbytes)}; the budget is {fmt_bytes(self.budget)}, "
+                             f"{fmt_bytes(self.used_bytes())} of it held by models that cannot be evicted now "
+                             "(pinned, in use or loading)"))
+
+    def begin_load(self, key: Hashable) -> None:
+        """Reserve the model's bytes: a copy onto the device is under way."""
+        entry = self._entries[key]
+        entry.loading = True
+        self._lru[key] = None
+        self._lru.move_to_end(key)
+
+    def finish_load(self, key: Hashable, ok: bool = True) -> None:
+        entry = self._entries.get(key)
+        if entry is None:      # removed while the copy ran
+            return
+        entry.loading = False
+        entry.resident = ok
+        if ok:
+            self._lru.move_to_end(key)
+        else:
+            self._lru.pop(key, None)
+
+    def evict(self, key: Hashable) -> None:
+        entry = self._entries[key]
+        if entry.floor is Floor.DEVICE:
+            raise ValueError(f"{key!r} is pinned (residency: device) and cannot be evicted")
+        entry.resident = False
+        self._lru.pop(key, None)
+
+    def touch(self, key: Hashable) -> None:
+        """Mark a resident model most recently used."""
+        if key in self._lru:
+            self._lru.move_to_end(key)
+
+
+class ThrashMonitor:
+    """Counts how many of the last ``window`` dispatches had to evict. :meth:`record` returns
+    True when the share reaches ``threshold`` and no warning was given in the last ``window``
+    dispatches, so a thrashing worker warns about once per window."""
+
+    def __init__(self, window: int = 64, threshold: float = 0.5) -> None:
+        self.window = window
+        self.threshold = threshold
+        self._recent: deque[bool] = deque(maxlen=window)
+        self._since_warning = window
+
+    def record(self, evicted: bool) -> bool:
+        self._recent.append(evicted)
+        self._since_warning += 1
+        if (len(self._recent) == self.window and self._since_warning >= self.window
+                and sum(self._recent) > self.threshold * self.window):
+            self._since_warning = 0
+            return True
+        return False
+
+    @property
+    def evicting_share(self) -> float:
+        return sum(self._recent) / len(self._recent) if self._recent else 0.0
