@@ -20,10 +20,11 @@ from xlaserve.config import WorkerConfig, effective_config_lines
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.metrics import Metrics, WeightCacheMetrics
+from xlaserve.runtime.excache import open_executable_cache
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.weights import WeightCache, budget_for
 from xlaserve.worker.inference import InferenceService
-from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LoadModel, UnloadModel
+from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LifecycleMetrics, LoadModel, UnloadModel
 from xlaserve.worker.registry import ModelState, ModelTable
 from xlaserve.worker.scheduler import Scheduler
 from xlaserve.worker.stats import StatsBook
@@ -124,11 +125,18 @@ async def trio_main(config: WorkerConfig, on_started) -> None:
         await nursery.start(weights.run)
         await nursery.start(scheduler.run, scheduler_inbox)
         service = InferenceService(to_scheduler, nursery, table, stats)
-        lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights)
+        lifecycle_metrics = LifecycleMetrics(metrics.registry)
+        excache = await trio.to_thread.run_sync(
+            open_executable_cache, config.cache_dir, device,
+            lambda result: lifecycle_metrics.executable_cache.labels(result).inc())
+        lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights,
+                              excache.compile_module if excache else None, lifecycle_metrics)
         handles = WorkerHandles(config, device, table, stats, metrics, scheduler, service, to_lifecycle,
                                 weights, nursery.cancel_scope)
         handles.http_port = await nursery.start(serve_admin, config.http_host, config.http_port, _health(handles))
         handles.extras["token"] = trio.lowlevel.current_trio_token()
+        from xlaserve.frontend.control import WorkerControlService
+        handles.extras.setdefault("services", []).append(WorkerControlService(handles, nursery))
         await nursery.start(lifecycle.run, lifecycle_inbox)
         on_started(handles)
 

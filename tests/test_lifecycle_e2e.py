@@ -1,0 +1,283 @@
+"""Model lifecycle end to end, against the real server with the real Triton client: hot reload
+under load without a failed request, a broken bundle that keeps the old version serving,
+remove and re-add, explicit and static control modes, the executable cache across restarts,
+and the WorkerControl service."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from grpclib.client import Channel
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from safetensors.numpy import save_file
+from tritonclient.utils import InferenceServerException
+
+from examples import reference
+from examples.export_examples import export_mlp, export_simple
+from tests.conftest import serve
+from xlaserve._proto import xlaserve_control_pb2 as cpb
+from xlaserve._proto.xlaserve_control_grpc import WorkerControlStub
+
+DYNAMIC = {"model_control_mode": "dynamic", "model_poll_seconds": 0.5}
+W1 = reference.mlp_weights()["w"]
+
+
+def _wait(predicate, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _index(client) -> dict[str, object]:
+    return {m.name: m for m in client.get_model_repository_index().models}
+
+
+def _mlp(client, x: np.ndarray):
+    t = grpcclient.InferInput("input", list(x.shape), "FP32")
+    t.set_data_from_numpy(x)
+    r = client.infer("mlp", [t])
+    return r.get_response().model_version, r.as_numpy("output")
+
+
+def _simple(client):
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    ins = []
+    for name in ("INPUT0", "INPUT1"):
+        t = grpcclient.InferInput(name, [1, 16], "INT32")
+        t.set_data_from_numpy(a)
+        ins.append(t)
+    return client.infer("simple", ins).as_numpy("OUTPUT0")
+
+
+def _write_weights(bundle: Path, w: np.ndarray) -> None:
+    """Replace the weights the way a careful operator does: write beside, rename over."""
+    tmp = bundle.parent / f".{bundle.name}.weights.tmp"
+    save_file({"w": np.ascontiguousarray(w)}, str(tmp))
+    os.replace(tmp, bundle / "weights.safetensors")
+
+
+def _metric(server, name: str, **labels) -> float:
+    body = server.get("/metrics")[1]
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}\{{{want}\}} (\S+)$", body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+class Load:
+    """Client threads sending requests until stopped; every outcome is kept."""
+
+    def __init__(self, url: str, threads: int = 4) -> None:
+        self.url = url
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.results: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def _run(self, i: int) -> None:
+        client = grpcclient.InferenceServerClient(self.url)
+        rng = np.random.default_rng(i)
+        while not self.stop.is_set():
+            x = rng.standard_normal((1 + i % 3, reference.MLP_HIDDEN)).astype(np.float32)
+            try:
+                if i % 4 == 3:
+                    _simple(client)
+                else:
+                    version, y = _mlp(client, x)
+                    self.results.append((version, x, y))
+            except InferenceServerException as exc:
+                self.errors.append(str(exc))
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self._threads:
+            t.join()
+
+
+def _control(server, call):
+    async def go():
+        channel = Channel("127.0.0.1", server.grpc_port)
+        try:
+            return await call(WorkerControlStub(channel))
+        finally:
+            channel.close()
+    return asyncio.run(go())
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    repo = tmp_path / "models"
+    export_simple(repo, (1,))
+    export_mlp(repo, (1, 4))
+    return repo
+
+
+def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
+    with serve(tmp_path / "srv", repo, {**DYNAMIC, "cache_dir": str(tmp_path / "cache")}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        assert {n: m.version for n, m in _index(client).items()} == {"mlp": "1", "simple": "1"}
+        log = server.log()
+        assert "start-up: loading mlp (1 of 2)" in log and "start-up: 2 of 2 bundle(s) ready" in log
+
+        # 1. New weights under load: new outputs, no restart, no failed request, and every
+        #    answer computed by the version that reports it.
+        w2 = -0.5 * W1
+        with Load(server.url) as load:
+            _wait(lambda: len(load.results) > 10, "traffic before the change")
+            _write_weights(repo / "mlp", w2)
+            _wait(lambda: _index(client)["mlp"].version == "2", "mlp version 2")
+            seen = len(load.results)
+            _wait(lambda: len(load.results) > seen + 10, "traffic after the change")
+        assert load.errors == []
+        refs = {"1": W1, "2": w2}
+        assert {v for v, _, _ in load.results} == {"1", "2"}
+        for version, x, y in load.results:
+            np.testing.assert_allclose(y, np.tanh(x @ refs[version]), rtol=1e-4, atol=1e-5)
+
+        # 2. A half-written weights file, then a broken manifest: version 2 keeps serving, and the
+        #    failure shows in the index, the log and the metrics.
+        failed_before = _metric(server, "xlaserve_model_loads_total", model="mlp", outcome="failed")
+        with Load(server.url) as load:
+            good = (repo / "mlp" / "weights.safetensors").read_bytes()
+            (repo / "mlp" / "weights.safetensors").write_bytes(good[: len(good) // 3])
+            entry = _wait(lambda: (m := _index(client)["mlp"]).reason and m, "a failed reload")
+            assert entry.state == "READY" and entry.version == "2"
+            assert "reload failed, still serving version 2" in entry.reason and "weights.safetensors" in entry.reason
+            (repo / "mlp" / "weights.safetensors").write_bytes(good)
+            manifest = repo / "mlp" / "manifest.yaml"
+            text = manifest.read_text()
+            manifest.write_text(text.replace("dims: {f: 512}", "dims: {f: 513}"))
+            _wait(lambda: "513" in _index(client)["mlp"].reason, "the manifest error in the index")
+            x = np.ones((1, reference.MLP_HIDDEN), np.float32)
+            version, y = _mlp(client, x)
+            assert version == "2"
+            np.testing.assert_allclose(y, np.tanh(x @ w2), rtol=1e-4, atol=1e-5)
+            manifest.write_text(text)
+            _wait(lambda: (m := _index(client)["mlp"]).reason == "" and m.version not in ("1", "2"),
+                  "a good reload after the fix")
+        assert load.errors == []
+        assert _metric(server, "xlaserve_model_loads_total", model="mlp", outcome="failed") >= failed_before + 2
+        assert "still serving version 2" in server.log()
+
+        # 3. Remove a bundle, then put it back.
+        parked = tmp_path / "parked_simple"
+        shutil.move(repo / "simple", parked)
+        _wait(lambda: "simple" not in _index(client), "simple to be unloaded")
+        with pytest.raises(InferenceServerException) as err:
+            _simple(client)
+        assert "simple" in str(err.value)
+        shutil.move(parked, repo / "simple")
+        _wait(lambda: (m := _index(client).get("simple")) is not None and m.state == "READY", "simple re-added")
+        np.testing.assert_array_equal(_simple(client), 2 * np.arange(16).reshape(1, 16))
+        assert _index(client)["simple"].version == "2"
+
+        # 4. The control service on the same port.
+        status = _control(server, lambda s: s.ModelControlStatus(cpb.ModelControlStatusRequest()))
+        models = {m.name: m for m in status.models}
+        assert set(models) == {"mlp", "simple"} and status.backend == "cpu"
+        mlp = models["mlp"]
+        assert mlp.state == "READY" and mlp.weight_bytes == W1.nbytes and mlp.requests > 0
+        assert mlp.residency == "system" and mlp.weight == 1.0 and mlp.max_batch_size == 0
+
+        async def steer(stub):
+            await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=3.0, max_batch_size=1))
+            await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="mlp", residency="device"))
+            with pytest.raises(GRPCError) as bad:
+                await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=-1))
+            assert bad.value.status is Status.INVALID_ARGUMENT
+            with pytest.raises(GRPCError) as missing:
+                await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="nope", residency="device"))
+            assert missing.value.status is Status.NOT_FOUND
+            compact = await stub.CompactMemory(cpb.CompactMemoryRequest())
+            snapshots = []
+            async with stub.WatchStatus.open() as stream:
+                await stream.send_message(cpb.WatchStatusRequest(interval_seconds=0.05), end=True)
+                async for snapshot in stream:
+                    snapshots.append(snapshot)
+                    if len(snapshots) == 3:
+                        break
+                await stream.cancel()
+            return compact, snapshots
+        compact, snapshots = _control(server, steer)
+        assert compact.message and compact.freed_bytes >= 0
+        assert len(snapshots) == 3
+        mlp = {m.name: m for m in snapshots[-1].models}["mlp"]
+        assert (mlp.weight, mlp.max_batch_size, mlp.residency) == (3.0, 1, "device")
+        _control(server, lambda s: s.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", max_batch_size=0)))
+        status = _control(server, lambda s: s.ModelControlStatus(cpb.ModelControlStatusRequest()))
+        assert {m.name: m for m in status.models}["mlp"].max_batch_size == 0
+    assert server.process.returncode == 0, server.log()
+
+
+def test_explicit_static_and_executable_cache(tmp_path):
+    repo = tmp_path / "models"
+    export_simple(repo, (1, 2))
+    cache = tmp_path / "cache"
+    expected = 2 * np.arange(16).reshape(1, 16)
+
+    # explicit: nothing until asked; load, serve, unload.
+    with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        assert _index(client) == {}
+        with pytest.raises(InferenceServerException, match="not in the repository"):
+            client.load_model("nope")
+        client.load_model("simple")
+        assert client.is_model_ready("simple")
+        np.testing.assert_array_equal(_simple(client), expected)
+        assert "simple version 1 ready" in server.log() and "0 of 2 module(s) from the executable cache" in server.log()
+        client.unload_model("simple")
+        assert not client.is_model_ready("simple") and "simple" not in _index(client)
+        assert _metric(server, "xlaserve_executable_cache_total", result="miss") == 2
+
+    # static, after a restart: both modules come from the cache; load/unload are refused.
+    with serve(tmp_path / "static", repo, {"model_control_mode": "static", "cache_dir": str(cache)}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        np.testing.assert_array_equal(_simple(client), expected)
+        assert "2 module(s) from the executable cache, 0 compiled" in server.log()
+        assert _metric(server, "xlaserve_executable_cache_total", result="hit") == 2
+        for call in (client.load_model, client.unload_model):
+            with pytest.raises(InferenceServerException, match="model_control_mode is static"):
+                call("simple")
+        assert client.is_model_ready("simple")
+
+    # A corrupted entry is ignored and rebuilt; the model still serves.
+    entries = sorted(p for p in cache.rglob("*.xlaexe"))
+    assert len(entries) == 2
+    entries[0].write_bytes(entries[0].read_bytes()[:100])
+    with serve(tmp_path / "corrupt", repo, {"model_control_mode": "static", "cache_dir": str(cache)}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        np.testing.assert_array_equal(_simple(client), expected)
+        assert "ignoring entry" in server.log()
+        assert "1 module(s) from the executable cache, 1 compiled" in server.log()
+        assert _metric(server, "xlaserve_executable_cache_total", result="rejected") == 1
+
+
+def test_cache_dir_writable_by_others_is_refused(tmp_path):
+    repo = tmp_path / "models"
+    export_simple(repo, (1,))
+    cache = tmp_path / "shared_cache"
+    cache.mkdir()
+    os.chmod(cache, 0o777)
+    with serve(tmp_path / "srv", repo, {"cache_dir": str(cache)}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        np.testing.assert_array_equal(_simple(client), 2 * np.arange(16).reshape(1, 16))
+        assert "executable cache: disabled" in server.log() and "writable by other users" in server.log()
+    assert list(cache.iterdir()) == []

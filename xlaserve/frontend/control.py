@@ -1,0 +1,154 @@
+"""xlaserve's own ``WorkerControl`` gRPC service (proto/xlaserve_control.proto), on the worker's
+gRPC port beside the KServe service: per-model status, residency and scheduling changes at run
+time, memory compaction, and a status stream for ``xlaserve top`` and operators' control planes.
+
+Status is built from snapshots (model table, queue depths, learned costs, residency), read on
+the loop thread the Trio guest run shares; changes go through the bridge to the actor that owns
+the state.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from typing import TYPE_CHECKING
+
+import trio
+
+from xlaserve._proto import xlaserve_control_pb2 as pb
+from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
+from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError
+from xlaserve.frontend.kserve import rpc
+
+if TYPE_CHECKING:
+    from xlaserve.worker.server import WorkerHandles
+
+log = logging.getLogger("xlaserve.control")
+
+DEFAULT_WATCH_INTERVAL = 1.0
+MIN_WATCH_INTERVAL = 0.05
+RESIDENCIES = ("device", "system", "unpinned")
+
+
+def status_snapshot(worker: "WorkerHandles") -> pb.ModelControlStatusResponse:
+    """One consistent snapshot of every model the worker knows (no awaits while it is built)."""
+    scheduler = worker.scheduler
+    weights = worker.weights
+    cache = weights.snapshot()
+    resident: dict[str, int] = {}
+    for r in cache.models:
+        resident[r.model] = resident.get(r.model, 0) + r.resident_bytes
+    costs: dict[str, dict[int, float]] = {}
+    for c in scheduler.costs():
+        costs.setdefault(c.model, {})[c.size] = c.seconds
+    models = []
+    for entry in worker.table.snapshot.values():
+        policy = scheduler.policy(entry.name)
+        stats = worker.stats.get(entry.name)
+        models.append(pb.ModelControl(
+            name=entry.name, state=entry.state.value, version=entry.version or 0, reason=entry.reason,
+            residency=weights.floor_of(entry.name).value, resident_bytes=resident.get(entry.name, 0),
+            weight_bytes=entry.serving.weight_bytes if entry.serving else 0,
+            queue_depth=scheduler.depth(entry.name), learned_cost_seconds=costs.get(entry.name, {}),
+            weight=policy.weight, max_batch_size=_cap(policy.max_batch_size),
+            requests=stats.inference_count, executions=stats.execution_count))
+    return pb.ModelControlStatusResponse(models=models, worker=worker.config.name, backend=worker.device.backend,
+                                         budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes)
+
+
+class WorkerControlService(WorkerControlBase):
+    def __init__(self, worker: "WorkerHandles", nursery: trio.Nursery) -> None:
+        self._worker = worker
+        self._nursery = nursery
+
+    def _known(self, name: str) -> None:
+        table = self._worker.table.snapshot
+        if name not in table:
+            raise ModelNotFound(name, list(table))
+
+    async def _on_trio(self, fn):
+        """Run ``fn()`` on the Trio side; its result, or the error it raises (ValueError is a bad
+        argument)."""
+        def start(reply):
+            try:
+                reply(fn())
+            except ValueError as exc:
+                reply(InvalidArgument(str(exc)))
+        return await self._worker.bridge.call(start)
+
+    async def _in_trio_task(self, afn):
+        """Call ``afn()`` in a Trio task of the worker, awaiting it if it is a coroutine; its result, or
+        the XlaserveError it raised."""
+        def start(reply):
+            async def task():
+                try:
+                    result = afn()
+                    reply(await result if inspect.isawaitable(result) else result)
+                except XlaserveError as exc:
+                    reply(exc)
+                except ValueError as exc:
+                    reply(InvalidArgument(str(exc)))
+                except Exception as exc:
+                    log.exception("control call failed")
+                    reply(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            self._nursery.start_soon(task)
+        return await self._worker.bridge.call(start)
+
+    @rpc
+    async def ModelControlStatus(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(status_snapshot(self._worker))
+
+    @rpc
+    async def SetModelResidency(self, stream) -> None:
+        request = await stream.recv_message()
+        self._known(request.model)
+        if request.residency not in RESIDENCIES:
+            raise InvalidArgument(f"residency must be one of {', '.join(RESIDENCIES)}; got {request.residency!r}")
+        await self._in_trio_task(lambda: self._worker.weights.set_residency(request.model, request.residency))
+        log.info("control: %s residency set to %s", request.model, request.residency)
+        await stream.send_message(pb.SetModelResidencyResponse())
+
+    @rpc
+    async def SetModelPolicy(self, stream) -> None:
+        request = await stream.recv_message()
+        self._known(request.model)
+        weight = request.weight if request.HasField("weight") else None
+        max_batch = request.max_batch_size if request.HasField("max_batch_size") else None
+        if weight is not None and not weight > 0:
+            raise InvalidArgument(f"weight must be > 0 (a relative share of device time); got {weight}")
+        if max_batch is not None and max_batch < 0:
+            raise InvalidArgument(f"max_batch_size must be >= 1, or 0 for uncapped; got {max_batch}")
+        scheduler = self._worker.scheduler
+
+        # 0 uncaps. Scheduler.set_policy reads None as "unchanged", so uncapped is a cap no
+        # request can reach; status reports it as 0 again.
+        cap = UNCAPPED_ROWS if max_batch == 0 else max_batch
+        policy = await self._on_trio(lambda: scheduler.set_policy(request.model, weight=weight, max_batch_size=cap))
+        log.info("control: %s policy now weight=%g max_batch_size=%s", request.model, policy.weight,
+                 _cap(policy.max_batch_size) or "uncapped")
+        await stream.send_message(pb.SetModelPolicyResponse())
+
+    @rpc
+    async def CompactMemory(self, stream) -> None:
+        await stream.recv_message()
+        message, freed = await self._in_trio_task(self._worker.weights.compact)
+        log.info("control: CompactMemory: %s (%d bytes freed)", message, freed)
+        await stream.send_message(pb.CompactMemoryResponse(message=message, freed_bytes=freed))
+
+    @rpc
+    async def WatchStatus(self, stream) -> None:
+        request = await stream.recv_message()
+        interval = request.interval_seconds if request.interval_seconds > 0 else DEFAULT_WATCH_INTERVAL
+        interval = max(interval, MIN_WATCH_INTERVAL)
+        # Ends when the client cancels or the server closes (grpclib cancels the handler).
+        while True:
+            await stream.send_message(status_snapshot(self._worker))
+            await asyncio.sleep(interval)
+
+
+UNCAPPED_ROWS = 2**31 - 1
+
+
+def _cap(max_batch_size: int | None) -> int:
+    return 0 if max_batch_size is None or max_batch_size >= UNCAPPED_ROWS else max_batch_size
