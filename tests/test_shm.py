@@ -147,7 +147,7 @@ def _expect(call, code: str, *fragments: str) -> None:
 
 def test_bad_registrations(example_server, regions):
     c = _client(example_server)
-    name, key, handle = regions("bad_reg", 1024)
+    name, key, _ = regions("bad_reg", 1024)
     bad = "StatusCode.INVALID_ARGUMENT"
     for path_key in ("/dev/shm/" + key.lstrip("/"), "../" + key.lstrip("/"), "..", "a/b", ""):
         _expect(lambda: c.register_system_shared_memory("r_" + name, path_key, 16), bad,
@@ -172,7 +172,7 @@ def test_bad_registrations(example_server, regions):
 def test_bad_tensor_regions(example_server, regions):
     c = _client(example_server)
     x = np.zeros((2, 512), np.float32)
-    name, key, handle = regions("bad_use", x.nbytes + 16)
+    name, key, _ = regions("bad_use", x.nbytes + 16)
     c.register_system_shared_memory(name, key, x.nbytes)        # registers 16 bytes less than exists
     bad = "StatusCode.INVALID_ARGUMENT"
     try:
