@@ -1,0 +1,269 @@
+"""The weight cache: residency policy (pure) and the cache itself on the real cpu device."""
+from __future__ import annotations
+
+import logging
+from types import MappingProxyType, SimpleNamespace
+
+import numpy as np
+import pytest
+import trio
+from safetensors.numpy import save_file
+
+from xlaserve.bundle import ModelVersion, read_weights
+from xlaserve.errors import FailedPrecondition, Unavailable
+from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor
+from xlaserve.runtime.weights import CatalogTooLarge, WeightCache
+
+MB = 1 << 20
+
+
+# ---- policy ---------------------------------------------------------------------------------
+
+def test_lru_evicts_least_recently_used_first():
+    book = ResidencyBook(3 * MB)
+    for k in "abcd":
+        assert book.add(k, MB, Floor.SYSTEM) == ""
+    for k in "abc":
+        assert book.plan(k).ok and not book.plan(k).evict
+        book.begin_load(k)
+        book.finish_load(k)
+    book.touch("a")                     # b is now the least recently used
+    plan = book.plan("d")
+    assert plan.evict == ("b",)
+    book.evict("b")
+    book.begin_load("d")
+    book.finish_load("d")
+    assert book.lru_order() == ("c", "a", "d")
+    assert book.resident_bytes() == 3 * MB and book.free_bytes() == 0
+
+
+def test_pinned_and_protected_models_are_never_chosen():
+    book = ResidencyBook(3 * MB)
+    book.add("pinned", MB, Floor.DEVICE)
+    book.add("busy", MB, Floor.SYSTEM)
+    book.add("idle", MB, Floor.SYSTEM)
+    book.add("new", 2 * MB, Floor.SYSTEM)
+    for k in ("pinned", "busy", "idle"):
+        book.begin_load(k)
+        book.finish_load(k)
+    assert book.plan("new", protect=("busy",)).refused   # only 'idle' (1 MB) may go; 2 MB needed
+    assert book.plan("new").evict == ("busy", "idle")
+    with pytest.raises(ValueError, match="pinned"):
+        book.evict("pinned")
+    assert "more than is free" in book.plan("new", may_evict=False).refused
+
+
+def test_floor_admission_gives_the_numbers():
+    book = ResidencyBook(2 * MB)
+    reason = book.add("huge", 3 * MB, Floor.SYSTEM)
+    assert "3.0 MiB (3145728 bytes)" in reason and "2.0 MiB (2097152 bytes)" in reason
+    assert book.add("p1", MB + 1, Floor.DEVICE) == ""
+    assert "already pinned" in book.add("p2", MB, Floor.DEVICE)
+    book.add("s", MB, Floor.SYSTEM)
+    assert "already pinned" in book.set_floor("s", Floor.DEVICE)
+    assert book.set_floor("s", Floor.UNPINNED) == "" and book.floor("s") is Floor.UNPINNED
+
+
+def test_loading_reserves_bytes_and_a_failed_copy_returns_them():
+    book = ResidencyBook(2 * MB)
+    book.add("a", MB, Floor.SYSTEM)
+    book.add("b", 2 * MB, Floor.SYSTEM)
+    book.begin_load("a")
+    assert book.free_bytes() == MB and book.plan("b").refused   # a loading model is not evictable
+    book.finish_load("a", ok=False)
+    assert book.free_bytes() == 2 * MB and not book.is_resident("a")
+
+
+def test_budget_arithmetic():
+    b = Budget(arena=1000, fraction=1.0, wiggle=100)
+    assert b.bytes == 900 and b.on_demand
+    assert Budget(1000, 0.5, 100).bytes == 500
+    assert Budget(1000, 1.0, 100, activations=300).bytes == 700     # headroom from the executables
+    assert Budget(1000, 0.0, 100).bytes == 900 and not Budget(1000, 0.0, 100).on_demand
+    assert "arena" in b.explain() and "headroom" in b.explain()
+
+
+def test_thrash_monitor_warns_when_most_dispatches_evict_once_per_window():
+    m = ThrashMonitor(window=10, threshold=0.5)
+    assert not any(m.record(i % 2 == 0) for i in range(20))         # half is not most
+    warnings = [m.record(True) for _ in range(30)]
+    assert warnings.count(True) == 3 and warnings.index(True) < 10
+
+
+# ---- the cache on the cpu device ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def device():
+    return Device("cpu")
+
+
+def make_model(tmp_path, name: str, nbytes: int, version: int = 1, fill: float = 1.0) -> ModelVersion:
+    bundle = tmp_path / name
+    bundle.mkdir(exist_ok=True)
+    n = nbytes // 4
+    save_file({"w": np.full(n, fill, np.float32)}, str(bundle / "weights.safetensors"))
+    weights = _weights_of(bundle)
+    # The cache reads only name, version, weights and modules (no executables: no activations).
+    return ModelVersion(name, version, bundle, None, "f", weights, weights.nbytes, MappingProxyType({}),
+                        None, 0.0)
+
+
+def _weights_of(bundle):
+    manifest = SimpleNamespace(bundle=bundle.name, weights_file="weights.safetensors", weights_order=None)
+    return read_weights(bundle, manifest)
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+
+def cache_for(device, budget_bytes: int, floors=None, **kw) -> WeightCache:
+    floors = floors or {}
+    return WeightCache(device, trio.CapacityLimiter(1), Budget(budget_bytes, 1.0, 0),
+                       residency=lambda n: floors.get(n, "system"), **kw)
+
+
+def test_device_copy_is_a_separate_buffer_with_the_weights(tmp_path, device):
+    model = make_model(tmp_path, "m", MB, fill=3.0)
+
+    async def main():
+        cache = cache_for(device, 4 * MB)
+        assert await cache.admit(model) == ""
+        (w,) = await cache.ensure_resident(model)
+        host = model.weights.map()[0]
+        assert not device.shares_memory(w, host)
+        np.testing.assert_array_equal(np.asarray(w), host)
+        snap = cache.snapshot()
+        assert snap.resident_bytes == MB and snap.models[0].host_bytes == MB and snap.models[0].loads == 1
+    run(main)
+
+
+def test_lru_eviction_under_budget_and_pinned_stays(tmp_path, device):
+    models = {n: make_model(tmp_path, n, MB) for n in ("pin", "a", "b", "c")}
+
+    async def main():
+        cache = cache_for(device, 3 * MB, {"pin": "device"})
+        for m in models.values():
+            assert await cache.admit(m) == ""
+        assert [r.model for r in cache.snapshot() if r.resident_bytes] == ["pin"]   # pinned at admission
+        for name in ("a", "b", "c", "a", "b", "c"):
+            await cache.ensure_resident(models[name])
+            snap = cache.snapshot()
+            assert snap.resident_bytes <= snap.budget_bytes
+            assert any(r.model == "pin" and r.resident_bytes for r in snap)
+        by = {r.model: r for r in cache.snapshot()}
+        assert by["pin"].evictions == 0 and by["a"].evictions == 2 and by["pin"].floor == "device"
+        assert [r.model for r in cache.snapshot() if r.resident_bytes] == ["pin", "b", "c"]
+    run(main)
+
+
+def test_unpinned_reads_from_disk_every_load_and_system_keeps_its_host_copy(tmp_path, device):
+    unpinned = make_model(tmp_path, "u", MB)
+    system = make_model(tmp_path, "s", MB)
+
+    async def main():
+        cache = cache_for(device, MB, {"u": "unpinned"})
+        await cache.admit(unpinned)
+        await cache.admit(system)
+        by = {r.model: r for r in cache.snapshot()}
+        assert by["u"].host_bytes == 0 and by["s"].host_bytes == MB
+        await cache.ensure_resident(unpinned)
+        await cache.ensure_resident(system)             # evicts u
+        (unpinned.path / "weights.safetensors").unlink()
+        (system.path / "weights.safetensors").unlink()
+        with pytest.raises(FileNotFoundError):
+            await cache.ensure_resident(unpinned)       # no host copy: it went to disk
+        await cache.ensure_resident(system)             # resident
+        cache.release("s")
+        assert cache.snapshot().resident_bytes == 0
+    run(main)
+
+
+def test_too_big_model_is_refused_with_the_numbers(tmp_path, device):
+    model = make_model(tmp_path, "big", 2 * MB)
+
+    async def main():
+        cache = cache_for(device, MB)
+        reason = await cache.admit(model)
+        assert "2.0 MiB (2097152 bytes)" in reason and "1.0 MiB (1048576 bytes)" in reason and "big" in reason
+        assert cache.snapshot().models == ()
+    run(main)
+
+
+def test_fraction_zero_keeps_everything_resident_and_fails_start_up_when_it_does_not_fit(tmp_path, device):
+    a, b = make_model(tmp_path, "a", MB), make_model(tmp_path, "b", MB)
+
+    async def main():
+        cache = WeightCache(device, trio.CapacityLimiter(1), Budget(int(1.5 * MB), 0.0, 0))
+        assert await cache.admit(a, during_startup=True) == ""
+        assert cache.snapshot().resident_bytes == MB
+        with pytest.raises(CatalogTooLarge, match=r"does not fit.*1\.0 MiB"):
+            await cache.admit(b, during_startup=True)
+        assert "does not fit" in await cache.admit(b)           # after start-up: just unavailable
+    run(main)
+
+
+def test_prefetch_copies_the_hinted_model_without_evicting_the_one_in_use(tmp_path, device):
+    a, b, c = (make_model(tmp_path, n, MB) for n in "abc")
+
+    async def main():
+        cache = cache_for(device, 2 * MB, metrics=None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in (a, b, c):
+                await cache.admit(m)
+            await cache.ensure_resident(a)
+            cache.hint_next(b)                           # fits in free space
+            await cache.ensure_resident(b)               # waits for the prefetch: a hit
+            by = {r.model: r for r in cache.snapshot()}
+            assert by["b"].hits == 1 and by["b"].loads == 1
+            cache.hint_next(c)                           # must evict a (idle), never b (in use)
+            await cache.ensure_resident(c)
+            by = {r.model: r for r in cache.snapshot()}
+            assert by["c"].hits == 1 and by["a"].evictions == 1 and by["b"].evictions == 0
+            nursery.cancel_scope.cancel()
+    run(main)
+
+
+def test_set_residency_pins_and_refuses_past_the_budget(tmp_path, device):
+    a, b = make_model(tmp_path, "a", MB), make_model(tmp_path, "b", MB)
+
+    async def main():
+        cache = cache_for(device, int(1.5 * MB))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            await cache.admit(a)
+            await cache.admit(b)
+            cache.set_residency("a", "device")
+            assert cache.residency("a") == "device"
+            await cache.ensure_resident(a)
+            with pytest.raises(Unavailable, match="cannot be evicted"):
+                await cache.ensure_resident(b)          # a is pinned: b cannot make room
+            assert [r.model for r in cache.snapshot() if r.resident_bytes] == ["a"]
+            with pytest.raises(FailedPrecondition, match="already pinned"):
+                cache.set_residency("b", "device")
+            with pytest.raises(ValueError, match="one of device, system, unpinned"):
+                cache.set_residency("b", "gpu")
+            cache.set_residency("b", "unpinned")
+            assert {r.model: r.host_bytes for r in cache.snapshot()}["b"] == 0
+            assert await cache.compact() == (
+                "nothing to do: the cpu backend allocates each buffer from the system allocator, "
+                "so device memory does not fragment", 0)
+            nursery.cancel_scope.cancel()
+    run(main)
+
+
+def test_thrashing_logs_a_warning_naming_models_sizes_and_budget(tmp_path, device, caplog):
+    models = [make_model(tmp_path, n, MB) for n in "abc"]
+
+    async def main():
+        cache = cache_for(device, 2 * MB)
+        for m in models:
+            await cache.admit(m)
+        for i in range(70):
+            await cache.ensure_resident(models[i % 3])
+    with caplog.at_level(logging.WARNING, logger="xlaserve.weights"):
+        run(main)
+    (record,) = [r for r in caplog.records if "thrashing" in r.message]
+    assert "a (1.0 MiB" in record.message and "budget 2.0 MiB" in record.message
