@@ -150,7 +150,7 @@ def test_bad_registrations(example_server, regions):
     name, key, _ = regions("bad_reg", 1024)
     bad = "StatusCode.INVALID_ARGUMENT"
     for path_key in ("/dev/shm/" + key.lstrip("/"), "../" + key.lstrip("/"), "..", "a/b", ""):
-        _expect(lambda: c.register_system_shared_memory("r_" + name, path_key, 16), bad,
+        _expect(lambda k=path_key: c.register_system_shared_memory("r_" + name, k, 16), bad,
                 "not a POSIX shared-memory object name")
     _expect(lambda: c.register_system_shared_memory("r_" + name, key + "_missing", 16), bad,
             "no shared-memory object")

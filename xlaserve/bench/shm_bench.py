@@ -23,6 +23,7 @@ import time
 import numpy as np
 import tritonclient.grpc.aio as aioclient
 import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
 
 
 def _ints(text: str) -> list[int]:
@@ -84,7 +85,7 @@ class Point:
                         t0 = time.perf_counter()
                         try:
                             await client.infer(self.model, inputs, outputs=outputs)
-                        except Exception:
+                        except InferenceServerException:
                             errors += 1
                             continue
                         latencies.append(time.perf_counter() - t0)

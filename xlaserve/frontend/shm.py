@@ -53,7 +53,7 @@ class RegionStatus:
 class _Region:
     """One mapped region. Owned by the registry; ``view`` covers exactly the registered bytes."""
 
-    __slots__ = ("status", "_map", "view")
+    __slots__ = ("_map", "status", "view")
 
     def __init__(self, status: RegionStatus, mapping: mmap.mmap, start: int) -> None:
         self.status = status
