@@ -1,0 +1,109 @@
+"""The scheduler end to end: the real server, the real Triton client. Concurrent requests are
+coalesced and each gets exactly its own rows back; a full queue and a hopeless deadline are
+answered with the right status; statistics and metrics show what happened."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from examples import reference
+from tests.conftest import serve
+
+
+@pytest.fixture(scope="module")
+def edf_server(examples_repo, tmp_path_factory):
+    sched = {"discipline": "edf", "max_queue_depth": 2}
+    with serve(tmp_path_factory.mktemp("sched_e2e"), examples_repo,
+               {"scheduler": sched, "models_include": ["mlp", "img_mean"]}) as server:
+        yield server
+    assert server.process.returncode == 0, server.log()
+
+
+def _aio_input(name, array, datatype):
+    t = aioclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def _metric(body: str, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in body.splitlines() if line.startswith(prefix))
+
+
+def test_coalesced_requests_each_get_their_own_rows(example_server):
+    sync = grpcclient.InferenceServerClient(example_server.url)
+    before = sync.get_inference_statistics("mlp").model_stats[0]
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((int(rng.integers(1, 4)), 512)).astype(np.float32) for _ in range(48)]
+
+    async def main():
+        async with aioclient.InferenceServerClient(example_server.url) as c:
+            return await asyncio.gather(*[c.infer("mlp", [_aio_input("input", x, "FP32")], request_id=str(i))
+                                          for i, x in enumerate(xs)])
+    results = asyncio.run(main())
+    for i, (x, r) in enumerate(zip(xs, results)):
+        assert r.get_response().id == str(i)
+        np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
+
+    after = sync.get_inference_statistics("mlp").model_stats[0]
+    rows = sum(len(x) for x in xs)
+    executions = after.execution_count - before.execution_count
+    assert after.inference_count - before.inference_count == rows
+    assert executions < len(xs), "48 concurrent requests ran without any coalescing"
+    stats = after.inference_stats
+    assert stats.success.count - before.inference_stats.success.count == len(xs)
+    assert stats.queue.count == stats.success.count and stats.queue.ns > before.inference_stats.queue.ns
+    assert stats.compute_infer.count == stats.success.count
+    assert sum(b.compute_infer.count for b in after.batch_stats) == after.execution_count
+    status, body = example_server.get("/metrics")
+    assert status == 200
+    assert _metric(body, 'xlaserve_batch_size_count{model="mlp"}') == after.execution_count
+    assert 'xlaserve_queue_depth{model="mlp"} 0.0' in body
+    assert _metric(body, 'xlaserve_queue_duration_seconds_count{model="mlp"}') == stats.success.count
+    assert _metric(body, 'xlaserve_compute_duration_seconds_count{model="mlp"}') == after.execution_count
+
+
+def test_full_queue_answers_resource_exhausted(edf_server):
+    img = np.random.default_rng(1).integers(0, 256, (8, 224, 224, 3), dtype=np.uint8)
+
+    async def one(c):
+        try:
+            r = await c.infer("img_mean", [_aio_input("input", img, "UINT8")])
+            np.testing.assert_allclose(r.as_numpy("output"), reference.img_mean_ref(img), rtol=1e-5)
+            return None
+        except InferenceServerException as exc:
+            return exc
+
+    async def main():
+        async with aioclient.InferenceServerClient(edf_server.url) as c:
+            return await asyncio.gather(*[one(c) for _ in range(32)])
+    errors = [e for e in asyncio.run(main()) if e is not None]
+    assert errors, "32 concurrent requests against a queue of 2 were all admitted"
+    for e in errors:
+        assert e.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert "model 'img_mean' has 2 requests queued" in e.message()
+        assert "scheduler.max_queue_depth" in e.message()
+    _, body = edf_server.get("/metrics")
+    assert _metric(body, 'xlaserve_rejections_total{model="img_mean",reason="queue_full"}') == len(errors)
+
+
+def test_edf_sheds_a_request_whose_timeout_is_shorter_than_the_learned_cost(edf_server):
+    c = grpcclient.InferenceServerClient(edf_server.url)
+    x = np.ones((1, 512), np.float32)
+    inputs = [grpcclient.InferInput("input", [1, 512], "FP32")]
+    inputs[0].set_data_from_numpy(x)
+    for _ in range(3):                    # learn mlp's cost at batch size 1
+        c.infer("mlp", inputs)
+    with pytest.raises(InferenceServerException) as info:
+        c.infer("mlp", inputs, timeout=1)  # Triton's timeout parameter: 1 microsecond
+    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+    assert "shed without running" in info.value.message()
+    # a generous timeout runs normally
+    r = c.infer("mlp", inputs, timeout=10_000_000)
+    np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
+    _, body = edf_server.get("/metrics")
+    assert _metric(body, 'xlaserve_rejections_total{model="mlp",reason="deadline_shed"}') == 1
