@@ -110,10 +110,11 @@ class WeightCacheMetrics:
             self.prefetch_hits_model.labels(model).inc()
             self.prefetch_hits_total.inc()
 
-    def load(self, model: str, seconds: float, prefetch: bool) -> None:
+    def load(self, model: str, seconds: float, miss: bool) -> None:
+        """One copy onto the device; ``miss`` when a dispatch waited for it (not a prefetch or pin)."""
         self.load_seconds_model.labels(model).observe(seconds)
         self.load_seconds_total.observe(seconds)
-        if not prefetch:
+        if miss:
             self.misses_model.labels(model).inc()
             self.misses_total.inc()
 

@@ -182,7 +182,7 @@ class WeightCache:
                 self._host[key] = await trio.to_thread.run_sync(self._map_host, model)
             if floor is Floor.DEVICE:
                 async with self._lock:
-                    await self._make_resident(key, self._limiter)
+                    await self._make_resident(key, self._limiter, why="pin")
         except BaseException:
             self.release(model.name, model.version)
             raise
@@ -274,7 +274,7 @@ class WeightCache:
         if self._metrics is not None:
             self._metrics.hit(key[0], prefetched)
 
-    async def _make_resident(self, key: Key, limiter: trio.CapacityLimiter, *, prefetch: bool = False,
+    async def _make_resident(self, key: Key, limiter: trio.CapacityLimiter, *, why: str = "demand",
                              protect: tuple[Key, ...] = ()) -> tuple[int, tuple]:
         """Evict what the plan says and copy ``key`` onto the device; the lock is held. Returns
         how many models were evicted and the device arrays. Raises Unavailable when it cannot
@@ -298,13 +298,13 @@ class WeightCache:
         self._book.finish_load(key)
         self._device_arrays[key] = arrays
         self._counts[key].loads += 1
-        if prefetch:
+        if why == "prefetch":
             self._prefetched.add(key)
         if self._metrics is not None:
-            self._metrics.load(key[0], seconds, prefetch)
+            self._metrics.load(key[0], seconds, miss=why == "demand")
         self._publish(key[0])
         log.debug("loaded %s v%d: %s in %.1f ms%s", key[0], key[1], fmt_bytes(model.weight_bytes),
-                  seconds * 1e3, " (prefetch)" if prefetch else "")
+                  seconds * 1e3, f" ({why})")
         await self._maybe_compact()
         return len(plan.evict), arrays
 
@@ -354,7 +354,7 @@ class WeightCache:
         try:
             async with self._lock:
                 if key in self._book and not self._book.is_resident(key):
-                    await self._make_resident(key, self._transfer_limiter, prefetch=True, protect=protect)
+                    await self._make_resident(key, self._transfer_limiter, why="prefetch", protect=protect)
         except Unavailable as exc:
             log.debug("prefetch of %s skipped: %s", key[0], exc)
         finally:
@@ -413,7 +413,7 @@ class WeightCache:
                 if key in self._book and self._book.floor(key) is Floor.DEVICE:
                     async with self._lock:
                         if key in self._book and not self._book.is_resident(key):
-                            await self._make_resident(key, self._limiter)
+                            await self._make_resident(key, self._limiter, why="pin")
             except KeyError:
                 continue            # released meanwhile
             except (Unavailable, OSError) as exc:
