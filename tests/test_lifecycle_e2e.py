@@ -281,3 +281,10 @@ def test_cache_dir_writable_by_others_is_refused(tmp_path):
         np.testing.assert_array_equal(_simple(client), 2 * np.arange(16).reshape(1, 16))
         assert "executable cache: disabled" in server.log() and "writable by other users" in server.log()
     assert list(cache.iterdir()) == []
+
+
+def test_plan_rescan_compares_fingerprints():
+    from xlaserve.worker.lifecycle import RescanPlan, plan_rescan
+    plan = plan_rescan({"a": "1", "b": "2", "gone": "3"}, {"a": "1", "b": "9", "new": "4"})
+    assert plan == RescanPlan(added=("new",), changed=("b",), removed=("gone",))
+    assert not plan_rescan({"a": "1"}, {"a": "1"})
