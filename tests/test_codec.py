@@ -53,7 +53,7 @@ def test_typed_contents():
     (lambda r: r.inputs[0].shape.__setitem__(1, 5), "input 'a': expected shape [-1,4] (-1: any batch size), got [2,5]"),
     (lambda r: r.inputs[1].shape.__setitem__(0, 3), "input 'b' has batch size 3 but input 'a' has 2"),
     (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 4), "input 'a': expected 32 bytes for INT32[2,4], got 4"),
-    (lambda r: r.raw_input_contents.pop(), "raw_input_contents has 1 entries for 2 inputs"),
+    (lambda r: r.raw_input_contents.pop(), "raw_input_contents has 1 entries for 2 inputs sent inline"),
     (lambda r: (r.inputs.add(name="c", datatype="FP32", shape=[1]), r.raw_input_contents.append(b"\0" * 4)),
      "unknown input 'c'; the model takes 'a' INT32[B,4], 'b' FP16[B,4]"),
     (lambda r: (r.inputs.pop(), r.raw_input_contents.pop()), "missing input(s) 'b'"),
@@ -86,3 +86,20 @@ def test_bytes_round_trip_and_truncation():
 def test_encode_output_casts_to_declared_dtype():
     out = encode_output(np.array([1.5, 2.5], np.float64), BY_CODE["f32"])
     assert np.frombuffer(out, np.float32).tolist() == [1.5, 2.5]
+
+
+def test_raw_contents_skip_inputs_read_from_shared_memory():
+    a = np.arange(8, dtype=np.int32).reshape(2, 4)
+    b = np.ones((2, 4), np.float16)
+    r = request(a, b, raw=False)
+    r.inputs[0].parameters["shared_memory_region"].string_param = "region0"
+    r.raw_input_contents.append(b.tobytes())  # only the inline input travels raw
+    seen = []
+
+    def read_shm(name, params):
+        seen.append((name, params["shared_memory_region"].string_param))
+        return memoryview(a.tobytes())
+    d = decode_inputs(r, M.client_inputs, 4, read_shm)
+    assert seen == [("a", "region0")]
+    np.testing.assert_array_equal(d.arrays["a"], a)
+    np.testing.assert_array_equal(d.arrays["b"], b)

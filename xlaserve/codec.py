@@ -79,13 +79,16 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     by_name = {d.name: d for d in expected}
     want = ", ".join(f"'{d.name}' {d.describe()}" for d in expected)
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; "
-                              "when raw contents are used, every input needs exactly one")
+    # Raw contents belong, in order, to the inputs that are not read from shared memory.
+    inline = sum(1 for t in request.inputs if "shared_memory_region" not in t.parameters)
+    if raw and len(raw) != inline:
+        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {inline} inputs sent inline; "
+                              "when raw contents are used, every inline input needs exactly one")
+    next_raw = 0
     arrays: dict[str, np.ndarray] = {}
     rows: int | None = None
     rows_from = ""
-    for i, tensor in enumerate(request.inputs):
+    for tensor in request.inputs:
         decl = by_name.get(tensor.name)
         if decl is None:
             raise InvalidArgument(f"unknown input '{tensor.name}'; the model takes {want}")
@@ -112,7 +115,8 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
                                       "memory is not enabled on this server")
             buffer = read_shm(tensor.name, params)
         elif raw:
-            buffer = raw[i]
+            buffer = raw[next_raw]
+            next_raw += 1
         if buffer is not None:
             arrays[tensor.name] = _from_buffer(tensor.name, decl.dtype, shape, buffer)
         else:
