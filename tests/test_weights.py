@@ -267,3 +267,15 @@ def test_thrashing_logs_a_warning_naming_models_sizes_and_budget(tmp_path, devic
         run(main)
     (record,) = [r for r in caplog.records if "thrashing" in r.message]
     assert "a (1.0 MiB" in record.message and "budget 2.0 MiB" in record.message
+
+
+def test_device_copy_never_aliases_page_aligned_host_memory(device):
+    # the cpu client wraps page-aligned memory in place even with may_alias=False
+    raw = np.empty(MB + 4096, np.uint8)
+    skew = (-raw.ctypes.data) % 4096
+    host = raw[skew:skew + MB].view(np.float32)
+    host[:] = 2.0
+    (w,) = device.put_weights([host])
+    assert not device.shares_memory(w, host)
+    host[:] = 0.0
+    assert float(np.asarray(w)[0]) == 2.0

@@ -195,8 +195,16 @@ class Device:
         aligned NumPy memory in place, making the "device copy" free and the budget fiction)."""
         if not host:
             return ()
-        target = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device") \
-            if self.backend != "cpu" else self._device
+        if self.backend == "cpu":
+            # may_alias=False is not enough: the cpu client still wraps page-aligned host memory
+            # (measured with jax 0.10.2). Copy into fresh buffers, which the arrays then own.
+            fresh = [np.empty_like(a) for a in host]
+            for dst, src in zip(fresh, host):
+                np.copyto(dst, src)
+            out = jax.device_put(fresh, self._device)
+            jax.block_until_ready(out)
+            return tuple(out)
+        target = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
         out = jax.device_put(list(host), target, may_alias=False)
         jax.block_until_ready(out)
         return tuple(out)

@@ -106,7 +106,7 @@ class _Counts:
 class WeightCache:
     def __init__(self, device: Device, limiter: trio.CapacityLimiter, budget: Budget | None = None, *,
                  residency: Callable[[str], str] = lambda name: "system", metrics=None,
-                 compaction_interval: int = 0, prefetch: bool = True) -> None:
+                 compaction_interval: int = 0, prefetch: bool | None = None) -> None:
         self._device = device
         self._limiter = limiter
         self._transfer_limiter = trio.CapacityLimiter(1)
@@ -116,7 +116,9 @@ class WeightCache:
         self._overrides: dict[str, Floor] = {}
         self._metrics = metrics
         self._compaction_interval = compaction_interval
-        self._prefetch_enabled = prefetch
+        # XLASERVE_WEIGHT_PREFETCH=0 turns prefetch off (a benchmarking knob, not a node-file key).
+        self._prefetch_enabled = prefetch if prefetch is not None else \
+            os.environ.get("XLASERVE_WEIGHT_PREFETCH", "1") != "0"
         self._lock = trio.Lock()
         self._models: dict[Key, ModelVersion] = {}
         self._host: dict[Key, tuple] = {}

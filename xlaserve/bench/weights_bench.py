@@ -1,0 +1,234 @@
+"""Weight-cache benchmarks (issue 4). Prints numbers; see docs/benchmarks.md for recorded runs.
+
+  python -m xlaserve.bench.weights_bench cold [--sizes-mb 1 16 128 512]
+      In process, real cpu device: per size, cold call (weights evicted) minus warm call,
+      against bytes / host-to-device bandwidth measured in the same run.
+  python -m xlaserve.bench.weights_bench density [--seconds 60] [--configs ...]
+      Real server + Triton client: 100 bundles of mixed sizes totalling 10x the budget, Zipf(1.0)
+      over them at concurrency 16; budgeted (prefetch on/off), all resident, all unpinned. Also
+      reports the server's RSS against the sum of the weights.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from xlaserve.bench.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
+
+MB = 1 << 20
+
+
+# ---- cold call ------------------------------------------------------------------------------
+
+def cold(sizes_mb: list[int], repeats: int) -> None:
+    import trio
+
+    from xlaserve.bundle import load_bundle
+    from xlaserve.runtime.pjrt import Device
+    from xlaserve.runtime.residency import Budget
+    from xlaserve.runtime.weights import WeightCache
+    from xlaserve.worker.executor import Executor
+
+    device = Device("cpu")
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-cold-"))
+    print(f"{'size':>8} {'warm ms':>9} {'cold ms':>9} {'cold-warm':>10} {'bytes/bw ms':>12} {'bw GB/s':>8} "
+          f"{'goal ms':>8} {'ok':>3}")
+    for size in sizes_mb:
+        big = load_bundle(export_weight_bundle(tmp, f"m{size}", size * MB, mark=1.0, compiled_batch_sizes=(1,)),
+                          1, device)
+        small = load_bundle(export_weight_bundle(tmp, f"s{size}", MB, mark=2.0, compiled_batch_sizes=(1,)),
+                            1, device)
+        x = np.ones((1, FEATURES), np.float32)
+
+        async def main():
+            limiter = trio.CapacityLimiter(1)
+            cache = WeightCache(device, limiter, Budget(big.weight_bytes + MB, 1.0, 0), prefetch=False)
+            executor = Executor(device, limiter)
+            await cache.admit(big)
+            await cache.admit(small)
+
+            async def call(model):
+                t = time.perf_counter()
+                w = await cache.ensure_resident(model)
+                await executor.run(model, 1, w, [{"input": x}], [1])
+                return time.perf_counter() - t
+            host = big.weights.read()                   # the raw transfer, interleaved with the calls
+            colds, warms, bws = [], [], []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                out = device.put_weights(host)
+                bws.append(big.weight_bytes / (time.perf_counter() - t))
+                del out
+                await call(small)                       # evicts big
+                colds.append(await call(big))
+                warms.append(await call(big))
+            return colds, warms, bws
+        colds, warms, bws = trio.run(main)
+        bw = statistics.median(bws)
+        warm, cold_ = statistics.median(warms), statistics.median(colds)
+        ideal = big.weight_bytes / bw
+        goal = 1.25 * ideal + 1e-3
+        print(f"{size:>6}MB {warm * 1e3:>9.2f} {cold_ * 1e3:>9.2f} {(cold_ - warm) * 1e3:>10.2f} "
+              f"{ideal * 1e3:>12.2f} {bw / 1e9:>8.2f} {goal * 1e3:>8.2f} {'yes' if cold_ - warm <= goal else 'NO':>3}")
+        for p in tmp.iterdir():
+            if p.name.endswith(str(size)):
+                subprocess.run(["rm", "-rf", str(p)], check=True)
+
+
+# ---- density --------------------------------------------------------------------------------
+
+SIZES_KB = (256, 512, 1024, 2048, 4096)
+
+
+def build_catalog(repo: Path, count: int) -> dict[str, int]:
+    repo.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    templates = {kb: export_weight_bundle(repo, f"t{kb}", kb * 1024, compiled_batch_sizes=(1, 4, 16))
+                 for kb in SIZES_KB}
+    sizes = {}
+    for i in range(count):
+        kb = int(rng.choice(SIZES_KB))
+        clone_weight_bundle(templates[kb], f"m{i:03d}", float(i))
+        sizes[f"m{i:03d}"] = kb * 1024
+    for t in templates.values():
+        subprocess.run(["rm", "-rf", str(t)], check=True)
+    return sizes
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def drive(url: str, names: list[str], seconds: float, concurrency: int) -> dict:
+    import tritonclient.grpc as grpcclient
+    ranks = np.arange(1, len(names) + 1)
+    p = 1.0 / ranks
+    p /= p.sum()
+    order = np.random.default_rng(7).permutation(len(names))   # popularity not tied to size
+    latencies: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+    stop = time.perf_counter() + seconds
+
+    def worker(seed: int) -> None:
+        client = grpcclient.InferenceServerClient(url)
+        rng = np.random.default_rng(seed)
+        x = np.ones((1, FEATURES), np.float32)
+        inp = grpcclient.InferInput("input", [1, FEATURES], "FP32")
+        inp.set_data_from_numpy(x)
+        mine = []
+        while time.perf_counter() < stop:
+            name = names[order[rng.choice(len(names), p=p)]]
+            t = time.perf_counter()
+            try:
+                client.infer(name, [inp])
+            except Exception:
+                with lock:
+                    errors[0] += 1
+                continue
+            mine.append(time.perf_counter() - t)
+        with lock:
+            latencies.extend(mine)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lat = np.array(latencies)
+    return {"rps": len(lat) / seconds, "p50": float(np.percentile(lat, 50)) * 1e3,
+            "p99": float(np.percentile(lat, 99)) * 1e3, "errors": errors[0]}
+
+
+def density(seconds: float, configs: list[str], count: int, concurrency: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.conftest import serve
+
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-density-"))
+    sizes = build_catalog(tmp / "models", count)
+    total = sum(sizes.values())
+    budget = total // 10
+    wiggle = 0.1
+    arena = int(budget / (1 - wiggle))
+    print(f"catalog: {count} bundles, {total / MB:.1f} MiB of weights; budget {budget / MB:.1f} MiB (1/10)")
+    settings = {
+        "budgeted": ({"device_memory_bytes": arena}, {}, {}),
+        "budgeted-noprefetch": ({"device_memory_bytes": arena}, {}, {"XLASERVE_WEIGHT_PREFETCH": "0"}),
+        "all-resident": ({}, {}, {}),
+        "unpinned-warm": ({"device_memory_bytes": arena},
+                          {"models": {n: {"residency": "unpinned"} for n in sizes}}, {}),
+    }
+    for name in configs:
+        runtime, sched, env = settings[name]
+        glob = {"runtime": {"backend": "cpu", "weight_cache_wiggle_fraction": wiggle, **runtime},
+                "scheduler": {"discipline": "fifo", **sched}}
+        with serve(tmp / name, tmp / "models", glob, env=env, timeout=600) as server:
+            rss = rss_bytes(server.process.pid)
+            result = drive(server.url, sorted(sizes), seconds, concurrency)
+            _, text = server.get("/metrics")
+        counters = {k: _metric(text, f"xlaserve_weight_cache_{k}") for k in
+                    ("hits", "misses", "evictions", "prefetch_hits")}
+        print(f"{name:>20}: {result['rps']:8.1f} req/s  p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms  "
+              f"errors {result['errors']}  RSS after load {rss / MB:.0f} MiB  "
+              + "  ".join(f"{k} {int(v)}" for k, v in counters.items()))
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "_total ") or line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def rss(count: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.conftest import serve
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-rss-"))
+    (tmp / "empty").mkdir()
+    sizes = build_catalog(tmp / "models", count)
+    with serve(tmp / "base", tmp / "empty", {"runtime": {"backend": "cpu"}}) as server:
+        base = rss_bytes(server.process.pid)
+    with serve(tmp / "full", tmp / "models", {"runtime": {"backend": "cpu"}}, timeout=600) as server:
+        full = rss_bytes(server.process.pid)
+    weights = sum(sizes.values())
+    print(f"RSS empty repo {base / MB:.0f} MiB; with {count} bundles {full / MB:.0f} MiB; weights {weights / MB:.1f} MiB; "
+          f"(RSS - base) / weights = {(full - base) / weights:.2f}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("cold")
+    c.add_argument("--sizes-mb", type=int, nargs="+", default=[1, 16, 128, 512])
+    c.add_argument("--repeats", type=int, default=7)
+    d = sub.add_parser("density")
+    d.add_argument("--seconds", type=float, default=60.0)
+    d.add_argument("--count", type=int, default=100)
+    d.add_argument("--concurrency", type=int, default=16)
+    d.add_argument("--configs", nargs="+", default=["budgeted", "budgeted-noprefetch", "all-resident",
+                                                   "unpinned-warm"])
+    r = sub.add_parser("rss")
+    r.add_argument("--count", type=int, default=100)
+    args = parser.parse_args(argv)
+    if args.cmd == "cold":
+        cold(args.sizes_mb, args.repeats)
+    elif args.cmd == "density":
+        density(args.seconds, args.configs, args.count, args.concurrency)
+    else:
+        rss(args.count)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    main()
