@@ -68,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default="0", help="worker name or index (default 0)")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
     p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("bench", help="closed-loop load generator for any KServe V2 gRPC server",
+                       description="Closed-loop load at given concurrencies; see xlaserve/bench/loadgen.py.")
+    from xlaserve.bench import loadgen
+    loadgen.add_arguments(p)
+    p.set_defaults(func=loadgen.main)
     args = parser.parse_args(argv)
     _logging(args.log_level)
     return args.func(args)

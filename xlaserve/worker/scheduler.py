@@ -99,6 +99,7 @@ class Scheduler:
         self._expiry_changed = trio.Event()
         self._armed_at = math.inf
         self._closing = False
+        self._inbox: trio.MemoryReceiveChannel[SchedulerMessage] | None = None
 
     # ---- policy settings -----------------------------------------------------------------
     def weight(self, model: str) -> float:
@@ -149,15 +150,33 @@ class Scheduler:
             nursery.start_soon(self._expiry_loop)
             task_status.started()
             async with inbox:
+                self._inbox = inbox
                 async for message in inbox:
-                    match message:
-                        case InferRequest():
-                            self._admit(message)
-                        case DropModel(name=name, error=error):
-                            self._drop(name, error)
+                    self._handle(message)
+                    self._drain_inbox()
             self._closing = True
             self._wakeup.set()
             self._expiry_changed.set()
+
+    def _handle(self, message: SchedulerMessage) -> None:
+        match message:
+            case InferRequest():
+                self._admit(message)
+            case DropModel(name=name, error=error):
+                self._drop(name, error)
+
+    def _drain_inbox(self) -> None:
+        """Take every message already waiting, without yielding: a burst of requests that
+        arrived while the device was busy is admitted whole before the next batch is formed."""
+        inbox = self._inbox
+        if inbox is None:
+            return
+        while True:
+            try:
+                message = inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            self._handle(message)
 
     def _admit(self, request: InferRequest) -> None:
         name = request.model.name
@@ -262,6 +281,11 @@ class Scheduler:
     # ---- dispatch ------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
         while True:
+            # Let whatever is already runnable (replies just sent, requests the frontend has
+            # decoded) run before the next batch is formed; in guest mode this also gives the
+            # host loop one turn. A reschedule, not a wait: no time passes on an idle server.
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            self._drain_inbox()
             backlog = {n: q for n, q in self._queues.items() if q}
             if not backlog:
                 if self._closing:

@@ -1,0 +1,290 @@
+"""``xlaserve bench``: a closed-loop load generator for any KServe V2 gRPC server (Triton too).
+
+    xlaserve bench --url 127.0.0.1:8001 -m mlp -c 1,8,32 -d 10
+    xlaserve bench --url HOST:PORT -m a -m b -m c --mix zipf --zipf-s 1.1 -c 64 --timeout-ms 50
+
+Each of C clients sends one request, waits for its answer and sends the next (like
+``perf_analyzer --concurrency-range``). With several models, each request picks its model from
+the traffic mix: ``uniform``, or ``zipf`` (the k-th model listed is chosen with probability
+proportional to 1/k^s). Inputs are random tensors of ``--batch`` rows (default 1), shaped from
+the model's metadata; ``-i [MODEL/]NAME:DTYPE:DIMS`` (``input:FP32:1x512``) gives them
+explicitly for servers whose metadata is vague. ``--timeout-ms`` attaches a deadline to every
+request, both as Triton's ``timeout`` parameter and as the gRPC deadline.
+
+After ``--warmup`` seconds, answers that arrive inside the ``--duration`` window are counted.
+Progress goes to stderr while a level runs; at the end a table (stderr) and one JSON line per
+level and model (stdout, with ``"model": "*"`` for the total) report throughput (requests/s and
+rows/s), latency p50/p90/p99/max in ms and errors by gRPC status.
+
+The module is also a library: :func:`run_level` drives any list of :class:`ClientPlan` (the
+fairness benchmark pins clients to models that way).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+          "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+          "FP32": np.float32, "FP64": np.float64}
+
+
+@dataclass(frozen=True, slots=True)
+class InputSpec:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPlan:
+    """One closed-loop client: ``choose()`` names the model of its next request."""
+
+    choose: Callable[[], str]
+
+
+@dataclass
+class ModelTally:
+    latencies: list[float] = field(default_factory=list)
+    rows: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class LevelResult:
+    concurrency: int
+    duration_s: float
+    tallies: dict[str, ModelTally]
+
+    def rows(self) -> list[dict]:
+        """One summary per model and a total (model ``*``), as the JSON lines print them."""
+        out = []
+        names = sorted(self.tallies)
+        total = ModelTally()
+        for name in names:
+            t = self.tallies[name]
+            total.latencies += t.latencies
+            total.rows += t.rows
+            for status, n in t.errors.items():
+                total.errors[status] = total.errors.get(status, 0) + n
+        for name, t in [*((n, self.tallies[n]) for n in names), ("*", total)]:
+            if name == "*" and len(names) == 1:
+                continue
+            lat = np.asarray(t.latencies) * 1e3
+            row = {"concurrency": self.concurrency, "model": name if len(names) > 1 else names[0],
+                   "duration_s": round(self.duration_s, 3), "requests": len(lat),
+                   "throughput_rps": round(len(lat) / self.duration_s, 2),
+                   "throughput_rows_s": round(t.rows / self.duration_s, 2)}
+            for label, q in (("p50", 50), ("p90", 90), ("p99", 99)):
+                row[f"{label}_ms"] = round(float(np.percentile(lat, q)), 3) if len(lat) else None
+            row["max_ms"] = round(float(lat.max()), 3) if len(lat) else None
+            row["errors"] = dict(sorted(t.errors.items()))
+            out.append(row)
+        return out
+
+
+def parse_input(text: str) -> tuple[str | None, InputSpec]:
+    """``[MODEL/]NAME:DTYPE:DIMS`` (DIMS like ``1x512``) -> (model or None, spec)."""
+    model, _, rest = text.rpartition("/")
+    try:
+        name, datatype, dims = rest.split(":")
+        shape = tuple(int(d) for d in dims.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--input {text!r}: expected [MODEL/]NAME:DTYPE:DIMS such as input:FP32:1x512") from None
+    if datatype.upper() not in _NUMPY:
+        raise SystemExit(f"--input {text!r}: datatype {datatype!r} is not one of {', '.join(_NUMPY)}")
+    return model or None, InputSpec(name, datatype.upper(), shape)
+
+
+def random_tensor(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
+    dtype = _NUMPY[spec.datatype]
+    if np.issubdtype(dtype, np.floating):
+        return rng.standard_normal(spec.shape).astype(dtype)
+    if dtype == np.bool_:
+        return rng.integers(0, 2, spec.shape).astype(np.bool_)
+    return rng.integers(0, 128, spec.shape).astype(dtype)
+
+
+def model_mix(models: Sequence[str], mix: str, s: float, seed: int) -> Callable[[], str]:
+    """A chooser of the next request's model: uniform, or Zipf with exponent ``s``."""
+    rng = random.Random(seed)
+    if len(models) == 1:
+        only = models[0]
+        return lambda: only
+    if mix == "uniform":
+        return lambda: rng.choice(models)
+    weights = [1.0 / (k ** s) for k in range(1, len(models) + 1)]
+    return lambda: rng.choices(models, weights)[0]
+
+
+async def discover_inputs(client, model: str, batch: int) -> list[InputSpec]:
+    """The model's inputs from its metadata, variable dims set to ``batch`` (first) or 1."""
+    meta = await client.get_model_metadata(model)
+    specs = []
+    for t in meta.inputs:
+        shape = [int(d) for d in t.shape]
+        shape = [(batch if i == 0 else 1) if d < 0 else d for i, d in enumerate(shape)]
+        if t.datatype not in _NUMPY:
+            raise SystemExit(f"model {model!r}: input {t.name!r} has datatype {t.datatype}, which the load "
+                             f"generator cannot make up; pass -i {model}/{t.name}:DTYPE:DIMS")
+        specs.append(InputSpec(t.name, t.datatype, tuple(shape)))
+    if not specs:
+        raise SystemExit(f"model {model!r}: its metadata lists no inputs; pass them with -i")
+    return specs
+
+
+async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[InputSpec]], *,
+                    duration: float, warmup: float, timeout_ms: float | None = None,
+                    progress: Callable[[float, int, int], None] | None = None) -> LevelResult:
+    """Run ``plans`` (one closed-loop client each) against ``url``; count the window after warm-up."""
+    import tritonclient.grpc.aio as aio
+    from tritonclient.utils import InferenceServerException
+
+    rng = np.random.default_rng(0)
+    prepared = {}
+    for model, specs in inputs.items():
+        tensors = []
+        for spec in specs:
+            t = aio.InferInput(spec.name, list(spec.shape), spec.datatype)
+            t.set_data_from_numpy(random_tensor(spec, rng))
+            tensors.append(t)
+        prepared[model] = (tensors, specs[0].shape[0] if specs[0].shape else 1)
+    tallies = {m: ModelTally() for m in inputs}
+    kwargs = {}
+    if timeout_ms is not None:
+        kwargs = {"timeout": int(timeout_ms * 1000), "client_timeout": timeout_ms / 1000}
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    window_start, window_end = start + warmup, start + warmup + duration
+    done = [0, 0]
+
+    async def client(plan: ClientPlan, c) -> None:
+        while True:
+            model = plan.choose()
+            tensors, rows = prepared[model]
+            t0 = loop.time()
+            status = None
+            try:
+                await c.infer(model, tensors, **kwargs)
+            except InferenceServerException as exc:
+                status = (exc.status() or "UNKNOWN").replace("StatusCode.", "")
+            t1 = loop.time()
+            if t1 >= window_end:
+                return
+            if t1 >= window_start:
+                tally = tallies[model]
+                if status is None:
+                    tally.latencies.append(t1 - t0)
+                    tally.rows += rows
+                    done[0] += 1
+                else:
+                    tally.errors[status] = tally.errors.get(status, 0) + 1
+                    done[1] += 1
+                    if status in ("UNAVAILABLE", "UNKNOWN"):
+                        await asyncio.sleep(0.01)     # the server is gone or restarting: do not spin
+
+    async def report() -> None:
+        while progress is not None:
+            await asyncio.sleep(1.0)
+            progress(loop.time() - start, done[0], done[1])
+
+    # one channel per 16 clients: one HTTP/2 connection serializes more than it should
+    channels = [aio.InferenceServerClient(url) for _ in range((len(plans) + 15) // 16)]
+    reporter = asyncio.ensure_future(report())
+    try:
+        await asyncio.gather(*[client(p, channels[i % len(channels)]) for i, p in enumerate(plans)])
+    finally:
+        reporter.cancel()
+        for c in channels:
+            await c.close()
+    return LevelResult(len(plans), duration, tallies)
+
+
+def format_table(results: Sequence[LevelResult]) -> str:
+    head = f"{'c':>4} {'model':<16} {'req/s':>10} {'rows/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} " \
+           f"{'max ms':>8}  errors"
+    lines = [head, "-" * len(head)]
+    for result in results:
+        for r in result.rows():
+            errors = ", ".join(f"{k}={v}" for k, v in r["errors"].items()) or "-"
+            cells = [f"{r[k]:>8.2f}" if r[k] is not None else f"{'-':>8}" for k in ("p50_ms", "p90_ms", "p99_ms",
+                                                                                  "max_ms")]
+            lines.append(f"{r['concurrency']:>4} {r['model'][:16]:<16} {r['throughput_rps']:>10.1f} "
+                         f"{r['throughput_rows_s']:>10.1f} {' '.join(cells)}  {errors}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address HOST:PORT (default 127.0.0.1:8001)")
+    p.add_argument("-m", "--model", action="append", required=True,
+                   help="model to load; repeat for a catalog (the order matters for --mix zipf)")
+    p.add_argument("-i", "--input", action="append", default=[],
+                   help="[MODEL/]NAME:DTYPE:DIMS, e.g. input:FP32:1x512 (default: from the model metadata)")
+    p.add_argument("-b", "--batch", type=int, default=1, help="rows per request when shapes come from metadata")
+    p.add_argument("-c", "--concurrency", default="1,8,32", help="comma-separated client counts (default 1,8,32)")
+    p.add_argument("-d", "--duration", type=float, default=10.0, help="measured seconds per level (default 10)")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each level (default 2)")
+    p.add_argument("--mix", choices=["uniform", "zipf"], default="uniform", help="traffic mix over the models")
+    p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent s (default 1.0)")
+    p.add_argument("--timeout-ms", type=float, help="deadline per request, in ms (default: none)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    explicit: dict[str | None, list[InputSpec]] = {}
+    for text in args.input:
+        model, spec = parse_input(text)
+        explicit.setdefault(model, []).append(spec)
+
+    async def resolve() -> dict[str, list[InputSpec]]:
+        import tritonclient.grpc.aio as aio
+        out = {}
+        async with aio.InferenceServerClient(args.url) as c:
+            for m in args.model:
+                out[m] = explicit.get(m) or explicit.get(None) or await discover_inputs(c, m, args.batch)
+        return out
+
+    def progress(label: str):
+        tty = sys.stderr.isatty()
+
+        def show(elapsed: float, ok: int, errors: int) -> None:
+            if args.quiet:
+                return
+            phase = "warm-up" if elapsed < args.warmup else f"{elapsed - args.warmup:5.1f}/{args.duration:.0f} s"
+            line = f"  {label}: {phase}  {ok} ok  {errors} errors"
+            if tty:
+                print("\r" + line.ljust(70), end="", file=sys.stderr, flush=True)
+            elif int(elapsed) % 5 == 0:
+                print(line, file=sys.stderr, flush=True)
+        return show
+
+    inputs = asyncio.run(resolve())
+    results = []
+    for conc in levels:
+        plans = [ClientPlan(model_mix(args.model, args.mix, args.zipf_s, args.seed + i)) for i in range(conc)]
+        result = asyncio.run(run_level(args.url, plans, inputs, duration=args.duration, warmup=args.warmup,
+                                       timeout_ms=args.timeout_ms, progress=progress(f"c={conc}")))
+        if not args.quiet and sys.stderr.isatty():
+            print(file=sys.stderr)
+        results.append(result)
+        for row in result.rows():
+            print(json.dumps(row), flush=True)
+    print(format_table(results), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m xlaserve.bench.loadgen", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))
