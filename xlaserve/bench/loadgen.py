@@ -63,6 +63,7 @@ class LevelResult:
     concurrency: int
     duration_s: float
     tallies: dict[str, ModelTally]
+    answered: int = 0        # every answer, warm-up and errors included (for CPU per request)
 
     def rows(self) -> list[dict]:
         """One summary per model and a total (model ``*``), as the JSON lines print them."""
@@ -164,7 +165,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
     loop = asyncio.get_running_loop()
     start = loop.time()
     window_start, window_end = start + warmup, start + warmup + duration
-    done = [0, 0]
+    done = [0, 0, 0]
 
     async def client(plan: ClientPlan, c) -> None:
         while True:
@@ -177,6 +178,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
             except InferenceServerException as exc:
                 status = (exc.status() or "UNKNOWN").replace("StatusCode.", "")
             t1 = loop.time()
+            done[2] += 1
             if t1 >= window_end:
                 return
             if t1 >= window_start:
@@ -205,7 +207,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
         reporter.cancel()
         for c in channels:
             await c.close()
-    return LevelResult(len(plans), duration, tallies)
+    return LevelResult(len(plans), duration, tallies, done[2])
 
 
 def format_table(results: Sequence[LevelResult]) -> str:

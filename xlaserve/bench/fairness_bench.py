@@ -1,0 +1,135 @@
+"""Fair sharing of one device: a heavy tenant against four light ones, under ``fair`` and ``fifo``.
+
+    python -m xlaserve.bench.fairness_bench [--duration 10] [--depth 8] [--disciplines fair,fifo]
+
+Five models with the same code (``tanh(x @ W)`` applied ``--depth`` times, FP32 [b, 512],
+compiled sizes 1..32; depth makes the device, not the gRPC frontend, the bottleneck):
+
+1. *light alone*: ``light1`` with 1 client, nothing else running: its p99 is the reference.
+2. *mix*: ``heavy`` with 28 clients and ``light1..4`` with 1 client each. Goal under ``fair``:
+   each light model's p99 within 2x of the reference.
+3. *shares*: all five backlogged (12 clients each) with weights heavy=1, light1=1, light2=2,
+   light3=2, light4=4. Device time per model (compute durations of every execution, from
+   ModelStatistics batch_stats) divided by the total, against the weight share. Goal under
+   ``fair``: within 10% (relative) of each weight share.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from xlaserve.bench import loadgen
+from xlaserve.bench._servers import ROOT, xlaserve
+
+MODELS = ("heavy", "light1", "light2", "light3", "light4")
+WEIGHTS = {"heavy": 1.0, "light1": 1.0, "light2": 2.0, "light3": 2.0, "light4": 4.0}
+
+
+def export_deep(repo: Path, name: str, depth: int) -> None:
+    sys.path.insert(0, str(ROOT))
+    import jax.numpy as jnp
+    from examples import reference
+    from xlaserve.export import TensorSpec, export_bundle
+
+    def deep(w, x):
+        h = x
+        for _ in range(depth):
+            h = jnp.tanh(jnp.matmul(h, w))
+        return (h,)
+    features = {"f": reference.MLP_HIDDEN}
+    export_bundle(repo / name, deep, inputs=[TensorSpec("input", "f32", "fn", features)],
+                  outputs=[TensorSpec("output", "f32", "fn", features)], weights=reference.mlp_weights(),
+                  compiled_batch_sizes=(1, 2, 4, 8, 16, 32))
+
+
+def device_seconds(url: str) -> dict[str, float]:
+    c = grpcclient.InferenceServerClient(url)
+    out = {}
+    for s in c.get_inference_statistics("").model_stats:
+        out[s.name] = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns
+                          for b in s.batch_stats) / 1e9
+    return out
+
+
+def queue_ms(url: str) -> dict[str, tuple[int, float]]:
+    """Per model: (requests, total ms spent in the scheduler's queue), from ModelStatistics."""
+    c = grpcclient.InferenceServerClient(url)
+    return {s.name: (s.inference_stats.queue.count, s.inference_stats.queue.ns / 1e6)
+            for s in c.get_inference_statistics("").model_stats}
+
+
+def drive(url: str, clients: dict[str, int], duration: float, warmup: float) -> loadgen.LevelResult:
+    inputs = {m: [loadgen.InputSpec("input", "FP32", (1, 512))] for m in clients}
+    plans = [loadgen.ClientPlan(lambda m=m: m) for m, n in clients.items() for _ in range(n)]
+    return asyncio.run(loadgen.run_level(url, plans, inputs, duration=duration, warmup=warmup))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--disciplines", default="fair,fifo")
+    args = p.parse_args()
+    summary = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        for name in MODELS:
+            export_deep(repo, name, args.depth)
+        for discipline in args.disciplines.split(","):
+            sched = {"discipline": discipline,
+                     "models": {m: {"weight": w} for m, w in WEIGHTS.items()}}
+            with xlaserve(repo, sched) as (url, _):
+                alone = drive(url, {"light1": 1}, args.duration, args.warmup).rows()[0]
+                q0 = queue_ms(url)
+                mix = {r["model"]: r for r in drive(url, {"heavy": 28, **{f"light{i}": 1 for i in range(1, 5)}},
+                                                    args.duration, args.warmup).rows()}
+                q1 = queue_ms(url)
+                mix_queue = {m: round((q1[m][1] - q0.get(m, (0, 0))[1]) / max(1, q1[m][0] - q0.get(m, (0, 0))[0]), 2)
+                             for m in MODELS}
+                before = device_seconds(url)
+                shares_run = drive(url, {m: 12 for m in MODELS}, args.duration, args.warmup)
+                after = device_seconds(url)
+            busy = {m: after.get(m, 0) - before.get(m, 0) for m in MODELS}
+            total_busy = sum(busy.values())
+            total_weight = sum(WEIGHTS.values())
+            shares = {m: {"device_share": round(busy[m] / total_busy, 4),
+                          "weight_share": round(WEIGHTS[m] / total_weight, 4),
+                          "relative_error": round((busy[m] / total_busy) / (WEIGHTS[m] / total_weight) - 1, 3),
+                          "rps": next(r["throughput_rps"] for r in shares_run.rows() if r["model"] == m)}
+                      for m in MODELS}
+            result = {"discipline": discipline, "light_alone_p99_ms": alone["p99_ms"],
+                      "light_alone_rps": alone["throughput_rps"],
+                      "mix": {m: {k: mix[m][k] for k in ("throughput_rps", "p50_ms", "p99_ms", "errors")}
+                              for m in MODELS},
+                      "mix_mean_queue_ms": mix_queue,
+                      "light_p99_ratio": {m: round(mix[m]["p99_ms"] / alone["p99_ms"], 2) for m in MODELS[1:]},
+                      "shares": shares}
+            summary[discipline] = result
+            print(json.dumps(result), flush=True)
+    for discipline, r in summary.items():
+        print(f"\n== {discipline} (depth {args.depth}) ==")
+        print(f"light1 alone: p99 {r['light_alone_p99_ms']:.2f} ms, {r['light_alone_rps']:.0f} req/s")
+        print(f"{'model':<8} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99/alone':>9} "
+              f"{'queue ms (mean, server)':>24}")
+        for m in MODELS:
+            mm = r["mix"][m]
+            ratio = r["light_p99_ratio"].get(m)
+            print(f"{m:<8} {28 if m == 'heavy' else 1:>7} {mm['throughput_rps']:>8.1f} {mm['p50_ms']:>8.2f} "
+                  f"{mm['p99_ms']:>8.2f} {ratio if ratio is not None else '-':>9} "
+                  f"{r['mix_mean_queue_ms'][m]:>24.2f}")
+        print(f"all backlogged, 12 clients each: {'model':<8} {'weight':>6} {'share':>7} {'target':>7} {'rel err':>8}")
+        for m in MODELS:
+            s = r["shares"][m]
+            print(f"{'':>33}{m:<8} {WEIGHTS[m]:>6.1f} {s['device_share']:>7.3f} {s['weight_share']:>7.3f} "
+                  f"{s['relative_error']:>+8.1%}")
+
+
+if __name__ == "__main__":
+    main()
