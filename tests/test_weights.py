@@ -131,11 +131,25 @@ def test_device_copy_is_a_separate_buffer_with_the_weights(tmp_path, device):
         cache = cache_for(device, 4 * MB)
         assert await cache.admit(model) == ""
         (w,) = await cache.ensure_resident(model)
-        host = model.weights.map()[0]
+        host = model.weights.read()[0]
         assert not device.shares_memory(w, host)
         np.testing.assert_array_equal(np.asarray(w), host)
         snap = cache.snapshot()
         assert snap.resident_bytes == MB and snap.models[0].host_bytes == MB and snap.models[0].loads == 1
+    run(main)
+
+
+def test_host_copy_survives_the_file_being_rewritten_in_place(tmp_path, device):
+    """`cp new weights.safetensors` truncates the file in place: the host copy must not be a
+    mapping of it (a truncated shared mapping faults and would kill the worker)."""
+    model = make_model(tmp_path, "m", MB, fill=5.0)
+
+    async def main():
+        cache = cache_for(device, 4 * MB)
+        assert await cache.admit(model) == ""
+        model.weights.file.write_bytes(b"")          # truncated, as cp does before writing
+        (w,) = await cache.ensure_resident(model)     # first load comes from the host copy
+        assert float(np.asarray(w).reshape(-1)[0]) == 5.0
     run(main)
 
 

@@ -11,7 +11,6 @@ import hashlib
 import importlib.util
 import itertools
 import json
-import mmap
 import os
 import re
 import struct
@@ -56,8 +55,12 @@ class HostWeights:
     """Where a model's weights live in its safetensors file, in binding order.
 
     Holds no arrays itself, so a version whose residency floor is ``unpinned`` keeps no host
-    copy: the weight cache calls :meth:`map` for a zero-copy host copy it keeps (floors
-    ``system``/``device``) or :meth:`read` for a fresh copy from disk on every load.
+    copy: the weight cache calls :meth:`read` once at admission for the host copy it keeps
+    (floors ``system``/``device``), or on every load (``unpinned``).
+
+    The host copy is private memory, never a mapping of the file: operators update weights with
+    ``cp`` (which truncates and rewrites in place), and a shared mapping of a truncated file
+    faults (SIGBUS) and would take the worker down with the version still serving from it.
     """
 
     file: Path
@@ -73,25 +76,12 @@ class HostWeights:
 
     @property
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """Read-only arrays over a fresh mapping of the file (see :meth:`map`)."""
-        return self.map()
-
-    def map(self) -> tuple[np.ndarray, ...]:
-        """Zero-copy, read-only arrays over the file, mapped with its pages faulted in now
-        (``MAP_POPULATE``): the page cache is the host copy. The mapping lives as long as any
-        array does. The file must not be truncated or rewritten in place meanwhile."""
-        if not self.tensors:
-            return ()
-        with open(self.file, "rb") as f:
-            self._check_size(os.fstat(f.fileno()).st_size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapped = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
-        buffer = memoryview(mapped)
-        return tuple(self._view(buffer, t, t.offset) for t in self.tensors)
+        """A fresh private copy of the weights (see :meth:`read`)."""
+        return self.read()
 
     def read(self) -> tuple[np.ndarray, ...]:
         """A fresh private copy from disk: one read of the tensors' byte span into one
-        page-aligned buffer; the arrays are views of it."""
+        page-aligned buffer; the arrays are views of it. Immune to later changes of the file."""
         if not self.tensors:
             return ()
         start = min(t.offset for t in self.tensors)

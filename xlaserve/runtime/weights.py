@@ -192,7 +192,7 @@ class WeightCache:
         return ""
 
     def _map_host(self, model: ModelVersion) -> tuple:
-        return self._device.host_store(model.weights.map())
+        return self._device.host_store(model.weights.read())
 
     def _grow_headroom(self, activations: int) -> None:
         if activations <= self._budget.activations:
