@@ -15,6 +15,20 @@ def _logging(level: str) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
 
 
+def _serving(run) -> int:
+    """Run a server; a start-up error is one clear line, not a traceback."""
+    from xlaserve.errors import find_startup_error
+    try:
+        result = run()
+    except BaseException as exc:
+        startup = find_startup_error(exc)
+        if startup is None:
+            raise
+        logging.getLogger("xlaserve").error("cannot start: %s", startup)
+        return 1
+    return result if isinstance(result, int) else 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Serve a node file. One worker serves the public ports itself."""
     from xlaserve.node import run_node
@@ -23,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
-    return run_node(node, ready_file=args.ready_file)
+    return _serving(lambda: run_node(node, ready_file=args.ready_file))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -36,8 +50,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config, ready_callback=_ready_writer(args.ready_file)))
-    return 0
+    return _serving(lambda: asyncio.run(serve(config, ready_callback=_ready_writer(args.ready_file))))
 
 
 def _ready_writer(path: str | None):

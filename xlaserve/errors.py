@@ -75,3 +75,25 @@ class BundleError(Exception):
     def __init__(self, bundle: str, message: str) -> None:
         super().__init__(f"bundle '{bundle}': {message}")
         self.bundle = bundle
+
+
+class StartupError(Exception):
+    """The worker cannot start as configured (the message says why and what to change). The
+    command line prints it without a traceback and exits non-zero."""
+
+
+def find_startup_error(exc: BaseException) -> StartupError | None:
+    """The :class:`StartupError` inside ``exc`` (through exception groups and causes), if any."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StartupError):
+            return e
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        stack.extend((e.__cause__, e.__context__))
+    return None

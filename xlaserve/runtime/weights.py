@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import trio
 
 from xlaserve.bundle import ModelVersion
-from xlaserve.errors import FailedPrecondition, Unavailable
+from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
 
@@ -29,7 +29,7 @@ log = logging.getLogger("xlaserve.weights")
 Key = tuple[str, int]
 
 
-class CatalogTooLarge(RuntimeError):
+class CatalogTooLarge(StartupError):
     """With ``weight_cache_fraction: 0`` every model must be resident, and they do not fit."""
 
 
