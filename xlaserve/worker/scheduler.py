@@ -387,10 +387,10 @@ class Scheduler:
         if self._metrics is not None:
             compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
             self._metrics.observe_dispatch(name, size, total_rows, queue_ns, compute_ns)
+        n = len(batch)
+        self._stats.record_successes(name, n, sum(done_ns - q.request.received_ns for q in batch), sum(queue_ns),
+                                     n * result.compute_input_ns, n * result.compute_infer_ns,
+                                     n * result.compute_output_ns, now_ms)
         for q, waited_ns, outputs in zip(batch, queue_ns, result.per_request):
-            request = q.request
-            self._stats.record_success(name, done_ns - request.received_ns, waited_ns,
-                                       result.compute_input_ns, result.compute_infer_ns,
-                                       result.compute_output_ns, now_ms)
-            request.reply(InferResult(outputs, size, waited_ns, result.compute_input_ns,
-                                      result.compute_infer_ns, result.compute_output_ns))
+            q.request.reply(InferResult(outputs, size, waited_ns, result.compute_input_ns,
+                                        result.compute_infer_ns, result.compute_output_ns))

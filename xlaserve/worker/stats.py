@@ -58,6 +58,15 @@ class StatsBook:
             s.compute_infer.plus(infer_ns), s.compute_output.plus(output_ns), s.inference_count,
             s.execution_count, now_ms, s.batches)
 
+    def record_successes(self, model: str, count: int, total_ns: int, queue_ns: int, input_ns: int,
+                         infer_ns: int, output_ns: int, now_ms: int) -> None:
+        """``count`` successful requests of one execution at once; durations are their sums."""
+        s = self.get(model)
+        self._models[model] = ModelStats(
+            s.success.plus(total_ns, count), s.fail, s.queue.plus(queue_ns, count),
+            s.compute_input.plus(input_ns, count), s.compute_infer.plus(infer_ns, count),
+            s.compute_output.plus(output_ns, count), s.inference_count, s.execution_count, now_ms, s.batches)
+
     def record_failure(self, model: str, total_ns: int) -> None:
         s = self.get(model)
         self._models[model] = ModelStats(
