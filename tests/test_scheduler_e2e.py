@@ -107,3 +107,18 @@ def test_edf_sheds_a_request_whose_timeout_is_shorter_than_the_learned_cost(edf_
     np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
     _, body = edf_server.get("/metrics")
     assert _metric(body, 'xlaserve_rejections_total{model="mlp",reason="deadline_shed"}') == 1
+
+
+def test_xlaserve_bench_reports_json_lines_per_model(example_server):
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "xlaserve", "bench", "--url", example_server.url, "-m", "mlp",
+                          "-m", "simple", "--mix", "zipf", "--zipf-s", "1.2", "-c", "4", "-d", "1", "--warmup", "0.2",
+                          "--timeout-ms", "5000", "--quiet"], capture_output=True, text=True, timeout=120, check=True)
+    rows = {r["model"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert set(rows) == {"mlp", "simple", "*"}
+    assert rows["*"]["requests"] == rows["mlp"]["requests"] + rows["simple"]["requests"] > 0
+    assert rows["mlp"]["requests"] > rows["simple"]["requests"]      # Zipf favours the first model
+    assert rows["*"]["errors"] == {} and rows["*"]["p99_ms"] >= rows["*"]["p50_ms"] > 0
+    assert "req/s" in out.stderr and "p99 ms" in out.stderr           # the table
