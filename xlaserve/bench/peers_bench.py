@@ -1,7 +1,7 @@
 """xlaserve against its peers, in one run with alternating rounds.
 
     python -m xlaserve.bench.peers_bench [--peers xlaserve,triton,mlserver,kserve] [--rounds 2]
-        [--duration 5] [--concurrency 1,8,32] [--models mlp,img_mean]
+        [--duration 5] [--concurrency 1,8,32] [--models mlp,img_mean] [--compiled-sizes 1,2,4,8,16,32]
 
 Each round starts every server in turn (peers through ../shared/peers/run_<peer>.sh, which
 install into $PEERS_ROOT on first use; xlaserve over the example ``mlp`` and ``img_mean``
@@ -51,6 +51,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--models", default="mlp,img_mean")
     p.add_argument("--logs", default="/tmp/xlaserve-peers-bench")
+    p.add_argument("--compiled-sizes", default="1,2,4,8,16,32",
+                   help="xlaserve's compiled batch sizes; '1' gives the no-coalescing baseline")
     args = p.parse_args()
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
@@ -60,7 +62,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
         for m in models:
-            export_mlp_as(repo, m, (1, 2, 4, 8, 16, 32))
+            export_mlp_as(repo, m, tuple(int(n) for n in args.compiled_sizes.split(",")))
         for round_ in range(args.rounds):
             order = args.peers.split(",")
             if round_ % 2:
@@ -69,8 +71,10 @@ def main() -> None:
                 try:
                     with server(name, repo, logs) as (url, pid):
                         wait_ready(url, time.monotonic() + 120, models=tuple(models))
+                        check_batch = min(2, max(int(n) for n in args.compiled_sizes.split(",")))
                         subprocess.run([sys.executable, str(PEERS / "check_outputs.py"), "--url", url,
-                                        "--models", ",".join(models)], check=True, capture_output=True)
+                                        "--models", ",".join(models), "--batch", str(check_batch)],
+                                       check=True, capture_output=True)
                         for model in models:
                             for conc in levels:
                                 plans = [loadgen.ClientPlan(lambda m=model: m) for _ in range(conc)]

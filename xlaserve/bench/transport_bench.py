@@ -1,0 +1,115 @@
+"""The gRPC transport alone: grpclib (Python HTTP/2, what xlaserve uses) against grpcio's asyncio
+server (C HTTP/2), each answering every ModelInfer with a canned ``mlp``-sized response.
+
+    python -m xlaserve.bench.transport_bench [--rounds 2] [--duration 4] [--concurrency 1,32]
+
+Both servers run as subprocesses of this script; rounds alternate which goes first. This is the
+measurement behind "Why grpclib stays" in docs/architecture.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from xlaserve.bench import loadgen
+from xlaserve.bench._servers import free_port, stop, wait_ready
+
+CANNED = np.zeros((1, 512), np.float32).tobytes()
+
+
+async def serve_grpclib(port: int) -> None:
+    from grpclib.server import Server
+
+    from xlaserve._proto import grpc_service_pb2 as pb
+    from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
+
+    class Echo(GRPCInferenceServiceBase):
+        async def ModelInfer(self, stream):
+            request = await stream.recv_message()
+            response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+            response.outputs.add(name="output", datatype="FP32", shape=[1, 512])
+            response.raw_output_contents.append(CANNED)
+            await stream.send_message(response)
+
+        async def ModelReady(self, stream):
+            await stream.recv_message()
+            await stream.send_message(pb.ModelReadyResponse(ready=True))
+
+        async def ServerReady(self, stream):
+            await stream.recv_message()
+            await stream.send_message(pb.ServerReadyResponse(ready=True))
+
+    # Only the RPCs above are reached; the rest stay abstract.
+    Echo.__abstractmethods__ = frozenset()
+    server = Server([Echo()])
+    await server.start("127.0.0.1", port)
+    await server.wait_closed()
+
+
+async def serve_grpcio(port: int) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    class Echo(pb_grpc.GRPCInferenceServiceServicer):
+        async def ModelInfer(self, request, context):
+            response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+            response.outputs.add(name="output", datatype="FP32", shape=[1, 512])
+            response.raw_output_contents.append(CANNED)
+            return response
+
+        async def ModelReady(self, request, context):
+            return pb.ModelReadyResponse(ready=True)
+
+        async def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=True)
+
+    server = grpc.aio.server()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+SERVERS = {"grpclib": serve_grpclib, "grpcio": serve_grpcio}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--duration", type=float, default=4.0)
+    p.add_argument("--concurrency", default="1,32")
+    p.add_argument("--serve", nargs=2, metavar=("TRANSPORT", "PORT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        asyncio.run(SERVERS[args.serve[0]](int(args.serve[1])))
+        return
+    inputs = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
+    print(f"{'round':>5} {'transport':<9} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    for round_ in range(args.rounds):
+        order = list(SERVERS) if round_ % 2 == 0 else list(reversed(SERVERS))
+        for name in order:
+            port = free_port()
+            proc = subprocess.Popen([sys.executable, "-m", "xlaserve.bench.transport_bench", "--serve", name,
+                                     str(port)])
+            try:
+                url = f"127.0.0.1:{port}"
+                wait_ready(url, time.monotonic() + 60, proc, models=("mlp",))
+                for conc in (int(c) for c in args.concurrency.split(",")):
+                    plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(conc)]
+                    result = asyncio.run(loadgen.run_level(url, plans, inputs, duration=args.duration,
+                                                           warmup=1.0))
+                    row = result.rows()[0]
+                    print(f"{round_:>5} {name:<9} {conc:>3} {row['throughput_rps']:>9.1f} "
+                          f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}", flush=True)
+            finally:
+                stop(proc)
+
+
+if __name__ == "__main__":
+    main()
