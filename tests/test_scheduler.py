@@ -11,7 +11,7 @@ import trio
 from trio.testing import MockClock
 
 from xlaserve.config import ModelSchedConfig, SchedulerConfig
-from xlaserve.errors import DeadlineExceeded, QueueFull
+from xlaserve.errors import DeadlineExceeded, QueueFull, Unavailable
 from xlaserve.worker.executor import BatchResult
 from xlaserve.worker.messages import DropModel, InferRequest, InferResult
 from xlaserve.worker.policy import Candidate, CostModel, DeficitRoundRobin, EdfPolicy, FifoPolicy
@@ -382,3 +382,23 @@ def test_dispatch_timeout_bounds_the_wait_under_every_discipline(discipline):
 
     run(test, config(discipline=discipline, dispatch_timeout_seconds=1.0),
         {"busy": per_batch(5.0), "m": per_batch(0.1)})
+
+
+# ---- weights that cannot be made resident ---------------------------------------------------
+class RefusingWeights(FakeWeights):
+    """Refuses one model's weights, as the cache does when a replaced version cannot come back."""
+
+    async def ensure_resident(self, model):
+        if model.name == "gone":
+            raise Unavailable("model 'gone' version 1 was replaced; retry")
+        return ()
+
+
+def test_weights_refusal_keeps_its_status_and_others_still_run():
+    async def test(h):
+        h.scheduler._weights = RefusingWeights()
+        refused = await h.infer("gone")
+        served = await h.infer("ok")
+        assert isinstance(refused, Unavailable) and "was replaced; retry" in str(refused)
+        assert isinstance(served, InferResult)
+    run(test, config(discipline="fifo"), {"gone": per_batch(0.01), "ok": per_batch(0.01)})

@@ -45,6 +45,7 @@ DEADLINE_SHED = "deadline_shed"           # edf: could not finish in time given 
 DISPATCH_TIMEOUT = "dispatch_timeout"     # waited scheduler.dispatch_timeout_seconds
 MODEL_DROPPED = "model_dropped"
 EXECUTION_FAILED = "execution_failed"
+WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make the model resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +364,11 @@ class Scheduler:
         started_ns = time.perf_counter_ns()
         try:
             weights = await self._weights.ensure_resident(model)
+        except XlaserveError as error:  # the weights cannot be made resident: say why, as is
+            for q in batch:
+                self._reject(q.request, WEIGHTS_UNAVAILABLE, error)
+            return
+        try:
             # Prefetch hint: the model of the oldest other queued request likely runs next.
             waiting = [q[0] for n, q in self._queues.items() if q and n != name]
             if waiting and hasattr(self._weights, "hint_next"):
