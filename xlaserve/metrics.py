@@ -35,7 +35,7 @@ class Metrics:
         self.rejections = Counter("xlaserve_rejections",
                                   "Requests the scheduler answered without running them, by reason "
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
-                                  "model_dropped, execution_failed)",
+                                  "model_dropped, weights_unavailable, execution_failed)",
                                   ["model", "reason"], registry=r)
 
     def observe_request(self, model: str, status: str, seconds: float) -> None:
