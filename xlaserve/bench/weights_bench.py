@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -169,19 +170,42 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int) ->
         "unpinned-warm": ({"device_memory_bytes": arena},
                           {"models": {n: {"residency": "unpinned"} for n in sizes}}, {}),
     }
+    settings["unpinned-cold"] = settings["unpinned-warm"]
     for name in configs:
         runtime, sched, env = settings[name]
         glob = {"runtime": {"backend": "cpu", "weight_cache_wiggle_fraction": wiggle, **runtime},
                 "scheduler": {"discipline": "fifo", **sched}}
         with serve(tmp / name, tmp / "models", glob, env=env, timeout=600) as server:
             rss = rss_bytes(server.process.pid)
-            result = drive(server.url, sorted(sizes), seconds, concurrency)
+            with page_cache_dropped(name.endswith("-cold")):
+                result = drive(server.url, sorted(sizes), seconds, concurrency)
             _, text = server.get("/metrics")
         counters = {k: _metric(text, f"xlaserve_weight_cache_{k}") for k in
                     ("hits", "misses", "evictions", "prefetch_hits")}
         print(f"{name:>20}: {result['rps']:8.1f} req/s  p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms  "
               f"errors {result['errors']}  RSS after load {rss / MB:.0f} MiB  "
               + "  ".join(f"{k} {int(v)}" for k, v in counters.items()))
+
+
+@contextlib.contextmanager
+def page_cache_dropped(enabled: bool, every: float = 0.05):
+    """While enabled, drop the kernel's page cache every ``every`` seconds (needs root), so that
+    ``unpinned`` loads read from the disk rather than from memory."""
+    if not enabled:
+        yield
+        return
+    done = threading.Event()
+
+    def dropper() -> None:
+        while not done.wait(every):
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+    thread = threading.Thread(target=dropper, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _metric(text: str, name: str) -> float:
