@@ -122,7 +122,7 @@ class WeightCache:
         self._lock = trio.Lock()
         self._models: dict[Key, ModelVersion] = {}
         self._host: dict[Key, tuple] = {}
-        # Issue 5 (reload): a replaced version's host mapping, kept for requests admitted to it
+        # Issue 5 (reload): a replaced version's host copy, kept for requests admitted to it
         # that have not run yet; they get a transient device copy. Re-reading by path would give
         # them the new file's weights. Dropped when a newer version of the model first runs
         # (per-model queues are FIFO, so no older request is left) or when the model unloads.
@@ -181,7 +181,7 @@ class WeightCache:
         self._counts[key] = _Counts()
         try:
             if floor is not Floor.UNPINNED:
-                self._host[key] = await trio.to_thread.run_sync(self._map_host, model)
+                self._host[key] = await trio.to_thread.run_sync(self._read_host, model)
             if floor is Floor.DEVICE:
                 async with self._lock:
                     await self._make_resident(key, self._limiter, why="pin")
@@ -191,7 +191,7 @@ class WeightCache:
         self._publish(model.name)
         return ""
 
-    def _map_host(self, model: ModelVersion) -> tuple:
+    def _read_host(self, model: ModelVersion) -> tuple:
         return self._device.host_store(model.weights.read())
 
     def _grow_headroom(self, activations: int) -> None:
@@ -378,7 +378,7 @@ class WeightCache:
 
     def set_residency(self, model_name: str, floor: str) -> None:
         """Change a model's residency floor now and for its later versions. The bookkeeping
-        changes at once; the host mapping and a pin's device copy follow in the background.
+        changes at once; the host copy and a pin's device copy follow in the background.
         Raises ValueError for an unknown floor and FailedPrecondition when pinning would exceed
         the budget or ``weight_cache_fraction`` is 0."""
         new = Floor.parse(floor)
@@ -409,7 +409,7 @@ class WeightCache:
             try:
                 floor = self._book.floor(key)
                 if floor is not Floor.UNPINNED and key not in self._host:
-                    host = await trio.to_thread.run_sync(self._map_host, self._models[key])
+                    host = await trio.to_thread.run_sync(self._read_host, self._models[key])
                     if key in self._book and self._book.floor(key) is not Floor.UNPINNED:
                         self._host[key] = host
                 if key in self._book and self._book.floor(key) is Floor.DEVICE:
