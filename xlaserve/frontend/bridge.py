@@ -30,17 +30,26 @@ class Bridge:
 
     def call(self, start: Callable[[Callable[[Any], None]], None]) -> asyncio.Future:
         """Run ``start(reply)`` on the Trio side; the future resolves with what ``reply`` gets
-        (an exception instance is raised from the future). ``reply`` may be called once; later
-        calls, and calls after the caller gave up, are ignored."""
+        (an exception instance is raised from the future). ``reply`` may be called from any
+        thread; the first call counts, later calls and calls after the caller gave up are
+        ignored."""
         future = self._loop.create_future()
 
-        def reply(outcome: Any) -> None:
+        def resolve(outcome: Any) -> None:
             if future.done():
                 return
             if isinstance(outcome, BaseException):
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
+
+        def reply(outcome: Any) -> None:
+            # Usually called on the shared thread; a hook thread may call it directly, which
+            # costs one wake-up of the loop instead of a hop through Trio first.
+            if threading.get_ident() == self._thread:
+                resolve(outcome)
+            else:
+                self._loop.call_soon_threadsafe(resolve, outcome)
 
         def begin() -> None:
             try:

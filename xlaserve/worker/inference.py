@@ -45,7 +45,8 @@ META_THREADS = 64
 
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
-    """A decoded request as the client sent it (client-side tensors)."""
+    """A decoded request as the client sent it (client-side tensors). ``reply`` is called
+    exactly once and may be called from any thread (the frontend's replies are thread-safe)."""
 
     model: ModelVersion
     inputs: Mapping[str, np.ndarray]
@@ -108,8 +109,7 @@ class InferenceService:
 
     def _then_postprocess(self, request: ClientRequest) -> Reply:
         """A reply that runs the model's postprocess in the hook pool, then replies to the caller
-        from the Trio thread. Cheaper than a task per request: one pool hand-off, one wake-up."""
-        token = trio.lowlevel.current_trio_token()
+        from that thread. Cheaper than a task per request: one pool hand-off, one wake-up."""
         model = request.model
 
         def finish(outcome: Outcome) -> None:
@@ -126,10 +126,7 @@ class InferenceService:
                                                   outcome.compute_output_ns)
                 except XlaserveError as exc:
                     result = exc
-                try:
-                    token.run_sync_soon(request.reply, result)
-                except trio.RunFinishedError:
-                    pass  # the worker stopped; its frontend has already answered the caller
+                request.reply(result)   # a ClientRequest's reply is thread-safe
             self._hook_pool.submit(work)
         return finish
 
