@@ -13,11 +13,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # examples.* importable
+
+
+def infer_input(name: str, array: np.ndarray, datatype: str, client=grpcclient):
+    """A Triton ``InferInput`` holding ``array``; ``client`` is tritonclient.grpc or its aio module."""
+    tensor = client.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
 
 
 @dataclass

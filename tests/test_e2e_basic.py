@@ -11,12 +11,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from examples import reference
-
-
-def _input(name, array, datatype):
-    t = grpcclient.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
+from tests.conftest import infer_input
 
 
 def test_server_metadata_and_health(example_server):
@@ -55,7 +50,7 @@ def test_simple_sum_and_difference_with_request_id(example_server):
     c = grpcclient.InferenceServerClient(example_server.url)
     a = np.arange(48, dtype=np.int32).reshape(3, 16)
     b = np.full((3, 16), 7, dtype=np.int32)
-    r = c.infer("simple", [_input("INPUT0", a, "INT32"), _input("INPUT1", b, "INT32")], request_id="req-42")
+    r = c.infer("simple", [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", b, "INT32")], request_id="req-42")
     s, d = reference.simple_ref(a, b)
     np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), s)
     np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), d)
@@ -65,7 +60,7 @@ def test_simple_sum_and_difference_with_request_id(example_server):
 def test_requested_output_subset(example_server):
     c = grpcclient.InferenceServerClient(example_server.url)
     a = np.ones((1, 16), np.int32)
-    r = c.infer("simple", [_input("INPUT0", a, "INT32"), _input("INPUT1", a, "INT32")],
+    r = c.infer("simple", [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", a, "INT32")],
                 outputs=[grpcclient.InferRequestedOutput("OUTPUT1")])
     assert r.as_numpy("OUTPUT0") is None
     np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), np.zeros((1, 16), np.int32))
@@ -92,7 +87,7 @@ def test_mlp_matches_reference_every_batch_size(example_server):
     rng = np.random.default_rng(3)
     for rows in (1, 3, 17, 32):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
-        out = c.infer("mlp", [_input("input", x, "FP32")]).as_numpy("output")
+        out = c.infer("mlp", [infer_input("input", x, "FP32")]).as_numpy("output")
         np.testing.assert_allclose(out, reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
 
 
@@ -100,10 +95,10 @@ def test_img_mean_and_cnn(example_server):
     c = grpcclient.InferenceServerClient(example_server.url)
     rng = np.random.default_rng(4)
     img = rng.integers(0, 256, (5, 224, 224, 3), dtype=np.uint8)
-    out = c.infer("img_mean", [_input("input", img, "UINT8")]).as_numpy("output")
+    out = c.infer("img_mean", [infer_input("input", img, "UINT8")]).as_numpy("output")
     np.testing.assert_allclose(out, reference.img_mean_ref(img), rtol=1e-5)
     small = rng.integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
-    r = c.infer("cnn", [_input("input", small, "UINT8")])
+    r = c.infer("cnn", [infer_input("input", small, "UINT8")])
     logits, label = reference.cnn_ref(small)
     np.testing.assert_allclose(r.as_numpy("logits"), logits, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(r.as_numpy("label"), label)
@@ -114,16 +109,10 @@ def test_asyncio_client_concurrent_requests(example_server):
         async with aioclient.InferenceServerClient(example_server.url) as c:
             xs = [np.full((1, 512), i / 10, np.float32) for i in range(12)]
             results = await asyncio.gather(*[
-                c.infer("mlp", [_aio_input("input", x, "FP32")]) for x in xs])
+                c.infer("mlp", [infer_input("input", x, "FP32", aioclient)]) for x in xs])
             for x, r in zip(xs, results):
                 np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
     asyncio.run(main())
-
-
-def _aio_input(name, array, datatype):
-    t = aioclient.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
 
 
 @pytest.mark.parametrize("case, status, fragment", [
@@ -138,11 +127,11 @@ def _aio_input(name, array, datatype):
 def test_bad_requests_get_precise_errors_and_server_keeps_serving(example_server, case, status, fragment):
     c = grpcclient.InferenceServerClient(example_server.url)
     x = np.zeros((2, 512), np.float32)
-    model, inputs, outputs = "mlp", [_input("input", x, "FP32")], None
+    model, inputs, outputs = "mlp", [infer_input("input", x, "FP32")], None
     if case == "wrong_dtype":
-        inputs = [_input("input", x.astype(np.int32), "INT32")]
+        inputs = [infer_input("input", x.astype(np.int32), "INT32")]
     elif case == "wrong_shape":
-        inputs = [_input("input", np.zeros((2, 256), np.float32), "FP32")]
+        inputs = [infer_input("input", np.zeros((2, 256), np.float32), "FP32")]
     elif case == "byte_size":
         t = grpcclient.InferInput("input", [2, 512], "FP32")
         t.set_data_from_numpy(x)
@@ -151,9 +140,9 @@ def test_bad_requests_get_precise_errors_and_server_keeps_serving(example_server
     elif case == "unknown_model":
         model = "nope"
     elif case == "unknown_input":
-        inputs = [_input("bogus", x, "FP32")]
+        inputs = [infer_input("bogus", x, "FP32")]
     elif case == "too_big_batch":
-        inputs = [_input("input", np.zeros((33, 512), np.float32), "FP32")]
+        inputs = [infer_input("input", np.zeros((33, 512), np.float32), "FP32")]
     elif case == "unknown_output":
         outputs = [grpcclient.InferRequestedOutput("nah")]
     with pytest.raises(InferenceServerException) as info:
@@ -161,7 +150,7 @@ def test_bad_requests_get_precise_errors_and_server_keeps_serving(example_server
     assert info.value.status() == status
     assert fragment in info.value.message()
     # ...and the server keeps serving
-    ok = c.infer("mlp", [_input("input", np.zeros((1, 512), np.float32), "FP32")])
+    ok = c.infer("mlp", [infer_input("input", np.zeros((1, 512), np.float32), "FP32")])
     assert ok.as_numpy("output").shape == (1, 512)
 
 
@@ -170,7 +159,7 @@ def test_statistics_count_requests_and_executions(example_server):
     before = c.get_inference_statistics("cnn").model_stats[0]
     img = np.zeros((2, 32, 32, 3), np.uint8)
     for _ in range(3):
-        c.infer("cnn", [_input("input", img, "UINT8")])
+        c.infer("cnn", [infer_input("input", img, "UINT8")])
     after = c.get_inference_statistics("cnn").model_stats[0]
     assert after.inference_count - before.inference_count == 6
     assert after.execution_count - before.execution_count == 3
@@ -189,7 +178,7 @@ def test_unsupported_rpc_answers_unimplemented(example_server):
 
 def test_metrics_endpoint_counts_requests(example_server):
     c = grpcclient.InferenceServerClient(example_server.url)
-    c.infer("mlp", [_input("input", np.zeros((1, 512), np.float32), "FP32")])
+    c.infer("mlp", [infer_input("input", np.zeros((1, 512), np.float32), "FP32")])
     status, body = example_server.get("/metrics")
     assert status == 200
     assert 'xlaserve_requests_total{model="mlp",status="OK"}' in body

@@ -10,13 +10,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import serve
-
-
-def _input(module, name, array, datatype):
-    t = module.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
+from tests.conftest import infer_input, serve
 
 
 def test_message_size_cap(examples_repo, tmp_path):
@@ -24,10 +18,10 @@ def test_message_size_cap(examples_repo, tmp_path):
         c = grpcclient.InferenceServerClient(server.url)
         big = np.zeros((1, 224, 224, 3), np.uint8)
         with pytest.raises(InferenceServerException) as info:
-            c.infer("img_mean", [_input(grpcclient, "input", big, "UINT8")])
+            c.infer("img_mean", [infer_input("input", big, "UINT8")])
         assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
         assert "endpoints.max_recv_msg_bytes) is 100000" in info.value.message()
-        small = c.infer("mlp", [_input(grpcclient, "input", np.zeros((1, 512), np.float32), "FP32")])
+        small = c.infer("mlp", [infer_input("input", np.zeros((1, 512), np.float32), "FP32")])
         assert small.as_numpy("output").shape == (1, 512)
 
 
@@ -35,7 +29,7 @@ def test_in_flight_cap_sheds_but_answers_everyone(examples_repo, tmp_path):
     async def burst(url):
         async with aioclient.InferenceServerClient(url) as c:
             x = np.zeros((8, 224, 224, 3), np.uint8)
-            calls = [c.infer("img_mean", [_input(aioclient, "input", x, "UINT8")]) for _ in range(16)]
+            calls = [c.infer("img_mean", [infer_input("input", x, "UINT8", aioclient)]) for _ in range(16)]
             return await asyncio.gather(*calls, return_exceptions=True)
 
     with serve(tmp_path, examples_repo, {"endpoints": {"max_concurrent_requests": 1}}) as server:

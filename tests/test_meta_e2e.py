@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from examples import reference
 from examples.export_examples import export_simple
 
-from tests.conftest import ROOT, serve
+from tests.conftest import ROOT, infer_input, serve
 
 FLAKY = """
 import numpy as np
@@ -74,12 +74,6 @@ def server(tmp_path_factory):
     assert running.process.returncode == 0, running.log()
 
 
-def _input(name, array, datatype):
-    t = grpcclient.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
-
-
 def test_every_bundle_is_ready(server):
     c = grpcclient.InferenceServerClient(server.url)
     index = {m.name: m.state for m in c.get_model_repository_index().models}
@@ -92,7 +86,7 @@ def test_severity_grader_grades_and_labels_with_its_postprocess(server):
     flat = np.stack([np.full((224, 224), v, np.uint8) for v in (16, 48, 112, 176, 240)])
     noisy = np.random.default_rng(7).integers(0, 256, (3, 224, 224), dtype=np.uint8)
     for images in (flat, noisy, flat[:1]):
-        r = c.infer("severity_grader", [_input("INPUT__0", images, "UINT8")])
+        r = c.infer("severity_grader", [infer_input("INPUT__0", images, "UINT8")])
         grade, label = reference.severity_grader_ref(images)
         np.testing.assert_array_equal(r.as_numpy("grade"), grade)
         assert r.as_numpy("label").tolist() == label.tolist()
@@ -119,7 +113,7 @@ def test_detect_and_classify_matches_the_reference_pipeline(server):
     assert len(images) >= 10
     counts = set()
     for image in images:
-        r = c.infer("detect_and_classify", [_input("image", image, "UINT8")])
+        r = c.infer("detect_and_classify", [infer_input("image", image, "UINT8")])
         want = reference.detect_and_classify_ref(image)
         counts.add(len(want["scores"]))
         np.testing.assert_allclose(r.as_numpy("boxes"), want["boxes"], atol=1e-3)
@@ -196,7 +190,7 @@ def test_bad_hook_output_is_named(server):
     c = grpcclient.InferenceServerClient(server.url)
     a, b = np.zeros((1, 16), np.int32), np.full((1, 16), 200, np.int32)
     with pytest.raises(InferenceServerException) as info:
-        c.infer("flaky", [_input("INPUT0", a, "INT32"), _input("INPUT1", b, "INT32")])
+        c.infer("flaky", [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", b, "INT32")])
     assert info.value.status() == "StatusCode.INTERNAL"
     assert info.value.message() == ("model 'flaky': postprocess hook output (checked against client_outputs): "
                                     "tensor 'OUTPUT0': expected dtype INT32 (INT32[1,16]), found FP64[1,16]")
@@ -205,14 +199,14 @@ def test_bad_hook_output_is_named(server):
 def test_meta_failures_name_the_hook_or_keep_the_sub_call_status(server):
     c = grpcclient.InferenceServerClient(server.url)
     with pytest.raises(InferenceServerException) as info:
-        c.infer("broken_meta", [_input("x", np.ones(3, np.float32), "FP32")])
+        c.infer("broken_meta", [infer_input("x", np.ones(3, np.float32), "FP32")])
     assert info.value.status() == "StatusCode.INTERNAL"
     assert info.value.message() == "model 'broken_meta': run hook raised RuntimeError: boom"
     with pytest.raises(InferenceServerException) as info:
-        c.infer("broken_meta", [_input("x", -np.ones(3, np.float32), "FP32")])
+        c.infer("broken_meta", [infer_input("x", -np.ones(3, np.float32), "FP32")])
     assert info.value.status() == "StatusCode.NOT_FOUND"
     assert info.value.message().startswith("model 'broken_meta': run: ctx.infer('no_such_model'): model "
                                            "'no_such_model' is not in the repository")
-    r = c.infer("simple", [_input("INPUT0", np.ones((1, 16), np.int32), "INT32"),
-                           _input("INPUT1", np.ones((1, 16), np.int32), "INT32")])
+    r = c.infer("simple", [infer_input("INPUT0", np.ones((1, 16), np.int32), "INT32"),
+                           infer_input("INPUT1", np.ones((1, 16), np.int32), "INT32")])
     assert (r.as_numpy("OUTPUT0") == 2).all()

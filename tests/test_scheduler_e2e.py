@@ -12,7 +12,7 @@ import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from examples import reference
-from tests.conftest import serve
+from tests.conftest import infer_input, serve
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +22,6 @@ def edf_server(examples_repo, tmp_path_factory):
                {"scheduler": sched, "models_include": ["mlp", "img_mean"]}) as server:
         yield server
     assert server.process.returncode == 0, server.log()
-
-
-def _aio_input(name, array, datatype):
-    t = aioclient.InferInput(name, list(array.shape), datatype)
-    t.set_data_from_numpy(array)
-    return t
 
 
 def _metric(body: str, prefix: str) -> float:
@@ -42,7 +36,7 @@ def test_coalesced_requests_each_get_their_own_rows(example_server):
 
     async def main():
         async with aioclient.InferenceServerClient(example_server.url) as c:
-            return await asyncio.gather(*[c.infer("mlp", [_aio_input("input", x, "FP32")], request_id=str(i))
+            return await asyncio.gather(*[c.infer("mlp", [infer_input("input", x, "FP32", aioclient)], request_id=str(i))
                                           for i, x in enumerate(xs)])
     results = asyncio.run(main())
     for i, (x, r) in enumerate(zip(xs, results)):
@@ -72,7 +66,7 @@ def test_full_queue_answers_resource_exhausted(edf_server):
 
     async def one(c):
         try:
-            r = await c.infer("img_mean", [_aio_input("input", img, "UINT8")])
+            r = await c.infer("img_mean", [infer_input("input", img, "UINT8", aioclient)])
             np.testing.assert_allclose(r.as_numpy("output"), reference.img_mean_ref(img), rtol=1e-5)
             return None
         except InferenceServerException as exc:

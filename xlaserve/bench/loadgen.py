@@ -26,7 +26,6 @@ import asyncio
 import json
 import random
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 

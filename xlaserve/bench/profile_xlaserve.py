@@ -88,7 +88,7 @@ def main() -> None:
     print(f"{'layer':<46} {'samples':>8} {'share':>7}")
     for name, n in layers.most_common():
         print(f"{name:<46} {n:>8} {n / total:>7.1%}")
-    print(f"\nheaviest leaf functions:")
+    print("\nheaviest leaf functions:")
     for frame, n in leaves.most_common(args.top):
         print(f"{n / total:>6.1%}  {frame[:110]}")
 
