@@ -50,6 +50,28 @@ def export_bundles(repo: Path, count: int) -> list[str]:
     return names
 
 
+def export_cnn_bundles(repo: Path, count: int) -> list[str]:
+    """``count`` vision bundles: the example CNN on UINT8 [b,64,64,3] images, each with a different
+    first-layer width so no two share a module (XLA takes far longer to compile these than the MLPs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from examples.export_examples import CNN_WEIGHTS_ORDER, cnn
+    from xlaserve.export import TensorSpec, export_bundle
+
+    names = []
+    for i in range(count):
+        rng = np.random.default_rng(i)
+        width = 8 + i
+        shapes = {"conv1.w": (3, 3, 3, width), "conv1.b": (width,), "conv2.w": (3, 3, width, 16),
+                  "conv2.b": (16,), "dense.w": (16, 10), "dense.b": (10,)}
+        weights = {k: (rng.standard_normal(v) * 0.1).astype(np.float32) for k, v in shapes.items()}
+        name = f"c{i:02d}"
+        export_bundle(repo / name, cnn, inputs=[TensorSpec("input", "u8", "cwhn", {"c": 3, "w": 64, "h": 64})],
+                      outputs=[TensorSpec("logits", "f32", "zn", {"z": 10}), TensorSpec("label", "i32", "n", {})],
+                      weights=weights, weights_order=CNN_WEIGHTS_ORDER, compiled_batch_sizes=BATCH_SIZES)
+        names.append(name)
+    return names
+
+
 class Server:
     def __init__(self, workdir: Path, repo: Path, global_: dict) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -97,11 +119,11 @@ class Server:
         self._log.close()
 
 
-def bench_restart(root: Path, count: int) -> None:
+def bench_restart(root: Path, count: int, model: str = "mlp") -> None:
     repo = root / "restart_models"
     t0 = time.perf_counter()
-    export_bundles(repo, count)
-    print(f"exported {count} bundles x {len(BATCH_SIZES)} batch sizes in {time.perf_counter() - t0:.1f}s")
+    (export_cnn_bundles if model == "cnn" else export_bundles)(repo, count)
+    print(f"exported {count} {model} bundles x {len(BATCH_SIZES)} batch sizes in {time.perf_counter() - t0:.1f}s")
     cache = root / "cache"
     results = {}
     for label in ("cold", "warm"):
@@ -184,12 +206,14 @@ def main(argv=None) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--only", choices=("restart", "reload"))
+    parser.add_argument("--model", choices=("mlp", "cnn"), default="mlp",
+                        help="restart bundles: small MLPs (quick to compile) or the example CNN")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="xlaserve-lifecycle-bench-") as tmp:
         root = Path(tmp)
         os.chmod(root, 0o700)
         if args.only in (None, "restart"):
-            bench_restart(root, args.bundles)
+            bench_restart(root, args.bundles, args.model)
         if args.only in (None, "reload"):
             bench_reload(root, args.clients, args.reloads)
 
