@@ -253,3 +253,15 @@ def test_registry_rejects_unusual_parameters(regions):
     assert registry.read_input("x", _params(name, 8, 56)).nbytes == 8
     registry.close()
     assert registry.status() == []
+
+
+def test_an_object_shrunk_after_registering_is_refused_not_faulted(regions):
+    """Reading mapped pages past the end of a shrunk object would SIGBUS the whole worker."""
+    name, key, _ = regions("shrunk", 8192)
+    registry = SharedMemoryRegistry()
+    registry.register(name, key, 0, 8192)
+    assert registry.read_input("x", _params(name, 4096, 4096)).nbytes == 4096
+    os.truncate("/dev/shm" + key, 1024)                        # the client shrinks its object
+    with pytest.raises(InvalidArgument, match=r"is now 1024 bytes, but the tensor ends at byte 8192"):
+        registry.read_input("x", _params(name, 4096, 4096))
+    registry.close()

@@ -60,6 +60,10 @@ class _Region:
         self._map = mapping
         self.view = memoryview(mapping)[start:start + status.byte_size]
 
+    def object_size(self) -> int:
+        """The shared-memory object's size now (the client may have shrunk it since registering)."""
+        return self._map.size()
+
     def release(self) -> bool:
         """Drop this region's own hold on the map; True if it was unmapped now, False if in-flight
         requests still hold views (the map is then freed with the last of them)."""
@@ -217,6 +221,14 @@ class SharedMemoryRegistry:
             raise InvalidArgument(f"tensor '{tensor_name}': shared_memory_offset {offset} + shared_memory_byte_size "
                                   f"{size} = {offset + size} is outside region '{name}' "
                                   f"({region.status.byte_size} bytes registered)")
+        end = region.status.offset + offset + size
+        now = region.object_size()
+        if end > now:
+            # Touching pages past the end of a shrunk object faults (SIGBUS) and would take the
+            # whole worker down: refuse the request instead.
+            raise InvalidArgument(f"tensor '{tensor_name}': shared-memory object '{region.status.key}' of region "
+                                  f"'{name}' is now {now} bytes, but the tensor ends at byte {end}; it shrank "
+                                  "after it was registered (unregister and register it again)")
         return region, offset, size
 
     def _unknown(self, name: str) -> str:
