@@ -11,7 +11,7 @@ import trio
 from trio.testing import MockClock
 
 from xlaserve.config import ModelSchedConfig, SchedulerConfig
-from xlaserve.errors import DeadlineExceeded, QueueFull, Unavailable
+from xlaserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
 from xlaserve.worker.executor import BatchResult
 from xlaserve.worker.messages import DropModel, InferRequest, InferResult
 from xlaserve.worker.policy import Candidate, CostModel, DeficitRoundRobin, EdfPolicy, FifoPolicy
@@ -391,6 +391,8 @@ class RefusingWeights(FakeWeights):
     async def ensure_resident(self, model):
         if model.name == "gone":
             raise Unavailable("model 'gone' version 1 was replaced; retry")
+        if model.name == "broken":
+            raise OSError("the device copy failed")
         return ()
 
 
@@ -402,3 +404,13 @@ def test_weights_refusal_keeps_its_status_and_others_still_run():
         assert isinstance(refused, Unavailable) and "was replaced; retry" in str(refused)
         assert isinstance(served, InferResult)
     run(test, config(discipline="fifo"), {"gone": per_batch(0.01), "ok": per_batch(0.01)})
+
+
+def test_an_unexpected_weights_failure_fails_its_batch_only():
+    async def test(h):
+        h.scheduler._weights = RefusingWeights()
+        failed = await h.infer("broken")
+        served = await h.infer("ok")
+        assert isinstance(failed, InternalError) and "OSError: the device copy failed" in str(failed)
+        assert isinstance(served, InferResult)
+    run(test, config(discipline="fifo"), {"broken": per_batch(0.01), "ok": per_batch(0.01)})

@@ -186,7 +186,7 @@ def test_unpinned_reads_from_disk_every_load_and_system_keeps_its_host_copy(tmp_
         await cache.ensure_resident(system)             # evicts u
         (unpinned.path / "weights.safetensors").unlink()
         (system.path / "weights.safetensors").unlink()
-        with pytest.raises(FileNotFoundError):
+        with pytest.raises(Unavailable, match="residency unpinned.*No such file"):
             await cache.ensure_resident(unpinned)       # no host copy: it went to disk
         await cache.ensure_resident(system)             # resident
         cache.release("s")

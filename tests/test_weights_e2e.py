@@ -85,8 +85,11 @@ def test_catalog_three_times_the_budget(tmp_path, catalog):
             for name in ("w2", "w3", "w4", "w1"):              # evicts unp (and w1 is reloaded)
                 infer(client, name)
             assert float(infer(client, "w1")[0, 0]) == 1.0 + MARKS["w1"]
-            with pytest.raises(InferenceServerException, match="No such file"):
+            with pytest.raises(InferenceServerException, match="No such file") as info:
                 infer(client, "unp")
+            assert info.value.status() == "StatusCode.UNAVAILABLE"
+            assert "residency unpinned) cannot read its weights" in info.value.message()
+            assert float(infer(client, "w2", 2.0)[0, 0]) == 2.0 + MARKS["w2"]   # and it keeps serving
         finally:
             (catalog / "unp.moved").rename(catalog / "unp" / "weights.safetensors")
             (catalog / "w1.moved").rename(catalog / "w1" / "weights.safetensors")

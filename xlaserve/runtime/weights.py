@@ -313,7 +313,11 @@ class WeightCache:
     def _copy_blocking(self, key: Key, model: ModelVersion) -> tuple:
         host = self._host.get(key)
         if host is None:                    # unpinned: no host copy, read from disk every time
-            host = model.weights.read()
+            try:
+                host = model.weights.read()
+            except OSError as exc:
+                raise Unavailable(f"model '{model.name}' (residency unpinned) cannot read its weights from "
+                                  f"{model.weights.file}: {exc.strerror or exc}") from None
         return self._device.put_weights(host)
 
     def _evict(self, key: Key) -> None:

@@ -368,6 +368,13 @@ class Scheduler:
             for q in batch:
                 self._reject(q.request, WEIGHTS_UNAVAILABLE, error)
             return
+        except Exception as exc:        # a bug or a device failure fails this batch only
+            log.exception("model %s: making its weights resident failed", model.name)
+            error = InternalError(f"model '{model.name}': making its weights resident failed: "
+                                  f"{type(exc).__name__}: {exc}")
+            for q in batch:
+                self._reject(q.request, WEIGHTS_UNAVAILABLE, error)
+            return
         try:
             # Prefetch hint: the model of the oldest other queued request likely runs next.
             waiting = [q[0] for n, q in self._queues.items() if q and n != name]
