@@ -51,6 +51,9 @@ class FakeWeights:
     async def ensure_resident(self, model):
         return ()
 
+    def hint_next(self, model):
+        pass
+
 
 def config(**kw) -> SchedulerConfig:
     models = kw.pop("models", {})

@@ -165,10 +165,6 @@ class Device:
             array.block_until_ready()
         return array
 
-    @staticmethod
-    def device_bytes(array) -> int:
-        return int(array.nbytes)
-
     @property
     def host_memory_kind(self) -> str:
         """Where :meth:`host_store` keeps weights: ``pinned_host`` (page-locked, DMA-able) when
@@ -232,15 +228,3 @@ class Device:
             return False
         self._client.defragment()
         return True
-
-
-def available_backends() -> list[str]:
-    """Backends whose PJRT plugin loads here."""
-    found = []
-    for name in ("cpu", "cuda"):
-        try:
-            jax_backend.get_backend(name)
-        except RuntimeError:
-            continue
-        found.append(name)
-    return found

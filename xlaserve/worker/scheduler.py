@@ -77,8 +77,9 @@ class Scheduler:
     """Owns the queues, the learned costs and the policy; nothing else touches them.
 
     ``executor`` needs ``await run(model, size, weights, inputs, rows) -> BatchResult``;
-    ``weights`` needs ``await ensure_resident(model) -> weights``. Both are awaited on the
-    dispatch loop only, so tests can pass fakes that ``await trio.sleep(cost)``.
+    ``weights`` needs ``await ensure_resident(model) -> weights`` and ``hint_next(model)`` (the
+    prefetch hint). Both are used on the dispatch loop only, so tests can pass fakes that
+    ``await trio.sleep(cost)``.
     """
 
     def __init__(self, config: SchedulerConfig, executor: Executor, weights: WeightCache,
@@ -378,7 +379,7 @@ class Scheduler:
         try:
             # Prefetch hint: the model of the oldest other queued request likely runs next.
             waiting = [q[0] for n, q in self._queues.items() if q and n != name]
-            if waiting and hasattr(self._weights, "hint_next"):
+            if waiting:
                 self._weights.hint_next(min(waiting, key=lambda q: q.seq).request.model)
             started = trio.current_time()
             result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows)

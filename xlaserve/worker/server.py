@@ -48,10 +48,11 @@ class WorkerHandles:
     lifecycle: trio.MemorySendChannel[LifecycleMessage]
     weights: WeightCache
     cancel_scope: trio.CancelScope
+    token: trio.lowlevel.TrioToken
     http_port: int = 0
     bridge: Bridge | None = None
     shared_memory: Any = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    services: list = field(default_factory=list)   # gRPC services served beside KServe
 
     def ready(self) -> bool:
         return self.table.startup_done.is_set()
@@ -132,11 +133,10 @@ async def trio_main(config: WorkerConfig, on_started) -> None:
         lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights,
                               excache.compile_module if excache else None, lifecycle_metrics)
         handles = WorkerHandles(config, device, table, stats, metrics, scheduler, service, to_lifecycle,
-                                weights, nursery.cancel_scope)
+                                weights, nursery.cancel_scope, trio.lowlevel.current_trio_token())
         handles.http_port = await nursery.start(serve_admin, config.http_host, config.http_port, _health(handles))
-        handles.extras["token"] = trio.lowlevel.current_trio_token()
         from xlaserve.frontend.control import WorkerControlService
-        handles.extras.setdefault("services", []).append(WorkerControlService(handles, nursery))
+        handles.services.append(WorkerControlService(handles, nursery))
         await nursery.start(lifecycle.run, lifecycle_inbox)
         on_started(handles)
 
@@ -165,14 +165,12 @@ async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
         outcome = await finished
         outcome.unwrap()
         raise
-    handles.bridge = Bridge(loop, _trio_token_of(handles))
+    handles.bridge = Bridge(loop, handles.token)
     if config.endpoints.allow_client_shm:
         from xlaserve.frontend.shm import SharedMemoryRegistry
         handles.shared_memory = SharedMemoryRegistry()
     from xlaserve.frontend.kserve import KServeService
-    services = [KServeService(handles)]
-    services += handles.extras.get("services", [])
-    server = Server(services)
+    server = Server([KServeService(handles), *handles.services])
     await server.start(config.grpc_host, config.grpc_port)
     grpc_port = server._server.sockets[0].getsockname()[1]
     log.info("KServe V2 gRPC on %s:%d", config.grpc_host, grpc_port)
@@ -198,7 +196,3 @@ async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
     except trio.Cancelled:
         pass
     log.info("worker %s stopped", config.name)
-
-
-def _trio_token_of(handles: WorkerHandles) -> trio.lowlevel.TrioToken:
-    return handles.extras["token"]
