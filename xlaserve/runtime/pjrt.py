@@ -177,7 +177,7 @@ class Device:
     def host_store(self, arrays) -> tuple:
         """The host copy of a model's weights. On a GPU with page-locked host memory the arrays
         are copied into it once (``memory_kind="pinned_host"``) so that every later load is a
-        DMA; elsewhere the (memory-mapped) NumPy arrays are kept as they are."""
+        DMA; elsewhere the NumPy arrays (a private copy read from the file) are kept as they are."""
         if self.host_memory_kind != "pinned_host" or not arrays:
             return tuple(arrays)
         pinned = jax.sharding.SingleDeviceSharding(self._device, memory_kind="pinned_host")

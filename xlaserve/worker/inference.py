@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import trio
+from outcome import capture
 
 from xlaserve._hooks import NamedTensor, conform
 from xlaserve.bundle import ModelVersion
@@ -86,7 +87,6 @@ class InferenceService:
         self._nursery = nursery
         self._table = table
         self._stats = stats
-        self._hooks_limiter = trio.CapacityLimiter(hook_threads)
         self._hook_pool = concurrent.futures.ThreadPoolExecutor(hook_threads, thread_name_prefix="xlaserve-hook")
         self._meta_limiter = trio.CapacityLimiter(meta_threads)
 
@@ -152,6 +152,23 @@ class InferenceService:
             return await receive.receive()
 
     # ---- preprocess / postprocess -------------------------------------------------------
+    async def _in_hook_pool(self, fn, *args):
+        """Run ``fn(*args)`` in the hook pool (the one that bounds how many hooks run at once)
+        and wait for it without holding up other tasks."""
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+        result: list = []
+
+        def work() -> None:
+            result.append(capture(fn, *args))
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass  # the worker stopped; nobody waits for this hook any more
+        self._hook_pool.submit(work)
+        await done.wait()
+        return result[0].unwrap()
+
     async def _with_hooks(self, request: ClientRequest, deadline: float) -> None:
         model = request.model
         hooks = model.hooks
@@ -159,15 +176,15 @@ class InferenceService:
         try:
             inputs = request.inputs
             if hooks.preprocess is not None:
-                inputs = await trio.to_thread.run_sync(
+                inputs = await self._in_hook_pool(
                     call_hook, model, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs,
-                    request.rows, limiter=self._hooks_limiter)
+                    request.rows)
             outcome = await self.execute(model, inputs, request.rows, request.request_id, deadline,
                                          request.received_ns)
             if isinstance(outcome, InferResult) and hooks.postprocess is not None:
-                outputs = await trio.to_thread.run_sync(
+                outputs = await self._in_hook_pool(
                     call_hook, model, "postprocess", hooks.postprocess, outcome.outputs, manifest.client_outputs,
-                    request.rows, limiter=self._hooks_limiter)
+                    request.rows)
                 outcome = InferResult(outputs, outcome.batch_size, outcome.queue_ns, outcome.compute_input_ns,
                                       outcome.compute_infer_ns, outcome.compute_output_ns)
         except XlaserveError as exc:
