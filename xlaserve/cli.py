@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
+import functools
 import logging
 import os
 import sys
@@ -42,6 +42,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker of a node file (what the supervisor starts per device)."""
+    import trio
+
     from xlaserve.worker.server import serve
     try:
         node = load_node_config(args.node, os.environ)
@@ -50,7 +52,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
-    return _serving(lambda: asyncio.run(serve(config, ready_callback=_ready_writer(args.ready_file))))
+    return _serving(lambda: trio.run(functools.partial(serve, config, ready_callback=_ready_writer(args.ready_file))))
 
 
 def _ready_writer(path: str | None):

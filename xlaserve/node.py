@@ -5,8 +5,10 @@ A one-worker node (the only shape so far) runs its worker in this process, servi
 """
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
+
+import trio
 
 from xlaserve.config import NodeConfig, resolve_worker
 
@@ -21,5 +23,5 @@ def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
                   "available yet: run one worker per process with `xlaserve worker NODE --worker NAME`", workers)
         return 2
     from xlaserve.cli import _ready_writer
-    asyncio.run(serve(resolve_worker(node, 0), ready_callback=_ready_writer(ready_file)))
+    trio.run(functools.partial(serve, resolve_worker(node, 0), ready_callback=_ready_writer(ready_file)))
     return 0

@@ -1,14 +1,14 @@
-"""The one asyncio <-> Trio seam.
+"""Replies from anywhere, awaited by a Trio task.
 
-grpclib is asyncio-only; the worker's actors are Trio. The worker runs Trio as a *guest* of
-the asyncio loop (``trio.lowlevel.start_guest_run``): both run on the main thread, Trio's
-tasks interleaved with asyncio's callbacks. The frontend asks the Trio side for work with
-:meth:`Bridge.call`, which hands it a one-shot reply that resolves an asyncio future. Because
-both sides share the thread, a reply resolves its future directly.
+The worker is one Trio run: the gRPC frontend (:mod:`xlaserve.frontend.grpc_server`), the
+scheduler, the lifecycle and the weight cache are all Trio tasks on the main thread. A frontend
+handler hands work to an actor together with a one-shot ``reply`` and waits for it with
+:meth:`Bridge.call`. Most replies come from the Trio thread itself (the dispatch loop) and wake
+the handler directly; a hook or meta thread may reply too, which costs one
+``TrioToken.run_sync_soon`` hop.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -16,63 +16,44 @@ from typing import Any
 
 import trio
 
-from xlaserve.errors import InternalError, Unavailable
+from xlaserve.errors import InternalError
 
 log = logging.getLogger("xlaserve.bridge")
 
 
 class Bridge:
-    def __init__(self, loop: asyncio.AbstractEventLoop, token: trio.lowlevel.TrioToken) -> None:
-        self._loop = loop
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
         self._token = token
         self._thread = threading.get_ident()
-        self._pending: list[Callable[[], None]] = []
 
-    def call(self, start: Callable[[Callable[[Any], None]], None]) -> asyncio.Future:
-        """Run ``start(reply)`` on the Trio side; the future resolves with what ``reply`` gets
-        (an exception instance is raised from the future). ``reply`` may be called from any
-        thread; the first call counts, later calls and calls after the caller gave up are
-        ignored."""
-        future = self._loop.create_future()
+    async def call(self, start: Callable[[Callable[[Any], None]], None]) -> Any:
+        """Call ``start(reply)`` now and wait for what ``reply`` gets (an exception instance is
+        raised here). ``reply`` may be called from any thread; the first call counts, later
+        calls and calls after the caller gave up are ignored."""
+        done = trio.Event()
+        box: list[Any] = []
 
         def resolve(outcome: Any) -> None:
-            if future.done():
-                return
-            if isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+            if not box:
+                box.append(outcome)
+                done.set()
 
         def reply(outcome: Any) -> None:
-            # Usually called on the shared thread; a hook thread may call it directly, which
-            # costs one wake-up of the loop instead of a hop through Trio first.
             if threading.get_ident() == self._thread:
                 resolve(outcome)
-            else:
-                self._loop.call_soon_threadsafe(resolve, outcome)
-
-        def begin() -> None:
+                return
             try:
-                start(reply)
-            except Exception as exc:  # a bug on the Trio side must not end the Trio run
-                log.exception("bridge call failed")
-                reply(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+                self._token.run_sync_soon(resolve, outcome)
+            except trio.RunFinishedError:   # the worker stopped; nobody is waiting any more
+                pass
 
-        self.run_soon(begin)
-        return future
-
-    def run_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the Trio side soon. Calls made in one asyncio tick share one wakeup."""
-        assert threading.get_ident() == self._thread, "the bridge is used from the loop's thread only"
-        self._pending.append(fn)
-        if len(self._pending) == 1:
-            try:
-                self._token.run_sync_soon(self._drain)
-            except trio.RunFinishedError:
-                self._pending.clear()
-                raise Unavailable("the worker is shutting down") from None
-
-    def _drain(self) -> None:
-        pending, self._pending = self._pending, []
-        for fn in pending:
-            fn()
+        try:
+            start(reply)
+        except Exception as exc:  # a bug on the actor side fails this call only
+            log.exception("bridge call failed")
+            reply(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+        await done.wait()
+        outcome = box[0]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome

@@ -2,13 +2,13 @@
 gRPC port beside the KServe service: per-model status, residency and scheduling changes at run
 time, memory compaction, and a status stream for ``xlaserve top`` and operators' control planes.
 
-Status is built from snapshots (model table, queue depths, learned costs, residency), read on
-the loop thread the Trio guest run shares; changes go through the bridge to the actor that owns
-the state.
+Handlers run as Trio tasks of the worker, so status is read straight from the actors' snapshots
+(model table, queue depths, learned costs, residency) and small changes (scheduling policy) are
+applied in place; longer work (compaction, residency moves) runs in a task of the worker's own
+nursery, awaited through the bridge, so a client that hangs up does not cancel it halfway.
 """
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 from typing import TYPE_CHECKING
@@ -66,15 +66,13 @@ class WorkerControlService(WorkerControlBase):
         if name not in table:
             raise ModelNotFound(name, list(table))
 
-    async def _on_trio(self, fn):
-        """Run ``fn()`` on the Trio side; its result, or the error it raises (ValueError is a bad
-        argument)."""
-        def start(reply):
-            try:
-                reply(fn())
-            except ValueError as exc:
-                reply(InvalidArgument(str(exc)))
-        return await self._worker.bridge.call(start)
+    @staticmethod
+    def _apply(fn):
+        """``fn()``'s result; a ValueError it raises is a bad argument."""
+        try:
+            return fn()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
 
     async def _in_trio_task(self, afn):
         """Call ``afn()`` in a Trio task of the worker, awaiting it if it is a coroutine; its result, or
@@ -124,7 +122,7 @@ class WorkerControlService(WorkerControlBase):
         # 0 uncaps. Scheduler.set_policy reads None as "unchanged", so uncapped is a cap no
         # request can reach; status reports it as 0 again.
         cap = UNCAPPED_ROWS if max_batch == 0 else max_batch
-        policy = await self._on_trio(lambda: scheduler.set_policy(request.model, weight=weight, max_batch_size=cap))
+        policy = self._apply(lambda: scheduler.set_policy(request.model, weight=weight, max_batch_size=cap))
         log.info("control: %s policy now weight=%g max_batch_size=%s", request.model, policy.weight,
                  _cap(policy.max_batch_size) or "uncapped")
         await stream.send_message(pb.SetModelPolicyResponse())
@@ -141,10 +139,10 @@ class WorkerControlService(WorkerControlBase):
         request = await stream.recv_message()
         interval = request.interval_seconds if request.interval_seconds > 0 else DEFAULT_WATCH_INTERVAL
         interval = max(interval, MIN_WATCH_INTERVAL)
-        # Ends when the client cancels or the server closes (grpclib cancels the handler).
+        # Ends when the client cancels or the server closes (the call's task is cancelled).
         while True:
             await stream.send_message(status_snapshot(self._worker))
-            await asyncio.sleep(interval)
+            await trio.sleep(interval)
 
 
 UNCAPPED_ROWS = 2**31 - 1

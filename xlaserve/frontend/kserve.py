@@ -1,5 +1,7 @@
-"""KServe V2 ``inference.GRPCInferenceService`` on grpclib: decode, validate, hand a message to the
-Trio side through the bridge, await the reply, encode. No model logic lives here."""
+"""KServe V2 ``inference.GRPCInferenceService``: decode, validate, hand a message to the actors
+through the bridge, await the reply, encode. No model logic lives here. The handlers are
+grpclib-shaped (the generated base class, ``stream.recv_message``/``send_message``) and are
+served by :mod:`xlaserve.frontend.grpc_server`."""
 from __future__ import annotations
 
 import functools
@@ -54,6 +56,16 @@ def rpc(method):
             raise GRPCError(Status.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}") \
                 from None
     return wrapper
+
+
+def request_too_large(size: int, limit: int) -> str:
+    return (f"the request is {size} bytes, the limit (endpoints.max_recv_msg_bytes) is {limit}; send large "
+            "tensors through shared memory")
+
+
+def response_too_large(size: int, limit: int) -> str:
+    return (f"the response is {size} bytes, the limit (endpoints.max_send_msg_bytes) is {limit}; ask for the "
+            "outputs in shared memory or raise the limit")
 
 
 def _config_dtype(decl: TensorDecl) -> int:
@@ -237,10 +249,6 @@ class KServeService(GRPCInferenceServiceBase):
                 raise ResourceExhausted(f"{self._in_flight - 1} inference requests are in flight, the limit "
                                         f"(endpoints.max_concurrent_requests) is {endpoints.max_concurrent_requests}; "
                                         "retry later")
-            size = request.ByteSize()
-            if size > endpoints.max_recv_msg_bytes:
-                raise ResourceExhausted(f"the request is {size} bytes, the limit (endpoints.max_recv_msg_bytes) is "
-                                        f"{endpoints.max_recv_msg_bytes}; send large tensors through shared memory")
             response = await self._infer(request, stream, received_ns)
         except XlaserveError as exc:
             status = exc.status.name

@@ -1,24 +1,24 @@
-"""A worker process: the Trio actors, hosted as a guest of the asyncio loop that runs grpclib.
+"""A worker process: one Trio run holding the actors and the gRPC frontend.
 
 Boot order, in one place: open the device; start the scheduler, the lifecycle actor (which
 loads the repository) and the admin HTTP port; then the gRPC frontend. SIGTERM or SIGINT
-drains: the gRPC server stops taking calls, in-flight requests finish, then Trio is cancelled.
+drains: the gRPC server stops taking calls (GOAWAY), in-flight requests finish, then the
+actors are cancelled.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
-from grpclib.server import Server
 
 from xlaserve.admin import serve_admin
 from xlaserve.config import WorkerConfig, effective_config_lines
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
+from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.metrics import Metrics, WeightCacheMetrics
 from xlaserve.runtime.excache import open_executable_cache
 from xlaserve.runtime.pjrt import Device
@@ -104,9 +104,9 @@ def _health(handles: WorkerHandles):
     return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
 
 
-async def trio_main(config: WorkerConfig, on_started) -> None:
-    """The Trio side of a worker. Calls ``on_started(handles)`` once the actors are up (models
-    may still be loading) and runs until cancelled."""
+async def run_actors(config: WorkerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The worker's actors. Reports their handles once they are up (models may still be
+    loading) and runs until cancelled."""
     device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
     log.info("device: %s (%s), jax PJRT %s", device.backend, device.kind, device.platform_version)
     device_limiter = trio.CapacityLimiter(1)
@@ -138,61 +138,36 @@ async def trio_main(config: WorkerConfig, on_started) -> None:
         from xlaserve.frontend.control import WorkerControlService
         handles.services.append(WorkerControlService(handles, nursery))
         await nursery.start(lifecycle.run, lifecycle_inbox)
-        on_started(handles)
+        task_status.started(handles)
 
 
 async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
     """Run one worker until SIGTERM/SIGINT. ``ready_callback(grpc_port, http_port)`` is for tests."""
     log.info("effective configuration of worker %s:\n%s", config.name, "\n".join(effective_config_lines(config)))
-    loop = asyncio.get_running_loop()
-    started: asyncio.Future[WorkerHandles] = loop.create_future()
-    finished: asyncio.Future = loop.create_future()
-
-    def done(outcome) -> None:
-        if not finished.done():
-            finished.set_result(outcome)
-        if not started.done():
-            started.set_exception(RuntimeError("the worker stopped during start-up"))
-
-    trio.lowlevel.start_guest_run(
-        trio_main, config, lambda h: started.done() or started.set_result(h),
-        run_sync_soon_threadsafe=loop.call_soon_threadsafe,
-        run_sync_soon_not_threadsafe=loop.call_soon,
-        done_callback=done, host_uses_signal_set_wakeup_fd=True)
-    try:
-        handles = await started
-    except RuntimeError:
-        outcome = await finished
-        outcome.unwrap()
-        raise
-    handles.bridge = Bridge(loop, handles.token)
-    if config.endpoints.allow_client_shm:
-        from xlaserve.frontend.shm import SharedMemoryRegistry
-        handles.shared_memory = SharedMemoryRegistry()
-    from xlaserve.frontend.kserve import KServeService
-    server = Server([KServeService(handles), *handles.services])
-    await server.start(config.grpc_host, config.grpc_port)
-    grpc_port = server._server.sockets[0].getsockname()[1]
-    log.info("KServe V2 gRPC on %s:%d", config.grpc_host, grpc_port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if ready_callback is not None:
-        ready_callback(grpc_port, handles.http_port)
-    waiter = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([waiter, finished], return_when=asyncio.FIRST_COMPLETED)
-    log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
-    server.close()
-    try:
-        await asyncio.wait_for(server.wait_closed(), DRAIN_SECONDS)
-    except asyncio.TimeoutError:
-        log.warning("drain timed out; cancelling what is left")
-    if not finished.done():
-        handles.bridge.run_soon(handles.cancel_scope.cancel)
-    outcome = await finished
-    waiter.cancel()
-    try:
-        outcome.unwrap()
-    except trio.Cancelled:
-        pass
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            handles: WorkerHandles = await nursery.start(run_actors, config)
+            handles.bridge = Bridge(handles.token)
+            if config.endpoints.allow_client_shm:
+                from xlaserve.frontend.shm import SharedMemoryRegistry
+                handles.shared_memory = SharedMemoryRegistry()
+            from xlaserve.frontend.kserve import KServeService, request_too_large, response_too_large
+            endpoints = config.endpoints
+            server = GrpcServer([KServeService(handles), *handles.services],
+                                max_recv_bytes=endpoints.max_recv_msg_bytes,
+                                max_send_bytes=endpoints.max_send_msg_bytes,
+                                too_large_request=request_too_large, too_large_response=response_too_large)
+            grpc_port = await nursery.start(server.serve, config.grpc_host, config.grpc_port)
+            log.info("KServe V2 gRPC on %s:%d", config.grpc_host, grpc_port)
+            if ready_callback is not None:
+                ready_callback(grpc_port, handles.http_port)
+            async for _ in signals:
+                break
+            log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
+            server.close()
+            with trio.move_on_after(DRAIN_SECONDS) as drain:
+                await server.wait_closed()
+            if drain.cancelled_caught:
+                log.warning("drain timed out; cancelling what is left")
+            nursery.cancel_scope.cancel()
     log.info("worker %s stopped", config.name)

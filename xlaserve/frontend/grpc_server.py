@@ -1,0 +1,760 @@
+"""gRPC over HTTP/2 (RFC 9113), served from Trio by xlaserve itself.
+
+Why not grpclib: per request, grpclib's HTTP/2 stack (h2, hpack, its stream objects, one asyncio
+task each) and the asyncio <-> Trio guest-run hand-offs cost about two thirds of the worker's
+CPU; see "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md for the numbers. This module
+does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
+
+- A connection is two Trio tasks: a reader that parses frames as they arrive and a writer that
+  sends whatever accumulated since its last send in one ``send_all`` (a batch of 32 replies is
+  one write). Control frames (SETTINGS, PING, WINDOW_UPDATE acks) go out the same way.
+- A call gets one Trio task once its request is complete (unary input) or its headers arrive
+  (streaming input). The handler sees a grpclib-shaped stream: ``recv_message``,
+  ``send_message``, ``deadline``, ``metadata``; a :class:`grpclib.exceptions.GRPCError` it
+  raises becomes the call's status. Services are grpclib-generated bases, routed through their
+  ``__mapping__``.
+- Header blocks are decoded by :mod:`xlaserve.frontend.hpack` (which caches the repeated blocks
+  gRPC clients send); responses use fixed, stateless header encodings.
+- Flow control both ways: the peer's windows and frame size are honoured (a reply larger than
+  the window waits for WINDOW_UPDATE); our receive windows are replenished as data is consumed.
+- RST_STREAM from the client cancels the call's task. :meth:`GrpcServer.close` stops accepting
+  connections and sends GOAWAY; calls already started finish, new streams are refused.
+- Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
+
+Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import struct
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import trio
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from xlaserve.frontend.hpack import Decoder, HPACKError, encode
+
+log = logging.getLogger("xlaserve.grpc")
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+# frame types and flags (RFC 9113 section 6)
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+
+# error codes (section 7)
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+
+# settings identifiers
+HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, \
+    MAX_HEADER_LIST_SIZE = range(1, 7)
+
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65535
+DEFAULT_FRAME = 16384
+
+# what we advertise
+OUR_STREAMS = 4096
+OUR_STREAM_WINDOW = 4 * 1024 * 1024
+OUR_CONN_WINDOW = 16 * 1024 * 1024
+OUR_MAX_FRAME = 1024 * 1024
+OUR_HEADER_LIST = 65536
+RECV_BYTES = 256 * 1024
+FLUSH_SECONDS = 5.0                        # a closing connection's last writes
+
+_FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
+_U32 = struct.Struct(">I")
+_MESSAGE_PREFIX = struct.Struct(">BI")     # gRPC length-prefixed message: compressed flag, length
+
+_RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/grpc")])
+_OK_TRAILERS = encode([("grpc-status", "0")])
+_TIMEOUT = re.compile(r"^(\d{1,8})([HMSmun])$")
+_TIMEOUT_UNIT = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return _FRAME_HEADER.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
+
+
+def _percent_encode(message: str) -> str:
+    """grpc-message is percent-encoded UTF-8 (gRPC over HTTP/2, "Responses")."""
+    raw = message.encode("utf-8", "replace")
+    if all(0x20 <= b <= 0x7E and b != 0x25 for b in raw):
+        return raw.decode("ascii")
+    return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in raw)
+
+
+def parse_timeout(value: str) -> float:
+    """Seconds in a ``grpc-timeout`` header value (``<up to 8 digits><unit>``)."""
+    m = _TIMEOUT.match(value)
+    if m is None:
+        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n")
+    return int(m.group(1)) * _TIMEOUT_UNIT[m.group(2)]
+
+
+class ConnectionError_(Exception):
+    """A connection error (RFC 9113 5.4.1): answered with GOAWAY, then the connection closes."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Deadline:
+    """The call's deadline from ``grpc-timeout``, grpclib-shaped (``time_remaining()``)."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def time_remaining(self) -> float:
+        return max(0.0, self.at - time.monotonic())
+
+
+class Call:
+    """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
+
+    __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "body_len", "messages",
+                 "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
+                 "unacked", "arrived", "scope", "drained")
+
+    def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
+                 deadline: Deadline | None, encoding: str) -> None:
+        self.conn = conn
+        self.id = stream_id
+        self.method = method            # grpclib.const.Handler
+        self.metadata = metadata
+        self.deadline = deadline
+        self.encoding = encoding
+        self.body = bytearray()         # request bytes not yet cut into messages
+        self.body_len = 0
+        self.messages: deque = deque()  # decoded-later request payloads (bytes)
+        self.remote_closed = False
+        self.started = False
+        self.headers_sent = False
+        self.finished = False           # trailers queued; nothing more may be sent
+        self.reset = False              # the client reset the stream
+        self.send_window = conn.peer_initial_window
+        self.pending: deque = deque()   # flow-controlled output waiting for window: bytes or trailers
+        self.unacked = 0                # received bytes not yet returned by WINDOW_UPDATE
+        self.arrived: trio.Event | None = None
+        self.drained: trio.Event | None = None
+        self.scope: trio.CancelScope | None = None
+
+    # ---- the grpclib-shaped handler API ----------------------------------------------------
+    async def recv_message(self) -> Any:
+        """The next request message, or None once the client has sent them all."""
+        while not self.messages:
+            if self.remote_closed:
+                return None
+            self.arrived = trio.Event()
+            await self.arrived.wait()
+        payload = self.messages.popleft()
+        try:
+            return self.method.request_type.FromString(payload)
+        except Exception as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid "
+                            f"{self.method.request_type.DESCRIPTOR.full_name} message: {exc}") from None
+
+    async def send_message(self, message) -> None:
+        self.conn.send_message(self, message.SerializeToString())
+        if self.pending:   # back-pressure for streaming replies: wait until the window takes them
+            self.drained = trio.Event()
+            await self.drained.wait()
+
+
+class Connection:
+    def __init__(self, server: "GrpcServer", stream: trio.SocketStream) -> None:
+        self.server = server
+        self.sock = stream
+        self.decoder = Decoder(max_header_list_size=OUR_HEADER_LIST)
+        self.calls: dict[int, Call] = {}
+        self.last_stream = 0
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.peer_max_frame = DEFAULT_FRAME
+        self.send_window = DEFAULT_WINDOW
+        self.recv_unacked = 0
+        self.out = bytearray()
+        self.out_ready = trio.Event()
+        self.going_away = False
+        self.stopping = False                       # no more output is queued once set
+        self.read_scope = trio.CancelScope()
+        self.blocked: dict[int, Call] = {}          # calls with output waiting for window
+        self.continuation: tuple[int, int, bytearray] | None = None
+        self.nursery: trio.Nursery | None = None
+        self.idle = trio.Event()                    # set whenever no call is open
+
+    # ---- tasks ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                nursery.start_soon(self._write_loop)
+                with self.read_scope:
+                    try:
+                        await self._read_loop()
+                    except ConnectionError_ as exc:
+                        log.info("closing a gRPC connection: %s", exc)
+                        self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(exc.code)
+                                          + str(exc).encode()[:256]))
+                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                        pass
+                # The peer is gone, misbehaved, or a graceful close found no call open: cancel
+                # what is left, let the writer send what is queued (bounded), then close.
+                for call in list(self.calls.values()):
+                    call.reset = call.finished = True
+                    if call.scope is not None:
+                        call.scope.cancel()
+                self.calls.clear()
+                self.stopping = True
+                self.out_ready.set()
+                nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
+        finally:
+            self.stopping = True
+            self.idle.set()
+            with trio.CancelScope(shield=True):
+                await self.sock.aclose()
+
+    async def _write_loop(self) -> None:
+        sock = self.sock
+        while True:
+            if not self.out:
+                if self.stopping:
+                    return
+                self.out_ready = trio.Event()
+                await self.out_ready.wait()
+                continue
+            data, self.out = self.out, bytearray()
+            try:
+                await sock.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                self.stopping = True
+                self.read_scope.cancel()
+                return
+
+    def _write(self, data: bytes) -> None:
+        if not self.stopping:
+            self.out += data
+            self.out_ready.set()
+
+    async def _read_loop(self) -> None:
+        sock = self.sock
+        buf = bytearray()
+        while len(buf) < len(PREFACE):
+            chunk = await sock.receive_some(RECV_BYTES)
+            if not chunk:
+                return
+            buf += chunk
+        if buf[:len(PREFACE)] != PREFACE:
+            raise ConnectionError_(PROTOCOL_ERROR, "the client did not open with the HTTP/2 connection preface "
+                                                   "(xlaserve serves gRPC over cleartext HTTP/2 only)")
+        del buf[:len(PREFACE)]
+        self._write(frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in (
+            (MAX_CONCURRENT_STREAMS, OUR_STREAMS), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
+            (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, OUR_HEADER_LIST))))
+                    + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
+        unpack = _FRAME_HEADER.unpack_from
+        handle = self._frame
+        while True:
+            pos, end = 0, len(buf)
+            while end - pos >= 9:
+                lt, flags, stream_id = unpack(buf, pos)
+                length = lt >> 8
+                stop = pos + 9 + length
+                if length > OUR_MAX_FRAME:
+                    raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes exceeds the "
+                                                             f"{OUR_MAX_FRAME} this server advertised")
+                if stop > end:
+                    break
+                handle(lt & 0xFF, flags, stream_id & 0x7FFFFFFF, bytes(buf[pos + 9:stop]))
+                pos = stop
+            if pos:
+                del buf[:pos]
+            if self.going_away and not self.calls:
+                return
+            chunk = await sock.receive_some(RECV_BYTES)
+            if not chunk:
+                return
+            buf += chunk
+
+    # ---- incoming frames -------------------------------------------------------------------
+    def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
+        if self.continuation is not None and ftype != CONTINUATION:
+            raise ConnectionError_(PROTOCOL_ERROR, "a header block was interrupted by another frame")
+        if ftype == DATA:
+            self._on_data(flags, sid, payload)
+        elif ftype == HEADERS:
+            self._on_headers(flags, sid, payload)
+        elif ftype == WINDOW_UPDATE:
+            self._on_window_update(sid, payload)
+        elif ftype == PING:
+            if sid != 0 or len(payload) != 8:
+                raise ConnectionError_(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING frame")
+            if not flags & ACK:
+                self._write(frame(PING, ACK, 0, payload))
+        elif ftype == SETTINGS:
+            self._on_settings(flags, sid, payload)
+        elif ftype == RST_STREAM:
+            if sid == 0 or len(payload) != 4:
+                raise ConnectionError_(PROTOCOL_ERROR, "malformed RST_STREAM frame")
+            if sid > self.last_stream:
+                raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
+            call = self.calls.pop(sid, None)
+            if call is not None:
+                call.reset = True
+                call.finished = True
+                call.pending.clear()
+                self.blocked.pop(sid, None)
+                if call.scope is not None:
+                    call.scope.cancel()
+                self._maybe_idle()
+        elif ftype == CONTINUATION:
+            if self.continuation is None or self.continuation[0] != sid:
+                raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
+            self.continuation[2].extend(payload)
+            if flags & END_HEADERS:
+                sid, first_flags, block = self.continuation
+                self.continuation = None
+                self._on_header_block(first_flags, sid, bytes(block))
+        elif ftype == GOAWAY:
+            self.going_away = True
+        elif ftype == PRIORITY:
+            if len(payload) != 5:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY frame is not 5 bytes")
+        elif ftype == PUSH_PROMISE:
+            raise ConnectionError_(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
+        # unknown frame types are ignored (section 4.1)
+
+    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
+            return
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {value} is above 2^31-1")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for call in self.calls.values():
+                    call.send_window += delta
+            elif key == MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value <= 2**24 - 1:
+                    raise ConnectionError_(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
+                self.peer_max_frame = value
+            elif key == ENABLE_PUSH and value > 1:
+                raise ConnectionError_(PROTOCOL_ERROR, f"ENABLE_PUSH {value} is not 0 or 1")
+            # HEADER_TABLE_SIZE: our encoder never uses the dynamic table; the rest are advisory
+        self._write(frame(SETTINGS, ACK, 0))
+        self._flush_blocked()
+
+    def _on_window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
+        increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        if sid == 0:
+            if increment == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionError_(FLOW_CONTROL_ERROR, "the connection's send window exceeds 2^31-1")
+        else:
+            call = self.calls.get(sid)
+            if call is None:
+                return
+            if increment == 0:
+                self._reset(call, PROTOCOL_ERROR)
+                return
+            call.send_window += increment
+        self._flush_blocked()
+
+    def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+        start, stop = 0, len(payload)
+        if flags & PADDED:
+            pad = payload[0] if payload else 256
+            start, stop = 1, stop - pad
+        if flags & PRIORITY_FLAG:
+            start += 5
+        if stop < start:
+            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
+        block = payload[start:stop]
+        if flags & END_HEADERS:
+            self._on_header_block(flags, sid, block)
+        else:
+            self.continuation = (sid, flags, bytearray(block))
+
+    def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
+        try:
+            headers = self.decoder.decode(block)
+        except HPACKError as exc:
+            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+        call = self.calls.get(sid)
+        if call is not None or sid <= self.last_stream:     # trailers from the client
+            if call is None:
+                return
+            if not flags & END_STREAM:
+                raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
+            self._end_of_request(call)
+            return
+        if not sid & 1:
+            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
+        self.last_stream = sid
+        if self.going_away or len(self.calls) >= OUR_STREAMS:
+            self._write(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            return
+        self._new_call(flags, sid, headers)
+
+    def _new_call(self, flags: int, sid: int, headers: Iterable[tuple[str, str]]) -> None:
+        method_name = path = content_type = ""
+        metadata: dict[str, str] = {}
+        for name, value in headers:
+            if name[0] == ":":
+                if name == ":path":
+                    path = value
+                elif name == ":method":
+                    method_name = value
+            elif name == "content-type":
+                content_type = value
+            else:
+                metadata[name] = value
+        method = self.server.methods.get(path)
+        call = Call(self, sid, method, metadata, None, metadata.get("grpc-encoding", "identity"))
+        self.calls[sid] = call
+        self.idle = trio.Event() if self.idle.is_set() else self.idle
+        if flags & END_STREAM:
+            call.remote_closed = True
+        if method_name != "POST":
+            self._http_error(call, "405", f"gRPC calls are POST requests, not {method_name or 'missing'}")
+            return
+        if not content_type.startswith("application/grpc"):
+            self._http_error(call, "415", f"content-type {content_type!r} is not application/grpc")
+            return
+        if method is None:
+            self._fail(call, Status.UNIMPLEMENTED, f"unknown method {path!r}; this server serves "
+                                                   f"{', '.join(self.server.service_names)}")
+            return
+        if call.encoding not in ("identity", "gzip", "deflate"):
+            self._fail(call, Status.UNIMPLEMENTED, f"grpc-encoding {call.encoding!r} is not supported; use "
+                                                   "identity, gzip or deflate")
+            return
+        timeout = metadata.get("grpc-timeout")
+        if timeout is not None:
+            try:
+                call.deadline = Deadline(parse_timeout(timeout))
+            except ValueError as exc:
+                self._fail(call, Status.INVALID_ARGUMENT, str(exc))
+                return
+        if method.cardinality.value.client_streaming or call.remote_closed:
+            self._start(call)
+
+    def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0:
+            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
+        length = len(payload)
+        self.recv_unacked += length
+        if self.recv_unacked >= OUR_CONN_WINDOW // 2:
+            self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
+            self.recv_unacked = 0
+        call = self.calls.get(sid)
+        if call is None:
+            if sid > self.last_stream:
+                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+            return                      # a stream we already answered or reset
+        if call.remote_closed:
+            self._reset(call, STREAM_CLOSED)
+            return
+        if flags & PADDED:
+            pad = payload[0] if payload else 256
+            if pad >= length:
+                raise ConnectionError_(PROTOCOL_ERROR, "DATA padding exceeds the frame")
+            payload = payload[1:length - pad]
+        if not call.finished:
+            call.body += payload
+            self._cut_messages(call)
+        if flags & END_STREAM:
+            self._end_of_request(call)
+        else:
+            call.unacked += length
+            if call.unacked >= OUR_STREAM_WINDOW // 2:
+                self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
+                call.unacked = 0
+
+    def _cut_messages(self, call: Call) -> None:
+        """Move complete length-prefixed messages from the call's body to its message queue."""
+        body = call.body
+        while len(body) >= 5:
+            compressed, size = _MESSAGE_PREFIX.unpack_from(body, 0)
+            limit = self.server.max_recv_bytes
+            if size > limit:
+                self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_large_request(size, limit))
+                call.body = bytearray()
+                return
+            if len(body) < 5 + size:
+                return
+            payload = bytes(body[5:5 + size])
+            del body[:5 + size]
+            if compressed:
+                try:
+                    payload = self._decompress(call, payload, limit)
+                except ValueError as exc:
+                    self._fail(call, Status.INVALID_ARGUMENT, str(exc))
+                    call.body = bytearray()
+                    return
+            call.messages.append(payload)
+            if call.arrived is not None:
+                call.arrived.set()
+
+    @staticmethod
+    def _decompress(call: Call, payload: bytes, limit: int) -> bytes:
+        if call.encoding == "identity":
+            raise ValueError("a message is flagged compressed but the call declared no grpc-encoding")
+        wbits = 31 if call.encoding == "gzip" else 15
+        try:
+            d = zlib.decompressobj(wbits)
+            out = d.decompress(payload, limit + 1)
+        except zlib.error as exc:
+            raise ValueError(f"the request message is not valid {call.encoding} data: {exc}") from None
+        if len(out) > limit:
+            raise ValueError(f"the request message inflates past {limit} bytes (endpoints.max_recv_msg_bytes)")
+        return out
+
+    def _end_of_request(self, call: Call) -> None:
+        call.remote_closed = True
+        if call.finished:
+            self._forget(call)
+            return
+        if call.body:
+            self._fail(call, Status.INVALID_ARGUMENT, f"the request ends inside a message ({len(call.body)} "
+                                                      "bytes after the last complete one)")
+            return
+        if call.arrived is not None:
+            call.arrived.set()
+        if not call.started:
+            if not call.method.cardinality.value.client_streaming and len(call.messages) != 1:
+                self._fail(call, Status.INVALID_ARGUMENT, f"a unary call carries exactly one request message; "
+                                                          f"got {len(call.messages)}")
+                return
+            self._start(call)
+
+    # ---- calls -----------------------------------------------------------------------------
+    def _start(self, call: Call) -> None:
+        call.started = True
+        self.nursery.start_soon(self._run_call, call)
+
+    async def _run_call(self, call: Call) -> None:
+        status, message = Status.OK, None
+        with trio.CancelScope() as scope:
+            call.scope = scope
+            if call.reset:
+                return
+            try:
+                await call.method.func(call)
+            except GRPCError as exc:
+                status, message = exc.status, exc.message
+            except Exception as exc:
+                log.exception("gRPC handler %s failed", call.method.func.__qualname__)
+                status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        if scope.cancelled_caught or call.reset or self.stopping:
+            return
+        self._finish(call, status, message)
+
+    def send_message(self, call: Call, data: bytes) -> None:
+        """Queue one reply message of ``call`` (HEADERS first if this is the first)."""
+        if call.finished:
+            return
+        limit = self.server.max_send_bytes
+        if len(data) > limit:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, self.server.too_large_response(len(data), limit))
+        message = _MESSAGE_PREFIX.pack(0, len(data)) + data
+        head = b""
+        if not call.headers_sent:
+            call.headers_sent = True
+            head = frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS)
+        n = len(message)
+        if not call.pending and n <= call.send_window and n <= self.send_window and n <= self.peer_max_frame:
+            call.send_window -= n
+            self.send_window -= n
+            self._write(head + frame(DATA, 0, call.id, message))
+            return
+        if head:
+            self._write(head)
+        call.pending.append(message)
+        self._flush_call(call)
+
+    def _finish(self, call: Call, status: Status, message: str | None) -> None:
+        """End the call: trailers (or a trailers-only response) with its status."""
+        if call.finished:
+            return
+        call.finished = True
+        if status is Status.OK and message is None:
+            block = _OK_TRAILERS
+        else:
+            fields = [("grpc-status", str(status.value))]
+            if message:
+                fields.append(("grpc-message", _percent_encode(message)))
+            block = encode(fields)
+        if not call.headers_sent:
+            call.headers_sent = True
+            block = _RESPONSE_HEADERS + block
+        if call.pending:
+            call.pending.append(("trailers", block))
+            self._flush_call(call)
+        else:
+            self._send_trailers(call, block)
+
+    def _fail(self, call: Call, status: Status, message: str) -> None:
+        if call.scope is not None:
+            call.scope.cancel()
+        self._finish(call, status, message)
+
+    def _http_error(self, call: Call, http_status: str, message: str) -> None:
+        call.finished = call.headers_sent = True
+        self._send_trailers(call, encode([(":status", http_status), ("content-type", "text/plain"),
+                                          ("grpc-status", str(Status.INTERNAL.value)),
+                                          ("grpc-message", _percent_encode(message))]))
+
+    def _send_trailers(self, call: Call, block: bytes) -> None:
+        self._write(self._header_frames(call.id, block, END_STREAM))
+        if not call.remote_closed:   # answered early: the client need not send the rest
+            self._write(frame(RST_STREAM, 0, call.id, _U32.pack(NO_ERROR)))
+        self._forget(call)
+
+    def _header_frames(self, sid: int, block: bytes, flags: int) -> bytes:
+        size = self.peer_max_frame
+        if len(block) <= size:
+            return frame(HEADERS, flags | END_HEADERS, sid, block)
+        parts = [frame(HEADERS, flags, sid, block[:size])]
+        for i in range(size, len(block), size):
+            last = i + size >= len(block)
+            parts.append(frame(CONTINUATION, END_HEADERS if last else 0, sid, block[i:i + size]))
+        return b"".join(parts)
+
+    def _reset(self, call: Call, code: int) -> None:
+        self._write(frame(RST_STREAM, 0, call.id, _U32.pack(code)))
+        call.reset = call.finished = True
+        if call.scope is not None:
+            call.scope.cancel()
+        self._forget(call)
+
+    def _forget(self, call: Call) -> None:
+        self.calls.pop(call.id, None)
+        self.blocked.pop(call.id, None)
+        if call.drained is not None:
+            call.drained.set()
+        self._maybe_idle()
+
+    def _maybe_idle(self) -> None:
+        if not self.calls:
+            self.idle.set()
+            if self.going_away:
+                self.read_scope.cancel()
+
+    def _flush_call(self, call: Call) -> None:
+        """Send as much of ``call``'s waiting output as the windows allow."""
+        pending = call.pending
+        while pending:
+            item = pending[0]
+            if isinstance(item, tuple):
+                pending.popleft()
+                self._send_trailers(call, item[1])
+                return
+            room = min(call.send_window, self.send_window, self.peer_max_frame)
+            if room <= 0:
+                self.blocked[call.id] = call
+                return
+            chunk = item[:room]
+            call.send_window -= len(chunk)
+            self.send_window -= len(chunk)
+            self._write(frame(DATA, 0, call.id, chunk))
+            if len(chunk) == len(item):
+                pending.popleft()
+            else:
+                pending[0] = item[len(chunk):]
+        self.blocked.pop(call.id, None)
+        if call.drained is not None:
+            call.drained.set()
+
+    def _flush_blocked(self) -> None:
+        for call in list(self.blocked.values()):
+            if self.send_window <= 0:
+                return
+            self._flush_call(call)
+
+    def go_away(self) -> None:
+        """Graceful close: refuse new streams, finish the open ones, then close."""
+        if not self.going_away:
+            self.going_away = True
+            self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(NO_ERROR)))
+        self._maybe_idle()
+
+
+class GrpcServer:
+    """Serves grpclib-generated services (objects with ``__mapping__()``) on one TCP port."""
+
+    def __init__(self, services: Iterable[Any], *, max_recv_bytes: int = 2**31 - 1,
+                 max_send_bytes: int = 2**31 - 1,
+                 too_large_request: Callable[[int, int], str] | None = None,
+                 too_large_response: Callable[[int, int], str] | None = None) -> None:
+        self.methods: dict[str, Any] = {}
+        for service in services:
+            self.methods.update(service.__mapping__())
+        self.service_names = sorted({path.split("/")[1] for path in self.methods})
+        self.max_recv_bytes = max_recv_bytes
+        self.max_send_bytes = max_send_bytes
+        self.too_large_request = too_large_request or (
+            lambda size, limit: f"the request message is {size} bytes; the limit is {limit}")
+        self.too_large_response = too_large_response or (
+            lambda size, limit: f"the response message is {size} bytes; the limit is {limit}")
+        self._connections: set[Connection] = set()
+        self._listen_scope = trio.CancelScope()
+        self._closing = False
+        self._all_closed = trio.Event()
+        self.port = 0
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until :meth:`close` and every connection has ended."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            with self._listen_scope:
+                task_status.started(self.port)
+                await trio.serve_listeners(lambda s: self._connection(s), listeners, handler_nursery=nursery)
+            for listener in listeners:
+                await listener.aclose()
+        self._all_closed.set()
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = Connection(self, stream)
+        self._connections.add(conn)
+        try:
+            if self._closing:
+                return
+            await conn.run()
+        finally:
+            self._connections.discard(conn)
+
+    def close(self) -> None:
+        """Stop accepting connections; GOAWAY to every connection (open calls finish)."""
+        self._closing = True
+        self._listen_scope.cancel()
+        for conn in list(self._connections):
+            conn.go_away()
+
+    async def wait_closed(self) -> None:
+        """Return once every connection has closed (after :meth:`close`)."""
+        await self._all_closed.wait()
