@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -79,20 +80,25 @@ def main() -> None:
                             for conc in levels:
                                 plans = [loadgen.ClientPlan(lambda m=model: m) for _ in range(conc)]
                                 cpu0 = tree_cpu_seconds(pid)
+                                client0 = _own_cpu_seconds()
                                 result = asyncio.run(loadgen.run_level(
                                     url, plans, {model: INPUTS[model]}, duration=args.duration,
                                     warmup=args.warmup))
                                 cpu = tree_cpu_seconds(pid) - cpu0
+                                client = _own_cpu_seconds() - client0
                                 row = result.rows()[0]
                                 row.update(server=name, round=round_,
                                            server_cpu_ms_per_request=round(1e3 * cpu / max(1, result.answered), 3),
-                                           server_cpu_util=round(cpu / (args.duration + args.warmup), 2))
+                                           server_cpu_util=round(cpu / (args.duration + args.warmup), 2),
+                                           client_cpu_ms_per_request=round(1e3 * client / max(1, result.answered), 3))
                                 rows.append(row)
                                 print(json.dumps(row), flush=True)
                 except (RuntimeError, subprocess.CalledProcessError) as exc:
                     print(json.dumps({"server": name, "round": round_, "error": str(exc)}), flush=True)
-    print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each; server CPU in ms per request")
-    print(f"{'model':<9} {'c':>3} {'server':<9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10} {'errors':>7}")
+    print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each; server and load-generator CPU in ms "
+          "per request")
+    print(f"{'model':<9} {'c':>3} {'server':<9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10} "
+          f"{'client ms/req':>13} {'errors':>7}")
     for model in models:
         for conc in levels:
             for name in args.peers.split(","):
@@ -100,10 +106,18 @@ def main() -> None:
                 if not mine:
                     continue
                 med = {k: statistics.median(r[k] or 0 for r in mine)
-                       for k in ("throughput_rps", "p50_ms", "p99_ms", "server_cpu_ms_per_request")}
+                       for k in ("throughput_rps", "p50_ms", "p99_ms", "server_cpu_ms_per_request",
+                                 "client_cpu_ms_per_request")}
                 errors = sum(sum(r["errors"].values()) for r in mine)
                 print(f"{model:<9} {conc:>3} {name:<9} {med['throughput_rps']:>9.1f} {med['p50_ms']:>8.2f} "
-                      f"{med['p99_ms']:>8.2f} {med['server_cpu_ms_per_request']:>10.3f} {errors:>7}")
+                      f"{med['p99_ms']:>8.2f} {med['server_cpu_ms_per_request']:>10.3f} "
+                      f"{med['client_cpu_ms_per_request']:>13.3f} {errors:>7}")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU time of this process (the load generator) and its threads."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 if __name__ == "__main__":

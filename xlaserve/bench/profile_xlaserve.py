@@ -32,9 +32,9 @@ LAYERS = [
                                      "xlaserve/metrics.py", "prometheus_client/")),
     ("KServe codec + service", ("xlaserve/codec.py", "xlaserve/frontend/kserve.py", "xlaserve/_proto/",
                                 "google/protobuf", "xlaserve/worker/inference.py")),
-    ("asyncio<->Trio bridge, Trio guest + threads", ("xlaserve/frontend/bridge.py", "trio/", "outcome/")),
-    ("HTTP/2 + gRPC (grpclib, h2, hpack)", ("grpclib/", "h2/", "hpack/", "hyperframe/")),
-    ("asyncio loop + sockets", ("asyncio/", "selectors.py")),
+    ("bridge, Trio scheduling, sockets, threads", ("xlaserve/frontend/bridge.py", "trio/", "outcome/",
+                                                   "threading.py", "selectors.py")),
+    ("HTTP/2 + gRPC (grpc_server, hpack)", ("xlaserve/frontend/grpc_server.py", "xlaserve/frontend/hpack.py")),
 ]
 
 

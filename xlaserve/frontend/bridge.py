@@ -26,6 +26,17 @@ class Bridge:
         self._token = token
         self._thread = threading.get_ident()
 
+    def on_trio(self, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)`` on the Trio thread: now if this is it, else soon (dropped once the
+        worker has stopped)."""
+        if threading.get_ident() == self._thread:
+            fn(*args)
+            return
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            pass
+
     async def call(self, start: Callable[[Callable[[Any], None]], None]) -> Any:
         """Call ``start(reply)`` now and wait for what ``reply`` gets (an exception instance is
         raised here). ``reply`` may be called from any thread; the first call counts, later
@@ -39,13 +50,7 @@ class Bridge:
                 done.set()
 
         def reply(outcome: Any) -> None:
-            if threading.get_ident() == self._thread:
-                resolve(outcome)
-                return
-            try:
-                self._token.run_sync_soon(resolve, outcome)
-            except trio.RunFinishedError:   # the worker stopped; nobody is waiting any more
-                pass
+            self.on_trio(resolve, outcome)
 
         try:
             start(reply)

@@ -124,7 +124,7 @@ class Call:
 
     __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "body_len", "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
-                 "unacked", "arrived", "scope", "drained")
+                 "unacked", "arrived", "scope", "drained", "fast")
 
     def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
                  deadline: Deadline | None, encoding: str) -> None:
@@ -148,6 +148,32 @@ class Call:
         self.arrived: trio.Event | None = None
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
+        self.fast = None                # the method's task-free entry point, if it has one
+
+    def complete(self, outcome) -> None:
+        """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
+        exception that fails the call (anything with ``status`` and a message, or any other
+        exception: INTERNAL). Ignored once the call has ended (client reset, connection gone)."""
+        if self.finished:
+            return
+        conn = self.conn
+        if isinstance(outcome, BaseException):
+            status = getattr(outcome, "status", None)
+            if isinstance(outcome, GRPCError):
+                conn._finish(self, outcome.status, outcome.message)
+            elif isinstance(status, Status):
+                conn._finish(self, status, str(outcome))
+            else:
+                conn._finish(self, Status.INTERNAL, f"internal error: {type(outcome).__name__}: {outcome}")
+            return
+        conn.reply_unary(self, outcome.SerializeToString())
+
+    def parse(self, payload: bytes) -> Any:
+        try:
+            return self.method.request_type.FromString(payload)
+        except Exception as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid "
+                            f"{self.method.request_type.DESCRIPTOR.full_name} message: {exc}") from None
 
     # ---- the grpclib-shaped handler API ----------------------------------------------------
     async def recv_message(self) -> Any:
@@ -157,12 +183,7 @@ class Call:
                 return None
             self.arrived = trio.Event()
             await self.arrived.wait()
-        payload = self.messages.popleft()
-        try:
-            return self.method.request_type.FromString(payload)
-        except Exception as exc:
-            raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid "
-                            f"{self.method.request_type.DESCRIPTOR.full_name} message: {exc}") from None
+        return self.parse(self.messages.popleft())
 
     async def send_message(self, message) -> None:
         self.conn.send_message(self, message.SerializeToString())
@@ -434,6 +455,7 @@ class Connection:
                 metadata[name] = value
         method = self.server.methods.get(path)
         call = Call(self, sid, method, metadata, None, metadata.get("grpc-encoding", "identity"))
+        call.fast = self.server.fast.get(path)
         self.calls[sid] = call
         self.idle = trio.Event() if self.idle.is_set() else self.idle
         if flags & END_STREAM:
@@ -554,7 +576,16 @@ class Connection:
     # ---- calls -----------------------------------------------------------------------------
     def _start(self, call: Call) -> None:
         call.started = True
-        self.nursery.start_soon(self._run_call, call)
+        if call.fast is None:
+            self.nursery.start_soon(self._run_call, call)
+            return
+        try:
+            call.fast(call, call.parse(call.messages.popleft()))
+        except GRPCError as exc:
+            self._finish(call, exc.status, exc.message)
+        except Exception as exc:
+            log.exception("gRPC handler %s failed", call.fast.__qualname__)
+            self._finish(call, Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
     async def _run_call(self, call: Call) -> None:
         status, message = Status.OK, None
@@ -595,6 +626,31 @@ class Connection:
             self._write(head)
         call.pending.append(message)
         self._flush_call(call)
+
+    def reply_unary(self, call: Call, data: bytes) -> None:
+        """The whole answer of a unary call: HEADERS, the message, OK trailers; one write when
+        the windows allow (the common case)."""
+        n = len(data) + 5
+        if (call.headers_sent or call.pending or n > call.send_window or n > self.send_window
+                or n > self.peer_max_frame or len(data) > self.server.max_send_bytes):
+            try:
+                self.send_message(call, data)
+            except GRPCError as exc:
+                self._finish(call, exc.status, exc.message)
+                return
+            self._finish(call, Status.OK, None)
+            return
+        call.headers_sent = call.finished = True
+        call.send_window -= n
+        self.send_window -= n
+        sid = call.id
+        pack = _FRAME_HEADER.pack
+        self._write(b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
+                              pack(n << 8 | DATA, 0, sid), _MESSAGE_PREFIX.pack(0, len(data)), data,
+                              pack(len(_OK_TRAILERS) << 8 | HEADERS, END_HEADERS | END_STREAM, sid), _OK_TRAILERS)))
+        if not call.remote_closed:
+            self._write(frame(RST_STREAM, 0, sid, _U32.pack(NO_ERROR)))
+        self._forget(call)
 
     def _finish(self, call: Call, status: Status, message: str | None) -> None:
         """End the call: trailers (or a trailers-only response) with its status."""
@@ -704,15 +760,24 @@ class Connection:
 
 
 class GrpcServer:
-    """Serves grpclib-generated services (objects with ``__mapping__()``) on one TCP port."""
+    """Serves grpclib-generated services (objects with ``__mapping__()``) on one TCP port.
+
+    A service may also offer ``__fast_unary__()``: ``{path: fn(call, request)}`` for unary
+    methods that should not cost a task per call. ``fn`` runs in the connection's reader as
+    soon as the request is complete and must arrange for exactly one ``call.complete(outcome)``
+    on the Trio thread (raising GRPCError from ``fn`` itself also ends the call)."""
 
     def __init__(self, services: Iterable[Any], *, max_recv_bytes: int = 2**31 - 1,
                  max_send_bytes: int = 2**31 - 1,
                  too_large_request: Callable[[int, int], str] | None = None,
                  too_large_response: Callable[[int, int], str] | None = None) -> None:
         self.methods: dict[str, Any] = {}
+        self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
             self.methods.update(service.__mapping__())
+            fast = getattr(service, "__fast_unary__", None)
+            if fast is not None:
+                self.fast.update(fast())
         self.service_names = sorted({path.split("/")[1] for path in self.methods})
         self.max_recv_bytes = max_recv_bytes
         self.max_send_bytes = max_send_bytes

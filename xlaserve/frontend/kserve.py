@@ -20,8 +20,8 @@ from xlaserve._proto import model_config_pb2 as mc
 from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output
-from xlaserve.errors import (FailedPrecondition, InvalidArgument, ModelNotFound, ModelNotReady, NotFound,
-                             ResourceExhausted, Unimplemented, XlaserveError)
+from xlaserve.errors import (FailedPrecondition, InternalError, InvalidArgument, ModelNotFound, ModelNotReady,
+                             NotFound, ResourceExhausted, Unimplemented, XlaserveError)
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.manifest import TensorDecl
@@ -236,46 +236,65 @@ class KServeService(GRPCInferenceServiceBase):
         await stream.send_message(pb.RepositoryModelUnloadResponse())
 
     # ---- inference ---------------------------------------------------------------------
+    def __fast_unary__(self) -> dict:
+        """ModelInfer without a task per call: :mod:`xlaserve.frontend.grpc_server` calls
+        :meth:`infer_now` as soon as the request is complete; the reply is encoded and queued
+        by whoever answers it (usually the dispatch loop)."""
+        return {"/inference.GRPCInferenceService/ModelInfer": self.infer_now}
+
+    def infer_now(self, call, request: pb.ModelInferRequest) -> None:
+        self._start_infer(request, call, call.complete)
+
     @rpc
     async def ModelInfer(self, stream) -> None:
-        received_ns = time.perf_counter_ns()
+        """The same call for a grpclib-shaped server (served by infer_now in xlaserve)."""
         request = await stream.recv_message()
-        model_name = request.model_name
-        status = "OK"
-        endpoints = self._worker.config.endpoints
-        self._in_flight += 1
-        try:
-            if endpoints.max_concurrent_requests and self._in_flight > endpoints.max_concurrent_requests:
-                raise ResourceExhausted(f"{self._in_flight - 1} inference requests are in flight, the limit "
-                                        f"(endpoints.max_concurrent_requests) is {endpoints.max_concurrent_requests}; "
-                                        "retry later")
-            response = await self._infer(request, stream, received_ns)
-        except XlaserveError as exc:
-            status = exc.status.name
-            raise
-        finally:
-            self._in_flight -= 1
-            self._worker.metrics.observe_request(model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+        response = await self._worker.bridge.call(lambda done: self._start_infer(request, stream, done))
         await stream.send_message(response)
 
-    async def _infer(self, request, stream, received_ns: int) -> pb.ModelInferResponse:
-        model = self._ready(request.model_name, request.model_version)
-        if model.is_meta:
-            max_rows = None
-        else:
-            max_rows = model.manifest.max_batch_size
-        shm = self._worker.shared_memory
-        decoded = decode_inputs(request, model.manifest.client_inputs, max_rows,
-                                shm.read_input if shm is not None else None)
-        wanted = self._requested_outputs(request, model)
-        for decl, requested in wanted:
-            if requested is not None and "shared_memory_region" in requested.parameters and shm is not None:
-                shm.check_output(decl.name, requested.parameters)
-        timeout = _request_timeout(request, stream)
-        client = functools.partial(ClientRequest, model, decoded.arrays, decoded.rows, request.id, timeout)
-        result: InferResult = await self._worker.bridge.call(
-            lambda reply: self._worker.service.submit(client(reply, received_ns)))
-        return self._response(request, model, result.outputs, wanted)
+    def _start_infer(self, request: pb.ModelInferRequest, stream, done) -> None:
+        """Validate and decode ``request``, hand it to the actors, and call ``done`` exactly once,
+        on the Trio thread, with the ModelInferResponse or the XlaserveError that ends the call."""
+        received_ns = time.perf_counter_ns()
+        worker = self._worker
+        self._in_flight += 1
+        model = wanted = None
+
+        def finish(outcome) -> None:
+            self._in_flight -= 1
+            if isinstance(outcome, InferResult):
+                try:
+                    outcome = self._response(request, model, outcome.outputs, wanted)
+                except XlaserveError as exc:
+                    outcome = exc
+                except Exception as exc:
+                    log.exception("encoding the response of model %s failed", request.model_name)
+                    outcome = InternalError(f"encoding the response failed: {type(exc).__name__}: {exc}")
+            status = outcome.status.name if isinstance(outcome, XlaserveError) else "OK"
+            worker.metrics.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+            done(outcome)
+
+        try:
+            limit = worker.config.endpoints.max_concurrent_requests
+            if limit and self._in_flight > limit:
+                raise ResourceExhausted(f"{self._in_flight - 1} inference requests are in flight, the limit "
+                                        f"(endpoints.max_concurrent_requests) is {limit}; retry later")
+            model = self._ready(request.model_name, request.model_version)
+            max_rows = None if model.is_meta else model.manifest.max_batch_size
+            shm = worker.shared_memory
+            decoded = decode_inputs(request, model.manifest.client_inputs, max_rows,
+                                    shm.read_input if shm is not None else None)
+            wanted = self._requested_outputs(request, model)
+            for decl, requested in wanted:
+                if requested is not None and "shared_memory_region" in requested.parameters and shm is not None:
+                    shm.check_output(decl.name, requested.parameters)
+            timeout = _request_timeout(request, stream)
+        except XlaserveError as exc:
+            finish(exc)
+            return
+        on_trio = worker.bridge.on_trio
+        worker.service.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
+                                            lambda outcome: on_trio(finish, outcome), received_ns))
 
     @staticmethod
     def _requested_outputs(request, model: ModelVersion) -> list:

@@ -1,0 +1,1043 @@
+"""GrpcServer (xlaserve.frontend.grpc_server) on loopback.
+
+Protocol-level cases are driven by hand-built HTTP/2 frames (the ``hpack`` package, not ours,
+encodes the requests' header blocks and decodes the replies'), or by ``h2`` where its flow-control
+bookkeeping is the point; interop cases use the real clients: grpclib, grpcio and tritonclient.
+
+Each test gets a fresh server in a background thread under ``trio.run``. Nothing sleeps to wait
+for timed behaviour. To show that the server has *stopped* sending (a flow-control window is
+exhausted, a frame was ignored), a test sends a PING and reads up to its ACK: the server handles
+frames in order and writes in order, so whatever it was going to send before the ACK is there.
+"""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import logging
+import re
+import socket
+import struct
+import threading
+import zlib
+from dataclasses import dataclass, field
+from urllib.parse import unquote
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import hpack
+import numpy as np
+import pytest
+import trio
+import tritonclient.grpc as tritongrpc
+from grpclib.client import Channel, StreamUnaryMethod, UnaryStreamMethod, UnaryUnaryMethod
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError
+
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.frontend.grpc_server import (
+    ACK, CANCEL, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, NO_ERROR, OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW,
+    PADDED, PING, PREFACE, PRIORITY_FLAG, PROTOCOL_ERROR, REFUSED_STREAM, RST_STREAM, SETTINGS,
+    WINDOW_UPDATE, GrpcServer, frame,
+)
+
+TIMEOUT = 5.0          # seconds any single wait may take before the test fails
+Request = pb.ModelInferRequest
+Reply = pb.ModelInferResponse
+
+
+def pattern(n: int) -> bytes:
+    return (bytes(range(256)) * (n // 256 + 1))[:n]
+
+
+def request(id: str = "", *, reply_bytes: int = 0, count: int = 0, payload: bytes = b"") -> Request:
+    """A request for the echo service: ``reply_bytes`` asks for a reply carrying that many bytes,
+    ``count`` for that many streamed replies, ``payload`` travels as raw input."""
+    message = Request(id=id, model_name="echo")
+    if reply_bytes:
+        message.parameters["reply_bytes"].int64_param = reply_bytes
+    if count:
+        message.parameters["count"].int64_param = count
+    if payload:
+        message.raw_input_contents.append(payload)
+    return message
+
+
+def grpc_body(*messages, compressed: bool = False) -> bytes:
+    """gRPC length-prefixed messages (protobuf messages or raw bytes)."""
+    out = b""
+    for message in messages:
+        raw = message if isinstance(message, bytes) else message.SerializeToString()
+        out += struct.pack(">BI", int(compressed), len(raw)) + raw
+    return out
+
+
+def split_messages(data: bytes) -> list[bytes]:
+    messages = []
+    while data:
+        compressed, size = struct.unpack_from(">BI", data)
+        assert compressed == 0, "the server does not compress replies"
+        assert len(data) >= 5 + size, f"a reply message is cut short: {len(data) - 5} of {size} bytes"
+        messages.append(data[5:5 + size])
+        data = data[5 + size:]
+    return messages
+
+
+def settings_payload(settings: dict[int, int]) -> bytes:
+    return b"".join(struct.pack(">HI", key, value) for key, value in settings.items())
+
+
+def window_update(stream_id: int, increment: int) -> bytes:
+    return frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", increment))
+
+
+def request_headers(path: str, *, method: str = "POST", content_type: str = "application/grpc",
+                    extra: tuple[tuple[str, str], ...] = ()) -> list[tuple[str, str]]:
+    return [(":method", method), (":scheme", "http"), (":path", path), (":authority", "127.0.0.1"),
+            ("content-type", content_type), ("te", "trailers"), *extra]
+
+
+# --- the service under test ---------------------------------------------------------------------
+
+class EchoService:
+    """Hand-built grpclib-style service: ``__mapping__`` returns grpclib ``Handler`` tuples."""
+
+    def __init__(self) -> None:
+        self.gate = trio.Event()                 # releases Slow calls
+        self.slow_started = threading.Event()
+        self.slow_cancelled = threading.Event()
+        self.gather_target = 0
+        self.gathered = 0
+        self.all_gathered = trio.Event()
+
+    def __mapping__(self) -> dict[str, Handler]:
+        unary = Cardinality.UNARY_UNARY
+        return {
+            "/test.Echo/Unary": Handler(self.unary, unary, Request, Reply),
+            "/test.Echo/Stream": Handler(self.stream, Cardinality.UNARY_STREAM, Request, Reply),
+            "/test.Echo/Collect": Handler(self.collect, Cardinality.STREAM_UNARY, Request, Reply),
+            "/test.Echo/Slow": Handler(self.slow, unary, Request, Reply),
+            "/test.Echo/Fail": Handler(self.fail, unary, Request, Reply),
+            "/test.Echo/Crash": Handler(self.crash, unary, Request, Reply),
+            "/test.Echo/Gather": Handler(self.gather, unary, Request, Reply),
+            "/inference.GRPCInferenceService/ServerLive": Handler(
+                self.server_live, unary, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "/inference.GRPCInferenceService/ModelInfer": Handler(self.unary, unary, Request, Reply),
+        }
+
+    @staticmethod
+    def echo(request: Request, stream) -> Reply:
+        """The reply to ``request``: its id, the call's metadata and deadline, a digest of its
+        raw input, and ``reply_bytes`` bytes of output if asked."""
+        reply = Reply(id=request.id, model_name=request.model_name)
+        for name, value in stream.metadata.items():
+            reply.parameters[f"metadata:{name}"].string_param = value
+        if stream.deadline is not None:
+            reply.parameters["deadline"].double_param = stream.deadline.time_remaining()
+        received = b"".join(request.raw_input_contents)
+        reply.parameters["received_bytes"].int64_param = len(received)
+        reply.parameters["received_sha256"].string_param = hashlib.sha256(received).hexdigest()
+        if "reply_bytes" in request.parameters:
+            reply.raw_output_contents.append(pattern(request.parameters["reply_bytes"].int64_param))
+        return reply
+
+    async def unary(self, stream) -> None:
+        request = await stream.recv_message()
+        await stream.send_message(self.echo(request, stream))
+
+    async def stream(self, stream) -> None:
+        request = await stream.recv_message()
+        size = request.parameters["reply_bytes"].int64_param
+        for i in range(request.parameters["count"].int64_param):
+            await stream.send_message(Reply(id=f"{request.id}-{i}", raw_output_contents=[pattern(size)]))
+
+    async def collect(self, stream) -> None:
+        ids = []
+        while (request := await stream.recv_message()) is not None:
+            ids.append(request.id)
+        await stream.send_message(Reply(id=",".join(ids)))
+
+    async def slow(self, stream) -> None:
+        request = await stream.recv_message()
+        self.slow_started.set()
+        try:
+            await self.gate.wait()
+        except trio.Cancelled:
+            self.slow_cancelled.set()
+            raise
+        await stream.send_message(Reply(id=request.id))
+
+    async def fail(self, stream) -> None:
+        request = await stream.recv_message()
+        raise GRPCError(Status.FAILED_PRECONDITION, request.id)
+
+    async def crash(self, stream) -> None:
+        request = await stream.recv_message()
+        raise RuntimeError(f"handler bug on {request.id}")
+
+    async def gather(self, stream) -> None:
+        """Answers only once ``gather_target`` calls are in the handler at the same time."""
+        request = await stream.recv_message()
+        self.gathered += 1
+        if self.gathered == self.gather_target:
+            self.all_gathered.set()
+        with trio.fail_after(TIMEOUT):
+            await self.all_gathered.wait()
+        await stream.send_message(Reply(id=request.id))
+
+    async def server_live(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.ServerLiveResponse(live=True))
+
+
+class ServerThread:
+    """A GrpcServer serving an EchoService from ``trio.run`` in a background thread."""
+
+    def __init__(self, **limits) -> None:
+        self.service = EchoService()
+        self.server = GrpcServer([self.service], **limits)
+        self.clients: list = []
+        self.port = 0
+        self._error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="grpc-server", daemon=True)
+        self._thread.start()
+        assert self._ready.wait(TIMEOUT), "the server did not start"
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.port = await nursery.start(self.server.serve, "127.0.0.1", 0)
+            self._ready.set()
+            await trio.sleep_forever()
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the server's Trio thread."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
+
+    def release_slow_calls(self) -> None:
+        self.call(self.service.gate.set)
+
+    def close(self) -> None:
+        self.call(self.server.close)
+
+    def wait_closed(self) -> None:
+        async def wait() -> None:
+            with trio.fail_after(TIMEOUT):
+                await self.server.wait_closed()
+        trio.from_thread.run(wait, trio_token=self.token)
+
+    def connect(self, settings: dict[int, int] | None = None, *, preface: bool = True) -> FrameClient:
+        client = FrameClient(self.port, settings, preface=preface)
+        self.clients.append(client)
+        return client
+
+    def h2_connect(self) -> H2Client:
+        client = H2Client(self.port)
+        self.clients.append(client)
+        return client
+
+    def stop(self) -> None:
+        """Release, close and drain; fails the test if the server does not drain."""
+        for client in self.clients:
+            client.close()
+        if self._thread.is_alive():
+            try:
+                self.release_slow_calls()
+                self.close()
+                self.wait_closed()
+            finally:
+                try:
+                    self.call(self._nursery.cancel_scope.cancel)
+                except trio.RunFinishedError:
+                    pass
+                self._thread.join(TIMEOUT)
+        if self._error is not None:
+            raise self._error
+
+
+@pytest.fixture
+def make_server():
+    servers: list[ServerThread] = []
+
+    def start(**limits) -> ServerThread:
+        servers.append(ServerThread(**limits))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def server(make_server) -> ServerThread:
+    return make_server()
+
+
+# --- a frame-level HTTP/2 client --------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    type: int
+    flags: int
+    stream: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class GoAway:
+    last_stream: int
+    code: int
+    debug: bytes
+
+
+@dataclass
+class Response:
+    """What one stream received: its header blocks (decoded), DATA frames, and RST_STREAM code."""
+    blocks: list[dict[str, str]]
+    frames: list[Frame]
+    reset: int | None = None
+    data: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.data = b"".join(f.payload for f in self.frames if f.type == DATA)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.blocks[0]
+
+    @property
+    def trailers(self) -> dict[str, str]:
+        return self.blocks[-1]
+
+    @property
+    def status(self) -> int:
+        return int(self.trailers["grpc-status"])
+
+    @property
+    def message(self) -> str:
+        return unquote(self.trailers.get("grpc-message", ""), encoding="utf-8", errors="strict")
+
+    def replies(self, reply_type=Reply) -> list:
+        return [reply_type.FromString(m) for m in split_messages(self.data)]
+
+    def data_sizes(self) -> list[int]:
+        return [len(f.payload) for f in self.frames if f.type == DATA]
+
+
+class FrameClient:
+    """HTTP/2 with prior knowledge over a blocking socket; every received frame is kept in ``log``."""
+
+    def __init__(self, port: int, settings: dict[int, int] | None = None, *, preface: bool = True) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder(max_header_list_size=1 << 20)
+        self.buf = bytearray()
+        self.log: list[Frame] = []
+        self.blocks: dict[int, list[dict[str, str]]] = {}
+        self.ended: set[int] = set()
+        self.resets: dict[int, int] = {}
+        self.eof = False
+        self._partial: tuple[int, bool, bytearray] | None = None
+        if preface:
+            self.send(PREFACE + frame(SETTINGS, 0, 0, settings_payload(settings or {})))
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, *data: bytes) -> None:
+        self.sock.sendall(b"".join(data))
+
+    def headers_frame(self, sid: int, headers, flags: int = END_HEADERS) -> bytes:
+        return frame(HEADERS, flags, sid, self.encoder.encode(headers))
+
+    def start_call(self, sid: int, path: str, body: bytes | None, **header_options) -> None:
+        """HEADERS, then ``body`` in one DATA frame with END_STREAM (``None``: END_STREAM on HEADERS)."""
+        headers = request_headers(path, **header_options)
+        if body is None:
+            self.send(self.headers_frame(sid, headers, END_HEADERS | END_STREAM))
+        else:
+            self.send(self.headers_frame(sid, headers), frame(DATA, END_STREAM, sid, body))
+
+    def call(self, sid: int, path: str, *messages, **header_options) -> Response:
+        self.start_call(sid, path, grpc_body(*messages), **header_options)
+        return self.response(sid)
+
+    # ---- reading ---------------------------------------------------------------------------
+    def _recv(self) -> bool:
+        try:
+            chunk = self.sock.recv(1 << 20)
+        except ConnectionResetError:
+            chunk = b""
+        except TimeoutError:
+            raise AssertionError(f"nothing from the server for {TIMEOUT}s; received so far: "
+                                 f"{[(f.type, f.flags, f.stream, len(f.payload)) for f in self.log]}") from None
+        self.buf += chunk
+        return bool(chunk)
+
+    def read_frame(self) -> Frame | None:
+        """The next frame, or None at end of stream."""
+        while len(self.buf) < 9 or len(self.buf) < 9 + int.from_bytes(self.buf[:3], "big"):
+            if not self._recv():
+                assert not self.buf, f"the connection ended inside a frame: {bytes(self.buf)!r}"
+                self.eof = True
+                return None
+        length = int.from_bytes(self.buf[:3], "big")
+        ftype, flags, sid = struct.unpack_from(">BBI", self.buf, 3)
+        f = Frame(ftype, flags, sid & 0x7FFFFFFF, bytes(self.buf[9:9 + length]))
+        del self.buf[:9 + length]
+        self.log.append(f)
+        self._track(f)
+        return f
+
+    def _track(self, f: Frame) -> None:
+        if self._partial is not None:
+            assert f.type == CONTINUATION and f.stream == self._partial[0], \
+                f"the server interrupted a header block with {f}"
+        if f.type == HEADERS:
+            start, stop = 0, len(f.payload)
+            if f.flags & PADDED:
+                start, stop = 1, stop - f.payload[0]
+            if f.flags & PRIORITY_FLAG:
+                start += 5
+            self._partial = (f.stream, bool(f.flags & END_STREAM), bytearray(f.payload[start:stop]))
+        elif f.type == CONTINUATION:
+            assert self._partial is not None, "CONTINUATION without HEADERS"
+            self._partial[2].extend(f.payload)
+        elif f.type == DATA and f.flags & END_STREAM:
+            self.ended.add(f.stream)
+        elif f.type == RST_STREAM:
+            self.resets[f.stream] = struct.unpack(">I", f.payload)[0]
+            self.ended.add(f.stream)
+        if f.type in (HEADERS, CONTINUATION) and f.flags & END_HEADERS:
+            sid, end_stream, block = self._partial
+            self._partial = None
+            self.blocks.setdefault(sid, []).append(dict(self.decoder.decode(bytes(block))))
+            if end_stream:
+                self.ended.add(sid)
+
+    def until(self, predicate) -> Frame:
+        """Read frames until one satisfies ``predicate``; return it."""
+        while True:
+            f = self.read_frame()
+            assert f is not None, f"the server closed the connection; received: {self.log}"
+            if predicate(f):
+                return f
+
+    def response(self, sid: int) -> Response:
+        """Read until stream ``sid`` has ended (END_STREAM or RST_STREAM); what it received."""
+        if sid not in self.ended:
+            self.until(lambda f: sid in self.ended)
+        return Response(self.blocks.get(sid, []), [f for f in self.log if f.stream == sid],
+                        self.resets.get(sid))
+
+    def ping_barrier(self, opaque: bytes = b"barrier!") -> list[Frame]:
+        """Send PING, read up to its ACK; the frames that arrived meanwhile."""
+        start = len(self.log)
+        self.send(frame(PING, 0, 0, opaque))
+        self.until(lambda f: f.type == PING and f.flags & ACK and f.payload == opaque)
+        return self.log[start:-1]
+
+    def goaway(self) -> GoAway:
+        """Read until GOAWAY (failing on a PING ACK first: the server ignored what it should reject)."""
+        f = self.until(lambda f: f.type == GOAWAY or (f.type == PING and f.flags & ACK))
+        assert f.type == GOAWAY, "the server answered a PING instead of sending GOAWAY"
+        last, code = struct.unpack_from(">II", f.payload)
+        return GoAway(last & 0x7FFFFFFF, code, f.payload[8:])
+
+    def expect_eof(self) -> None:
+        while self.read_frame() is not None:
+            pass
+
+
+class H2Client:
+    """An ``h2`` client connection: h2 does the flow-control bookkeeping (and enforces it)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        self.conn = h2.connection.H2Connection(
+            config=h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+        self.conn.initiate_connection()
+        self.events: list = []
+        self.flush()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def pump(self) -> None:
+        chunk = self.sock.recv(1 << 20)
+        assert chunk, "the server closed the connection"
+        for event in self.conn.receive_data(chunk):
+            self.events.append(event)
+            if isinstance(event, h2.events.DataReceived):
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        self.flush()
+
+    def unary(self, path: str, body: bytes) -> tuple[dict, bytes, dict]:
+        """One call whose request body is sent as the windows allow; headers, data, trailers."""
+        sid = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(sid, request_headers(path))
+        sent = 0
+        while sent < len(body):
+            room = min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size,
+                       len(body) - sent)
+            if room <= 0:
+                self.pump()
+                continue
+            self.conn.send_data(sid, body[sent:sent + room])
+            sent += room
+            self.flush()
+        self.conn.end_stream(sid)
+        self.flush()
+        while not any(isinstance(e, h2.events.StreamEnded) and e.stream_id == sid for e in self.events):
+            self.pump()
+        mine = [e for e in self.events if getattr(e, "stream_id", None) == sid]
+        headers = next(dict(e.headers) for e in mine if isinstance(e, h2.events.ResponseReceived))
+        trailers = next(dict(e.headers) for e in mine if isinstance(e, h2.events.TrailersReceived))
+        data = b"".join(e.data for e in mine if isinstance(e, h2.events.DataReceived))
+        return headers, data, trailers
+
+
+def grpclib_run(port: int, body):
+    """``await body(channel)`` with a grpclib Channel to the server, on a fresh asyncio loop."""
+    async def main():
+        channel = Channel("127.0.0.1", port)
+        try:
+            return await body(channel)
+        finally:
+            channel.close()
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def grpcio_channel(server):
+    channel = grpc.insecure_channel(server.url, options=[("grpc.enable_http_proxy", 0)])
+    yield channel
+    channel.close()
+
+
+def grpcio_unary(channel, path: str):
+    return channel.unary_unary(path, request_serializer=Request.SerializeToString,
+                               response_deserializer=Reply.FromString)
+
+
+# --- round trips with the real clients ----------------------------------------------------------
+
+def test_unary_grpclib_sees_metadata_and_deadline(server):
+    async def body(channel):
+        method = UnaryUnaryMethod(channel, "/test.Echo/Unary", Request, Reply)
+        return await method(request("r-1", payload=b"abc"), timeout=7.5, metadata={"x-tenant": "acme"})
+
+    reply = grpclib_run(server.port, body)
+    assert reply.id == "r-1"
+    assert reply.parameters["metadata:x-tenant"].string_param == "acme"
+    assert reply.parameters["received_sha256"].string_param == hashlib.sha256(b"abc").hexdigest()
+    assert 6.5 < reply.parameters["deadline"].double_param <= 7.5
+
+
+def test_unary_grpcio_sees_metadata_and_deadline(server, grpcio_channel):
+    reply, call = grpcio_unary(grpcio_channel, "/test.Echo/Unary").with_call(
+        request("r-2", payload=b"xyz"), timeout=3.0, metadata=[("x-tenant", "acme")])
+    assert call.code() == grpc.StatusCode.OK
+    assert reply.id == "r-2"
+    assert reply.parameters["metadata:x-tenant"].string_param == "acme"
+    assert reply.parameters["received_bytes"].int64_param == 3
+    assert 2.0 < reply.parameters["deadline"].double_param <= 3.0
+
+
+def test_no_grpc_timeout_means_no_deadline(server):
+    reply = server.connect().call(1, "/test.Echo/Unary", request("r")).replies()[0]
+    assert "deadline" not in reply.parameters
+
+
+def test_raw_grpc_timeout_header(server):
+    response = server.connect().call(1, "/test.Echo/Unary", request("r"), extra=(("grpc-timeout", "250m"),))
+    assert response.status == 0
+    assert 0.15 < response.replies()[0].parameters["deadline"].double_param <= 0.25
+
+
+def test_malformed_grpc_timeout_is_invalid_argument(server):
+    response = server.connect().call(1, "/test.Echo/Unary", request("r"), extra=(("grpc-timeout", "soon"),))
+    assert response.status == Status.INVALID_ARGUMENT.value
+    assert "grpc-timeout" in response.message and "soon" in response.message
+
+
+def test_tritonclient_server_live_and_infer(server):
+    client = tritongrpc.InferenceServerClient(server.url)
+    try:
+        assert client.is_server_live() is True
+        tensor = tritongrpc.InferInput("x", [2], "INT32")
+        tensor.set_data_from_numpy(np.array([1, 2], dtype=np.int32))
+        result = client.infer("echo", [tensor], request_id="triton-7")
+        assert result.get_response().id == "triton-7"
+    finally:
+        client.close()
+
+
+def test_server_streaming_grpclib(server):
+    async def body(channel):
+        return await UnaryStreamMethod(channel, "/test.Echo/Stream", Request, Reply)(request("s", count=25))
+
+    replies = grpclib_run(server.port, body)
+    assert [r.id for r in replies] == [f"s-{i}" for i in range(25)]
+
+
+def test_server_streaming_waits_for_window(server):
+    """Ten 3000-byte replies through a 1000-byte stream window granted bit by bit: all arrive in
+    order, the server never oversteps the window, and the trailers come last."""
+    client = server.connect({INITIAL_WINDOW_SIZE: 1000})
+    client.start_call(1, "/test.Echo/Stream", grpc_body(request("s", count=10, reply_bytes=3000)))
+    granted = 1000
+    while 1 not in client.ended:
+        client.ping_barrier()
+        received = sum(len(f.payload) for f in client.log if f.type == DATA and f.stream == 1)
+        assert received <= granted
+        if received == granted:
+            client.send(window_update(1, 2500), window_update(0, 2500))
+            granted += 2500
+    response = client.response(1)
+    assert response.status == 0
+    assert [r.id for r in response.replies()] == [f"s-{i}" for i in range(10)]
+    assert all(r.raw_output_contents[0] == pattern(3000) for r in response.replies())
+    assert response.frames[-1].type == HEADERS and response.frames[-1].flags & END_STREAM
+
+
+def test_client_streaming_grpclib(server):
+    async def body(channel):
+        async with StreamUnaryMethod(channel, "/test.Echo/Collect", Request, Reply).open() as stream:
+            for i in range(5):
+                await stream.send_message(request(f"m{i}"))
+            await stream.end()
+            return await stream.recv_message()
+
+    assert grpclib_run(server.port, body).id == "m0,m1,m2,m3,m4"
+
+
+def test_concurrent_calls_on_one_connection(server):
+    """200 grpclib calls on one connection, all inside the handler at once, each answered with
+    its own id."""
+    server.service.gather_target = 200
+
+    async def body(channel):
+        method = UnaryUnaryMethod(channel, "/test.Echo/Gather", Request, Reply)
+        return await asyncio.gather(*(method(request(f"c{i}"), timeout=TIMEOUT) for i in range(200)))
+
+    replies = grpclib_run(server.port, body)
+    assert [r.id for r in replies] == [f"c{i}" for i in range(200)]
+
+
+# --- connection-level frames -------------------------------------------------------------------
+
+def test_settings_first_then_acks(server):
+    client = server.connect({MAX_FRAME_SIZE: 32768})
+    client.send(frame(PING, 0, 0, b"12345678"))
+    first = client.read_frame()
+    assert first.type == SETTINGS and not first.flags & ACK and first.stream == 0
+    advertised = dict(struct.iter_unpack(">HI", first.payload))
+    assert advertised[INITIAL_WINDOW_SIZE] == OUR_STREAM_WINDOW
+    assert advertised[MAX_FRAME_SIZE] == OUR_MAX_FRAME
+    assert advertised[MAX_CONCURRENT_STREAMS] >= 100
+    second = client.read_frame()
+    assert (second.type, second.stream) == (WINDOW_UPDATE, 0)
+    assert struct.unpack(">I", second.payload)[0] == OUR_CONN_WINDOW - 65535
+    rest = [client.read_frame() for _ in range(2)]
+    assert Frame(SETTINGS, ACK, 0, b"") in rest
+    assert Frame(PING, ACK, 0, b"12345678") in rest
+    # a PING ACK from the client is not answered: the next answer is for the next PING
+    client.send(frame(PING, ACK, 0, b"ignored!"))
+    assert client.ping_barrier(b"87654321") == []
+
+
+def test_bad_preface_goaway_then_server_still_serves(server):
+    client = server.connect(preface=False)
+    client.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    goaway = client.goaway()
+    assert goaway.code == PROTOCOL_ERROR and b"preface" in goaway.debug
+    client.expect_eof()
+    assert server.connect().call(1, "/test.Echo/Unary", request("after")).replies()[0].id == "after"
+
+
+@pytest.mark.parametrize("bad_stream", [2, 3], ids=["even", "backwards"])
+def test_bad_new_stream_id_is_protocol_error(server, bad_stream):
+    """RFC 9113 5.1.1: a client stream id must be odd and larger than every earlier one."""
+    client = server.connect()
+    assert client.call(5, "/test.Echo/Unary", request("first")).status == 0
+    client.start_call(bad_stream, "/test.Echo/Unary", grpc_body(request("bad")))
+    client.send(frame(PING, 0, 0, b"probe!!!"))
+    goaway = client.goaway()
+    assert (goaway.code, goaway.last_stream) == (PROTOCOL_ERROR, 5)
+    client.expect_eof()
+    assert not client.blocks.get(bad_stream)
+
+
+# --- flow control ------------------------------------------------------------------------------
+
+def test_send_flow_control_stream_and_connection_windows(server):
+    client = server.connect({INITIAL_WINDOW_SIZE: 1000})
+    client.start_call(1, "/test.Echo/Unary", grpc_body(request("big", reply_bytes=100_000)))
+
+    def received() -> int:
+        return sum(len(f.payload) for f in client.log if f.type == DATA and f.stream == 1)
+
+    client.until(lambda f: f.type == DATA and f.stream == 1)
+    client.ping_barrier()
+    assert received() == 1000                        # exactly the stream window, then it waits
+    client.send(window_update(1, 5000))
+    client.ping_barrier()
+    assert received() == 6000
+    client.send(window_update(1, 1 << 20))           # now the connection window (65535) binds
+    client.ping_barrier()
+    assert received() == 65535
+    assert 1 not in client.ended
+    client.send(window_update(0, 1 << 20))
+    response = client.response(1)
+    assert response.status == 0
+    reply = response.replies()[0]
+    assert reply.id == "big" and reply.raw_output_contents[0] == pattern(100_000)
+    assert max(response.data_sizes()) <= 16384
+    assert [f.type for f in response.frames][-1] == HEADERS        # trailers last
+
+
+def test_settings_window_increase_releases_blocked_reply(server):
+    """RFC 9113 6.9.2: a new INITIAL_WINDOW_SIZE changes the window of open streams."""
+    client = server.connect({INITIAL_WINDOW_SIZE: 0})
+    client.start_call(1, "/test.Echo/Unary", grpc_body(request("w", reply_bytes=20_000)))
+    client.until(lambda f: f.type == HEADERS and f.stream == 1)
+    client.ping_barrier()
+    assert not [f for f in client.log if f.type == DATA]
+    client.send(frame(SETTINGS, 0, 0, settings_payload({INITIAL_WINDOW_SIZE: 1 << 20})))
+    response = client.response(1)
+    assert response.status == 0 and response.replies()[0].raw_output_contents[0] == pattern(20_000)
+
+
+def test_receive_flow_control_large_requests(server):
+    """Two 10 MB requests on one h2 connection: more than the 4 MiB stream window each and more
+    than the 16 MiB connection window together, so both complete only if the server keeps
+    sending WINDOW_UPDATE (h2 refuses to overrun a window)."""
+    client = server.h2_connect()
+    for i in range(2):
+        payload = pattern(10_000_000)[::-1] if i else pattern(10_000_000)
+        headers, data, trailers = client.unary("/test.Echo/Unary", grpc_body(request(f"big{i}", payload=payload)))
+        assert headers[":status"] == "200" and trailers["grpc-status"] == "0"
+        reply = Reply.FromString(split_messages(data)[0])
+        assert reply.id == f"big{i}"
+        assert reply.parameters["received_bytes"].int64_param == len(payload)
+        assert reply.parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+    updates = [e for e in client.events if isinstance(e, h2.events.WindowUpdated)]
+    assert len([e for e in updates if e.stream_id]) >= 4
+    assert len([e for e in updates if e.stream_id == 0]) >= 2
+
+
+@pytest.mark.parametrize("max_frame", [None, 20_000])
+def test_peer_max_frame_size_honoured(server, max_frame):
+    settings = {INITIAL_WINDOW_SIZE: 1 << 20}
+    if max_frame:
+        settings[MAX_FRAME_SIZE] = max_frame
+    client = server.connect(settings)
+    client.send(window_update(0, 1 << 20))
+    response = client.call(1, "/test.Echo/Unary", request("f", reply_bytes=100_000))
+    assert response.status == 0
+    assert max(response.data_sizes()) == (max_frame or 16384)
+    assert response.replies()[0].raw_output_contents[0] == pattern(100_000)
+
+
+def test_large_trailers_split_into_continuation(server):
+    """A 40 KB grpc-message does not fit the peer's 16 KiB frames: HEADERS + CONTINUATION."""
+    client = server.connect()
+    response = client.call(1, "/test.Echo/Fail", request("x" * 40_000))
+    assert response.status == Status.FAILED_PRECONDITION.value
+    assert response.message == "x" * 40_000
+    types = [f.type for f in response.frames if f.type != RST_STREAM]
+    assert types[0] == HEADERS and set(types[1:]) == {CONTINUATION} and len(types) >= 3
+    assert all(len(f.payload) <= 16384 for f in response.frames)
+
+
+# --- stream lifecycle -----------------------------------------------------------------------------
+
+def test_rst_stream_cancels_handler_connection_lives_on(server):
+    client = server.connect()
+    client.start_call(1, "/test.Echo/Slow", grpc_body(request("slow")))
+    assert server.service.slow_started.wait(TIMEOUT)
+    client.send(frame(RST_STREAM, 0, 1, struct.pack(">I", CANCEL)))
+    assert server.service.slow_cancelled.wait(TIMEOUT)
+    assert client.call(3, "/test.Echo/Unary", request("next")).replies()[0].id == "next"
+    server.release_slow_calls()
+    client.ping_barrier()
+    assert [f for f in client.log if f.stream == 1] == []
+
+
+def test_graceful_close(server):
+    client = server.connect()
+    client.start_call(1, "/test.Echo/Slow", grpc_body(request("in-flight")))
+    assert server.service.slow_started.wait(TIMEOUT)
+    server.close()
+    goaway = client.goaway()
+    assert (goaway.last_stream, goaway.code) == (1, NO_ERROR)
+
+    client.start_call(3, "/test.Echo/Unary", grpc_body(request("too late")))
+    assert client.response(3).reset == REFUSED_STREAM
+
+    # no new connections: refused outright, or accepted and closed without a SETTINGS frame
+    try:
+        late = server.connect()
+        late.send(frame(PING, 0, 0, b"anyone?!"))
+        late.expect_eof()
+        assert late.log == []
+    except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError):
+        pass
+
+    server.release_slow_calls()
+    response = client.response(1)
+    assert response.status == 0 and response.replies()[0].id == "in-flight"
+    assert not server.service.slow_cancelled.is_set()
+    client.expect_eof()
+    server.wait_closed()
+
+
+def test_close_with_no_calls_closes_idle_connections(server):
+    client = server.connect()
+    assert client.call(1, "/test.Echo/Unary", request("a")).status == 0
+    server.close()
+    assert client.goaway().code == NO_ERROR
+    client.expect_eof()
+    server.wait_closed()
+
+
+# --- HTTP and gRPC errors --------------------------------------------------------------------
+
+def test_unknown_method_is_unimplemented(server):
+    response = server.connect().call(1, "/test.Echo/Nope", request("r"))
+    assert response.headers[":status"] == "200"
+    assert response.status == Status.UNIMPLEMENTED.value
+    assert "/test.Echo/Nope" in response.message and "test.Echo" in response.message
+
+    async def body(channel):
+        with pytest.raises(GRPCError) as caught:
+            await UnaryUnaryMethod(channel, "/test.Echo/Nope", Request, Reply)(request("r"))
+        return caught.value
+
+    assert grpclib_run(server.port, body).status is Status.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("options, http_status", [
+    ({"method": "GET"}, "405"),
+    ({"content_type": "text/plain"}, "415"),
+])
+def test_http_errors(server, options, http_status):
+    response = server.connect().call(1, "/test.Echo/Unary", request("r"), **options)
+    assert response.headers[":status"] == http_status
+    assert response.frames[0].flags & END_STREAM
+    assert not response.data
+
+
+ODD_MESSAGE = "naïve 100% ✓ — tab\there, 50%2F50"
+
+
+def test_error_message_percent_encoded(server, grpcio_channel):
+    response = server.connect().call(1, "/test.Echo/Fail", request(ODD_MESSAGE))
+    assert response.status == Status.FAILED_PRECONDITION.value
+    raw = response.trailers["grpc-message"]
+    assert raw.isascii() and "%25" in raw and "\t" not in raw
+    assert response.message == ODD_MESSAGE
+
+    async def body(channel):
+        with pytest.raises(GRPCError) as caught:
+            await UnaryUnaryMethod(channel, "/test.Echo/Fail", Request, Reply)(request(ODD_MESSAGE))
+        return caught.value
+
+    error = grpclib_run(server.port, body)
+    assert (error.status, error.message) == (Status.FAILED_PRECONDITION, ODD_MESSAGE)
+
+    with pytest.raises(grpc.RpcError) as caught:
+        grpcio_unary(grpcio_channel, "/test.Echo/Fail")(request(ODD_MESSAGE), timeout=TIMEOUT)
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert caught.value.details() == ODD_MESSAGE
+
+
+def test_handler_exception_is_internal_and_logged(server, caplog):
+    with caplog.at_level(logging.ERROR, logger="xlaserve.grpc"):
+        response = server.connect().call(1, "/test.Echo/Crash", request("r-9"))
+    assert response.status == Status.INTERNAL.value
+    assert "RuntimeError" in response.message and "r-9" in response.message
+    assert any(r.exc_info and "handler bug on r-9" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_invalid_protobuf_is_invalid_argument(server):
+    response = server.connect().call(1, "/test.Echo/Unary", b"\xff\xff\xff")
+    assert response.status == Status.INVALID_ARGUMENT.value
+    assert "inference.ModelInferRequest" in response.message
+
+
+def test_unary_with_two_messages_is_invalid_argument(server):
+    response = server.connect().call(1, "/test.Echo/Unary", request("a"), request("b"))
+    assert response.status == Status.INVALID_ARGUMENT.value
+    assert "exactly one" in response.message and "2" in response.message
+
+
+@pytest.mark.parametrize("body", [None, b""], ids=["headers-end-stream", "empty-data"])
+def test_unary_with_no_message_is_invalid_argument(server, body):
+    client = server.connect()
+    client.start_call(1, "/test.Echo/Unary", body)
+    response = client.response(1)
+    assert response.status == Status.INVALID_ARGUMENT.value, response.message
+    assert "exactly one" in response.message
+
+
+def test_request_ending_inside_a_message_is_invalid_argument(server):
+    response = server.connect().call(1, "/test.Echo/Unary", grpc_body(request("cut"))[:-2])
+    assert response.status == Status.INVALID_ARGUMENT.value
+    assert "ends inside a message" in response.message
+
+
+# --- compression ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("encoding, compress", [("gzip", gzip.compress), ("deflate", zlib.compress)])
+def test_compressed_request(server, encoding, compress):
+    payload = b"compressible " * 2000
+    message = request("z", payload=payload).SerializeToString()
+    response = server.connect().call(1, "/test.Echo/Unary", grpc_body(compress(message), compressed=True),
+                                     extra=(("grpc-encoding", encoding),))
+    assert response.status == 0
+    reply = response.replies()[0]
+    assert reply.id == "z"
+    assert reply.parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+
+
+def test_grpcio_gzip_request(server, grpcio_channel):
+    payload = b"compressible " * 2000
+    reply = grpcio_unary(grpcio_channel, "/test.Echo/Unary")(
+        request("gz", payload=payload), timeout=TIMEOUT, compression=grpc.Compression.Gzip)
+    assert reply.parameters["metadata:grpc-encoding"].string_param == "gzip"
+    assert reply.parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+
+
+def test_unsupported_encoding_is_unimplemented(server):
+    response = server.connect().call(1, "/test.Echo/Unary", grpc_body(b"whatever", compressed=True),
+                                     extra=(("grpc-encoding", "snappy"),))
+    assert response.status == Status.UNIMPLEMENTED.value and "snappy" in response.message
+
+
+def test_compressed_flag_without_encoding_is_invalid_argument(server):
+    response = server.connect().call(1, "/test.Echo/Unary", grpc_body(gzip.compress(b"x"), compressed=True))
+    assert response.status == Status.INVALID_ARGUMENT.value and "grpc-encoding" in response.message
+
+
+def test_corrupt_gzip_is_invalid_argument(server):
+    response = server.connect().call(1, "/test.Echo/Unary", grpc_body(b"not gzip at all", compressed=True),
+                                     extra=(("grpc-encoding", "gzip"),))
+    assert response.status == Status.INVALID_ARGUMENT.value and "gzip" in response.message
+
+
+# --- size limits ----------------------------------------------------------------------------------
+
+def too_large_request(size: int, limit: int) -> str:
+    return f"request of {size} bytes is over endpoints.max_recv_msg_bytes ({limit})"
+
+
+def too_large_response(size: int, limit: int) -> str:
+    return f"response of {size} bytes is over endpoints.max_send_msg_bytes ({limit})"
+
+
+@pytest.fixture
+def limited(make_server) -> ServerThread:
+    return make_server(max_recv_bytes=1000, max_send_bytes=1000, too_large_request=too_large_request,
+                       too_large_response=too_large_response)
+
+
+def test_request_too_large(limited):
+    client = limited.connect()
+    message = request("big", payload=pattern(5000))
+    response = client.call(1, "/test.Echo/Unary", message)
+    assert response.status == Status.RESOURCE_EXHAUSTED.value
+    assert response.message == too_large_request(message.ByteSize(), 1000)
+    # answered from the message prefix alone, without waiting for the (never sent) body
+    client.send(client.headers_frame(3, request_headers("/test.Echo/Unary")),
+                frame(DATA, 0, 3, struct.pack(">BI", 0, 100_000_000)))
+    response = client.response(3)
+    assert response.message == too_large_request(100_000_000, 1000)
+    assert response.reset == NO_ERROR                 # the client may stop sending
+    assert client.call(5, "/test.Echo/Unary", request("small")).replies()[0].id == "small"
+
+
+def test_compressed_request_inflating_past_the_limit_is_rejected(limited):
+    response = limited.connect().call(1, "/test.Echo/Unary", grpc_body(gzip.compress(bytes(100_000)),
+                                                                      compressed=True),
+                                      extra=(("grpc-encoding", "gzip"),))
+    assert response.status in (Status.INVALID_ARGUMENT.value, Status.RESOURCE_EXHAUSTED.value)
+    assert "1000" in response.message
+
+
+def test_response_too_large(limited):
+    response = limited.connect().call(1, "/test.Echo/Unary", request("r", reply_bytes=5000))
+    assert response.status == Status.RESOURCE_EXHAUSTED.value
+    match = re.fullmatch(r"response of (\d+) bytes is over endpoints.max_send_msg_bytes \(1000\)", response.message)
+    assert match and int(match.group(1)) > 5000
+    assert not response.data
+
+
+# --- header blocks and padding -----------------------------------------------------------------
+
+def test_header_block_across_continuation(server):
+    client = server.connect()
+    block = client.encoder.encode(request_headers("/test.Echo/Unary", extra=(("x-big", "b" * 30_000),)))
+    third = len(block) // 3
+    client.send(frame(HEADERS, 0, 1, block[:third]),
+                frame(CONTINUATION, 0, 1, block[third:2 * third]),
+                frame(CONTINUATION, END_HEADERS, 1, block[2 * third:]),
+                frame(DATA, END_STREAM, 1, grpc_body(request("cont"))))
+    response = client.response(1)
+    assert response.status == 0
+    reply = response.replies()[0]
+    assert reply.id == "cont" and reply.parameters["metadata:x-big"].string_param == "b" * 30_000
+
+
+def test_interrupted_header_block_is_protocol_error(server):
+    client = server.connect()
+    block = client.encoder.encode(request_headers("/test.Echo/Unary"))
+    client.send(frame(HEADERS, 0, 1, block[:5]), frame(PING, 0, 0, b"12345678"),
+                frame(CONTINUATION, END_HEADERS, 1, block[5:]))
+    goaway = client.goaway()
+    assert goaway.code == PROTOCOL_ERROR
+    client.expect_eof()
+    assert not [f for f in client.log if f.type == PING]
+
+
+def test_padded_headers_and_data(server):
+    client = server.connect()
+    block = client.encoder.encode(request_headers("/test.Echo/Unary"))
+    priority = struct.pack(">IB", 0, 15)
+    body = grpc_body(request("pad", payload=b"padded"))
+    half = len(body) // 2
+    client.send(
+        frame(HEADERS, END_HEADERS | PADDED | PRIORITY_FLAG, 1, bytes([7]) + priority + block + bytes(7)),
+        frame(DATA, PADDED, 1, bytes([20]) + body[:half] + bytes(20)),
+        frame(DATA, PADDED, 1, bytes([3]) + bytes(3)),                      # padding only
+        frame(DATA, PADDED | END_STREAM, 1, bytes([0]) + body[half:]),      # pad length 0
+    )
+    response = client.response(1)
+    assert response.status == 0
+    reply = response.replies()[0]
+    assert reply.id == "pad"
+    assert reply.parameters["received_sha256"].string_param == hashlib.sha256(b"padded").hexdigest()
