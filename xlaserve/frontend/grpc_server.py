@@ -424,16 +424,19 @@ class Connection:
             headers = self.decoder.decode(block)
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
+        if not sid & 1:
+            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
         call = self.calls.get(sid)
-        if call is not None or sid <= self.last_stream:     # trailers from the client
-            if call is None:
-                return
+        if call is not None:                                 # trailers from the client
             if not flags & END_STREAM:
                 raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
             self._end_of_request(call)
             return
-        if not sid & 1:
-            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
+        if sid <= self.last_stream:
+            if flags & END_STREAM:
+                return                    # trailers of a call we already answered and reset
+            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {sid} after stream {self.last_stream}; "
+                                                   "stream ids must increase")
         self.last_stream = sid
         if self.going_away or len(self.calls) >= OUR_STREAMS:
             self._write(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
@@ -481,7 +484,9 @@ class Connection:
             except ValueError as exc:
                 self._fail(call, Status.INVALID_ARGUMENT, str(exc))
                 return
-        if method.cardinality.value.client_streaming or call.remote_closed:
+        if call.remote_closed:
+            self._end_of_request(call)      # no request message at all
+        elif method.cardinality.value.client_streaming:
             self._start(call)
 
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
@@ -537,6 +542,11 @@ class Connection:
                     self._fail(call, Status.INVALID_ARGUMENT, str(exc))
                     call.body = bytearray()
                     return
+                if len(payload) > limit:
+                    self._fail(call, Status.RESOURCE_EXHAUSTED, "decompressed, " + self.server.too_large_request(
+                        f"more than {limit}", limit))
+                    call.body = bytearray()
+                    return
             call.messages.append(payload)
             if call.arrived is not None:
                 call.arrived.set()
@@ -551,9 +561,7 @@ class Connection:
             out = d.decompress(payload, limit + 1)
         except zlib.error as exc:
             raise ValueError(f"the request message is not valid {call.encoding} data: {exc}") from None
-        if len(out) > limit:
-            raise ValueError(f"the request message inflates past {limit} bytes (endpoints.max_recv_msg_bytes)")
-        return out
+        return out   # at most limit + 1 bytes: the caller refuses anything longer
 
     def _end_of_request(self, call: Call) -> None:
         call.remote_closed = True
@@ -769,7 +777,7 @@ class GrpcServer:
 
     def __init__(self, services: Iterable[Any], *, max_recv_bytes: int = 2**31 - 1,
                  max_send_bytes: int = 2**31 - 1,
-                 too_large_request: Callable[[int, int], str] | None = None,
+                 too_large_request: Callable[[int | str, int], str] | None = None,
                  too_large_response: Callable[[int, int], str] | None = None) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}

@@ -58,7 +58,7 @@ def rpc(method):
     return wrapper
 
 
-def request_too_large(size: int, limit: int) -> str:
+def request_too_large(size: int | str, limit: int) -> str:
     return (f"the request is {size} bytes, the limit (endpoints.max_recv_msg_bytes) is {limit}; send large "
             "tensors through shared memory")
 

@@ -102,6 +102,9 @@ class Scheduler:
         self._armed_at = math.inf
         self._closing = False
         self._inbox: trio.MemoryReceiveChannel[SchedulerMessage] | None = None
+        self._answers: deque[tuple[list[Queued], list[int], int, object]] = deque()   # executed, not yet answered
+        self._answers_ready = trio.Event()
+        self._dispatch_done = False
 
     # ---- policy settings -----------------------------------------------------------------
     def weight(self, model: str) -> float:
@@ -149,6 +152,7 @@ class Scheduler:
         """Serve until ``inbox`` closes, then finish what is queued and return."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._dispatch_loop)
+            nursery.start_soon(self._answer_loop)
             nursery.start_soon(self._expiry_loop)
             task_status.started()
             async with inbox:
@@ -283,14 +287,18 @@ class Scheduler:
     # ---- dispatch ------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
         while True:
-            # Let whatever is already runnable (replies just sent, requests the frontend has
-            # decoded) run before the next batch is formed; in guest mode this also gives the
-            # host loop one turn. A reschedule, not a wait: no time passes on an idle server.
-            await trio.lowlevel.cancel_shielded_checkpoint()
+            # Let whatever is already runnable (requests the frontend has decoded) run before
+            # the next batch is formed: a reschedule, not a wait. Skipped while the last batch
+            # is still to be answered, so that the next execution starts first and the
+            # answers are encoded while it runs.
+            if not self._answers:
+                await trio.lowlevel.cancel_shielded_checkpoint()
             self._drain_inbox()
             backlog = {n: q for n, q in self._queues.items() if q}
             if not backlog:
                 if self._closing:
+                    self._dispatch_done = True
+                    self._answers_ready.set()
                     self._expiry_changed.set()
                     return
                 self._wakeup = trio.Event()
@@ -405,6 +413,24 @@ class Scheduler:
         self._stats.record_successes(name, n, sum(done_ns - q.request.received_ns for q in batch), sum(queue_ns),
                                      n * result.compute_input_ns, n * result.compute_infer_ns,
                                      n * result.compute_output_ns, now_ms)
-        for q, waited_ns, outputs in zip(batch, queue_ns, result.per_request):
-            q.request.reply(InferResult(outputs, size, waited_ns, result.compute_input_ns,
-                                        result.compute_infer_ns, result.compute_output_ns))
+        self._answers.append((batch, queue_ns, size, result))
+        self._answers_ready.set()
+
+    async def _answer_loop(self) -> None:
+        """Reply to executed batches. Replying encodes each response (the frontend's part of the
+        reply), so it runs here rather than in the dispatch loop: the next execution is already
+        on the device while the previous batch's responses are encoded."""
+        while True:
+            while self._answers:
+                batch, queue_ns, size, result = self._answers.popleft()
+                for q, waited_ns, outputs in zip(batch, queue_ns, result.per_request):
+                    try:
+                        q.request.reply(InferResult(outputs, size, waited_ns, result.compute_input_ns,
+                                                    result.compute_infer_ns, result.compute_output_ns))
+                    except Exception:  # a bug in one reply must not lose the others
+                        log.exception("model %s: replying to request %r failed", q.request.model.name,
+                                      q.request.request_id)
+            if self._closing and self._dispatch_done:
+                return
+            self._answers_ready = trio.Event()
+            await self._answers_ready.wait()
