@@ -7,7 +7,9 @@ compiled sizes 1..32; depth makes the device, not the gRPC frontend, the bottlen
 
 1. *light alone*: ``light1`` with 1 client, nothing else running: its p99 is the reference.
 2. *mix*: ``heavy`` with 28 clients and ``light1..4`` with 1 client each. Goal under ``fair``:
-   each light model's p99 within 2x of the reference.
+   each light model's p99 within 2x of the reference. Each tenant runs its own load-generator
+   process (``--shared-client``: all in one, where a light answer also waits for the client to
+   work through the heavy tenant's answers).
 3. *shares*: all five backlogged (12 clients each, ``max_batch_size: 4`` so that one dispatch
    never drains a queue) with weights heavy=1, light1=1, light2=2,
    light3=2, light4=4. Device time per model (compute durations of every execution, from
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -71,12 +74,32 @@ def drive(url: str, clients: dict[str, int], duration: float, warmup: float) -> 
     return asyncio.run(loadgen.run_level(url, plans, inputs, duration=duration, warmup=warmup))
 
 
+def drive_tenants(url: str, clients: dict[str, int], duration: float, warmup: float) -> dict[str, dict]:
+    """Each tenant (model) driven by its own load-generator process, as separate tenants would
+    be: one tenant's answers never queue behind another's in a shared client. Rows by model."""
+    procs = {m: subprocess.Popen([sys.executable, "-m", "xlaserve.bench.loadgen", "--url", url, "-m", m,
+                                  "-i", "input:FP32:1x512", "-c", str(n), "-d", str(duration),
+                                  "--warmup", str(warmup), "--quiet"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for m, n in clients.items()}
+    rows = {}
+    for m, proc in procs.items():
+        out, _ = proc.communicate(timeout=duration + warmup + 120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"load generator for {m} exited with {proc.returncode}")
+        rows[m] = json.loads(out.strip().splitlines()[-1])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--disciplines", default="fair,fifo")
+    p.add_argument("--shared-client", action="store_true",
+                   help="mix: drive all tenants from one load-generator process (default: one process per "
+                        "tenant)")
     args = p.parse_args()
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,8 +112,11 @@ def main() -> None:
             with xlaserve(repo, sched) as (url, _):
                 alone = drive(url, {"light1": 1}, args.duration, args.warmup).rows()[0]
                 q0 = queue_ms(url)
-                mix = {r["model"]: r for r in drive(url, {"heavy": 28, **{f"light{i}": 1 for i in range(1, 5)}},
-                                                    args.duration, args.warmup).rows()}
+                tenants = {"heavy": 28, **{f"light{i}": 1 for i in range(1, 5)}}
+                if args.shared_client:
+                    mix = {r["model"]: r for r in drive(url, tenants, args.duration, args.warmup).rows()}
+                else:
+                    mix = drive_tenants(url, tenants, args.duration, args.warmup)
                 q1 = queue_ms(url)
                 mix_queue = {m: round((q1[m][1] - q0.get(m, (0, 0))[1]) / max(1, q1[m][0] - q0.get(m, (0, 0))[0]), 2)
                              for m in MODELS}
