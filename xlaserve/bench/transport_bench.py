@@ -1,10 +1,11 @@
-"""The gRPC transport alone: grpclib (Python HTTP/2, what xlaserve uses) against grpcio's asyncio
-server (C HTTP/2), each answering every ModelInfer with a canned ``mlp``-sized response.
+"""The gRPC transport alone: xlaserve's own HTTP/2 layer on Trio (``frontend/grpc_server.py``,
+its task-free ModelInfer path and its task-per-call path), grpclib (asyncio, h2) and grpcio's
+asyncio server (C HTTP/2), each answering every ModelInfer with a canned ``mlp``-sized response.
 
     python -m xlaserve.bench.transport_bench [--rounds 2] [--duration 4] [--concurrency 1,32]
 
-Both servers run as subprocesses of this script; rounds alternate which goes first. This is the
-measurement behind "Why grpclib stays" in docs/architecture.md.
+The servers run as subprocesses of this script; rounds alternate the order. This is the
+measurement behind "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md.
 """
 from __future__ import annotations
 
@@ -76,7 +77,47 @@ async def serve_grpcio(port: int) -> None:
     await server.wait_for_termination()
 
 
-SERVERS = {"grpclib": serve_grpclib, "grpcio": serve_grpcio}
+def serve_xlaserve(port: int, fast: bool = True) -> None:
+    import trio
+
+    from xlaserve._proto import grpc_service_pb2 as pb
+    from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
+    from xlaserve.frontend.grpc_server import GrpcServer
+
+    def answer(request):
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        response.outputs.add(name="output", datatype="FP32", shape=[1, 512])
+        response.raw_output_contents.append(CANNED)
+        return response
+
+    class Echo(GRPCInferenceServiceBase):
+        def __fast_unary__(self):
+            return {"/inference.GRPCInferenceService/ModelInfer": self.infer_now} if fast else {}
+
+        def infer_now(self, call, request):
+            call.complete(answer(request))
+
+        async def ModelInfer(self, stream):
+            await stream.send_message(answer(await stream.recv_message()))
+
+        async def ModelReady(self, stream):
+            await stream.recv_message()
+            await stream.send_message(pb.ModelReadyResponse(ready=True))
+
+        async def ServerReady(self, stream):
+            await stream.recv_message()
+            await stream.send_message(pb.ServerReadyResponse(ready=True))
+
+    Echo.__abstractmethods__ = frozenset()
+
+    async def main():
+        server = GrpcServer([Echo()])
+        await server.serve("127.0.0.1", port)
+    trio.run(main)
+
+
+ASYNCIO_SERVERS = {"grpclib": serve_grpclib, "grpcio": serve_grpcio}
+SERVERS = ("xlaserve", "xlaserve-task", *ASYNCIO_SERVERS)
 
 
 def main() -> None:
@@ -87,10 +128,13 @@ def main() -> None:
     p.add_argument("--serve", nargs=2, metavar=("TRANSPORT", "PORT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        asyncio.run(SERVERS[args.serve[0]](int(args.serve[1])))
+        if args.serve[0].startswith("xlaserve"):
+            serve_xlaserve(int(args.serve[1]), fast=args.serve[0] == "xlaserve")
+        else:
+            asyncio.run(ASYNCIO_SERVERS[args.serve[0]](int(args.serve[1])))
         return
     inputs = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
-    print(f"{'round':>5} {'transport':<9} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'round':>5} {'transport':<13} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for round_ in range(args.rounds):
         order = list(SERVERS) if round_ % 2 == 0 else list(reversed(SERVERS))
         for name in order:
@@ -105,7 +149,7 @@ def main() -> None:
                     result = asyncio.run(loadgen.run_level(url, plans, inputs, duration=args.duration,
                                                            warmup=1.0))
                     row = result.rows()[0]
-                    print(f"{round_:>5} {name:<9} {conc:>3} {row['throughput_rps']:>9.1f} "
+                    print(f"{round_:>5} {name:<13} {conc:>3} {row['throughput_rps']:>9.1f} "
                           f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}", flush=True)
             finally:
                 stop(proc)

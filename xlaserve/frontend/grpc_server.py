@@ -67,6 +67,7 @@ OUR_CONN_WINDOW = 16 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024
 OUR_HEADER_LIST = 65536
 RECV_BYTES = 256 * 1024
+READ_BUFFER = 4 * OUR_MAX_FRAME               # a connection's receive buffer
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
@@ -282,12 +283,20 @@ class Connection:
             (MAX_CONCURRENT_STREAMS, OUR_STREAMS), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
             (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, OUR_HEADER_LIST))))
                     + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
+        # One fixed buffer per connection, filled with recv_into: no allocation per read. DATA
+        # payloads are handed on as views into it (copied once, into their call's body); other
+        # frames as bytes.
+        buffer = bytearray(READ_BUFFER)
+        view = memoryview(buffer)
+        start, end = 0, len(buf)
+        buffer[:end] = buf
+        recv_into = sock.socket.recv_into
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         while True:
-            pos, end = 0, len(buf)
+            pos = start
             while end - pos >= 9:
-                lt, flags, stream_id = unpack(buf, pos)
+                lt, flags, stream_id = unpack(buffer, pos)
                 length = lt >> 8
                 stop = pos + 9 + length
                 if length > OUR_MAX_FRAME:
@@ -295,16 +304,22 @@ class Connection:
                                                              f"{OUR_MAX_FRAME} this server advertised")
                 if stop > end:
                     break
-                handle(lt & 0xFF, flags, stream_id & 0x7FFFFFFF, bytes(buf[pos + 9:stop]))
+                ftype = lt & 0xFF
+                handle(ftype, flags, stream_id & 0x7FFFFFFF,
+                       view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                 pos = stop
-            if pos:
-                del buf[:pos]
+            start = pos
             if self.going_away and not self.calls:
                 return
-            chunk = await sock.receive_some(RECV_BYTES)
-            if not chunk:
+            if start == end:
+                start = end = 0
+            elif READ_BUFFER - end < OUR_MAX_FRAME + 9:   # make room for a whole frame
+                buffer[:end - start] = bytes(view[start:end])
+                start, end = 0, end - start
+            n = await recv_into(view[end:])
+            if not n:
                 return
-            buf += chunk
+            end += n
 
     # ---- incoming frames -------------------------------------------------------------------
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
@@ -533,8 +548,12 @@ class Connection:
                 return
             if len(body) < 5 + size:
                 return
-            payload = bytes(body[5:5 + size])
-            del body[:5 + size]
+            if len(body) == 5 + size:           # the usual case: the body is exactly one message
+                payload = memoryview(body)[5:]
+                call.body = body = bytearray()
+            else:
+                payload = bytes(memoryview(body)[5:5 + size])
+                del body[:5 + size]
             if compressed:
                 try:
                     payload = self._decompress(call, payload, limit)
