@@ -230,7 +230,7 @@ def test_effective_config_round_trips_through_yaml(full_node: NodeConfig):
     assert yaml.safe_load("\n".join(lines)) == to_plain(worker)
     plain = to_plain(worker)
     assert plain["scheduler"]["models"]["yolo"] == {
-        "weight": 1.0, "residency": "device", "max_batch_size": None, "max_batch_delay_ms": 0.0}
+        "weight": 1.0, "residency": "device", "max_batch_size": None}
     assert set(plain) == {f.name for f in dataclasses.fields(WorkerConfig)}
 
 
@@ -419,7 +419,7 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
     ({"global": {"scheduler": {"models": {"m": {"max_batch_size": 0}}}}},
      "global.scheduler.models.m.max_batch_size: expected a positive integer or null, got 0"),
     ({"global": {"scheduler": {"models": {"m": {"wieght": 1}}}}},
-     ("global.scheduler.models.m.wieght: unknown key (known: max_batch_delay_ms, max_batch_size, pin_to_gpu, "
+     ("global.scheduler.models.m.wieght: unknown key (known: max_batch_size, pin_to_gpu, "
       "residency, weight)")),
     ({"global": {"scheduler": {"models": {"m": {"pin_to_gpu": "yes"}}}}},
      "global.scheduler.models.m.pin_to_gpu: expected true or false, got 'yes'"),

@@ -163,35 +163,8 @@ def test_max_batch_size_caps_rows_but_a_larger_request_still_runs():
     run(test, config(models={"m": {"max_batch_size": 2}}), {"m": per_batch(0.1)})
 
 
-def test_batch_delay_holds_an_idle_device_until_the_batch_fills():
-    """max_batch_delay_ms: requests trickling in 1 ms apart join one batch of 8 instead of
-    running one by one; the batch goes as soon as it is full, before the delay is up."""
-    async def test(h: Harness):
-        for tag in range(8):
-            h.submit("m", tag=tag)
-            await trio.sleep(0.001)
-        await trio.sleep(1)
-        assert [(start, size, len(rows)) for start, _, size, rows in h.device.log] == [(pytest.approx(0.007), 8, 8)]
-
-    run(test, config(models={"m": {"max_batch_delay_ms": 20}}), {"m": per_batch(0.001)})
-
-
-def test_batch_delay_is_a_bound_and_other_models_still_run():
-    """A partial batch goes once its oldest request has waited the delay; a model without a
-    delay is dispatched meanwhile."""
-    async def test(h: Harness):
-        h.submit("slow")
-        h.submit("slow")
-        await trio.sleep(0.001)
-        h.submit("now")
-        await trio.sleep(1)
-        assert [(start, name, size) for start, name, size, _ in h.device.log] == \
-            [(pytest.approx(0.001), "now", 1), (pytest.approx(0.005), "slow", 2)]
-
-    run(test, config(models={"slow": {"max_batch_delay_ms": 5}}), {"slow": per_batch(0.001), "now": per_batch(0.001)})
-
-
-def test_without_a_delay_requests_trickling_in_run_one_by_one():
+def test_no_artificial_wait_requests_trickling_in_run_one_by_one():
+    """An idle device takes what is queued at once; it never holds back for fuller batches."""
     async def test(h: Harness):
         for _ in range(4):
             h.submit("m")

@@ -188,17 +188,11 @@ class ModelSchedConfig:
             ``residency: device``.
         max_batch_size: cap on the rows coalesced into one dispatch, >= 1; null (the default)
             is uncapped. It never changes compiled shapes and never splits a request.
-        max_batch_delay_ms: how long a model's oldest queued request may be held back, >= 0,
-            so that more rows join its batch while the device is free: the model is dispatched
-            once its queue fills its largest usable batch or its oldest request has waited
-            this long. Default 0: dispatch as soon as the device is free (docs/scheduler.md
-            has the measurements; it pays only when the client, not the server, is the limit).
     """
 
     weight: float = _key(1.0, low=0.0, low_open=True)
     residency: str = _key("system", choices=("device", "system", "unpinned"))
     max_batch_size: int | None = _key(None, low=1)
-    max_batch_delay_ms: float = _key(0.0, low=0.0)
 
 
 @dataclass(frozen=True, slots=True)

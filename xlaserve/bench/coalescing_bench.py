@@ -1,12 +1,10 @@
 """Does coalescing pay? ``mlp`` at c=32 with compiled sizes [1] versus [1,2,4,8,16,32].
 
-    python -m xlaserve.bench.coalescing_bench [--rounds 2] [--duration 10] [--concurrency 32] [--delays-ms 0.5,1,2]
+    python -m xlaserve.bench.coalescing_bench [--rounds 2] [--duration 10] [--concurrency 32]
 
 Both variants are exported from the example ``mlp`` (as models ``mlp_b1`` and ``mlp``) and
 served by one xlaserve each, in alternating rounds. Reports throughput, p50/p99 and the mean rows
 per execution (inference_count / execution_count from ModelStatistics over the measured window).
-``--delays-ms`` adds [1..32] variants with ``max_batch_delay_ms`` set, to see whether holding an
-idle device for fuller batches pays.
 """
 from __future__ import annotations
 
@@ -44,37 +42,29 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--delays-ms", default="",
-                   help="also serve [1..32] with these scheduler.models.mlp.max_batch_delay_ms values, "
-                        "e.g. 0.5,1,2 (default: none)")
     args = p.parse_args()
-    variants = {label: (sizes, 0.0) for label, sizes in VARIANTS.items()}
-    for delay in (float(d) for d in args.delays_ms.split(",") if d.strip()):
-        variants[f"[1..32] delay {delay:g} ms"] = (VARIANTS["[1,2,4,8,16,32]"], delay)
     with tempfile.TemporaryDirectory() as tmp:
         repos = {}
         for label, sizes in VARIANTS.items():
             repos[label] = Path(tmp) / label.strip("[]").replace(",", "_")
             repos[label].mkdir()
             export_mlp_as(repos[label], "mlp", sizes)
-        results: dict[str, list[dict]] = {label: [] for label in variants}
+        results: dict[str, list[dict]] = {label: [] for label in VARIANTS}
         for round_ in range(args.rounds):
-            for label, (sizes, delay) in variants.items():
-                repo = repos["[1]" if sizes == (1,) else "[1,2,4,8,16,32]"]
-                sched = {"models": {"mlp": {"max_batch_delay_ms": delay}}} if delay else None
-                with xlaserve(repo, sched) as (url, _):
+            for label in VARIANTS:
+                with xlaserve(repos[label]) as (url, _):
                     row = measure(url, args.concurrency, args.duration, args.warmup)
                 row.update(sizes=label, round=round_)
                 results[label].append(row)
                 print(json.dumps(row), flush=True)
     print(f"\nmlp, c={args.concurrency}, {args.rounds} alternating rounds of {args.duration:.0f} s")
-    print(f"{'compiled sizes':<24} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'rows/execution':>15}")
+    print(f"{'compiled sizes':<18} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'rows/execution':>15}")
     means = {}
     for label, rows in results.items():
         mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("throughput_rps", "p50_ms", "p99_ms",
                                                                   "rows_per_execution")}
         means[label] = mean
-        print(f"{label:<24} {mean['throughput_rps']:>9.1f} {mean['p50_ms']:>8.2f} {mean['p99_ms']:>8.2f} "
+        print(f"{label:<18} {mean['throughput_rps']:>9.1f} {mean['p50_ms']:>8.2f} {mean['p99_ms']:>8.2f} "
               f"{mean['rows_per_execution']:>15.2f}")
     a, b = (means[k]["throughput_rps"] for k in VARIANTS)
     print(f"speed-up from coalescing: {b / a:.2f}x")

@@ -307,21 +307,11 @@ class Scheduler:
             now = trio.current_time()
             plans: dict[str, tuple[list[Queued], BatchPlan]] = {}
             candidates: dict[str, Candidate] = {}
-            held_until = math.inf
             for name, queue in backlog.items():
                 order, plan = self._plan(name, queue)
-                release = self._held_until(name, order, plan)
-                if release > now:       # max_batch_delay_ms: let more rows join first
-                    held_until = min(held_until, release)
-                    continue
                 plans[name] = order, plan
                 due = min(q.dispatch_by for q in queue) if self._edf else queue[0].dispatch_by
                 candidates[name] = Candidate(name, plan.size, queue[0].seq, due)
-            if not candidates:
-                self._wakeup = trio.Event()
-                with trio.move_on_at(held_until):
-                    await self._wakeup.wait()
-                continue
             name = self._policy.pick(candidates, now)
             order, plan = plans[name]
             batch = [order[i] for i in plan.indices]
@@ -346,20 +336,6 @@ class Scheduler:
             # the frontend bounds rows by the largest compiled size; this is a bug if it happens
             plan = BatchPlan((0,), order[0].request.rows, model.compiled_batch_sizes[-1])
         return order, plan
-
-    def _held_until(self, name: str, order: list[Queued], plan: BatchPlan) -> float:
-        """When ``name`` may be dispatched under its ``max_batch_delay_ms``: now (-inf) if it
-        has no delay or its batch is already as full as it can get, else when its oldest
-        request has waited the delay."""
-        delay = self._config.for_model(name).max_batch_delay_ms
-        if not delay or self._closing:
-            return -math.inf
-        model = order[0].request.model
-        cap = self.max_batch_size(name)
-        largest = model.compiled_batch_sizes[-1] if cap is None else min(cap, model.compiled_batch_sizes[-1])
-        if plan.rows >= largest or len(plan.indices) < len(order):
-            return -math.inf        # full, or more is queued than one batch takes
-        return min(q.admitted_at for q in order) + delay / 1e3
 
     def _shed(self, name: str, batch: list[Queued], size: int, now: float) -> bool:
         """edf: answer the requests of ``batch`` that cannot finish by their deadline; any shed?"""
