@@ -33,7 +33,7 @@ class FakeDevice:
     cost: dict
     log: list = field(default_factory=list)   # (start, model, size, rows)
 
-    async def run(self, model, size, weights, inputs, rows, expected_seconds=None):
+    async def run(self, model, size, weights, inputs, rows):
         start = trio.current_time()
         self.log.append((start, model.name, size, tuple(rows)))
         await trio.sleep(self.cost[model.name](size))

@@ -2,10 +2,11 @@
 
 An execution normally runs in a worker thread so that the Trio thread keeps serving the
 frontend meanwhile. A thread hop costs the Trio thread about as much as a sub-millisecond
-execution itself (two wake-ups and a context switch), so executions the scheduler has learned to
-be shorter than :data:`INLINE_BELOW_SECONDS` run on the Trio thread instead; on the 2-core CPU
-machine this took the ``mlp`` tenant of the fairness benchmark from 1,330 to 1,880 req/s (see
-docs/scheduler.md)."""
+execution itself (two wake-ups and a context switch), so an execution whose last run at that
+batch size took less than :data:`INLINE_BELOW_SECONDS` of device work (as the executor itself
+measures it, hop excluded) runs on the Trio thread instead; see docs/scheduler.md for what that
+changed.
+"""
 from __future__ import annotations
 
 import time
@@ -62,23 +63,29 @@ def split(model: ModelVersion, outputs: Sequence[np.ndarray], rows: Sequence[int
 
 
 INLINE_BELOW_SECONDS = 0.001
-"""Executions learned to take less than this run on the Trio thread, without a thread hop."""
+"""Executions measured to take less than this run on the Trio thread, without a thread hop."""
 
 
 class Executor:
     def __init__(self, device: Device, limiter: trio.CapacityLimiter) -> None:
         self.device = device
         self._limiter = limiter
+        self._last: dict[tuple[int, int], float] = {}   # (id of the executable's model version, size) -> s
 
     async def run(self, model: ModelVersion, size: int, weights: tuple[object, ...],
-                  requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int],
-                  expected_seconds: float | None = None) -> BatchResult:
-        """Execute once. ``expected_seconds`` is the learned cost (None: unknown, so a thread)."""
-        if expected_seconds is not None and expected_seconds < INLINE_BELOW_SECONDS:
+                  requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]) -> BatchResult:
+        key = (id(model), size)
+        last = self._last.get(key)
+        if last is not None and last < INLINE_BELOW_SECONDS:
             async with self._limiter:   # the device is still one at a time with weight copies
-                return self._run(model, size, weights, requests, rows)
-        return await trio.to_thread.run_sync(self._run, model, size, weights, requests, rows,
-                                             limiter=self._limiter)
+                result = self._run(model, size, weights, requests, rows)
+        else:
+            result = await trio.to_thread.run_sync(self._run, model, size, weights, requests, rows,
+                                                   limiter=self._limiter)
+        if len(self._last) > 4096:      # versions come and go with reloads; forget them all now and then
+            self._last.clear()
+        self._last[key] = (result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns) / 1e9
+        return result
 
     def _run(self, model, size, weights, requests, rows) -> BatchResult:
         t0 = time.perf_counter_ns()

@@ -390,8 +390,7 @@ class Scheduler:
             if waiting:
                 self._weights.hint_next(min(waiting, key=lambda q: q.seq).request.model)
             started = trio.current_time()
-            result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows,
-                                              self._costs.estimate(name, size))
+            result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows)
             finished = trio.current_time()
         except Exception as exc:  # an XLA runtime failure fails this batch only
             log.exception("model %s: execution at batch size %d failed", model.name, size)
