@@ -23,19 +23,27 @@ from xlaserve.bench._servers import free_port, stop, wait_ready
 CANNED = np.zeros((1, 512), np.float32).tobytes()
 
 
-async def serve_grpclib(port: int) -> None:
-    from grpclib.server import Server
-
+def echo_service(fast: bool):
+    """The canned ModelInfer service, grpclib-shaped: grpclib serves it, and so does xlaserve's
+    grpc_server (which also uses its task-free entry when ``fast``)."""
     from xlaserve._proto import grpc_service_pb2 as pb
     from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 
+    def answer(request):
+        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
+        response.outputs.add(name="output", datatype="FP32", shape=[1, 512])
+        response.raw_output_contents.append(CANNED)
+        return response
+
     class Echo(GRPCInferenceServiceBase):
+        def __fast_unary__(self):
+            return {"/inference.GRPCInferenceService/ModelInfer": self.infer_now} if fast else {}
+
+        def infer_now(self, call, request):
+            call.complete(answer(request))
+
         async def ModelInfer(self, stream):
-            request = await stream.recv_message()
-            response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-            response.outputs.add(name="output", datatype="FP32", shape=[1, 512])
-            response.raw_output_contents.append(CANNED)
-            await stream.send_message(response)
+            await stream.send_message(answer(await stream.recv_message()))
 
         async def ModelReady(self, stream):
             await stream.recv_message()
@@ -47,7 +55,13 @@ async def serve_grpclib(port: int) -> None:
 
     # Only the RPCs above are reached; the rest stay abstract.
     Echo.__abstractmethods__ = frozenset()
-    server = Server([Echo()])
+    return Echo()
+
+
+async def serve_grpclib(port: int) -> None:
+    from grpclib.server import Server
+
+    server = Server([echo_service(fast=False)])
     await server.start("127.0.0.1", port)
     await server.wait_closed()
 
@@ -80,39 +94,10 @@ async def serve_grpcio(port: int) -> None:
 def serve_xlaserve(port: int, fast: bool = True) -> None:
     import trio
 
-    from xlaserve._proto import grpc_service_pb2 as pb
-    from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
     from xlaserve.frontend.grpc_server import GrpcServer
 
-    def answer(request):
-        response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
-        response.outputs.add(name="output", datatype="FP32", shape=[1, 512])
-        response.raw_output_contents.append(CANNED)
-        return response
-
-    class Echo(GRPCInferenceServiceBase):
-        def __fast_unary__(self):
-            return {"/inference.GRPCInferenceService/ModelInfer": self.infer_now} if fast else {}
-
-        def infer_now(self, call, request):
-            call.complete(answer(request))
-
-        async def ModelInfer(self, stream):
-            await stream.send_message(answer(await stream.recv_message()))
-
-        async def ModelReady(self, stream):
-            await stream.recv_message()
-            await stream.send_message(pb.ModelReadyResponse(ready=True))
-
-        async def ServerReady(self, stream):
-            await stream.recv_message()
-            await stream.send_message(pb.ServerReadyResponse(ready=True))
-
-    Echo.__abstractmethods__ = frozenset()
-
     async def main():
-        server = GrpcServer([Echo()])
-        await server.serve("127.0.0.1", port)
+        await GrpcServer([echo_service(fast)]).serve("127.0.0.1", port)
     trio.run(main)
 
 
