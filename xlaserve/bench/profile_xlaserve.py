@@ -74,7 +74,7 @@ def main() -> None:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             result = asyncio.run(loadgen.run_level(url, plans, inputs, duration=args.seconds, warmup=0.5))
             spy.wait()
-        layers, leaves, total = Counter(), Counter(), 0
+        layers, leaves, threads, total = Counter(), Counter(), Counter(), 0
         for line in raw.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
             frames = stack.split(";")
@@ -82,12 +82,17 @@ def main() -> None:
             total += n
             layers[layer_of(frames)] += n
             leaves[frames[-1]] += n
+            thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread (") else "?"
+            threads["main (Trio)" if thread == "MainThread" else "other threads (device, hooks)"] += n
     row = result.rows()[0]
     print(f"{args.model} c={args.concurrency}: {row['throughput_rps']:.0f} req/s, p99 {row['p99_ms']:.1f} ms; "
           f"{total} samples = {total / 200 / args.seconds:.2f} cores busy")
     print(f"{'layer':<46} {'samples':>8} {'share':>7}")
     for name, n in layers.most_common():
         print(f"{name:<46} {n:>8} {n / total:>7.1%}")
+    print("\nby thread:")
+    for name, n in threads.most_common():
+        print(f"{name:<46} {n:>8} {n / 200 / args.seconds:>6.2f} cores")
     print("\nheaviest leaf functions:")
     for frame, n in leaves.most_common(args.top):
         print(f"{n / total:>6.1%}  {frame[:110]}")
