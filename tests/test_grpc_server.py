@@ -772,6 +772,25 @@ def test_bad_preface_goaway_then_server_still_serves(server):
     assert server.connect().call(1, "/test.Echo/Unary", request("after")).replies()[0].id == "after"
 
 
+def test_a_bug_while_reading_costs_only_that_connection(server, monkeypatch):
+    """An unexpected exception in one connection's frame handling closes that connection; the
+    listener and the other connections keep serving."""
+    from xlaserve.frontend import grpc_server
+
+    other = server.connect()
+    assert other.call(1, "/test.Echo/Unary", request("before")).replies()[0].id == "before"
+
+    def broken(self, flags, sid, payload):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(grpc_server.Connection, "_on_window_update", broken)
+    victim = server.connect()
+    victim.send(frame(WINDOW_UPDATE, 0, 0, (1000).to_bytes(4, "big")))
+    victim.expect_eof()
+    monkeypatch.undo()
+    assert other.call(3, "/test.Echo/Unary", request("still")).replies()[0].id == "still"
+    assert server.connect().call(1, "/test.Echo/Unary", request("new")).replies()[0].id == "new"
+
+
 @pytest.mark.parametrize("bad_stream", [6, 3], ids=["even", "backwards"])
 def test_bad_new_stream_id_is_protocol_error(server, bad_stream):
     """RFC 9113 5.1.1: a client stream id must be odd and larger than every earlier one."""

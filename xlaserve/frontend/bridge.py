@@ -21,6 +21,14 @@ from xlaserve.errors import InternalError
 log = logging.getLogger("xlaserve.bridge")
 
 
+def _logged(fn: Callable[..., None], *args: Any) -> None:
+    """A run_sync_soon callback must not raise (it would end the Trio run): log instead."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a reply from another thread failed on the Trio thread")
+
+
 class Bridge:
     def __init__(self, token: trio.lowlevel.TrioToken) -> None:
         self._token = token
@@ -33,7 +41,7 @@ class Bridge:
             fn(*args)
             return
         try:
-            self._token.run_sync_soon(fn, *args)
+            self._token.run_sync_soon(_logged, fn, *args)
         except trio.RunFinishedError:
             pass
 

@@ -837,6 +837,8 @@ class GrpcServer:
             if self._closing:
                 return
             await conn.run()
+        except Exception:   # a bug must cost this connection only, never the listener
+            log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
             self._connections.discard(conn)
 
