@@ -77,7 +77,9 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     sent. ``max_rows`` bounds the batch dimension (the largest compiled batch size).
     """
     by_name = {d.name: d for d in expected}
-    want = ", ".join(f"'{d.name}' {d.describe()}" for d in expected)
+
+    def want() -> str:   # for error messages only: not built on the request path
+        return ", ".join(f"'{d.name}' {d.describe()}" for d in expected)
     raw = request.raw_input_contents
     # Raw contents belong, in order, to the inputs that are not read from shared memory.
     inline = sum(1 for t in request.inputs if "shared_memory_region" not in t.parameters)
@@ -91,7 +93,7 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     for tensor in request.inputs:
         decl = by_name.get(tensor.name)
         if decl is None:
-            raise InvalidArgument(f"unknown input '{tensor.name}'; the model takes {want}")
+            raise InvalidArgument(f"unknown input '{tensor.name}'; the model takes {want()}")
         if tensor.name in arrays:
             raise InvalidArgument(f"input '{tensor.name}' is given twice")
         if tensor.datatype != decl.dtype.kserve:
@@ -123,7 +125,7 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
             arrays[tensor.name] = _from_contents(tensor, decl.dtype, shape)
     missing = [d.name for d in expected if d.name not in arrays]
     if missing:
-        raise InvalidArgument(f"missing input(s) {', '.join(repr(m) for m in missing)}; the model takes {want}")
+        raise InvalidArgument(f"missing input(s) {', '.join(repr(m) for m in missing)}; the model takes {want()}")
     rows = rows if rows is not None else 1
     if rows < 1:
         raise InvalidArgument(f"input '{rows_from}': the batch dimension must be at least 1, got {rows}")
@@ -181,6 +183,23 @@ def encode_output(array: np.ndarray, dtype: DType) -> bytes:
     if array.dtype != dtype.numpy:
         array = array.astype(dtype.numpy)
     return np.ascontiguousarray(array).tobytes()
+
+
+def int_parameter(parameters: Mapping, key: str, owner: str = "", unit: str = "") -> int | None:
+    """A request parameter that must be a non-negative integer (``int64_param`` or
+    ``uint64_param``): its value, or None when absent. ``owner`` prefixes the error messages
+    (``tensor 'x'``); ``unit`` follows "an integer" in them (`` number of microseconds``)."""
+    if key not in parameters:
+        return None
+    prefix = f"{owner}: " if owner else ""
+    param = parameters[key]
+    which = param.WhichOneof("parameter_choice")
+    if which not in ("int64_param", "uint64_param"):
+        raise InvalidArgument(f"{prefix}parameter '{key}' must be an integer{unit}, got {which}")
+    value = getattr(param, which)
+    if value < 0:
+        raise InvalidArgument(f"{prefix}parameter '{key}' must not be negative, got {value}")
+    return value
 
 
 def datatype(name: str) -> DType:

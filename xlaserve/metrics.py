@@ -69,6 +69,18 @@ class Metrics:
 _LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+class _ModelAndTotal:
+    """One weight-cache counter twice: labelled by model, and an unlabelled total."""
+
+    def __init__(self, stem: str, doc: str, registry: CollectorRegistry) -> None:
+        self.model = Counter(f"xlaserve_weight_cache_model_{stem}", doc, ["model"], registry=registry)
+        self.total = Counter(f"xlaserve_weight_cache_{stem}", doc, registry=registry)
+
+    def inc(self, model: str) -> None:
+        self.model.labels(model).inc()
+        self.total.inc()
+
+
 class WeightCacheMetrics:
     """The weight cache's metrics (issue 4), per model and in total, in a worker's registry.
     Totals are separate unlabelled series so that dashboards need no ``sum()``."""
@@ -80,22 +92,10 @@ class WeightCacheMetrics:
         self.resident_total = Gauge("xlaserve_weight_cache_resident_bytes",
                                     "Weight bytes on the device now, all models", registry=r)
         self.budget = Gauge("xlaserve_weight_cache_budget_bytes", "The device weight budget", registry=r)
-        self.hits_model = Counter("xlaserve_weight_cache_model_hits",
-                                  "Dispatches that found the weights resident", ["model"], registry=r)
-        self.hits_total = Counter("xlaserve_weight_cache_hits", "Dispatches that found the weights resident",
-                                  registry=r)
-        self.misses_model = Counter("xlaserve_weight_cache_model_misses",
-                                    "Dispatches that had to copy the weights onto the device", ["model"], registry=r)
-        self.misses_total = Counter("xlaserve_weight_cache_misses",
-                                    "Dispatches that had to copy the weights onto the device", registry=r)
-        self.evictions_model = Counter("xlaserve_weight_cache_model_evictions",
-                                       "Device copies evicted to make room", ["model"], registry=r)
-        self.evictions_total = Counter("xlaserve_weight_cache_evictions", "Device copies evicted to make room",
-                                       registry=r)
-        self.prefetch_hits_model = Counter("xlaserve_weight_cache_model_prefetch_hits",
-                                           "Dispatches served by weights a prefetch copied", ["model"], registry=r)
-        self.prefetch_hits_total = Counter("xlaserve_weight_cache_prefetch_hits",
-                                           "Dispatches served by weights a prefetch copied", registry=r)
+        self.hits = _ModelAndTotal("hits", "Dispatches that found the weights resident", r)
+        self.misses = _ModelAndTotal("misses", "Dispatches that had to copy the weights onto the device", r)
+        self.evictions = _ModelAndTotal("evictions", "Device copies evicted to make room", r)
+        self.prefetch_hits = _ModelAndTotal("prefetch_hits", "Dispatches served by weights a prefetch copied", r)
         self.load_seconds_model = Histogram("xlaserve_weight_cache_model_load_seconds",
                                             "Time of one host-to-device weight copy (on demand or prefetch)",
                                             ["model"], buckets=_LOAD_BUCKETS, registry=r)
@@ -104,23 +104,19 @@ class WeightCacheMetrics:
                                             buckets=_LOAD_BUCKETS, registry=r)
 
     def hit(self, model: str, prefetched: bool) -> None:
-        self.hits_model.labels(model).inc()
-        self.hits_total.inc()
+        self.hits.inc(model)
         if prefetched:
-            self.prefetch_hits_model.labels(model).inc()
-            self.prefetch_hits_total.inc()
+            self.prefetch_hits.inc(model)
 
     def load(self, model: str, seconds: float, miss: bool) -> None:
         """One copy onto the device; ``miss`` when a dispatch waited for it (not a prefetch or pin)."""
         self.load_seconds_model.labels(model).observe(seconds)
         self.load_seconds_total.observe(seconds)
         if miss:
-            self.misses_model.labels(model).inc()
-            self.misses_total.inc()
+            self.misses.inc(model)
 
     def evict(self, model: str) -> None:
-        self.evictions_model.labels(model).inc()
-        self.evictions_total.inc()
+        self.evictions.inc(model)
 
     def resident(self, model: str, nbytes: int) -> None:
         self.resident_model.labels(model).set(nbytes)

@@ -26,9 +26,7 @@ Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server pus
 from __future__ import annotations
 
 import logging
-import re
 import struct
-import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -37,6 +35,7 @@ from typing import Any
 import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
+from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
@@ -76,28 +75,18 @@ _MESSAGE_PREFIX = struct.Struct(">BI")     # gRPC length-prefixed message: compr
 
 _RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/grpc")])
 _OK_TRAILERS = encode([("grpc-status", "0")])
-_TIMEOUT = re.compile(r"^(\d{1,8})([HMSmun])$")
-_TIMEOUT_UNIT = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _FRAME_HEADER.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
 
 
-def _percent_encode(message: str) -> str:
-    """grpc-message is percent-encoded UTF-8 (gRPC over HTTP/2, "Responses")."""
-    raw = message.encode("utf-8", "replace")
-    if all(0x20 <= b <= 0x7E and b != 0x25 for b in raw):
-        return raw.decode("ascii")
-    return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in raw)
-
-
 def parse_timeout(value: str) -> float:
     """Seconds in a ``grpc-timeout`` header value (``<up to 8 digits><unit>``)."""
-    m = _TIMEOUT.match(value)
-    if m is None:
-        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n")
-    return int(m.group(1)) * _TIMEOUT_UNIT[m.group(2)]
+    try:
+        return decode_timeout(value)
+    except ValueError:
+        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n") from None
 
 
 class ConnectionError_(Exception):
@@ -106,18 +95,6 @@ class ConnectionError_(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class Deadline:
-    """The call's deadline from ``grpc-timeout``, grpclib-shaped (``time_remaining()``)."""
-
-    __slots__ = ("at",)
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-
-    def time_remaining(self) -> float:
-        return max(0.0, self.at - time.monotonic())
 
 
 class Call:
@@ -212,7 +189,6 @@ class Connection:
         self.blocked: dict[int, Call] = {}          # calls with output waiting for window
         self.continuation: tuple[int, int, bytearray] | None = None
         self.nursery: trio.Nursery | None = None
-        self.idle = trio.Event()                    # set whenever no call is open
 
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -241,7 +217,6 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
         finally:
             self.stopping = True
-            self.idle.set()
             with trio.CancelScope(shield=True):
                 await self.sock.aclose()
 
@@ -475,7 +450,6 @@ class Connection:
         call = Call(self, sid, method, metadata, None, metadata.get("grpc-encoding", "identity"))
         call.fast = self.server.fast.get(path)
         self.calls[sid] = call
-        self.idle = trio.Event() if self.idle.is_set() else self.idle
         if flags & END_STREAM:
             call.remote_closed = True
         if method_name != "POST":
@@ -495,7 +469,7 @@ class Connection:
         timeout = metadata.get("grpc-timeout")
         if timeout is not None:
             try:
-                call.deadline = Deadline(parse_timeout(timeout))
+                call.deadline = Deadline.from_timeout(parse_timeout(timeout))
             except ValueError as exc:
                 self._fail(call, Status.INVALID_ARGUMENT, str(exc))
                 return
@@ -689,7 +663,7 @@ class Connection:
         else:
             fields = [("grpc-status", str(status.value))]
             if message:
-                fields.append(("grpc-message", _percent_encode(message)))
+                fields.append(("grpc-message", encode_grpc_message(message)))
             block = encode(fields)
         if not call.headers_sent:
             call.headers_sent = True
@@ -709,7 +683,7 @@ class Connection:
         call.finished = call.headers_sent = True
         self._send_trailers(call, encode([(":status", http_status), ("content-type", "text/plain"),
                                           ("grpc-status", str(Status.INTERNAL.value)),
-                                          ("grpc-message", _percent_encode(message))]))
+                                          ("grpc-message", encode_grpc_message(message))]))
 
     def _send_trailers(self, call: Call, block: bytes) -> None:
         self._write(self._header_frames(call.id, block, END_STREAM))
@@ -742,10 +716,9 @@ class Connection:
         self._maybe_idle()
 
     def _maybe_idle(self) -> None:
-        if not self.calls:
-            self.idle.set()
-            if self.going_away:
-                self.read_scope.cancel()
+        """A closing connection with no call left stops reading, which ends it."""
+        if self.going_away and not self.calls:
+            self.read_scope.cancel()
 
     def _flush_call(self, call: Call) -> None:
         """Send as much of ``call``'s waiting output as the windows allow."""

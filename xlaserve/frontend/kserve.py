@@ -19,7 +19,7 @@ from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import model_config_pb2 as mc
 from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
-from xlaserve.codec import decode_inputs, encode_output
+from xlaserve.codec import decode_inputs, encode_output, int_parameter
 from xlaserve.errors import (FailedPrecondition, InternalError, InvalidArgument, ModelNotFound, ModelNotReady,
                              NotFound, ResourceExhausted, Unimplemented, XlaserveError)
 from xlaserve.frontend.shm import cuda_unavailable
@@ -87,16 +87,9 @@ def _request_timeout(request, stream) -> float | None:
     """Seconds the caller allows: Triton's ``timeout`` parameter (microseconds) or the gRPC deadline,
     whichever is sooner."""
     timeouts = []
-    param = request.parameters.get("timeout") if "timeout" in request.parameters else None
-    if param is not None:
-        which = param.WhichOneof("parameter_choice")
-        if which not in ("int64_param", "uint64_param"):
-            raise InvalidArgument(f"parameter 'timeout' must be an integer number of microseconds, got {which}")
-        value = getattr(param, which)
-        if value < 0:
-            raise InvalidArgument(f"parameter 'timeout' must not be negative, got {value}")
-        if value > 0:
-            timeouts.append(value / 1e6)
+    micros = int_parameter(request.parameters, "timeout", unit=" number of microseconds")
+    if micros:
+        timeouts.append(micros / 1e6)
     if stream.deadline is not None:
         timeouts.append(max(0.0, stream.deadline.time_remaining()))
     return min(timeouts) if timeouts else None
@@ -298,9 +291,9 @@ class KServeService(GRPCInferenceServiceBase):
 
     @staticmethod
     def _requested_outputs(request, model: ModelVersion) -> list:
-        decls = {d.name: d for d in model.manifest.client_outputs}
         if not request.outputs:
             return [(d, None) for d in model.manifest.client_outputs]
+        decls = {d.name: d for d in model.manifest.client_outputs}
         out = []
         for o in request.outputs:
             decl = decls.get(o.name)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xlaserve.codec import serialize_bytes
+from xlaserve.codec import int_parameter, serialize_bytes
 from xlaserve.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from xlaserve.manifest import TensorDecl
 
@@ -83,19 +83,6 @@ def _object_name(key: str) -> str:
                               "one name of letters, digits and '_.-:@+' with an optional leading '/' (as "
                               "shm_open takes it), never a path ('/' inside, '..')")
     return match.group(1)
-
-
-def _int_param(parameters: Mapping, key: str, tensor: str) -> int | None:
-    if key not in parameters:
-        return None
-    param = parameters[key]
-    which = param.WhichOneof("parameter_choice")
-    if which not in ("int64_param", "uint64_param"):
-        raise InvalidArgument(f"tensor '{tensor}': parameter '{key}' must be an integer, got {which}")
-    value = getattr(param, which)
-    if value < 0:
-        raise InvalidArgument(f"tensor '{tensor}': parameter '{key}' must not be negative, got {value}")
-    return value
 
 
 class SharedMemoryRegistry:
@@ -209,11 +196,11 @@ class SharedMemoryRegistry:
         if param.WhichOneof("parameter_choice") != "string_param":
             raise InvalidArgument(f"tensor '{tensor_name}': parameter 'shared_memory_region' must be a string")
         name = param.string_param
-        size = _int_param(parameters, "shared_memory_byte_size", tensor_name)
+        size = int_parameter(parameters, "shared_memory_byte_size", f"tensor '{tensor_name}'")
         if size is None:
             raise InvalidArgument(f"tensor '{tensor_name}' names shared-memory region '{name}' without "
                                   "'shared_memory_byte_size'; both are required")
-        offset = _int_param(parameters, "shared_memory_offset", tensor_name) or 0
+        offset = int_parameter(parameters, "shared_memory_offset", f"tensor '{tensor_name}'") or 0
         region = self._regions.get(name)
         if region is None:
             raise NotFound(f"tensor '{tensor_name}': {self._unknown(name)}")

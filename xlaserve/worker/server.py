@@ -58,18 +58,16 @@ class WorkerHandles:
         return self.table.startup_done.is_set()
 
     async def control_load(self, name: str) -> None:
-        if self.config.model_control_mode == "static":
-            raise FailedPrecondition(f"cannot load '{name}': model_control_mode is static, so the model set is "
-                                     "fixed at start-up (use dynamic or explicit to load models at run time)")
-        error = await self.bridge.call(lambda reply: self._send_lifecycle(LoadModel(name, reply), reply))
-        if error is not None:
-            raise error
+        await self._control("load", LoadModel, name)
 
     async def control_unload(self, name: str) -> None:
+        await self._control("unload", UnloadModel, name)
+
+    async def _control(self, verb: str, message, name: str) -> None:
         if self.config.model_control_mode == "static":
-            raise FailedPrecondition(f"cannot unload '{name}': model_control_mode is static, so the model set is "
-                                     "fixed at start-up (use dynamic or explicit to unload models at run time)")
-        error = await self.bridge.call(lambda reply: self._send_lifecycle(UnloadModel(name, reply), reply))
+            raise FailedPrecondition(f"cannot {verb} '{name}': model_control_mode is static, so the model set is "
+                                     f"fixed at start-up (use dynamic or explicit to {verb} models at run time)")
+        error = await self.bridge.call(lambda reply: self._send_lifecycle(message(name, reply), reply))
         if error is not None:
             raise error
 
