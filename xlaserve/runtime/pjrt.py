@@ -3,7 +3,8 @@
 Everything xlaserve needs from JAX's PJRT client lives here: opening a backend
 (``jax.extend.backend``), reading a StableHLO module's ``@main`` signature (jaxlib's MLIR
 bindings), compiling (``compile_and_load``), executing (``execute_sharded``), copying host
-arrays to the device, and (de)serializing executables. The jax version is pinned in
+arrays to the device (``batched_device_put``: ``jax.device_put`` costs about 80 µs a call on
+this path, the call underneath it about 7), and (de)serializing executables. The jax version is pinned in
 pyproject.toml because these names move between releases. Nothing outside this module
 imports jax or jaxlib.
 """
@@ -20,8 +21,9 @@ import jax
 import jaxlib
 from jax.extend import backend as jax_backend
 from jax.extend import mlir as jax_mlir
+from jax._src import core as jax_core
 from jax._src.interpreters import mlir as jax_mlir_internal
-from jax._src.lib import xla_client
+from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir
 
 JAX_VERSION = jax.__version__
@@ -117,6 +119,8 @@ class Device:
             raise RuntimeError(f"{backend} has {len(devices)} device(s); ordinal {ordinal} does not exist")
         self._device = devices[ordinal]
         self._device_list = xla_client.DeviceList((self._device,))
+        self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._avals: dict[tuple[tuple[int, ...], np.dtype], object] = {}
 
     @property
     def kind(self) -> str:
@@ -218,9 +222,21 @@ class Device:
     def execute(self, executable, arguments: list) -> list[np.ndarray]:
         """Run once and return the outputs on the host. NumPy arrays among ``arguments`` are
         put on the device first (on cpu without a copy where PJRT can alias them)."""
-        device_args = [a if isinstance(a, jax.Array) else jax.device_put(a, self._device) for a in arguments]
+        device_args = [a if isinstance(a, jax.Array) else self._put(a) for a in arguments]
         results = executable.execute_sharded(device_args)
         return [np.asarray(shards[0]) for shards in results.disassemble_into_single_device_arrays()]
+
+    def _put(self, host: np.ndarray):
+        """``host`` on the device, as ``jax.device_put`` would put it but without its Python
+        layers (about 7 µs instead of 80 per array). The dtype is kept exactly (no x64
+        canonicalization): the executable was compiled for the manifest's dtypes."""
+        key = (host.shape, host.dtype)
+        aval = self._avals.get(key)
+        if aval is None:
+            if len(self._avals) > 1024:
+                self._avals.clear()
+            aval = self._avals[key] = jax_core.ShapedArray(host.shape, host.dtype)
+        return _jax.batched_device_put(aval, self._sharding, [host], [self._device], True, enable_x64=True)
 
     def defragment(self) -> bool:
         """Compact device memory where the backend can; False where there is nothing to do."""
