@@ -78,8 +78,10 @@ class Harness:
     async def infer(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0):
         send, receive = trio.open_memory_channel(1)
         x = np.full((rows, 1), tag, dtype=np.int64)
-        await self.send.send(InferRequest(self.model(name), {"x": x}, rows, str(tag), timeout,
-                                          send.send_nowait, 0))
+        now = trio.current_time()
+        deadline = math.inf if timeout is None else now + timeout
+        await self.send.send(InferRequest(self.model(name), {"x": x}, rows, str(tag), deadline,
+                                          send.send_nowait, 0, now))
         return await receive.receive()
 
     def submit(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, into=None):

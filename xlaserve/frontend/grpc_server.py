@@ -26,10 +26,13 @@ Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server pus
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import struct
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import trio
@@ -183,6 +186,9 @@ class Connection:
         self.recv_unacked = 0
         self.out = bytearray()
         self.out_ready = trio.Event()
+        self.sending = False                        # the writer task is inside send_all
+        # The same socket, for flush(): a non-blocking send from whichever task replied.
+        self.raw = socket.socket(fileno=os.dup(stream.socket.fileno()))
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
@@ -217,6 +223,7 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
         finally:
             self.stopping = True
+            self.raw.close()
             with trio.CancelScope(shield=True):
                 await self.sock.aclose()
 
@@ -230,17 +237,41 @@ class Connection:
                 await self.out_ready.wait()
                 continue
             data, self.out = self.out, bytearray()
+            self.sending = True
             try:
                 await sock.send_all(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 self.stopping = True
                 self.read_scope.cancel()
                 return
+            finally:
+                self.sending = False
 
     def _write(self, data: bytes) -> None:
-        if not self.stopping:
-            self.out += data
+        if self.stopping:
+            return
+        self.out += data
+        server = self.server
+        if server.holding:
+            server.dirty[self] = None       # sent when the write batch ends
+        else:
             self.out_ready.set()
+
+    def flush(self) -> None:
+        """Send what is queued now, with one non-blocking send; whatever the socket does not
+        take (or anything queued while the writer task is mid-send) is left to the writer."""
+        if not self.out:
+            return
+        if not (self.sending or self.stopping):
+            try:
+                sent = self.raw.send(self.out)
+            except OSError:             # would block, or a broken socket: the writer finds out
+                sent = 0
+            if sent == len(self.out):
+                self.out.clear()
+                return
+            del self.out[:sent]
+        self.out_ready.set()
 
     async def _read_loop(self) -> None:
         sock = self.sock
@@ -268,21 +299,23 @@ class Connection:
         recv_into = sock.socket.recv_into
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
+        batch = self.server.write_batch
         while True:
             pos = start
-            while end - pos >= 9:
-                lt, flags, stream_id = unpack(buffer, pos)
-                length = lt >> 8
-                stop = pos + 9 + length
-                if length > OUR_MAX_FRAME:
-                    raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes exceeds the "
-                                                             f"{OUR_MAX_FRAME} this server advertised")
-                if stop > end:
-                    break
-                ftype = lt & 0xFF
-                handle(ftype, flags, stream_id & 0x7FFFFFFF,
-                       view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
-                pos = stop
+            with batch():       # replies, acks and window updates of one read go out in one send
+                while end - pos >= 9:
+                    lt, flags, stream_id = unpack(buffer, pos)
+                    length = lt >> 8
+                    stop = pos + 9 + length
+                    if length > OUR_MAX_FRAME:
+                        raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes exceeds the "
+                                                                 f"{OUR_MAX_FRAME} this server advertised")
+                    if stop > end:
+                        break
+                    ftype = lt & 0xFF
+                    handle(ftype, flags, stream_id & 0x7FFFFFFF,
+                           view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
+                    pos = stop
             start = pos
             if self.going_away and not self.calls:
                 return
@@ -790,6 +823,8 @@ class GrpcServer:
         self._closing = False
         self._all_closed = trio.Event()
         self.port = 0
+        self.holding = 0                                   # write_batch() depth
+        self.dirty: dict[Connection, None] = {}           # connections written to while holding
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until :meth:`close` and every connection has ended."""
@@ -813,7 +848,23 @@ class GrpcServer:
         except Exception:   # a bug must cost this connection only, never the listener
             log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
+            conn.raw.close()
             self._connections.discard(conn)
+
+    @contextmanager
+    def write_batch(self) -> Iterator[None]:
+        """Writes made inside are sent when the outermost batch ends, one non-blocking send per
+        connection from the current task, instead of by each connection's writer task on a
+        later turn of the run loop: replies to one execution leave together, without a hop."""
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if not self.holding and self.dirty:
+                dirty, self.dirty = self.dirty, {}
+                for conn in dirty:
+                    conn.flush()
 
     def close(self) -> None:
         """Stop accepting connections; GOAWAY to every connection (open calls finish)."""

@@ -28,6 +28,7 @@ class BatchResult:
     compute_input_ns: int
     compute_infer_ns: int
     compute_output_ns: int
+    inline: bool = False     # ran on the Trio thread (see Executor.run)
 
 
 def assemble(model: ModelVersion, requests: Sequence[Mapping[str, np.ndarray]], size: int) -> list[np.ndarray]:
@@ -77,8 +78,15 @@ class Executor:
         key = (id(model), size)
         last = self._last.get(key)
         if last is not None and last < INLINE_BELOW_SECONDS:
-            async with self._limiter:   # the device is still one at a time with weight copies
-                result = self._run(model, size, weights, requests, rows)
+            # the device is still one at a time with weight copies; a free device costs no yield
+            try:
+                self._limiter.acquire_nowait()
+            except trio.WouldBlock:
+                await self._limiter.acquire()
+            try:
+                result = self._run(model, size, weights, requests, rows, True)
+            finally:
+                self._limiter.release()
         else:
             result = await trio.to_thread.run_sync(self._run, model, size, weights, requests, rows,
                                                    limiter=self._limiter)
@@ -87,7 +95,7 @@ class Executor:
         self._last[key] = (result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns) / 1e9
         return result
 
-    def _run(self, model, size, weights, requests, rows) -> BatchResult:
+    def _run(self, model, size, weights, requests, rows, inline: bool = False) -> BatchResult:
         t0 = time.perf_counter_ns()
         inputs = assemble(model, requests, size)
         t1 = time.perf_counter_ns()
@@ -95,4 +103,4 @@ class Executor:
         t2 = time.perf_counter_ns()
         per_request = split(model, outputs, rows)
         t3 = time.perf_counter_ns()
-        return BatchResult(per_request, t1 - t0, t2 - t1, t3 - t2)
+        return BatchResult(per_request, t1 - t0, t2 - t1, t3 - t2, inline)

@@ -98,12 +98,12 @@ class InferenceService:
         if model.is_meta:
             self._nursery.start_soon(self._meta, request, deadline)
         elif hooks is None or (hooks.preprocess is None and hooks.postprocess is None):
-            self._enqueue(InferRequest(model, request.inputs, request.rows, request.request_id,
-                                       request.timeout, request.reply, request.received_ns))
+            self._enqueue(model, request.inputs, request.rows, request.request_id, deadline, request.reply,
+                          request.received_ns)
         elif hooks.preprocess is None:
             # Postprocess only (the common case): no task; the outcome hands the hook to the pool.
-            self._enqueue(InferRequest(model, request.inputs, request.rows, request.request_id,
-                                       request.timeout, self._then_postprocess(request), request.received_ns))
+            self._enqueue(model, request.inputs, request.rows, request.request_id, deadline,
+                          self._then_postprocess(request), request.received_ns)
         else:
             self._nursery.start_soon(self._with_hooks, request, deadline)
 
@@ -130,7 +130,9 @@ class InferenceService:
             self._hook_pool.submit(work)
         return finish
 
-    def _enqueue(self, request: InferRequest) -> None:
+    def _enqueue(self, model: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int, request_id: str,
+                 deadline: float, reply: Reply, received_ns: int) -> None:
+        request = InferRequest(model, inputs, rows, request_id, deadline, reply, received_ns, trio.current_time())
         try:
             self._scheduler.send_nowait(request)
         except trio.WouldBlock:
@@ -141,13 +143,12 @@ class InferenceService:
     async def execute(self, model: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int,
                       request_id: str, deadline: float = math.inf, received_ns: int | None = None) -> Outcome:
         """Queue executable inputs with what is left until ``deadline`` and wait for their outcome."""
-        timeout = _remaining(deadline)
-        if timeout is not None and timeout <= 0:
+        if deadline <= trio.current_time():
             return DeadlineExceeded(f"model '{model.name}': request '{request_id}' ran out of time before it "
                                     "could be queued")
         send, receive = trio.open_memory_channel[Outcome](1)
-        self._enqueue(InferRequest(model, inputs, rows, request_id, timeout, send.send_nowait,
-                                   received_ns or time.perf_counter_ns()))
+        self._enqueue(model, inputs, rows, request_id, deadline, send.send_nowait,
+                      received_ns or time.perf_counter_ns())
         async with receive:
             return await receive.receive()
 

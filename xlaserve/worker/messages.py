@@ -35,9 +35,10 @@ class InferRequest:
     inputs: Mapping[str, np.ndarray]
     rows: int
     request_id: str
-    timeout: float | None          # seconds the caller still allows, from admission; None: no deadline
+    deadline: float                # when the caller stops waiting, on the Trio clock; math.inf: never
     reply: Reply
     received_ns: int               # time.perf_counter_ns() when the frontend received it
+    enqueued_at: float             # trio.current_time() when it was handed to the scheduler
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,8 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import trio
@@ -105,6 +106,9 @@ class Scheduler:
         self._answers: deque[tuple[list[Queued], list[int], int, object]] = deque()   # executed, not yet answered
         self._answers_ready = trio.Event()
         self._dispatch_done = False
+        #: Replies to one batch are made inside ``reply_batch()``; the worker sets the gRPC
+        #: server's write_batch here so that they leave in one send per connection.
+        self.reply_batch: Callable[[], AbstractContextManager] = nullcontext
 
     # ---- policy settings -----------------------------------------------------------------
     def weight(self, model: str) -> float:
@@ -196,21 +200,20 @@ class Scheduler:
                 f"model '{name}' has {len(queue)} requests queued, the limit (scheduler.max_queue_depth) "
                 f"is {limit}; retry later"))
             return
-        deadline = math.inf
-        if request.timeout is not None:
-            if request.timeout <= 0:
-                self._reject(request, DEADLINE_EXPIRED, DeadlineExceeded(
-                    f"model '{name}': the request's deadline had already passed when it was queued"))
-                return
-            deadline = now + request.timeout
-            if self._edf and not self._can_finish(request.model, request.rows, now, deadline):
-                self._reject(request, DEADLINE_SHED, DeadlineExceeded(
-                    f"model '{name}': a timeout of {request.timeout * 1e3:.1f} ms is shorter than its learned "
-                    f"execution time; shed without running"))
-                return
-        dispatch_by = min(deadline, now + self._config.dispatch_timeout_seconds)
+        deadline = request.deadline
+        if self._edf and deadline < math.inf and not self._can_finish(request.model, request.rows, now, deadline):
+            self._reject(request, DEADLINE_SHED, DeadlineExceeded(
+                f"model '{name}': {max(0.0, deadline - now) * 1e3:.3f} ms were left before the request's deadline, "
+                f"less than its learned execution time; shed without running"))
+            return
+        if deadline <= now:
+            self._reject(request, DEADLINE_EXPIRED, DeadlineExceeded(
+                f"model '{name}': the request's deadline had already passed when it was queued"))
+            return
+        # counted from when the frontend handed it over, like the deadline
+        dispatch_by = min(deadline, request.enqueued_at + self._config.dispatch_timeout_seconds)
         seq = next(self._seq)
-        queue.append(Queued(request, seq, now, deadline, dispatch_by))
+        queue.append(Queued(request, seq, request.enqueued_at, deadline, dispatch_by))
         self._queued.add(seq)
         heapq.heappush(self._expiry, (dispatch_by, seq, name))
         if dispatch_by < self._armed_at:
@@ -286,13 +289,16 @@ class Scheduler:
 
     # ---- dispatch ------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
+        woken = False
         while True:
-            # Let whatever is already runnable (requests the frontend has decoded) run before
-            # the next batch is formed: a reschedule, not a wait. Skipped while the last batch
-            # is still to be answered, so that the next execution starts first and the
-            # answers are encoded while it runs.
-            if not self._answers:
+            # Let whatever is already runnable (requests the frontend is decoding) run before
+            # the next batch is formed: a reschedule, not a wait. Skipped right after waking
+            # (everything runnable ran meanwhile), and while the last batch is still to be
+            # answered so that the next execution starts first and the answers are encoded
+            # while it runs.
+            if not woken and not self._answers:
                 await trio.lowlevel.cancel_shielded_checkpoint()
+            woken = False
             self._drain_inbox()
             backlog = {n: q for n, q in self._queues.items() if q}
             if not backlog:
@@ -303,6 +309,7 @@ class Scheduler:
                     return
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
+                woken = True
                 continue
             now = trio.current_time()
             plans: dict[str, tuple[list[Queued], BatchPlan]] = {}
@@ -414,13 +421,17 @@ class Scheduler:
                                      n * result.compute_input_ns, n * result.compute_infer_ns,
                                      n * result.compute_output_ns, now_ms)
         self._answers.append((batch, queue_ns, size, result))
-        self._answers_ready.set()
+        if result.inline:
+            # Nothing ran meanwhile, so nothing is gained by answering later: answer now
+            # (and anything still pending before it), without waking the answer task.
+            self._answer_pending()
+        else:
+            self._answers_ready.set()
 
-    async def _answer_loop(self) -> None:
-        """Reply to executed batches. Replying encodes each response (the frontend's part of the
-        reply), so it runs here rather than in the dispatch loop: the next execution is already
-        on the device while the previous batch's responses are encoded."""
-        while True:
+    def _answer_pending(self) -> None:
+        """Reply to every executed batch not yet answered. Replying encodes each response (the
+        frontend's part of the reply)."""
+        with self.reply_batch():
             while self._answers:
                 batch, queue_ns, size, result = self._answers.popleft()
                 for q, waited_ns, outputs in zip(batch, queue_ns, result.per_request):
@@ -430,6 +441,13 @@ class Scheduler:
                     except Exception:  # a bug in one reply must not lose the others
                         log.exception("model %s: replying to request %r failed", q.request.model.name,
                                       q.request.request_id)
+
+    async def _answer_loop(self) -> None:
+        """Reply to batches executed on a worker thread. This runs here rather than in the
+        dispatch loop so that the next execution is already on the device while the previous
+        batch's responses are encoded."""
+        while True:
+            self._answer_pending()
             if self._closing and self._dispatch_done:
                 return
             self._answers_ready = trio.Event()
