@@ -42,7 +42,7 @@ from xlaserve.frontend.grpc_server import (
     FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, NO_ERROR,
     OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, PADDED, PING, PREFACE, PRIORITY, PRIORITY_FLAG,
     PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE,
-    GrpcServer, frame,
+    Connection, GrpcServer, _OK_TRAILERS, frame,
 )
 
 TIMEOUT = 5.0          # seconds any single wait may take before the test fails
@@ -1273,3 +1273,81 @@ def test_graceful_close_waits_for_parked_fast_call(server):
     assert client.response(1).replies()[0].id == "done"
     client.expect_eof()
     server.wait_closed()
+
+
+# --- write batches: replies sent by the replying task ------------------------------------------
+
+def _park(server, client, ids) -> dict:
+    for sid, name in zip(range(1, 2 * len(ids), 2), ids):
+        client.start_call(sid, "/test.Fast/Park", grpc_body(request(name)))
+    client.ping_barrier()
+    assert sorted(server.fast.parked) == sorted(ids)
+    return server.fast.parked
+
+
+def _spy_flush(monkeypatch) -> list[tuple[int, int]]:
+    """Every Connection.flush: (bytes queued before, bytes left for the writer task after)."""
+    seen: list[tuple[int, int]] = []
+    original = Connection.flush
+
+    def flush(conn) -> None:
+        before = len(conn.out)
+        original(conn)
+        seen.append((before, len(conn.out)))
+    monkeypatch.setattr(Connection, "flush", flush)
+    return seen
+
+
+def test_replies_in_a_write_batch_leave_together_from_the_replying_task(server, monkeypatch):
+    client = server.connect()
+    parked = _park(server, client, ["a", "b", "c"])
+    flushes = _spy_flush(monkeypatch)
+
+    def complete_all() -> None:
+        with server.server.write_batch():
+            for name in ("a", "b", "c"):
+                parked[name].complete(Reply(id=name))
+    server.call(complete_all)
+    # one send for the three replies, straight from the batch: nothing was left to the writer
+    assert len(flushes) == 1
+    queued, left = flushes[0]
+    assert left == 0 and queued > 3 * len(_OK_TRAILERS)
+    assert [client.response(sid).replies()[0].id for sid in (1, 3, 5)] == ["a", "b", "c"]
+
+
+def test_write_batch_leaves_what_the_socket_refuses_to_the_writer_in_order(server, monkeypatch):
+    big = 16 << 20
+    client = server.connect({INITIAL_WINDOW_SIZE: 2**31 - 1, MAX_FRAME_SIZE: 2**24 - 1})
+    client.send(window_update(0, 2**31 - 1 - 65535))
+    parked = _park(server, client, ["x", "y"])
+    flushes = _spy_flush(monkeypatch)
+    payloads = {name: bytes([i + 1]) * big for i, name in enumerate(("x", "y"))}
+
+    def complete_all() -> None:
+        with server.server.write_batch():
+            for name, payload in payloads.items():
+                parked[name].complete(Reply(id=name, raw_output_contents=[payload]))
+    server.call(complete_all)            # the client reads nothing until both are queued
+    assert len(flushes) == 1
+    queued, left = flushes[0]
+    assert queued > 2 * big and 0 < left < queued, "the socket took all 32 MiB at once; nothing to test"
+    for sid, name in ((1, "x"), (3, "y")):
+        reply = client.response(sid).replies()[0]
+        assert reply.id == name and reply.raw_output_contents[0] == payloads[name]
+
+
+def test_nested_write_batches_send_once_at_the_outermost_end(server, monkeypatch):
+    client = server.connect()
+    parked = _park(server, client, ["p", "q"])
+    flushes = _spy_flush(monkeypatch)
+
+    def nested() -> int:
+        with server.server.write_batch():
+            with server.server.write_batch():
+                parked["p"].complete(Reply(id="p"))
+            sent_inside = len(flushes)
+            parked["q"].complete(Reply(id="q"))
+        return sent_inside
+    assert server.call(nested) == 0
+    assert len(flushes) == 1 and flushes[0][1] == 0
+    assert [client.response(sid).replies()[0].id for sid in (1, 3)] == ["p", "q"]
