@@ -1,6 +1,7 @@
 """Fair sharing of one device: a heavy tenant against four light ones, under ``fair`` and ``fifo``.
 
     python -m xlaserve.bench.fairness_bench [--duration 10] [--depth 8] [--disciplines fair,fifo]
+        [--light-think-ms 0]
 
 Five models with the same code (``tanh(x @ W)`` applied ``--depth`` times, FP32 [b, 512],
 compiled sizes 1..32; depth makes the device, not the gRPC frontend, the bottleneck):
@@ -9,7 +10,9 @@ compiled sizes 1..32; depth makes the device, not the gRPC frontend, the bottlen
 2. *mix*: ``heavy`` with 28 clients and ``light1..4`` with 1 client each. Goal under ``fair``:
    each light model's p99 within 2x of the reference. Each tenant runs its own load-generator
    process (``--shared-client``: all in one, where a light answer also waits for the client to
-   work through the heavy tenant's answers).
+   work through the heavy tenant's answers). With ``--light-think-ms T`` each light client
+   pauses T ms between an answer and its next request (alone too): a tenant whose demand is
+   bounded, rather than one whose closed loop asks for as much device as it is given.
 3. *shares*: all five backlogged (12 clients each, ``max_batch_size: 4`` so that one dispatch
    never drains a queue) with weights heavy=1, light1=1, light2=2,
    light3=2, light4=4. Device time per model (compute durations of every execution, from
@@ -68,18 +71,21 @@ def queue_ms(url: str) -> dict[str, tuple[int, float]]:
             for s in c.get_inference_statistics("").model_stats}
 
 
-def drive(url: str, clients: dict[str, int], duration: float, warmup: float) -> loadgen.LevelResult:
+def drive(url: str, clients: dict[str, int], duration: float, warmup: float,
+          think_ms: float = 0.0) -> loadgen.LevelResult:
     inputs = {m: [loadgen.InputSpec("input", "FP32", (1, 512))] for m in clients}
     plans = [loadgen.ClientPlan(lambda m=m: m) for m, n in clients.items() for _ in range(n)]
-    return asyncio.run(loadgen.run_level(url, plans, inputs, duration=duration, warmup=warmup))
+    return asyncio.run(loadgen.run_level(url, plans, inputs, duration=duration, warmup=warmup, think_ms=think_ms))
 
 
-def drive_tenants(url: str, clients: dict[str, int], duration: float, warmup: float) -> dict[str, dict]:
+def drive_tenants(url: str, clients: dict[str, int], duration: float, warmup: float,
+                  think_ms: dict[str, float] | None = None) -> dict[str, dict]:
     """Each tenant (model) driven by its own load-generator process, as separate tenants would
     be: one tenant's answers never queue behind another's in a shared client. Rows by model."""
+    think_ms = think_ms or {}
     procs = {m: subprocess.Popen([sys.executable, "-m", "xlaserve.bench.loadgen", "--url", url, "-m", m,
                                   "-i", "input:FP32:1x512", "-c", str(n), "-d", str(duration),
-                                  "--warmup", str(warmup), "--quiet"],
+                                  "--warmup", str(warmup), "--think-ms", str(think_ms.get(m, 0.0)), "--quiet"],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
              for m, n in clients.items()}
     rows = {}
@@ -97,10 +103,15 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--depth", type=int, default=8)
     p.add_argument("--disciplines", default="fair,fifo")
+    p.add_argument("--light-think-ms", type=float, default=0.0,
+                   help="each light client pauses this long between an answer and its next request, alone "
+                        "and in the mix (default 0: back to back, as the heavy clients)")
     p.add_argument("--shared-client", action="store_true",
                    help="mix: drive all tenants from one load-generator process (default: one process per "
                         "tenant)")
     args = p.parse_args()
+    if args.shared_client and args.light_think_ms:
+        p.error("--light-think-ms needs one load-generator process per tenant (drop --shared-client)")
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
@@ -110,13 +121,14 @@ def main() -> None:
             sched = {"discipline": discipline,
                      "models": {m: {"weight": w} for m, w in WEIGHTS.items()}}
             with xlaserve(repo, sched) as (url, _):
-                alone = drive(url, {"light1": 1}, args.duration, args.warmup).rows()[0]
+                alone = drive(url, {"light1": 1}, args.duration, args.warmup, args.light_think_ms).rows()[0]
                 q0 = queue_ms(url)
                 tenants = {"heavy": 28, **{f"light{i}": 1 for i in range(1, 5)}}
                 if args.shared_client:
                     mix = {r["model"]: r for r in drive(url, tenants, args.duration, args.warmup).rows()}
                 else:
-                    mix = drive_tenants(url, tenants, args.duration, args.warmup)
+                    mix = drive_tenants(url, tenants, args.duration, args.warmup,
+                                        {m: args.light_think_ms for m in MODELS[1:]})
                 q1 = queue_ms(url)
                 mix_queue = {m: round((q1[m][1] - q0.get(m, (0, 0))[1]) / max(1, q1[m][0] - q0.get(m, (0, 0))[0]), 2)
                              for m in MODELS}
@@ -135,7 +147,8 @@ def main() -> None:
                           "relative_error": round((busy[m] / total_busy) / (WEIGHTS[m] / total_weight) - 1, 3),
                           "rps": next(r["throughput_rps"] for r in shares_run.rows() if r["model"] == m)}
                       for m in MODELS}
-            result = {"discipline": discipline, "light_alone_p99_ms": alone["p99_ms"],
+            result = {"discipline": discipline, "light_think_ms": args.light_think_ms,
+                      "light_alone_p99_ms": alone["p99_ms"],
                       "light_alone_rps": alone["throughput_rps"],
                       "mix": {m: {k: mix[m][k] for k in ("throughput_rps", "p50_ms", "p99_ms", "errors")}
                               for m in MODELS},
@@ -145,7 +158,7 @@ def main() -> None:
             summary[discipline] = result
             print(json.dumps(result), flush=True)
     for discipline, r in summary.items():
-        print(f"\n== {discipline} (depth {args.depth}) ==")
+        print(f"\n== {discipline} (depth {args.depth}, light think time {args.light_think_ms:g} ms) ==")
         print(f"light1 alone: p99 {r['light_alone_p99_ms']:.2f} ms, {r['light_alone_rps']:.0f} req/s")
         print(f"{'model':<8} {'clients':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'p99/alone':>9} "
               f"{'queue ms (mean, server)':>24}")

@@ -143,8 +143,10 @@ async def discover_inputs(client, model: str, batch: int) -> list[InputSpec]:
 
 async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[InputSpec]], *,
                     duration: float, warmup: float, timeout_ms: float | None = None,
-                    progress: Callable[[float, int, int], None] | None = None) -> LevelResult:
-    """Run ``plans`` (one closed-loop client each) against ``url``; count the window after warm-up."""
+                    progress: Callable[[float, int, int], None] | None = None,
+                    think_ms: float = 0.0) -> LevelResult:
+    """Run ``plans`` (one closed-loop client each) against ``url``; count the window after warm-up.
+    ``think_ms``: each client pauses that long after an answer before its next request."""
     import tritonclient.grpc.aio as aio
     from tritonclient.utils import InferenceServerException
 
@@ -191,6 +193,8 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
                     done[1] += 1
                     if status in ("UNAVAILABLE", "UNKNOWN"):
                         await asyncio.sleep(0.01)     # the server is gone or restarting: do not spin
+            if think_ms:
+                await asyncio.sleep(think_ms / 1000)
 
     async def report() -> None:
         while progress is not None:
@@ -236,6 +240,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mix", choices=["uniform", "zipf"], default="uniform", help="traffic mix over the models")
     p.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent s (default 1.0)")
     p.add_argument("--timeout-ms", type=float, help="deadline per request, in ms (default: none)")
+    p.add_argument("--think-ms", type=float, default=0.0,
+                   help="each client pauses this long after an answer before its next request (default 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -274,7 +280,8 @@ def main(args: argparse.Namespace) -> int:
     for conc in levels:
         plans = [ClientPlan(model_mix(args.model, args.mix, args.zipf_s, args.seed + i)) for i in range(conc)]
         result = asyncio.run(run_level(args.url, plans, inputs, duration=args.duration, warmup=args.warmup,
-                                       timeout_ms=args.timeout_ms, progress=progress(f"c={conc}")))
+                                       timeout_ms=args.timeout_ms, progress=progress(f"c={conc}"),
+                                       think_ms=args.think_ms))
         if not args.quiet and sys.stderr.isatty():
             print(file=sys.stderr)
         results.append(result)
