@@ -26,7 +26,6 @@ Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server pus
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import zlib
@@ -187,8 +186,9 @@ class Connection:
         self.out = bytearray()
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
-        # The same socket, for flush(): a non-blocking send from whichever task replied.
-        self.raw = socket.socket(fileno=os.dup(stream.socket.fileno()))
+        # The same socket (same file descriptor, detached before Trio closes it), for flush():
+        # a non-blocking send from whichever task replied. Never used once stopping is set.
+        self.raw = socket.socket(fileno=stream.socket.fileno())
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
@@ -223,7 +223,7 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
         finally:
             self.stopping = True
-            self.raw.close()
+            self.raw.detach()
             with trio.CancelScope(shield=True):
                 await self.sock.aclose()
 
@@ -848,7 +848,11 @@ class GrpcServer:
         except Exception:   # a bug must cost this connection only, never the listener
             log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
-            conn.raw.close()
+            conn.stopping = True
+            conn.raw.detach()            # the descriptor is Trio's to close
+            if conn.sock.socket.fileno() != -1:
+                with trio.CancelScope(shield=True):
+                    await conn.sock.aclose()
             self._connections.discard(conn)
 
     @contextmanager
