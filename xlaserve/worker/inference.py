@@ -68,11 +68,6 @@ class SubCallError(XlaserveError):
         self.cause = cause
 
 
-def _remaining(deadline: float) -> float | None:
-    """Seconds left until ``deadline`` (trio clock), or None for no deadline."""
-    return None if math.isinf(deadline) else deadline - trio.current_time()
-
-
 class InferenceService:
     """Accepts decoded client requests; owns the hook and meta thread pools.
 

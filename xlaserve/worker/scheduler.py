@@ -8,8 +8,8 @@ model's ``max_batch_size`` rows), makes its weights resident and runs one execut
 outputs are cut back into each request's own rows. Nothing waits on purpose: while one
 execution runs, the queues fill, and the next dispatch takes what has gathered.
 
-Every queued request is due for dispatch by ``min(its deadline, admission +
-dispatch_timeout_seconds)``; the expiry task answers DEADLINE_EXCEEDED for any request still
+Every queued request is due for dispatch by ``min(its deadline, hand-over +
+dispatch_timeout_seconds)`` (both on the Trio clock, from when the frontend handed it over); the expiry task answers DEADLINE_EXCEEDED for any request still
 queued at that moment, so it never runs. Under ``edf`` a request that cannot finish in time
 given the learned execution cost is shed early, at admission or when its batch is formed.
 """
@@ -53,7 +53,7 @@ WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make t
 class Queued:
     request: InferRequest
     seq: int                 # admission order across all models
-    admitted_at: float       # trio.current_time()
+    admitted_at: float       # trio.current_time() when the frontend handed it over
     deadline: float          # the request's own deadline on the Trio clock; inf: none
     dispatch_by: float       # min(deadline, admitted_at + dispatch_timeout_seconds)
 
