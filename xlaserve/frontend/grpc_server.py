@@ -839,20 +839,16 @@ class GrpcServer:
         self._all_closed.set()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        if self._closing:
+            await stream.aclose()
+            return
         conn = Connection(self, stream)
         self._connections.add(conn)
         try:
-            if self._closing:
-                return
             await conn.run()
         except Exception:   # a bug must cost this connection only, never the listener
             log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
-            conn.stopping = True
-            conn.raw.detach()            # the descriptor is Trio's to close
-            if conn.sock.socket.fileno() != -1:
-                with trio.CancelScope(shield=True):
-                    await conn.sock.aclose()
             self._connections.discard(conn)
 
     @contextmanager

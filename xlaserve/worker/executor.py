@@ -72,17 +72,17 @@ sit idle while the device works, so only sub-millisecond ones."""
 
 
 class Executor:
-    def __init__(self, device: Device, limiter: trio.CapacityLimiter, inline_below: float | None = None) -> None:
+    def __init__(self, device: Device, limiter: trio.CapacityLimiter) -> None:
         self.device = device
         self._limiter = limiter
-        self.inline_below = INLINE_BELOW_SECONDS.get(getattr(device, "backend", ""), 0.001) if inline_below is None else inline_below
+        self._inline_below = INLINE_BELOW_SECONDS.get(device.backend, INLINE_BELOW_SECONDS["cuda"])
         self._last: dict[tuple[int, int], float] = {}   # (id of the executable's model version, size) -> s
 
     async def run(self, model: ModelVersion, size: int, weights: tuple[object, ...],
                   requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]) -> BatchResult:
         key = (id(model), size)
         last = self._last.get(key)
-        if last is not None and last < self.inline_below:
+        if last is not None and last < self._inline_below:
             # the device is still one at a time with weight copies; a free device costs no yield
             try:
                 self._limiter.acquire_nowait()
