@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +12,20 @@ from xlaserve.worker import executor as executor_module
 from xlaserve.worker.executor import INLINE_BELOW_SECONDS, Executor
 
 
+class FakeClock:
+    """The executor's ``time``: nanoseconds advance only when the fake device works, so a
+    measurement never depends on how busy the machine running the tests is."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+
+    def perf_counter_ns(self) -> int:
+        return self.ns
+
+
+CLOCK = FakeClock()
+
+
 class FakeDevice:
     def __init__(self, backend: str, seconds: float) -> None:
         self.backend = backend
@@ -21,7 +34,7 @@ class FakeDevice:
 
     def execute(self, executable, arguments):
         self.threads.append(threading.get_ident())
-        time.sleep(self.seconds)
+        CLOCK.ns += round(self.seconds * 1e9)
         return [arguments[-1]]
 
 
@@ -29,6 +42,7 @@ class FakeDevice:
 def plain_batches(monkeypatch):
     monkeypatch.setattr(executor_module, "assemble", lambda model, requests, size: [r["x"] for r in requests])
     monkeypatch.setattr(executor_module, "split", lambda model, outputs, rows: tuple({"y": o} for o in outputs))
+    monkeypatch.setattr(executor_module, "time", CLOCK)
 
 
 MODEL = SimpleNamespace(modules={1: SimpleNamespace(executable=object())})
