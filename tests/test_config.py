@@ -71,7 +71,8 @@ def test_block_defaults_match_the_documented_values():
     assert SchedulerConfig().max_queue_depth == 1024
     assert SchedulerConfig().compaction_interval == 0
     assert ModelSchedConfig() == ModelSchedConfig(weight=1.0, residency="system",
-                                                  max_batch_size=None)
+                                                  max_batch_size=None, batch_delay_seconds=0.0,
+                                                  batch_target_rows=None)
     endpoints = EndpointsConfig()
     assert (endpoints.host, endpoints.port, endpoints.max_concurrent_requests) == \
         ("0.0.0.0", None, 64)
@@ -230,7 +231,8 @@ def test_effective_config_round_trips_through_yaml(full_node: NodeConfig):
     assert yaml.safe_load("\n".join(lines)) == to_plain(worker)
     plain = to_plain(worker)
     assert plain["scheduler"]["models"]["yolo"] == {
-        "weight": 1.0, "residency": "device", "max_batch_size": None}
+        "weight": 1.0, "residency": "device", "max_batch_size": None, "batch_delay_seconds": 0.0,
+        "batch_target_rows": None}
     assert set(plain) == {f.name for f in dataclasses.fields(WorkerConfig)}
 
 
@@ -418,8 +420,12 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
      "global.scheduler.models.m.residency: expected one of device, system, unpinned, got 'gpu'"),
     ({"global": {"scheduler": {"models": {"m": {"max_batch_size": 0}}}}},
      "global.scheduler.models.m.max_batch_size: expected a positive integer or null, got 0"),
+    ({"global": {"scheduler": {"models": {"m": {"batch_delay_seconds": -0.001}}}}},
+     "global.scheduler.models.m.batch_delay_seconds: expected a non-negative number, got -0.001"),
+    ({"global": {"scheduler": {"models": {"m": {"batch_target_rows": 0}}}}},
+     "global.scheduler.models.m.batch_target_rows: expected a positive integer or null, got 0"),
     ({"global": {"scheduler": {"models": {"m": {"wieght": 1}}}}},
-     ("global.scheduler.models.m.wieght: unknown key (known: max_batch_size, pin_to_gpu, "
+     ("global.scheduler.models.m.wieght: unknown key (known: batch_delay_seconds, batch_target_rows, max_batch_size, pin_to_gpu, "
       "residency, weight)")),
     ({"global": {"scheduler": {"models": {"m": {"pin_to_gpu": "yes"}}}}},
      "global.scheduler.models.m.pin_to_gpu: expected true or false, got 'yes'"),

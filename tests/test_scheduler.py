@@ -177,6 +177,86 @@ def test_no_artificial_wait_requests_trickling_in_run_one_by_one():
     run(test, config(), {"m": per_batch(0.0005)})
 
 
+def test_batch_delay_holds_a_lone_model_until_the_target_rows_or_the_delay():
+    """With batch_delay_seconds a trickle gathers: the hold ends at batch_target_rows (dispatch
+    at once) or when the oldest request has waited the delay (dispatch what is there)."""
+    async def test(h: Harness):
+        for _ in range(4):                  # 4 rows at 1 ms apart: the target, reached at t=3 ms
+            h.submit("m")
+            await trio.sleep(0.001)
+        await trio.sleep(0.05)
+        for _ in range(2):                  # 2 rows: the oldest waits out the 10 ms delay
+            h.submit("m")
+            await trio.sleep(0.001)
+        await trio.sleep(1)
+        starts = [(round(start, 4), size, rows) for start, _, size, rows in h.device.log]
+        assert starts == [(0.003, 4, (1, 1, 1, 1)), (0.064, 2, (1, 1))]
+
+    run(test, config(models={"m": {"batch_delay_seconds": 0.01, "batch_target_rows": 4}}),
+        {"m": per_batch(0.0005)})
+
+
+def test_batch_delay_target_defaults_to_the_largest_size_capped_by_max_batch_size():
+    async def test(h: Harness):
+        for _ in range(8):
+            h.submit("m")
+            await trio.sleep(0.001)
+        await trio.sleep(1)
+        assert [(round(start, 4), size) for start, _, size, _ in h.device.log] == [(0.001, 2), (0.003, 2),
+                                                                                   (0.005, 2), (0.007, 2)]
+
+    run(test, config(models={"m": {"batch_delay_seconds": 0.01, "max_batch_size": 2}}),
+        {"m": per_batch(0.0001)})
+
+
+def test_batch_delay_never_idles_the_device_while_another_model_waits():
+    async def test(h: Harness):
+        h.submit("m")
+        await trio.sleep(0.002)             # m is held (alone, 1 row of 8)
+        assert h.device.log == []
+        h.submit("other")                   # another backlogged model ends the hold
+        await trio.sleep(1)
+        assert sorted((round(start, 4), name) for start, name, _, _ in h.device.log)[0][0] == 0.002
+        assert {name for _, name, _, _ in h.device.log} == {"m", "other"}
+
+    run(test, config(models={"m": {"batch_delay_seconds": 0.5}}),
+        {"m": per_batch(0.001), "other": per_batch(0.001)})
+
+
+def test_batch_delay_never_holds_a_request_past_its_deadline_less_the_learned_cost():
+    results = []
+
+    async def test(h: Harness):
+        await h.infer("m", rows=8)          # learn the cost at size 8: 20 ms
+        start = trio.current_time()
+        h.submit("m", timeout=0.05, into=results)
+        await trio.sleep(1)
+        assert round(h.device.log[-1][0] - start, 4) == 0.03     # 50 ms deadline - 20 ms cost
+        assert isinstance(results[0][3], InferResult)
+
+    run(test, config(models={"m": {"batch_delay_seconds": 0.5}}), {"m": per_batch(0.02)})
+
+
+def test_batch_delay_ends_with_a_dropped_model_and_at_shutdown():
+    results = []
+
+    async def test(h: Harness):
+        from xlaserve.errors import ModelNotReady
+        h.submit("m", tag=1, into=results)
+        await trio.sleep(0.01)
+        await h.send.send(DropModel("m", ModelNotReady("model 'm' was unloaded")))
+        await trio.sleep(0.001)
+        assert isinstance(results[0][3], ModelNotReady) and round(results[0][0], 4) == 0.01
+        h.submit("m", tag=2, into=results)
+        await trio.sleep(0.01)
+        await h.send.aclose()               # the inbox closes: the queue is served, not held
+        await trio.sleep(0.001)
+        assert isinstance(results[1][3], InferResult) and round(results[1][0], 4) == 0.021
+        assert len(h.device.log) == 1
+
+    run(test, config(models={"m": {"batch_delay_seconds": 5.0}}), {"m": per_batch(0.0)})
+
+
 def test_full_queue_rejects_with_resource_exhausted_naming_model_and_depth():
     results = []
 

@@ -188,11 +188,19 @@ class ModelSchedConfig:
             ``residency: device``.
         max_batch_size: cap on the rows coalesced into one dispatch, >= 1; null (the default)
             is uncapped. It never changes compiled shapes and never splits a request.
+        batch_delay_seconds: how long, at most, the model's oldest queued request is held back
+            so that more rows gather before a dispatch, >= 0. Default 0: never (a dispatch takes
+            whatever has queued when the device frees). A hold happens only while no other model
+            has requests queued and never past a request's deadline less the learned cost.
+        batch_target_rows: a hold ends as soon as this many rows are queued, >= 1. Default null:
+            the largest compiled batch size (capped by ``max_batch_size``).
     """
 
     weight: float = _key(1.0, low=0.0, low_open=True)
     residency: str = _key("system", choices=("device", "system", "unpinned"))
     max_batch_size: int | None = _key(None, low=1)
+    batch_delay_seconds: float = _key(0.0, low=0.0)
+    batch_target_rows: int | None = _key(None, low=1)
 
 
 @dataclass(frozen=True, slots=True)

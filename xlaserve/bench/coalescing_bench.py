@@ -1,10 +1,14 @@
 """Does coalescing pay? ``mlp`` at c=32 with compiled sizes [1] versus [1,2,4,8,16,32].
 
     python -m xlaserve.bench.coalescing_bench [--rounds 2] [--duration 10] [--concurrency 32]
+        [--delay-ms D [--target-rows T]]
 
-Both variants are exported from the example ``mlp`` (as models ``mlp_b1`` and ``mlp``) and
-served by one xlaserve each, in alternating rounds. Reports throughput, p50/p99 and the mean rows
-per execution (inference_count / execution_count from ModelStatistics over the measured window).
+Both variants are exported from the example ``mlp`` and served by one xlaserve each, in
+alternating rounds. ``--delay-ms`` adds a third: [1..32] with ``batch_delay_seconds`` (and
+``batch_target_rows``) set for ``mlp``. Reports throughput, p50/p99, the mean rows per
+execution (inference_count / execution_count from ModelStatistics over the measured window),
+device time per row (the executions' compute durations over the rows they served) and the
+server's CPU time per request.
 """
 from __future__ import annotations
 
@@ -17,22 +21,31 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import export_mlp_as, xlaserve
+from xlaserve.bench._servers import export_mlp_as, tree_cpu_seconds, xlaserve
 
-VARIANTS = {"[1]": (1,), "[1,2,4,8,16,32]": (1, 2, 4, 8, 16, 32)}
+SIZES = {"[1]": (1,), "[1,2,4,8,16,32]": (1, 2, 4, 8, 16, 32)}
+COLUMNS = ("throughput_rps", "p50_ms", "p99_ms", "rows_per_execution", "device_us_per_row", "server_cpu_us_per_req")
 
 
-def measure(url: str, conc: int, duration: float, warmup: float) -> dict:
+def _device_seconds(stats) -> float:
+    return sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in stats.batch_stats) / 1e9
+
+
+def measure(url: str, conc: int, duration: float, warmup: float, pid: int | None = None) -> dict:
     c = grpcclient.InferenceServerClient(url)
     inputs = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
     plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(conc)]
     # statistics over warm-up + window; the warm-up is short next to the window
     before = c.get_inference_statistics("mlp").model_stats[0]
+    cpu_before = tree_cpu_seconds(pid) if pid else 0.0
     result = asyncio.run(loadgen.run_level(url, plans, inputs, duration=duration, warmup=warmup))
+    cpu_after = tree_cpu_seconds(pid) if pid else 0.0
     after = c.get_inference_statistics("mlp").model_stats[0]
     row = result.rows()[0]
-    row["rows_per_execution"] = round((after.inference_count - before.inference_count)
-                                      / max(1, after.execution_count - before.execution_count), 2)
+    inferences = max(1, after.inference_count - before.inference_count)
+    row["rows_per_execution"] = round(inferences / max(1, after.execution_count - before.execution_count), 2)
+    row["device_us_per_row"] = round((_device_seconds(after) - _device_seconds(before)) / inferences * 1e6, 1)
+    row["server_cpu_us_per_req"] = round((cpu_after - cpu_before) / inferences * 1e6, 1) if pid else None
     return row
 
 
@@ -42,32 +55,43 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="also run [1..32] with scheduler.models.mlp.batch_delay_seconds set to this")
+    p.add_argument("--target-rows", type=int, default=None,
+                   help="with --delay-ms: batch_target_rows (default: the largest compiled size)")
     args = p.parse_args()
+    variants: dict[str, tuple[tuple[int, ...], dict]] = {label: (sizes, {}) for label, sizes in SIZES.items()}
+    if args.delay_ms:
+        held = {"batch_delay_seconds": args.delay_ms / 1e3, "batch_target_rows": args.target_rows}
+        variants[f"[1..32] held {args.delay_ms:g} ms/{args.target_rows or 32} rows"] = \
+            (SIZES["[1,2,4,8,16,32]"], {"models": {"mlp": held}})
     with tempfile.TemporaryDirectory() as tmp:
         repos = {}
-        for label, sizes in VARIANTS.items():
-            repos[label] = Path(tmp) / label.strip("[]").replace(",", "_")
-            repos[label].mkdir()
-            export_mlp_as(repos[label], "mlp", sizes)
-        results: dict[str, list[dict]] = {label: [] for label in VARIANTS}
+        for sizes in {v[0] for v in variants.values()}:
+            repos[sizes] = Path(tmp) / "_".join(map(str, sizes))
+            repos[sizes].mkdir()
+            export_mlp_as(repos[sizes], "mlp", sizes)
+        results: dict[str, list[dict]] = {label: [] for label in variants}
         for round_ in range(args.rounds):
-            for label in VARIANTS:
-                with xlaserve(repos[label]) as (url, _):
-                    row = measure(url, args.concurrency, args.duration, args.warmup)
+            for label, (sizes, sched) in variants.items():
+                with xlaserve(repos[sizes], sched) as (url, pid):
+                    row = measure(url, args.concurrency, args.duration, args.warmup, pid)
                 row.update(sizes=label, round=round_)
                 results[label].append(row)
                 print(json.dumps(row), flush=True)
     print(f"\nmlp, c={args.concurrency}, {args.rounds} alternating rounds of {args.duration:.0f} s")
-    print(f"{'compiled sizes':<18} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'rows/execution':>15}")
+    print(f"{'variant':<30} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'rows/exec':>10} {'device us/row':>14} "
+          f"{'cpu us/req':>11}")
     means = {}
     for label, rows in results.items():
-        mean = {k: sum(r[k] for r in rows) / len(rows) for k in ("throughput_rps", "p50_ms", "p99_ms",
-                                                                  "rows_per_execution")}
+        mean = {k: sum(r[k] for r in rows) / len(rows) for k in COLUMNS}
         means[label] = mean
-        print(f"{label:<18} {mean['throughput_rps']:>9.1f} {mean['p50_ms']:>8.2f} {mean['p99_ms']:>8.2f} "
-              f"{mean['rows_per_execution']:>15.2f}")
-    a, b = (means[k]["throughput_rps"] for k in VARIANTS)
-    print(f"speed-up from coalescing: {b / a:.2f}x")
+        print(f"{label:<30} {mean['throughput_rps']:>9.1f} {mean['p50_ms']:>8.2f} {mean['p99_ms']:>8.2f} "
+              f"{mean['rows_per_execution']:>10.2f} {mean['device_us_per_row']:>14.1f} "
+              f"{mean['server_cpu_us_per_req']:>11.1f}")
+    base = means["[1]"]["throughput_rps"]
+    for label in list(variants)[1:]:
+        print(f"speed-up from coalescing, {label}: {means[label]['throughput_rps'] / base:.2f}x")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -79,14 +80,17 @@ def drive(url: str, clients: dict[str, int], duration: float, warmup: float,
 
 
 def drive_tenants(url: str, clients: dict[str, int], duration: float, warmup: float,
-                  think_ms: dict[str, float] | None = None) -> dict[str, dict]:
+                  think_ms: dict[str, float] | None = None, nice: dict[str, int] | None = None) -> dict[str, dict]:
     """Each tenant (model) driven by its own load-generator process, as separate tenants would
-    be: one tenant's answers never queue behind another's in a shared client. Rows by model."""
+    be: one tenant's answers never queue behind another's in a shared client. ``nice``: a
+    tenant's process runs at this niceness (see --heavy-nice). Rows by model."""
     think_ms = think_ms or {}
+    nice = nice or {}
     procs = {m: subprocess.Popen([sys.executable, "-m", "xlaserve.bench.loadgen", "--url", url, "-m", m,
                                   "-i", "input:FP32:1x512", "-c", str(n), "-d", str(duration),
                                   "--warmup", str(warmup), "--think-ms", str(think_ms.get(m, 0.0)), "--quiet"],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 preexec_fn=(lambda n=nice[m]: os.nice(n)) if nice.get(m) else None)
              for m, n in clients.items()}
     rows = {}
     for m, proc in procs.items():
@@ -109,9 +113,13 @@ def main() -> None:
     p.add_argument("--shared-client", action="store_true",
                    help="mix: drive all tenants from one load-generator process (default: one process per "
                         "tenant)")
+    p.add_argument("--heavy-nice", type=int, default=0,
+                   help="mix: run the heavy tenant's load generator at this niceness (e.g. 19), so that on a "
+                        "small machine the light tenants' own client processes are not kept off the cores by it")
     args = p.parse_args()
-    if args.shared_client and args.light_think_ms:
-        p.error("--light-think-ms needs one load-generator process per tenant (drop --shared-client)")
+    if args.shared_client and (args.light_think_ms or args.heavy_nice):
+        p.error("--light-think-ms and --heavy-nice need one load-generator process per tenant "
+                "(drop --shared-client)")
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
@@ -128,7 +136,7 @@ def main() -> None:
                     mix = {r["model"]: r for r in drive(url, tenants, args.duration, args.warmup).rows()}
                 else:
                     mix = drive_tenants(url, tenants, args.duration, args.warmup,
-                                        {m: args.light_think_ms for m in MODELS[1:]})
+                                        {m: args.light_think_ms for m in MODELS[1:]}, {"heavy": args.heavy_nice})
                 q1 = queue_ms(url)
                 mix_queue = {m: round((q1[m][1] - q0.get(m, (0, 0))[1]) / max(1, q1[m][0] - q0.get(m, (0, 0))[0]), 2)
                              for m in MODELS}
@@ -147,7 +155,7 @@ def main() -> None:
                           "relative_error": round((busy[m] / total_busy) / (WEIGHTS[m] / total_weight) - 1, 3),
                           "rps": next(r["throughput_rps"] for r in shares_run.rows() if r["model"] == m)}
                       for m in MODELS}
-            result = {"discipline": discipline, "light_think_ms": args.light_think_ms,
+            result = {"discipline": discipline, "light_think_ms": args.light_think_ms, "heavy_nice": args.heavy_nice,
                       "light_alone_p99_ms": alone["p99_ms"],
                       "light_alone_rps": alone["throughput_rps"],
                       "mix": {m: {k: mix[m][k] for k in ("throughput_rps", "p50_ms", "p99_ms", "errors")}

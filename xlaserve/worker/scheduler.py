@@ -5,8 +5,11 @@ Requests arrive on an inbox channel and wait in their model's queue (at most
 (``scheduler.discipline``) which backlogged model goes next, takes as many of that model's
 queued requests as fit the best compiled batch size (same version, never split, at most the
 model's ``max_batch_size`` rows), makes its weights resident and runs one execution; the
-outputs are cut back into each request's own rows. Nothing waits on purpose: while one
-execution runs, the queues fill, and the next dispatch takes what has gathered.
+outputs are cut back into each request's own rows. By default nothing waits on purpose: while
+one execution runs, the queues fill, and the next dispatch takes what has gathered. A model
+with ``batch_delay_seconds`` may instead be *held* while it is the only backlogged model: its
+dispatch waits until ``batch_target_rows`` rows are queued, another model gets a request, or
+its oldest request has waited the delay (never past a deadline less the learned cost).
 
 Every queued request is due for dispatch by ``min(its deadline, hand-over +
 dispatch_timeout_seconds)`` (both on the Trio clock, from when the frontend handed it over); the expiry task answers DEADLINE_EXCEEDED for any request still
@@ -106,6 +109,7 @@ class Scheduler:
         self._answers: deque[tuple[list[Queued], list[int], int, object]] = deque()   # executed, not yet answered
         self._answers_ready = trio.Event()
         self._dispatch_done = False
+        self._held: tuple[str, int] | None = None   # (model, rows that end the hold) while one is held
         #: Replies to one batch are made inside ``reply_batch()``; the worker sets the gRPC
         #: server's write_batch here so that they leave in one send per connection.
         self.reply_batch: Callable[[], AbstractContextManager] = nullcontext
@@ -218,7 +222,9 @@ class Scheduler:
         heapq.heappush(self._expiry, (dispatch_by, seq, name))
         if dispatch_by < self._armed_at:
             self._expiry_changed.set()
-        self._wakeup.set()
+        held = self._held
+        if held is None or held[0] != name or sum(q.request.rows for q in queue) >= held[1]:
+            self._wakeup.set()
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, len(queue))
 
@@ -232,6 +238,7 @@ class Scheduler:
             self._queued.discard(queued.seq)
             self._reject(queued.request, MODEL_DROPPED, error)
         self._costs.forget(name)
+        self._wakeup.set()           # a hold on this model ends with its queue
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, 0)
 
@@ -319,6 +326,17 @@ class Scheduler:
                 plans[name] = order, plan
                 due = min(q.dispatch_by for q in queue) if self._edf else queue[0].dispatch_by
                 candidates[name] = Candidate(name, plan.size, queue[0].seq, due)
+            if len(backlog) == 1 and not self._closing:
+                (name, queue), = backlog.items()
+                until, target = self._hold_until(name, queue, plans[name][1], now)
+                if until > now:     # the only backlogged model waits for more rows
+                    self._held = (name, target)
+                    self._wakeup = trio.Event()
+                    with trio.move_on_at(until):
+                        await self._wakeup.wait()
+                    self._held = None
+                    woken = True
+                    continue
             name = self._policy.pick(candidates, now)
             order, plan = plans[name]
             batch = [order[i] for i in plan.indices]
@@ -343,6 +361,22 @@ class Scheduler:
             # the frontend bounds rows by the largest compiled size; this is a bug if it happens
             plan = BatchPlan((0,), order[0].request.rows, model.compiled_batch_sizes[-1])
         return order, plan
+
+    def _hold_until(self, name: str, queue: deque[Queued], plan: BatchPlan, now: float) -> tuple[float, int]:
+        """(until when the model's dispatch may be held for more rows, the rows that end the
+        hold). ``until <= now``: dispatch now. See ``batch_delay_seconds``."""
+        config = self._config.for_model(name)
+        if not config.batch_delay_seconds:
+            return -math.inf, 0
+        sizes = queue[0].request.model.compiled_batch_sizes
+        target = min(config.batch_target_rows or sizes[-1], self.max_batch_size(name) or sizes[-1], sizes[-1])
+        if plan.rows >= target:
+            return -math.inf, target
+        # the oldest request (queue order is admission order) waits at most the delay, and no
+        # request is held past the moment it must start so as to finish by its deadline
+        cost = self._costs.charge(name, smallest_holding(sizes, target) or sizes[-1])
+        return min(queue[0].admitted_at + config.batch_delay_seconds,
+                   min(q.dispatch_by for q in queue) - cost), target
 
     def _shed(self, name: str, batch: list[Queued], size: int, now: float) -> bool:
         """edf: answer the requests of ``batch`` that cannot finish by their deadline; any shed?"""
