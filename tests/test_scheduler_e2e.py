@@ -61,6 +61,29 @@ def test_coalesced_requests_each_get_their_own_rows(example_server):
     assert _metric(body, 'xlaserve_compute_duration_seconds_count{model="mlp"}') == after.execution_count
 
 
+def test_a_held_dispatch_gathers_its_target_rows_into_one_execution(examples_repo, tmp_path_factory):
+    """batch_delay_seconds end to end: eight requests sent together run as one execution of 8,
+    each with its own rows, although the first one found the device free. The delay is far
+    longer than the client's timeout, so only reaching batch_target_rows can end the hold."""
+    sched = {"models": {"mlp": {"batch_delay_seconds": 60.0, "batch_target_rows": 8}}}
+    xs = [np.full((1, 512), i / 8, np.float32) for i in range(8)]
+
+    async def main(url):
+        async with aioclient.InferenceServerClient(url) as c:
+            return await asyncio.gather(*[c.infer("mlp", [infer_input("input", x, "FP32", aioclient)],
+                                                  request_id=str(i), client_timeout=20)
+                                          for i, x in enumerate(xs)])
+    with serve(tmp_path_factory.mktemp("held"), examples_repo,
+               {"scheduler": sched, "models_include": ["mlp"]}) as server:
+        results = asyncio.run(main(server.url))
+        stats = grpcclient.InferenceServerClient(server.url).get_inference_statistics("mlp").model_stats[0]
+    for i, (x, r) in enumerate(zip(xs, results)):
+        assert r.get_response().id == str(i)
+        np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
+    assert (stats.inference_count, stats.execution_count) == (8, 1)
+    assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(8, 1)]
+
+
 def test_full_queue_answers_resource_exhausted(edf_server):
     img = np.random.default_rng(1).integers(0, 256, (8, 224, 224, 3), dtype=np.uint8)
 

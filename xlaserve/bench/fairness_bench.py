@@ -1,7 +1,7 @@
 """Fair sharing of one device: a heavy tenant against four light ones, under ``fair`` and ``fifo``.
 
     python -m xlaserve.bench.fairness_bench [--duration 10] [--depth 8] [--disciplines fair,fifo]
-        [--light-think-ms 0]
+        [--light-think-ms 0] [--heavy-nice 0]
 
 Five models with the same code (``tanh(x @ W)`` applied ``--depth`` times, FP32 [b, 512],
 compiled sizes 1..32; depth makes the device, not the gRPC frontend, the bottleneck):
@@ -12,7 +12,9 @@ compiled sizes 1..32; depth makes the device, not the gRPC frontend, the bottlen
    process (``--shared-client``: all in one, where a light answer also waits for the client to
    work through the heavy tenant's answers). With ``--light-think-ms T`` each light client
    pauses T ms between an answer and its next request (alone too): a tenant whose demand is
-   bounded, rather than one whose closed loop asks for as much device as it is given.
+   bounded, rather than one whose closed loop asks for as much device as it is given. With
+   ``--heavy-nice N`` the heavy tenant's load generator runs at niceness N, so that on a small
+   machine it does not keep the light tenants' client processes off the cores.
 3. *shares*: all five backlogged (12 clients each, ``max_batch_size: 4`` so that one dispatch
    never drains a queue) with weights heavy=1, light1=1, light2=2,
    light3=2, light4=4. Device time per model (compute durations of every execution, from
