@@ -91,6 +91,12 @@ class Harness:
                 into.append((trio.current_time(), name, tag, outcome))
         self.nursery.start_soon(one)
 
+    async def trickle(self, name: str, count: int, gap: float = 0.001) -> None:
+        """Submit ``count`` one-row requests for ``name``, ``gap`` seconds apart."""
+        for _ in range(count):
+            self.submit(name)
+            await trio.sleep(gap)
+
     def closed_loop(self, name: str, clients: int, latencies: list | None = None):
         async def client():
             while True:
@@ -168,9 +174,7 @@ def test_max_batch_size_caps_rows_but_a_larger_request_still_runs():
 def test_no_artificial_wait_requests_trickling_in_run_one_by_one():
     """An idle device takes what is queued at once; it never holds back for fuller batches."""
     async def test(h: Harness):
-        for _ in range(4):
-            h.submit("m")
-            await trio.sleep(0.001)
+        await h.trickle("m", 4)
         await trio.sleep(1)
         assert [size for _, _, size, _ in h.device.log] == [1, 1, 1, 1]
 
@@ -181,13 +185,9 @@ def test_batch_delay_holds_a_lone_model_until_the_target_rows_or_the_delay():
     """With batch_delay_seconds a trickle gathers: the hold ends at batch_target_rows (dispatch
     at once) or when the oldest request has waited the delay (dispatch what is there)."""
     async def test(h: Harness):
-        for _ in range(4):                  # 4 rows at 1 ms apart: the target, reached at t=3 ms
-            h.submit("m")
-            await trio.sleep(0.001)
+        await h.trickle("m", 4)             # 4 rows 1 ms apart: the target, reached at t=3 ms
         await trio.sleep(0.05)
-        for _ in range(2):                  # 2 rows: the oldest waits out the 10 ms delay
-            h.submit("m")
-            await trio.sleep(0.001)
+        await h.trickle("m", 2)             # 2 rows: the oldest waits out the 10 ms delay
         await trio.sleep(1)
         starts = [(round(start, 4), size, rows) for start, _, size, rows in h.device.log]
         assert starts == [(0.003, 4, (1, 1, 1, 1)), (0.064, 2, (1, 1))]
@@ -198,9 +198,7 @@ def test_batch_delay_holds_a_lone_model_until_the_target_rows_or_the_delay():
 
 def test_batch_delay_target_defaults_to_the_largest_size_capped_by_max_batch_size():
     async def test(h: Harness):
-        for _ in range(8):
-            h.submit("m")
-            await trio.sleep(0.001)
+        await h.trickle("m", 8)
         await trio.sleep(1)
         assert [(round(start, 4), size) for start, _, size, _ in h.device.log] == [(0.001, 2), (0.003, 2),
                                                                                    (0.005, 2), (0.007, 2)]
