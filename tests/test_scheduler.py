@@ -207,6 +207,18 @@ def test_batch_delay_target_defaults_to_the_largest_size_capped_by_max_batch_siz
         {"m": per_batch(0.0001)})
 
 
+def test_batch_delay_ends_when_the_queued_rows_reach_the_target_even_if_they_do_not_pack():
+    async def test(h: Harness):
+        h.submit("m", rows=5)
+        await trio.sleep(0.001)
+        h.submit("m", rows=4)               # 9 rows queued; one batch of 8 can take only the 5
+        await trio.sleep(1)
+        assert [(round(start, 4), size, rows) for start, _, size, rows in h.device.log] == \
+            [(0.001, 8, (5,)), (0.501, 4, (4,))]     # the 4 left over wait out their own delay
+
+    run(test, config(models={"m": {"batch_delay_seconds": 0.5}}), {"m": per_batch(0.001)})
+
+
 def test_batch_delay_never_idles_the_device_while_another_model_waits():
     async def test(h: Harness):
         h.submit("m")

@@ -370,8 +370,8 @@ class Scheduler:
             return -math.inf, 0
         sizes = queue[0].request.model.compiled_batch_sizes
         target = min(config.batch_target_rows or sizes[-1], self.max_batch_size(name) or sizes[-1], sizes[-1])
-        if plan.rows >= target:
-            return -math.inf, target
+        if plan.rows >= target or sum(q.request.rows for q in queue) >= target:
+            return -math.inf, target        # (requests that do not pack into one batch: no hold)
         # the oldest request (queue order is admission order) waits at most the delay, and no
         # request is held past the moment it must start so as to finish by its deadline
         cost = self._costs.charge(name, smallest_holding(sizes, target) or sizes[-1])
