@@ -1351,28 +1351,3 @@ def test_nested_write_batches_send_once_at_the_outermost_end(server, monkeypatch
     assert server.call(nested) == 0
     assert len(flushes) == 1 and flushes[0][1] == 0
     assert [client.response(sid).replies()[0].id for sid in (1, 3)] == ["p", "q"]
-
-
-# --- read slices: a busy connection's read handled in turns ------------------------------------
-
-def _echo_burst(client, sids: range) -> list[str]:
-    """Fast/Echo calls on streams ``sids``, sent in one write so that they arrive in one read;
-    the ids back."""
-    client.send(*(client.headers_frame(sid, request_headers("/test.Fast/Echo")) +
-                  frame(DATA, END_STREAM, sid, grpc_body(request(f"e{sid}")))
-                  for sid in sids))
-    return [client.response(sid).replies()[0].id for sid in sids]
-
-
-def test_a_sliced_read_yields_between_slices_and_answers_every_call(server, monkeypatch):
-    client = server.connect()
-    client.ping_barrier()
-    flushes = _spy_flush(monkeypatch)
-    assert _echo_burst(client, range(1, 40, 2)) == [f"e{sid}" for sid in range(1, 40, 2)]
-    whole = len(flushes)
-    assert whole <= 2, "20 calls in one write took more than two reads; nothing to compare"
-    flushes.clear()
-    server.server.read_slice = lambda: 1e-9     # yield after every frame
-    assert _echo_burst(client, range(41, 80, 2)) == [f"e{sid}" for sid in range(41, 80, 2)]
-    # each slice is its own write batch, so the replies left slice by slice, in order
-    assert len(flushes) >= 10

@@ -267,25 +267,6 @@ def test_batch_delay_ends_with_a_dropped_model_and_at_shutdown():
     run(test, config(models={"m": {"batch_delay_seconds": 5.0}}), {"m": per_batch(0.0)})
 
 
-def test_read_slices_while_more_than_one_model_has_requests_coming_in():
-    async def test(h: Harness):
-        from xlaserve.worker.scheduler import CONTENTION_WINDOW_SECONDS, READ_SLICE_SECONDS
-        s = h.scheduler
-        assert s.read_slice() == 0.0
-        await h.infer("a")
-        await h.infer("a")
-        assert s.read_slice() == 0.0            # one model: reads are handled whole
-        await h.infer("b")
-        assert s.read_slice() == READ_SLICE_SECONDS
-        await trio.sleep(CONTENTION_WINDOW_SECONDS - 0.01)
-        assert s.read_slice() == READ_SLICE_SECONDS
-        await h.infer("b")
-        await trio.sleep(0.02)
-        assert s.read_slice() == 0.0            # only b since the window
-
-    run(test, config(), {"a": per_batch(0.0), "b": per_batch(0.0)})
-
-
 def test_full_queue_rejects_with_resource_exhausted_naming_model_and_depth():
     results = []
 

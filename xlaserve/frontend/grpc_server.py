@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -301,14 +300,8 @@ class Connection:
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         batch = self.server.write_batch
-        server = self.server
-        clock = time.perf_counter
         while True:
             pos = start
-            budget = server.read_slice()
-            sliced = False
-            if budget:
-                budget += clock()
             with batch():       # replies, acks and window updates of one read go out in one send
                 while end - pos >= 9:
                     lt, flags, stream_id = unpack(buffer, pos)
@@ -323,13 +316,7 @@ class Connection:
                     handle(ftype, flags, stream_id & 0x7FFFFFFF,
                            view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                     pos = stop
-                    if budget and clock() > budget and end - pos >= 9:
-                        sliced = True       # the rest after the other tasks have had a turn
-                        break
             start = pos
-            if sliced:
-                await trio.lowlevel.checkpoint()
-                continue
             if self.going_away and not self.calls:
                 return
             if start == end:
@@ -838,10 +825,6 @@ class GrpcServer:
         self.port = 0
         self.holding = 0                                   # write_batch() depth
         self.dirty: dict[Connection, None] = {}           # connections written to while holding
-        #: Seconds of frame handling after which a connection's reader yields to the other tasks
-        #: before handling the rest of what it read (0: handle a whole read in one step). Asked
-        #: once per read; the worker sets it to the scheduler's (see READ_SLICE_SECONDS there).
-        self.read_slice: Callable[[], float] = lambda: 0.0
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until :meth:`close` and every connection has ended."""

@@ -42,14 +42,6 @@ from xlaserve.worker.stats import StatsBook
 
 log = logging.getLogger("xlaserve.scheduler")
 
-#: While more than one model has requests coming in (see :meth:`Scheduler.read_slice`), the
-#: frontend's readers yield after this much frame handling, so that another tenant's request
-#: is decoded and dispatched between the slices of a busy tenant's read rather than after all
-#: of it. Measured in docs/benchmarks.md ("Where a light request waits").
-READ_SLICE_SECONDS = 0.0003
-#: How recently a request for another model must have arrived for the worker to count as shared.
-CONTENTION_WINDOW_SECONDS = 0.25
-
 # rejection reasons, as the ``xlaserve_rejections`` metric labels them
 QUEUE_FULL = "queue_full"
 DEADLINE_EXPIRED = "deadline_expired"     # the request's own deadline passed while queued
@@ -118,8 +110,6 @@ class Scheduler:
         self._answers_ready = trio.Event()
         self._dispatch_done = False
         self._held: tuple[str, int] | None = None   # (model, rows that end the hold) while one is held
-        self._last_model = ""                        # the model of the last admitted request
-        self._switched_at = -math.inf                # when an admitted request's model last changed
         #: Replies to one batch are made inside ``reply_batch()``; the worker sets the gRPC
         #: server's write_batch here so that they leave in one send per connection.
         self.reply_batch: Callable[[], AbstractContextManager] = nullcontext
@@ -152,15 +142,6 @@ class Scheduler:
 
     def policy(self, model: str) -> ModelPolicy:
         return ModelPolicy(model, self.weight(model), self.max_batch_size(model))
-
-    def read_slice(self) -> float:
-        """:data:`READ_SLICE_SECONDS` while requests for more than one model have arrived
-        within :data:`CONTENTION_WINDOW_SECONDS`, else 0. With one model, reads are handled
-        whole: slicing them only splits its batches (rows per execution 11 -> 4 for ``mlp`` at
-        c=32, and 20-30% less throughput)."""
-        if trio.current_time() - self._switched_at < CONTENTION_WINDOW_SECONDS:
-            return READ_SLICE_SECONDS
-        return 0.0
 
     # ---- introspection (snapshots) -------------------------------------------------------
     def queues(self) -> tuple[QueueSnapshot, ...]:
@@ -214,10 +195,6 @@ class Scheduler:
     def _admit(self, request: InferRequest) -> None:
         name = request.model.name
         now = trio.current_time()
-        if name != self._last_model:
-            if self._last_model:
-                self._switched_at = now
-            self._last_model = name
         queue = self._queues.get(name)
         if queue is None:
             queue = self._queues[name] = deque()

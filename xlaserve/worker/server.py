@@ -156,7 +156,6 @@ async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
                                 max_send_bytes=endpoints.max_send_msg_bytes,
                                 too_large_request=request_too_large, too_large_response=response_too_large)
             handles.scheduler.reply_batch = server.write_batch
-            server.read_slice = handles.scheduler.read_slice
             grpc_port = await nursery.start(server.serve, config.grpc_host, config.grpc_port)
             log.info("KServe V2 gRPC on %s:%d", config.grpc_host, grpc_port)
             if ready_callback is not None:
