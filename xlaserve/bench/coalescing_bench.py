@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--target-rows", type=int, default=None,
                    help="with --delay-ms: batch_target_rows (default: the largest compiled size)")
     args = p.parse_args()
+    if args.target_rows is not None and not args.delay_ms:
+        p.error("--target-rows applies to the held variant only: give --delay-ms too")
     variants: dict[str, tuple[tuple[int, ...], dict]] = {label: (sizes, {}) for label, sizes in SIZES.items()}
     if args.delay_ms:
         held = {"batch_delay_seconds": args.delay_ms / 1e3, "batch_target_rows": args.target_rows}
