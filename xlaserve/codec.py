@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xlaserve.dtypes import BY_KSERVE, DType
+from xlaserve.dtypes import DType
 from xlaserve.errors import InvalidArgument
 from xlaserve.manifest import TensorDecl
 
@@ -202,9 +202,3 @@ def int_parameter(parameters: Mapping, key: str, owner: str = "", unit: str = ""
     return value
 
 
-def datatype(name: str) -> DType:
-    """The DType for a KServe datatype string, or InvalidArgument."""
-    try:
-        return BY_KSERVE[name]
-    except KeyError:
-        raise InvalidArgument(f"unknown datatype '{name}' (known: {', '.join(BY_KSERVE)})") from None

@@ -70,9 +70,6 @@ class Manifest:
     def max_batch_size(self) -> int:
         return self.compiled_batch_sizes[-1] if self.compiled_batch_sizes else 0
 
-    def client_input(self, name: str) -> TensorDecl | None:
-        return next((t for t in self.client_inputs if t.name == name), None)
-
 
 def parse_manifest(data: Any, bundle: str) -> Manifest:
     """Validate a manifest's parsed YAML. Raises :class:`BundleError` naming the key at fault."""

@@ -102,7 +102,7 @@ class ConnectionError_(Exception):
 class Call:
     """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
 
-    __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "body_len", "messages",
+    __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
                  "unacked", "arrived", "scope", "drained", "fast")
 
@@ -115,7 +115,6 @@ class Call:
         self.deadline = deadline
         self.encoding = encoding
         self.body = bytearray()         # request bytes not yet cut into messages
-        self.body_len = 0
         self.messages: deque = deque()  # decoded-later request payloads (bytes)
         self.remote_closed = False
         self.started = False

@@ -279,7 +279,11 @@ class KServeService(GRPCInferenceServiceBase):
                                     shm.read_input if shm is not None else None)
             wanted = self._requested_outputs(request, model)
             for decl, requested in wanted:
-                if requested is not None and "shared_memory_region" in requested.parameters and shm is not None:
+                if requested is not None and "shared_memory_region" in requested.parameters:
+                    if shm is None:     # known on arrival: refused before the model runs
+                        raise InvalidArgument(f"output '{decl.name}' names a shared-memory region, but client "
+                                              "shared memory is not enabled on this server "
+                                              "(endpoints.allow_client_shm)")
                     shm.check_output(decl.name, requested.parameters)
             timeout = _request_timeout(request, stream)
         except XlaserveError as exc:
@@ -315,10 +319,7 @@ class KServeService(GRPCInferenceServiceBase):
                 raise FailedPrecondition(f"model '{model.name}' produced no output '{decl.name}'")
             tensor = response.outputs.add(name=decl.name, datatype=decl.dtype.kserve, shape=list(array.shape))
             if requested is not None and "shared_memory_region" in requested.parameters:
-                if shm is None:
-                    raise InvalidArgument(f"output '{decl.name}' names a shared-memory region, but client shared "
-                                          "memory is not enabled on this server (endpoints.allow_client_shm)")
-                shm.write_output(decl, array, requested.parameters, tensor)
+                shm.write_output(decl, array, requested.parameters, tensor)   # checked on arrival
                 response.raw_output_contents.append(b"")   # Triton keeps one entry per output
                 continue
             response.raw_output_contents.append(encode_output(array, decl.dtype))

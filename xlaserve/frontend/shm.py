@@ -64,15 +64,14 @@ class _Region:
         """The shared-memory object's size now (the client may have shrunk it since registering)."""
         return self._map.size()
 
-    def release(self) -> bool:
-        """Drop this region's own hold on the map; True if it was unmapped now, False if in-flight
-        requests still hold views (the map is then freed with the last of them)."""
+    def release(self) -> None:
+        """Drop this region's own hold on the map. If in-flight requests still hold views, the
+        map is freed with the last of them."""
         try:
             self.view.release()
             self._map.close()
-            return True
         except BufferError:
-            return False
+            pass
 
 
 def _object_name(key: str) -> str:
