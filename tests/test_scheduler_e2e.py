@@ -139,3 +139,17 @@ def test_xlaserve_bench_reports_json_lines_per_model(example_server):
     assert rows["mlp"]["requests"] > rows["simple"]["requests"]      # Zipf favours the first model
     assert rows["*"]["errors"] == {} and rows["*"]["p99_ms"] >= rows["*"]["p50_ms"] > 0
     assert "req/s" in out.stderr and "p99 ms" in out.stderr           # the table
+
+
+def test_an_output_in_shared_memory_without_client_shm_is_refused_before_running(edf_server):
+    """The server has no client shared memory: the request is refused on arrival, not after an
+    execution that could never be answered."""
+    sync = grpcclient.InferenceServerClient(edf_server.url)
+    before = sync.get_inference_statistics("mlp").model_stats[0].execution_count
+    out = grpcclient.InferRequestedOutput("output")
+    out.set_shared_memory("nowhere", 2048)
+    with pytest.raises(InferenceServerException) as e:
+        sync.infer("mlp", [infer_input("input", np.zeros((1, 512), np.float32), "FP32")], outputs=[out])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "output 'output' names a shared-memory region, but client shared memory is not enabled" in e.value.message()
+    assert sync.get_inference_statistics("mlp").model_stats[0].execution_count == before
