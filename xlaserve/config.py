@@ -400,10 +400,6 @@ class WorkerConfig:
     def grpc_address(self) -> str:
         return _join_address(self.grpc_host, self.grpc_port)
 
-    @property
-    def http_address(self) -> str:
-        return _join_address(self.http_host, self.http_port)
-
 
 # --- the generic field parser --------------------------------------------------------------------
 

@@ -158,16 +158,6 @@ class Device:
                 "platform_version": self.platform_version,
                 "compile_options": hashlib.sha256(options).hexdigest()}
 
-    def to_device(self, host: np.ndarray, *, copy: bool = False):
-        """A device array holding ``host``. With ``copy`` the result never aliases ``host``
-        (on cpu, PJRT may otherwise wrap suitably aligned host memory in place)."""
-        if copy:
-            host = np.array(host, copy=True, order="C")
-        array = jax.device_put(host, self._device)
-        if copy:
-            array.block_until_ready()
-        return array
-
     @property
     def host_memory_kind(self) -> str:
         """Where :meth:`host_store` keeps weights: ``pinned_host`` (page-locked, DMA-able) when

@@ -47,11 +47,6 @@ class ModelResidency:
     hits: int
     evictions: int
 
-    @property
-    def device_bytes(self) -> int:
-        """Same as ``resident_bytes`` (the name the first version used)."""
-        return self.resident_bytes
-
 
 @dataclass(frozen=True, slots=True)
 class CacheSnapshot:
@@ -137,7 +132,7 @@ class WeightCache:
         self._thrash = ThrashMonitor()
         self._recent_evictions: deque[tuple[str, int]] = deque(maxlen=self._thrash.window)
         self._nursery: trio.Nursery | None = None
-        self._publish_budget()
+        self._publish_totals()
 
     # ---- the actor's home: a nursery for prefetches ---------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -207,7 +202,7 @@ class WeightCache:
             if victim is None:
                 break
             self._evict(victim)
-        self._publish_budget()
+        self._publish_totals()
 
     def release(self, name: str, version: int | None = None) -> None:
         """Forget a model (all versions when ``version`` is None): device copy, host copy, state."""
@@ -376,10 +371,6 @@ class WeightCache:
         keys = [k for k in self._book.keys() if k[0] == model_name]
         return self._book.floor(max(keys)).value if keys else None
 
-    @property
-    def budget_bytes(self) -> int:
-        return self._budget.bytes
-
     def set_residency(self, model_name: str, floor: str) -> None:
         """Change a model's residency floor now and for its later versions. The bookkeeping
         changes at once; the host copy and a pin's device copy follow in the background.
@@ -475,7 +466,7 @@ class WeightCache:
         keys = [k for k in self._book.keys() if self._book.is_resident(k)]
         if not keys:
             return "none"
-        return f"{len(keys)} model(s), {fmt_bytes(sum(self._book.nbytes(k) for k in keys))}"
+        return f"{len(keys)} model(s), {fmt_bytes(self._book.resident_bytes())}"
 
     def _publish(self, name: str) -> None:
         if self._metrics is None:
@@ -487,6 +478,3 @@ class WeightCache:
     def _publish_totals(self) -> None:
         if self._metrics is not None:
             self._metrics.totals(self._book.resident_bytes(), self._budget.bytes)
-
-    def _publish_budget(self) -> None:
-        self._publish_totals()

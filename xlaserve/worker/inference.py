@@ -20,7 +20,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -114,11 +114,7 @@ class InferenceService:
 
             def work() -> None:
                 try:
-                    outputs = call_hook(model, "postprocess", model.hooks.postprocess, outcome.outputs,
-                                        model.manifest.client_outputs, request.rows)
-                    result: Outcome = InferResult(outputs, outcome.batch_size, outcome.queue_ns,
-                                                  outcome.compute_input_ns, outcome.compute_infer_ns,
-                                                  outcome.compute_output_ns)
+                    result: Outcome = postprocessed(model, outcome, request.rows)
                 except XlaserveError as exc:
                     result = exc
                 request.reply(result)   # a ClientRequest's reply is thread-safe
@@ -178,11 +174,7 @@ class InferenceService:
             outcome = await self.execute(model, inputs, request.rows, request.request_id, deadline,
                                          request.received_ns)
             if isinstance(outcome, InferResult) and hooks.postprocess is not None:
-                outputs = await self._in_hook_pool(
-                    call_hook, model, "postprocess", hooks.postprocess, outcome.outputs, manifest.client_outputs,
-                    request.rows)
-                outcome = InferResult(outputs, outcome.batch_size, outcome.queue_ns, outcome.compute_input_ns,
-                                      outcome.compute_infer_ns, outcome.compute_output_ns)
+                outcome = await self._in_hook_pool(postprocessed, model, outcome, request.rows)
         except XlaserveError as exc:
             outcome = exc
         request.reply(outcome)
@@ -221,6 +213,13 @@ class InferenceService:
         if entry.serving.is_meta:
             raise InternalError(f"{where}: '{name}' is a meta model; a meta model calls compiled models only")
         return entry.serving
+
+
+def postprocessed(model: ModelVersion, result: InferResult, rows: int) -> InferResult:
+    """``result`` with its outputs passed through the model's postprocess hook (on a hook thread)."""
+    outputs = call_hook(model, "postprocess", model.hooks.postprocess, result.outputs,
+                        model.manifest.client_outputs, rows)
+    return replace(result, outputs=outputs)
 
 
 def call_hook(model: ModelVersion, label: str, hook: Callable, tensors: Mapping[str, np.ndarray],

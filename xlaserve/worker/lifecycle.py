@@ -231,9 +231,7 @@ class Lifecycle:
                  hits, compiled)
 
     async def _load_requested(self, name: str) -> Exception | None:
-        if not self._included(name):
-            return ModelNotFound(name, self.discover())
-        if not is_bundle(self.repo / name):
+        if not self._included(name) or not is_bundle(self.repo / name):
             return ModelNotFound(name, self.discover())
         entry = await self.load(name)
         if entry.state is not ModelState.READY or entry.reason:

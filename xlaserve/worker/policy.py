@@ -196,9 +196,6 @@ class DeficitRoundRobin:
         self._last_turn[best_name] = self._turn
         return best_name
 
-    def credit(self, model: str) -> float:
-        return self._credit.get(model, 0.0)
-
 
 def make_policy(discipline: str, costs: CostModel, weight: Callable[[str], float]) -> Policy:
     match discipline:

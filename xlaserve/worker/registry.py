@@ -35,7 +35,6 @@ class ModelTable:
     def __init__(self) -> None:
         self.snapshot: Mapping[str, ModelEntry] = MappingProxyType({})
         self.startup_done = trio.Event()
-        self._changed = trio.Event()
 
     def publish(self, entry: ModelEntry) -> None:
         table = dict(self.snapshot)
@@ -54,8 +53,3 @@ class ModelTable:
 
     def _swap(self, table: dict[str, ModelEntry]) -> None:
         self.snapshot = MappingProxyType(dict(sorted(table.items())))
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_changed(self) -> None:
-        await self._changed.wait()

@@ -54,18 +54,9 @@ WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make t
 
 @dataclass(frozen=True, slots=True)
 class Queued:
-    request: InferRequest
+    request: InferRequest    # its deadline and enqueued_at (hand-over) are on the Trio clock
     seq: int                 # admission order across all models
-    admitted_at: float       # trio.current_time() when the frontend handed it over
-    deadline: float          # the request's own deadline on the Trio clock; inf: none
-    dispatch_by: float       # min(deadline, admitted_at + dispatch_timeout_seconds)
-
-
-@dataclass(frozen=True, slots=True)
-class QueueSnapshot:
-    model: str
-    depth: int
-    rows: int
+    dispatch_by: float       # min(deadline, enqueued_at + dispatch_timeout_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,9 +135,6 @@ class Scheduler:
         return ModelPolicy(model, self.weight(model), self.max_batch_size(model))
 
     # ---- introspection (snapshots) -------------------------------------------------------
-    def queues(self) -> tuple[QueueSnapshot, ...]:
-        return tuple(QueueSnapshot(n, len(q), sum(x.request.rows for x in q)) for n, q in self._queues.items())
-
     def depth(self, model: str) -> int:
         return len(self._queues.get(model, ()))
 
@@ -217,7 +205,7 @@ class Scheduler:
         # counted from when the frontend handed it over, like the deadline
         dispatch_by = min(deadline, request.enqueued_at + self._config.dispatch_timeout_seconds)
         seq = next(self._seq)
-        queue.append(Queued(request, seq, request.enqueued_at, deadline, dispatch_by))
+        queue.append(Queued(request, seq, dispatch_by))
         self._queued.add(seq)
         heapq.heappush(self._expiry, (dispatch_by, seq, name))
         if dispatch_by < self._armed_at:
@@ -241,6 +229,10 @@ class Scheduler:
         self._wakeup.set()           # a hold on this model ends with its queue
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, 0)
+
+    def _reject_all(self, batch: Sequence[Queued], reason: str, error: XlaserveError) -> None:
+        for q in batch:
+            self._reject(q.request, reason, error)
 
     def _reject(self, request: InferRequest, reason: str, error: XlaserveError) -> None:
         self._stats.record_failure(request.model.name, time.perf_counter_ns() - request.received_ns)
@@ -280,8 +272,8 @@ class Scheduler:
                 if queued.seq not in seqs:
                     kept.append(queued)
                     continue
-                waited = now - queued.admitted_at
-                if queued.deadline <= queued.dispatch_by:
+                waited = now - queued.request.enqueued_at
+                if queued.request.deadline <= queued.dispatch_by:
                     self._reject(queued.request, DEADLINE_EXPIRED, DeadlineExceeded(
                         f"model '{name}': the request's deadline passed after {waited * 1e3:.1f} ms in the "
                         f"queue ({len(queue) - 1} others queued for this model); it was not run"))
@@ -324,7 +316,7 @@ class Scheduler:
             for name, queue in backlog.items():
                 order, plan = self._plan(name, queue)
                 plans[name] = order, plan
-                due = min(q.dispatch_by for q in queue) if self._edf else queue[0].dispatch_by
+                due = order[0].dispatch_by      # under edf, _plan ordered by dispatch_by
                 candidates[name] = Candidate(name, plan.size, queue[0].seq, due)
             if len(backlog) == 1 and not self._closing:
                 (name, queue), = backlog.items()
@@ -375,7 +367,7 @@ class Scheduler:
         # the oldest request (queue order is admission order) waits at most the delay, and no
         # request is held past the moment it must start so as to finish by its deadline
         cost = self._costs.charge(name, smallest_holding(sizes, target) or sizes[-1])
-        return min(queue[0].admitted_at + config.batch_delay_seconds,
+        return min(queue[0].request.enqueued_at + config.batch_delay_seconds,
                    min(q.dispatch_by for q in queue) - cost), target
 
     def _shed(self, name: str, batch: list[Queued], size: int, now: float) -> bool:
@@ -383,12 +375,12 @@ class Scheduler:
         cost = self._costs.estimate(name, size)
         if cost is None:
             return False
-        late = [q for q in batch if q.deadline < now + cost]
+        late = [q for q in batch if q.request.deadline < now + cost]
         if not late:
             return False
         self._take(name, late)
         for q in late:
-            left = max(0.0, q.deadline - now)
+            left = max(0.0, q.request.deadline - now)
             self._reject(q.request, DEADLINE_SHED, DeadlineExceeded(
                 f"model '{name}': {left * 1e3:.1f} ms were left before the request's deadline but an execution "
                 f"at batch size {size} takes {cost * 1e3:.1f} ms (learned); shed without running"))
@@ -414,16 +406,14 @@ class Scheduler:
         started_ns = time.perf_counter_ns()
         try:
             weights = await self._weights.ensure_resident(model)
-        except XlaserveError as error:  # the weights cannot be made resident: say why, as is
-            for q in batch:
-                self._reject(q.request, WEIGHTS_UNAVAILABLE, error)
-            return
-        except Exception as exc:        # a bug or a device failure fails this batch only
-            log.exception("model %s: making its weights resident failed", model.name)
-            error = InternalError(f"model '{model.name}': making its weights resident failed: "
-                                  f"{type(exc).__name__}: {exc}")
-            for q in batch:
-                self._reject(q.request, WEIGHTS_UNAVAILABLE, error)
+        except Exception as exc:
+            if isinstance(exc, XlaserveError):   # the weights cannot be made resident: say why, as is
+                error = exc
+            else:                                # a bug or a device failure fails this batch only
+                log.exception("model %s: making its weights resident failed", model.name)
+                error = InternalError(f"model '{model.name}': making its weights resident failed: "
+                                      f"{type(exc).__name__}: {exc}")
+            self._reject_all(batch, WEIGHTS_UNAVAILABLE, error)
             return
         try:
             # Prefetch hint: the model of the oldest other queued request likely runs next.
@@ -435,10 +425,8 @@ class Scheduler:
             finished = trio.current_time()
         except Exception as exc:  # an XLA runtime failure fails this batch only
             log.exception("model %s: execution at batch size %d failed", model.name, size)
-            error = InternalError(f"model '{model.name}': execution at batch size {size} failed: "
-                                  f"{type(exc).__name__}: {exc}")
-            for q in batch:
-                self._reject(q.request, EXECUTION_FAILED, error)
+            self._reject_all(batch, EXECUTION_FAILED, InternalError(
+                f"model '{model.name}': execution at batch size {size} failed: {type(exc).__name__}: {exc}"))
             return
         self._costs.observe(name, size, finished - started, finished)
         total_rows = sum(rows)

@@ -1,7 +1,7 @@
 """Per-model statistics as Triton's ModelStatistics reports them. Owned by the scheduler."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from collections.abc import Mapping
 
@@ -52,26 +52,20 @@ class StatsBook:
 
     def record_success(self, model: str, total_ns: int, queue_ns: int, input_ns: int, infer_ns: int,
                        output_ns: int, now_ms: int) -> None:
-        s = self.get(model)
-        self._models[model] = ModelStats(
-            s.success.plus(total_ns), s.fail, s.queue.plus(queue_ns), s.compute_input.plus(input_ns),
-            s.compute_infer.plus(infer_ns), s.compute_output.plus(output_ns), s.inference_count,
-            s.execution_count, now_ms, s.batches)
+        self.record_successes(model, 1, total_ns, queue_ns, input_ns, infer_ns, output_ns, now_ms)
 
     def record_successes(self, model: str, count: int, total_ns: int, queue_ns: int, input_ns: int,
                          infer_ns: int, output_ns: int, now_ms: int) -> None:
         """``count`` successful requests of one execution at once; durations are their sums."""
         s = self.get(model)
-        self._models[model] = ModelStats(
-            s.success.plus(total_ns, count), s.fail, s.queue.plus(queue_ns, count),
-            s.compute_input.plus(input_ns, count), s.compute_infer.plus(infer_ns, count),
-            s.compute_output.plus(output_ns, count), s.inference_count, s.execution_count, now_ms, s.batches)
+        self._models[model] = replace(
+            s, success=s.success.plus(total_ns, count), queue=s.queue.plus(queue_ns, count),
+            compute_input=s.compute_input.plus(input_ns, count), compute_infer=s.compute_infer.plus(infer_ns, count),
+            compute_output=s.compute_output.plus(output_ns, count), last_inference_ms=now_ms)
 
     def record_failure(self, model: str, total_ns: int) -> None:
         s = self.get(model)
-        self._models[model] = ModelStats(
-            s.success, s.fail.plus(total_ns), s.queue, s.compute_input, s.compute_infer,
-            s.compute_output, s.inference_count, s.execution_count, s.last_inference_ms, s.batches)
+        self._models[model] = replace(s, fail=s.fail.plus(total_ns))
 
     def record_execution(self, model: str, size: int, rows: int, input_ns: int, infer_ns: int,
                          output_ns: int) -> None:
@@ -80,6 +74,5 @@ class StatsBook:
         batches = dict(s.batches)
         batches[size] = BatchStats(b.compute_input.plus(input_ns), b.compute_infer.plus(infer_ns),
                                    b.compute_output.plus(output_ns))
-        self._models[model] = ModelStats(
-            s.success, s.fail, s.queue, s.compute_input, s.compute_infer, s.compute_output,
-            s.inference_count + rows, s.execution_count + 1, s.last_inference_ms, MappingProxyType(batches))
+        self._models[model] = replace(s, inference_count=s.inference_count + rows,
+                                      execution_count=s.execution_count + 1, batches=MappingProxyType(batches))
