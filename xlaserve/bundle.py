@@ -344,10 +344,11 @@ Compile = Callable[[Path, bytes], tuple[object, bool]]
 
 
 def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
-                progress: Callable[[str], None] | None = None) -> ModelVersion:
+                progress: Callable[[str], None] | None = None, fingerprint: str | None = None) -> ModelVersion:
     """Read, validate and compile one bundle. ``compile_module(path, module_bytes)`` returns
-    ``(executable, cache_hit)``; by default it compiles with ``device`` directly."""
-    fingerprint = bundle_fingerprint(path)
+    ``(executable, cache_hit)``; by default it compiles with ``device`` directly. ``fingerprint``:
+    the bundle's :func:`bundle_fingerprint` when the caller has just taken it (else taken here)."""
+    fingerprint = fingerprint or bundle_fingerprint(path)
     manifest = read_manifest(path)
     hooks = import_hooks(path, manifest, version)
     if manifest.kind == "meta":

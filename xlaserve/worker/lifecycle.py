@@ -290,7 +290,9 @@ class Lifecycle:
     def _load_blocking(self, path: Path, version: int) -> ModelVersion:
         if not (path / MANIFEST).is_file():
             raise BundleError(path.name, f"{MANIFEST} is missing (a bundle directory needs one)")
-        return load_bundle(path, version, self._device, self._compile_module, progress=log.info)
+        # load() has just fingerprinted it; "" when that failed, and load_bundle tries again
+        return load_bundle(path, version, self._device, self._compile_module, progress=log.info,
+                           fingerprint=self._seen.get(path.name))
 
     async def unload(self, name: str) -> Exception | None:
         entry = self._table.snapshot.get(name)
