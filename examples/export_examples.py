@@ -35,7 +35,7 @@ if str(_REPO) not in sys.path:  # run as a script from anywhere, without install
     sys.path.insert(0, str(_REPO))
 
 from examples import reference
-from xlaserve.export import TensorSpec, export_bundle
+from xlaserve.export import FORMAT_VERSION, MANIFEST_FILE, TensorSpec, export_bundle
 
 DEFAULT_OUT_DIR = _REPO / "examples" / "models"
 HOOKS_DIR = _REPO / "examples" / "hooks"
@@ -70,11 +70,7 @@ def cnn(conv1_w, conv1_b, conv2_w, conv2_b, dense_w, dense_b, x):
     strides = [stride for *_, stride in reference.CNN_CONVS]
     h = x.astype(jnp.float32) / jnp.float32(255.0)
     for w, b, stride in ((conv1_w, conv1_b, strides[0]), (conv2_w, conv2_b, strides[1])):
-        h = jax.lax.conv_general_dilated(
-            h, w, window_strides=(stride, stride), padding="SAME",
-            dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=_HIGHEST,
-        )
-        h = jax.nn.relu(h + b)
+        h = _conv(h, w, b, stride)
     pooled = jnp.mean(h, axis=(1, 2))
     logits = jnp.matmul(pooled, dense_w, precision=_HIGHEST) + dense_b
     return logits, jnp.argmax(logits, axis=1).astype(jnp.int32)
@@ -242,7 +238,7 @@ def export_detect_and_classify(model_repo: Path) -> Path:
     ``detector`` and ``classifier``. No modules, no weights."""
     height, width, channels = reference.DETECTOR_IMAGE
     manifest = {
-        "format_version": "2.0",
+        "format_version": FORMAT_VERSION,
         "name": "detect_and_classify",
         "kind": "meta",
         "client_inputs": [TensorSpec("image", "u8", "cwh", {"c": channels, "w": width, "h": height}).to_manifest()],
@@ -254,7 +250,7 @@ def export_detect_and_classify(model_repo: Path) -> Path:
     bundle = model_repo / "detect_and_classify"
     bundle.mkdir(parents=True, exist_ok=True)
     (bundle / "model.py").write_text(_hook_source("detect_and_classify"))
-    (bundle / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False, default_flow_style=None,
+    (bundle / MANIFEST_FILE).write_text(yaml.safe_dump(manifest, sort_keys=False, default_flow_style=None,
                                                          width=100))
     return bundle
 
@@ -288,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     exporters = {**EXPORTERS, **(HOOK_EXPORTERS if args.hooks else {})}
     for name, export in exporters.items():
-        if args.if_missing and (args.out_dir / name / "manifest.yaml").is_file():
+        if args.if_missing and (args.out_dir / name / MANIFEST_FILE).is_file():
             continue
         t0 = time.perf_counter()
         bundle = export(args.out_dir)

@@ -2,15 +2,13 @@
 
 Every function takes and returns row-major arrays with the batch first, as a client sends them.
 The weights are generated here from fixed seeds, so this module is the one source of truth that
-``export_examples.py`` bundles; ``load_weights`` reads them back from an exported bundle.
+``export_examples.py`` bundles.
 """
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import load_file
 
 MLP_HIDDEN = 512
 IMG_SHAPE = (224, 224, 3)
@@ -25,8 +23,7 @@ def mlp_weights() -> dict[str, np.ndarray]:
     """``w``: 512x512 float32, the same matrix as the peer servers' ``mlp``."""
     w = (np.random.default_rng(0).standard_normal((MLP_HIDDEN, MLP_HIDDEN)).astype(np.float32)
          / np.float32(np.sqrt(MLP_HIDDEN)))
-    w.flags.writeable = False
-    return {"w": w}
+    return _frozen({"w": w})
 
 
 @functools.cache
@@ -46,15 +43,14 @@ def cnn_weights() -> dict[str, np.ndarray]:
     weights["dense.w"] = (rng.standard_normal((features, CNN_CLASSES))
                           * np.sqrt(2.0 / features)).astype(np.float32)
     weights["dense.b"] = (0.1 * rng.standard_normal(CNN_CLASSES)).astype(np.float32)
+    return _frozen(weights)
+
+
+def _frozen(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``weights`` with every array made read-only (the cached values are shared)."""
     for array in weights.values():
         array.flags.writeable = False
     return weights
-
-
-def load_weights(bundle_dir: str | Path) -> dict[str, np.ndarray]:
-    """The weights stored in an exported bundle (empty if it has none)."""
-    path = Path(bundle_dir) / "weights.safetensors"
-    return load_file(str(path)) if path.exists() else {}
 
 
 def simple_ref(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -125,9 +121,7 @@ def grader_weights() -> dict[str, np.ndarray]:
         "t": np.linspace(0.1, 0.9, GRADER_LEVELS, dtype=np.float32),
         "w": (rng.standard_normal((features, GRADER_LEVELS)) * 2.0).astype(np.float32),
     }
-    for array in weights.values():
-        array.flags.writeable = False
-    return weights
+    return _frozen(weights)
 
 
 def grader_logits_ref(x: np.ndarray) -> np.ndarray:
@@ -172,9 +166,7 @@ def detector_weights() -> dict[str, np.ndarray]:
     head[:, 0] *= -2.0  # objectness: bright, textured cells score high
     weights["head.w"] = head.astype(np.float32)
     weights["head.b"] = np.array([-2.4, 0.0, 0.0, 0.0, 0.0], np.float32)
-    for array in weights.values():
-        array.flags.writeable = False
-    return weights
+    return _frozen(weights)
 
 
 def _cell_boxes() -> np.ndarray:
@@ -218,9 +210,7 @@ def classifier_weights() -> dict[str, np.ndarray]:
         "dense.w": (rng.standard_normal((8, CLASSIFIER_CLASSES)) * 2.0).astype(np.float32),
         "dense.b": (0.1 * rng.standard_normal(CLASSIFIER_CLASSES)).astype(np.float32),
     }
-    for array in weights.values():
-        array.flags.writeable = False
-    return weights
+    return _frozen(weights)
 
 
 def classifier_ref(crops: np.ndarray) -> np.ndarray:

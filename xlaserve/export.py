@@ -32,7 +32,9 @@ import numpy as np
 import yaml
 from safetensors.numpy import save_file
 
+from xlaserve.bundle import MANIFEST
 from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES
+from xlaserve.manifest import BATCH_AXIS, FORMAT_VERSION
 
 __all__ = [
     "DTYPES",
@@ -42,16 +44,13 @@ __all__ = [
     "row_major_shape",
 ]
 
-FORMAT_VERSION = "2.0"
-MANIFEST_FILE = "manifest.yaml"
+MANIFEST_FILE = MANIFEST
 WEIGHTS_FILE = "weights.safetensors"
 
 #: Manifest dtype code -> NumPy dtype, for every type a module argument can have.
 DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
     {code: BY_CODE[code].numpy for code in EXECUTABLE_CODES}
 )
-
-BATCH_AXIS = "n"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

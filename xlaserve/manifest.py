@@ -71,6 +71,13 @@ class Manifest:
         return self.compiled_batch_sizes[-1] if self.compiled_batch_sizes else 0
 
 
+def _known_keys(block: Mapping, known: set[str] | frozenset[str], prefix: str, fail) -> None:
+    """Raise ``fail(...)`` naming the keys of ``block`` that are not in ``known``, and the known ones."""
+    unknown = set(block) - known
+    if unknown:
+        raise fail(f"{prefix}unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: {', '.join(sorted(known))})")
+
+
 def parse_manifest(data: Any, bundle: str) -> Manifest:
     """Validate a manifest's parsed YAML. Raises :class:`BundleError` naming the key at fault."""
     def fail(msg: str) -> BundleError:
@@ -78,9 +85,7 @@ def parse_manifest(data: Any, bundle: str) -> Manifest:
 
     if not isinstance(data, dict):
         raise fail(f"expected a mapping at the top level, got {type(data).__name__}")
-    unknown = set(data) - _TOP_KEYS
-    if unknown:
-        raise fail(f"unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: {', '.join(sorted(_TOP_KEYS))})")
+    _known_keys(data, _TOP_KEYS, "", fail)
     version = data.get("format_version")
     if str(version) != FORMAT_VERSION:
         raise fail(f"format_version: expected \"{FORMAT_VERSION}\", got {version!r}")
@@ -117,9 +122,7 @@ def parse_manifest(data: Any, bundle: str) -> Manifest:
         w = data["weights"]
         if not isinstance(w, dict):
             raise fail(f"weights: expected a mapping {{file, order}}, got {type(w).__name__}")
-        unknown = set(w) - {"file", "order"}
-        if unknown:
-            raise fail(f"weights: unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: file, order)")
+        _known_keys(w, {"file", "order"}, "weights: ", fail)
         weights_file = w.get("file", "weights.safetensors")
         if not isinstance(weights_file, str) or "/" in weights_file or weights_file.startswith("."):
             raise fail(f"weights.file: expected a file name inside the bundle, got {weights_file!r}")
@@ -138,9 +141,7 @@ def parse_manifest(data: Any, bundle: str) -> Manifest:
 def _batching(batching: Any, fail) -> tuple[int, ...]:
     if not isinstance(batching, dict):
         raise fail(f"batching: expected a mapping with compiled_batch_sizes, got {type(batching).__name__}")
-    unknown = set(batching) - {"compiled_batch_sizes"}
-    if unknown:
-        raise fail(f"batching: unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: compiled_batch_sizes)")
+    _known_keys(batching, {"compiled_batch_sizes"}, "batching: ", fail)
     sizes = batching.get("compiled_batch_sizes")
     if (not isinstance(sizes, list) or not sizes
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)):
@@ -158,9 +159,7 @@ def _tensors(items: Any, key: str, fail, *, executable: bool) -> tuple[TensorDec
         where = f"{key}[{i}]"
         if not isinstance(item, dict):
             raise fail(f"{where}: expected a mapping {{name, dtype, shape, dims}}, got {item!r}")
-        unknown = set(item) - _TENSOR_KEYS
-        if unknown:
-            raise fail(f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))} (known: dims, dtype, name, shape)")
+        _known_keys(item, _TENSOR_KEYS, f"{where}: ", fail)
         name = item.get("name")
         if not isinstance(name, str) or not name:
             raise fail(f"{where}.name: expected a non-empty string, got {name!r}")

@@ -37,6 +37,12 @@ def export_mlp_as(repo: Path, name: str, sizes) -> Path:
     return dst
 
 
+def batch_device_seconds(stats) -> float:
+    """Device seconds of a model's executions so far: the compute durations of every batch size
+    in its ModelStatistics ``batch_stats``."""
+    return sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in stats.batch_stats) / 1e9
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,14 +21,10 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import export_mlp_as, tree_cpu_seconds, xlaserve
+from xlaserve.bench._servers import batch_device_seconds, export_mlp_as, tree_cpu_seconds, xlaserve
 
 SIZES = {"[1]": (1,), "[1,2,4,8,16,32]": (1, 2, 4, 8, 16, 32)}
 COLUMNS = ("throughput_rps", "p50_ms", "p99_ms", "rows_per_execution", "device_us_per_row", "server_cpu_us_per_req")
-
-
-def _device_seconds(stats) -> float:
-    return sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns for b in stats.batch_stats) / 1e9
 
 
 def measure(url: str, conc: int, duration: float, warmup: float, pid: int | None = None) -> dict:
@@ -44,7 +40,7 @@ def measure(url: str, conc: int, duration: float, warmup: float, pid: int | None
     row = result.rows()[0]
     inferences = max(1, after.inference_count - before.inference_count)
     row["rows_per_execution"] = round(inferences / max(1, after.execution_count - before.execution_count), 2)
-    row["device_us_per_row"] = round((_device_seconds(after) - _device_seconds(before)) / inferences * 1e6, 1)
+    row["device_us_per_row"] = round((batch_device_seconds(after) - batch_device_seconds(before)) / inferences * 1e6, 1)
     row["server_cpu_us_per_req"] = round((cpu_after - cpu_before) / inferences * 1e6, 1) if pid else None
     return row
 

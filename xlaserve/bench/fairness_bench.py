@@ -35,7 +35,7 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import ROOT, xlaserve
+from xlaserve.bench._servers import ROOT, batch_device_seconds, xlaserve
 
 MODELS = ("heavy", "light1", "light2", "light3", "light4")
 WEIGHTS = {"heavy": 1.0, "light1": 1.0, "light2": 2.0, "light3": 2.0, "light4": 4.0}
@@ -60,11 +60,7 @@ def export_deep(repo: Path, name: str, depth: int) -> None:
 
 def device_seconds(url: str) -> dict[str, float]:
     c = grpcclient.InferenceServerClient(url)
-    out = {}
-    for s in c.get_inference_statistics("").model_stats:
-        out[s.name] = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns
-                          for b in s.batch_stats) / 1e9
-    return out
+    return {s.name: batch_device_seconds(s) for s in c.get_inference_statistics("").model_stats}
 
 
 def queue_ms(url: str) -> dict[str, tuple[int, float]]:

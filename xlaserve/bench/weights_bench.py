@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import os
+import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,7 +41,7 @@ def cold(sizes_mb: list[int], repeats: int) -> None:
     from xlaserve.worker.executor import Executor
 
     device = Device("cpu")
-    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-cold-"))
+    tmp = _scratch("xlaserve-cold-")
     print(f"{'size':>8} {'warm ms':>9} {'cold ms':>9} {'cold-warm':>10} {'bytes/bw ms':>12} {'bw GB/s':>8} "
           f"{'goal ms':>8} {'ok':>3}")
     for size in sizes_mb:
@@ -82,7 +83,14 @@ def cold(sizes_mb: list[int], repeats: int) -> None:
               f"{ideal * 1e3:>12.2f} {bw / 1e9:>8.2f} {goal * 1e3:>8.2f} {'yes' if cold_ - warm <= goal else 'NO':>3}")
         for p in tmp.iterdir():
             if p.name.endswith(str(size)):
-                subprocess.run(["rm", "-rf", str(p)], check=True)
+                shutil.rmtree(p)
+
+
+def _scratch(prefix: str) -> Path:
+    """A temporary directory removed when the benchmark exits."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, tmp, True)
+    return tmp
 
 
 # ---- density --------------------------------------------------------------------------------
@@ -101,7 +109,7 @@ def build_catalog(repo: Path, count: int) -> dict[str, int]:
         clone_weight_bundle(templates[kb], f"m{i:03d}", float(i))
         sizes[f"m{i:03d}"] = kb * 1024
     for t in templates.values():
-        subprocess.run(["rm", "-rf", str(t)], check=True)
+        shutil.rmtree(t)
     return sizes
 
 
@@ -156,7 +164,7 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int) ->
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.conftest import serve
 
-    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-density-"))
+    tmp = _scratch("xlaserve-density-")
     sizes = build_catalog(tmp / "models", count)
     total = sum(sizes.values())
     budget = total // 10
@@ -218,7 +226,7 @@ def _metric(text: str, name: str) -> float:
 def rss(count: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.conftest import serve
-    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-rss-"))
+    tmp = _scratch("xlaserve-rss-")
     (tmp / "empty").mkdir()
     sizes = build_catalog(tmp / "models", count)
     with serve(tmp / "base", tmp / "empty", {"runtime": {"backend": "cpu"}}) as server:
