@@ -129,6 +129,13 @@ class Call:
         self.scope: trio.CancelScope | None = None
         self.fast = None                # the method's task-free entry point, if it has one
 
+    def cancel(self) -> None:
+        """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
+        self.reset = self.finished = True
+        self.pending.clear()
+        if self.scope is not None:
+            self.scope.cancel()
+
     def complete(self, outcome) -> None:
         """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
         exception that fails the call (anything with ``status`` and a message, or any other
@@ -213,9 +220,7 @@ class Connection:
                 # The peer is gone, misbehaved, or a graceful close found no call open: cancel
                 # what is left, let the writer send what is queued (bounded), then close.
                 for call in list(self.calls.values()):
-                    call.reset = call.finished = True
-                    if call.scope is not None:
-                        call.scope.cancel()
+                    call.cancel()
                 self.calls.clear()
                 self.stopping = True
                 self.out_ready.set()
@@ -350,15 +355,10 @@ class Connection:
                 raise ConnectionError_(PROTOCOL_ERROR, "malformed RST_STREAM frame")
             if sid > self.last_stream:
                 raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
-            call = self.calls.pop(sid, None)
+            call = self.calls.get(sid)
             if call is not None:
-                call.reset = True
-                call.finished = True
-                call.pending.clear()
-                self.blocked.pop(sid, None)
-                if call.scope is not None:
-                    call.scope.cancel()
-                self._maybe_idle()
+                call.cancel()
+                self._forget(call)
         elif ftype == CONTINUATION:
             if self.continuation is None or self.continuation[0] != sid:
                 raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
@@ -735,9 +735,7 @@ class Connection:
 
     def _reset(self, call: Call, code: int) -> None:
         self._write(frame(RST_STREAM, 0, call.id, _U32.pack(code)))
-        call.reset = call.finished = True
-        if call.scope is not None:
-            call.scope.cancel()
+        call.cancel()
         self._forget(call)
 
     def _forget(self, call: Call) -> None:
