@@ -24,6 +24,7 @@ from xlaserve.config import (
     resolve_worker,
     split_address,
     to_plain,
+    worker_count,
 )
 
 BASE = Path("/srv/node")
@@ -585,6 +586,22 @@ def test_bad_env_overrides_name_the_variable(environ: dict[str, str], message: s
 def test_env_port_on_a_multi_worker_node_collides():
     message = error_of({"gpus": 2}, {"INFERENCE_SERVER_ENDPOINTS_PORT": "9100"})
     assert message.startswith("INFERENCE_SERVER_ENDPOINTS_PORT: port 9100")
+
+
+@pytest.mark.parametrize("data, count", [
+    ({}, 1), ({"gpus": "auto"}, 1), ({"gpus": 1}, 1), ({"gpus": 3}, 3), ({"gpus": [0, 5]}, 2),
+    ({"gpus": 4, "workers": [{"name": "only"}]}, 1),          # an explicit list fixes the count
+    ({"workers": [{"name": "a"}, {"name": "b"}]}, 2),
+])
+def test_worker_count_follows_the_workers_list_else_gpus(data, count):
+    assert worker_count(parse(data)) == count
+
+
+def test_run_refuses_a_node_of_several_implicit_workers_instead_of_serving_one(caplog):
+    from xlaserve.node import run_node
+    with caplog.at_level("ERROR", logger="xlaserve.node"):
+        assert run_node(parse({"gpus": 2})) == 2
+    assert "asks for 2 workers (gpus: 2)" in caplog.text
 
 
 def test_environment_variables_lists_the_documented_examples():

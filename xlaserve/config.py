@@ -866,6 +866,12 @@ def _worker_entries(node: NodeConfig, worker_count: int | None) -> tuple[WorkerE
     return tuple(WorkerEntry(f"worker{i}") for i in range(count))
 
 
+def worker_count(node: NodeConfig) -> int:
+    """How many workers the node runs: its ``workers:`` list, else one per ``gpus`` entry (a
+    count or a list of ordinals), else one."""
+    return len(_worker_entries(node, None))
+
+
 def _endpoints_for(node: NodeConfig, entry: WorkerEntry) -> EndpointsConfig:
     return _merge(_merge(node.endpoints, entry.endpoints),
                   node.env_overrides.get("endpoints", {}))
