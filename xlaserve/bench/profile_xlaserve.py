@@ -1,6 +1,6 @@
 """Where does an xlaserve worker's CPU go under load? py-spy samples, grouped by layer.
 
-    python -m xlaserve.bench.profile_xlaserve [--model mlp] [--concurrency 32] [--seconds 8]
+    python -m xlaserve.bench.profile_xlaserve [--model mlp] [--concurrency 32] [--seconds 8] [--raw FILE]
 
 Needs ``py-spy`` on PATH or beside the interpreter (``pip install py-spy``). Serves the example
 bundle (compiled sizes 1..32), drives it with :mod:`xlaserve.bench.loadgen` and samples every
@@ -59,6 +59,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--raw", type=Path, help="also keep py-spy's raw samples (collapsed stacks) in this file")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
@@ -74,6 +75,8 @@ def main() -> None:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             result = asyncio.run(loadgen.run_level(url, plans, inputs, duration=args.seconds, warmup=0.5))
             spy.wait()
+        if args.raw:
+            shutil.copyfile(raw, args.raw)
         layers, leaves, threads, total = Counter(), Counter(), Counter(), 0
         for line in raw.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
