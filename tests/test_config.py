@@ -79,6 +79,7 @@ def test_block_defaults_match_the_documented_values():
         ("0.0.0.0", None, 64)
     assert endpoints.allow_client_shm is False
     assert endpoints.max_recv_msg_bytes == endpoints.max_send_msg_bytes == 256 * 1024 * 1024
+    assert endpoints.max_connection_buffer_bytes == 1024 * 1024 * 1024
 
 
 def test_values_are_frozen_and_mappings_read_only():
@@ -151,6 +152,7 @@ global:
     allow_client_shm: true
     max_recv_msg_bytes: 1024
     max_send_msg_bytes: 2048
+    max_connection_buffer_bytes: 4096
 workers:
   - name: a
     gpu: 5
@@ -197,7 +199,7 @@ def test_full_file_loads_every_key(full_node: NodeConfig, tmp_path: Path):
         "resnet50": ModelSchedConfig(weight=2.0, max_batch_size=8),
         "yolo": ModelSchedConfig(residency="unpinned"),
     }
-    assert node.endpoints == EndpointsConfig("10.0.0.1", None, 0, True, 1024, 2048)
+    assert node.endpoints == EndpointsConfig("10.0.0.1", None, 0, True, 1024, 2048, 4096)
     assert [w.name for w in node.workers] == ["a", "b"]
     assert node.workers_explicit
     assert dict(node.models) == {"yolo": ("b",)}

@@ -862,6 +862,36 @@ def test_receive_flow_control_large_requests(server):
     assert len([e for e in updates if e.stream_id == 0]) >= 2
 
 
+def test_a_connection_holds_at_most_max_held_bytes_of_unfinished_requests(make_server):
+    """Three 40 kB requests, 30 kB of each sent, fit in 105 kB; the fourth call's 30 kB would
+    not, so that call alone fails with RESOURCE_EXHAUSTED. The others complete (each message
+    is handed on, and its bytes let go, as soon as it is whole), and the connection keeps
+    serving."""
+    server = make_server(max_recv_bytes=50_000, max_held_bytes=105_000)
+    client = server.connect()
+    bodies = {sid: grpc_body(request(f"r{sid}", payload=pattern(40_000))) for sid in (1, 3, 5, 7)}
+    for sid, body in bodies.items():
+        client.send(client.headers_frame(sid, request_headers("/test.Echo/Unary")),
+                    frame(DATA, 0, sid, body[:30_000]))
+    refused = client.response(7)
+    assert refused.status == Status.RESOURCE_EXHAUSTED.value
+    assert re.fullmatch(r"this connection would hold 120000 bytes of request data not yet handled "
+                        r"\(4 calls with unfinished messages\); the limit is 105000", refused.message)
+    for sid in (1, 3, 5):
+        client.send(frame(DATA, END_STREAM, sid, bodies[sid][30_000:]))
+        reply, = client.response(sid).replies()
+        assert reply.id == f"r{sid}" and reply.parameters["received_bytes"].int64_param == 40_000
+    again = client.call(9, "/test.Echo/Unary", request("after", payload=pattern(45_000)))
+    assert again.status == 0 and again.replies()[0].parameters["received_bytes"].int64_param == 45_000
+
+
+def test_max_held_bytes_is_never_below_one_largest_message(make_server):
+    server = make_server(max_recv_bytes=50_000, max_held_bytes=10)
+    assert server.server.max_held_bytes == 50_005
+    response = server.connect().call(1, "/test.Echo/Unary", request("big", payload=pattern(49_000)))
+    assert response.status == 0
+
+
 @pytest.mark.parametrize("max_frame", [None, 20_000])
 def test_peer_max_frame_size_honoured(server, max_frame):
     settings = {INITIAL_WINDOW_SIZE: 1 << 20}

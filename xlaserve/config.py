@@ -251,6 +251,10 @@ class EndpointsConfig:
             false: only enable it when clients run on the same host and are trusted.
         max_recv_msg_bytes: largest gRPC message accepted, >= 1. Default 256 MiB.
         max_send_msg_bytes: largest gRPC message sent, >= 1. Default 256 MiB.
+        max_connection_buffer_bytes: request bytes one client connection may have the worker
+            hold before they are handled (messages still arriving, stream messages not yet
+            read), >= 1; never less than one largest message. The call whose data would cross
+            it fails with RESOURCE_EXHAUSTED. Default 1 GiB.
     """
 
     host: str = _key("0.0.0.0")
@@ -259,6 +263,7 @@ class EndpointsConfig:
     allow_client_shm: bool = _key(False)
     max_recv_msg_bytes: int = _key(256 * _MIB, low=1)
     max_send_msg_bytes: int = _key(256 * _MIB, low=1)
+    max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
 
 
 @dataclass(frozen=True, slots=True)

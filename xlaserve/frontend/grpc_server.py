@@ -189,6 +189,9 @@ class Connection:
         self.peer_max_frame = DEFAULT_FRAME
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0
+        # Request bytes held for calls (unfinished messages, messages a handler has not read)
+        # are at most held_bound; the exact sum is taken only when the bound nears the limit.
+        self.held_bound = 0
         self.out = bytearray()
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
@@ -532,6 +535,9 @@ class Connection:
                 raise ConnectionError_(PROTOCOL_ERROR, "DATA padding exceeds the frame")
             payload = payload[1:length - pad]
         if not call.finished:
+            self.held_bound += length
+            if self.held_bound > self.server.max_held_bytes and not self._may_hold(call, length):
+                return
             call.body += payload
             self._cut_messages(call)
         if flags & END_STREAM:
@@ -541,6 +547,23 @@ class Connection:
             if call.unacked >= OUR_STREAM_WINDOW // 2:
                 self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
                 call.unacked = 0
+
+    def _may_hold(self, call: Call, length: int) -> bool:
+        """Whether ``length`` more request bytes for ``call`` stay within the server's
+        ``max_held_bytes`` for this connection; if not, the call fails with RESOURCE_EXHAUSTED
+        and lets go of what it held. Without this a client could make the server buffer up to
+        its stream limit times the largest message."""
+        held = sum(len(c.body) + sum(map(len, c.messages)) for c in self.calls.values())
+        self.held_bound = held + length
+        limit = self.server.max_held_bytes
+        if held + length <= limit:
+            return True
+        self.held_bound = held - len(call.body) - sum(map(len, call.messages))
+        unfinished = sum(1 for c in self.calls.values() if c.body or c.messages or c is call)
+        call.body = bytearray()
+        call.messages.clear()
+        self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_much_held(held + length, limit, unfinished))
+        return False
 
     def _cut_messages(self, call: Call) -> None:
         """Move complete length-prefixed messages from the call's body to its message queue."""
@@ -567,6 +590,7 @@ class Connection:
                     self._fail(call, Status.INVALID_ARGUMENT, str(exc))
                     call.body = bytearray()
                     return
+                self.held_bound += len(payload) - size     # it may have grown
                 if len(payload) > limit:
                     self._fail(call, Status.RESOURCE_EXHAUSTED, "decompressed, " + self.server.too_large_request(
                         f"more than {limit}", limit))
@@ -800,7 +824,9 @@ class GrpcServer:
     def __init__(self, services: Iterable[Any], *, max_recv_bytes: int = 2**31 - 1,
                  max_send_bytes: int = 2**31 - 1,
                  too_large_request: Callable[[int | str, int], str] | None = None,
-                 too_large_response: Callable[[int, int], str] | None = None) -> None:
+                 too_large_response: Callable[[int, int], str] | None = None,
+                 max_held_bytes: int = 2**30,
+                 too_much_held: Callable[[int, int, int], str] | None = None) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -815,6 +841,13 @@ class GrpcServer:
             lambda size, limit: f"the request message is {size} bytes; the limit is {limit}")
         self.too_large_response = too_large_response or (
             lambda size, limit: f"the response message is {size} bytes; the limit is {limit}")
+        #: request bytes one connection may hold before they are handled (never less than
+        #: one largest message): unfinished messages, and messages a streaming handler has
+        #: not read yet. Past it the call whose DATA frame would cross it fails.
+        self.max_held_bytes = max(max_held_bytes, max_recv_bytes + 5)
+        self.too_much_held = too_much_held or (
+            lambda held, limit, calls: f"this connection would hold {held} bytes of request data not yet handled "
+                                       f"({calls} calls with unfinished messages); the limit is {limit}")
         self._connections: set[Connection] = set()
         self._listen_scope = trio.CancelScope()
         self._closing = False

@@ -63,6 +63,12 @@ def request_too_large(size: int | str, limit: int) -> str:
             "tensors through shared memory")
 
 
+def connection_buffer_full(held: int, limit: int, calls: int) -> str:
+    return (f"this connection would hold {held} bytes of requests not yet fully received ({calls} calls "
+            f"unfinished); the limit (endpoints.max_connection_buffer_bytes) is {limit}; send fewer large "
+            "requests at once on one connection, or use shared memory")
+
+
 def response_too_large(size: int, limit: int) -> str:
     return (f"the response is {size} bytes, the limit (endpoints.max_send_msg_bytes) is {limit}; ask for the "
             "outputs in shared memory or raise the limit")

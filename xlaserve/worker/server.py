@@ -149,12 +149,15 @@ async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
             if config.endpoints.allow_client_shm:
                 from xlaserve.frontend.shm import SharedMemoryRegistry
                 handles.shared_memory = SharedMemoryRegistry()
-            from xlaserve.frontend.kserve import KServeService, request_too_large, response_too_large
+            from xlaserve.frontend.kserve import (KServeService, connection_buffer_full, request_too_large,
+                                                  response_too_large)
             endpoints = config.endpoints
             server = GrpcServer([KServeService(handles), *handles.services],
                                 max_recv_bytes=endpoints.max_recv_msg_bytes,
                                 max_send_bytes=endpoints.max_send_msg_bytes,
-                                too_large_request=request_too_large, too_large_response=response_too_large)
+                                too_large_request=request_too_large, too_large_response=response_too_large,
+                                max_held_bytes=endpoints.max_connection_buffer_bytes,
+                                too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
             grpc_port = await nursery.start(server.serve, config.grpc_host, config.grpc_port)
             log.info("KServe V2 gRPC on %s:%d", config.grpc_host, grpc_port)
