@@ -69,6 +69,12 @@ class InternalError(XlaserveError):
     status = Status.INTERNAL
 
 
+def internal_message(exc: BaseException, where: str = "") -> str:
+    """What an INTERNAL answer to an unexpected exception (a bug, logged with its traceback
+    where it is caught) says: where, if known, and the exception's type and text."""
+    return f"internal error{' in ' + where if where else ''}: {type(exc).__name__}: {exc}"
+
+
 class BundleError(Exception):
     """A bundle cannot be loaded. The message names the bundle, the part, expected and found."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from xlaserve.errors import InternalError
+from xlaserve.errors import InternalError, internal_message
 
 log = logging.getLogger("xlaserve.bridge")
 
@@ -64,7 +64,7 @@ class Bridge:
             start(reply)
         except Exception as exc:  # a bug on the actor side fails this call only
             log.exception("bridge call failed")
-            reply(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+            reply(InternalError(internal_message(exc)))
         await done.wait()
         outcome = box[0]
         if isinstance(outcome, BaseException):

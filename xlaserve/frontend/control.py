@@ -17,7 +17,7 @@ import trio
 
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
-from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError
+from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError, internal_message
 from xlaserve.frontend.kserve import rpc
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class WorkerControlService(WorkerControlBase):
                     reply(InvalidArgument(str(exc)))
                 except Exception as exc:
                     log.exception("control call failed")
-                    reply(InternalError(f"internal error: {type(exc).__name__}: {exc}"))
+                    reply(InternalError(internal_message(exc)))
             self._nursery.start_soon(task)
         return await self._worker.bridge.call(start)
 

@@ -39,6 +39,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 
+from xlaserve.errors import internal_message
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
 log = logging.getLogger("xlaserve.grpc")
@@ -150,7 +151,7 @@ class Call:
             elif isinstance(status, Status):
                 conn._finish(self, status, str(outcome))
             else:
-                conn._finish(self, Status.INTERNAL, f"internal error: {type(outcome).__name__}: {outcome}")
+                conn._finish(self, Status.INTERNAL, internal_message(outcome))
             return
         conn.reply_unary(self, outcome.SerializeToString())
 
@@ -642,7 +643,7 @@ class Connection:
             self._finish(call, exc.status, exc.message)
         except Exception as exc:
             log.exception("gRPC handler %s failed", call.fast.__qualname__)
-            self._finish(call, Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            self._finish(call, Status.INTERNAL, internal_message(exc))
 
     async def _run_call(self, call: Call) -> None:
         status, message = Status.OK, None
@@ -656,7 +657,7 @@ class Connection:
                 status, message = exc.status, exc.message
             except Exception as exc:
                 log.exception("gRPC handler %s failed", call.method.func.__qualname__)
-                status, message = Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+                status, message = Status.INTERNAL, internal_message(exc)
         if scope.cancelled_caught or call.reset or self.stopping:
             return
         self._finish(call, status, message)

@@ -21,7 +21,7 @@ from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output, int_parameter
 from xlaserve.errors import (FailedPrecondition, InternalError, InvalidArgument, ModelNotFound, ModelNotReady,
-                             NotFound, ResourceExhausted, Unimplemented, XlaserveError)
+                             NotFound, ResourceExhausted, Unimplemented, XlaserveError, internal_message)
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.manifest import TensorDecl
@@ -53,7 +53,7 @@ def rpc(method):
             raise GRPCError(exc.status, str(exc)) from None
         except Exception as exc:
             log.exception("%s failed", method.__name__)
-            raise GRPCError(Status.INTERNAL, f"internal error in {method.__name__}: {type(exc).__name__}: {exc}") \
+            raise GRPCError(Status.INTERNAL, internal_message(exc, method.__name__)) \
                 from None
     return wrapper
 
