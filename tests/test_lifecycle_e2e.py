@@ -196,13 +196,19 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
         mlp = models["mlp"]
         assert mlp.state == "READY" and mlp.weight_bytes == W1.nbytes and mlp.requests > 0
         assert mlp.residency == "system" and mlp.weight == 1.0 and mlp.max_batch_size == 0
+        assert (mlp.batch_delay_seconds, mlp.batch_target_rows) == (0.0, 0)
 
         async def steer(stub):
-            await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=3.0, max_batch_size=1))
+            await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=3.0, max_batch_size=1,
+                                                                batch_delay_seconds=0.02, batch_target_rows=4))
             await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="mlp", residency="device"))
             with pytest.raises(GRPCError) as bad:
                 await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=-1))
             assert bad.value.status is Status.INVALID_ARGUMENT
+            with pytest.raises(GRPCError) as bad_hold:
+                await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", batch_delay_seconds=-0.5))
+            assert bad_hold.value.status is Status.INVALID_ARGUMENT
+            assert "batch_delay_seconds must be >= 0" in bad_hold.value.message
             with pytest.raises(GRPCError) as missing:
                 await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="nope", residency="device"))
             assert missing.value.status is Status.NOT_FOUND
@@ -221,6 +227,7 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
         assert len(snapshots) == 3
         mlp = {m.name: m for m in snapshots[-1].models}["mlp"]
         assert (mlp.weight, mlp.max_batch_size, mlp.residency) == (3.0, 1, "device")
+        assert (mlp.batch_delay_seconds, mlp.batch_target_rows) == (0.02, 4)
         _control(server, lambda s: s.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", max_batch_size=0)))
         status = _control(server, lambda s: s.ModelControlStatus(cpb.ModelControlStatusRequest()))
         assert {m.name: m for m in status.models}["mlp"].max_batch_size == 0

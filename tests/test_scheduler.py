@@ -377,6 +377,39 @@ def test_set_policy_weight_changes_fair_shares():
     run(test, config(), {"a": per_batch(0.05), "b": per_batch(0.05)})
 
 
+def test_set_policy_turns_the_hold_on_and_off_at_run_time():
+    """A hold set at run time gathers a trickle; turning it off ends the hold in progress at
+    once; batch_target_rows=0 goes back to the default target."""
+    async def test(h: Harness):
+        h.scheduler.set_policy("m", batch_delay_seconds=0.01, batch_target_rows=3)
+        assert (h.scheduler.policy("m").batch_delay_seconds, h.scheduler.policy("m").batch_target_rows) == (0.01, 3)
+        await h.trickle("m", 3)             # held until the third row, at t=2 ms
+        await trio.sleep(0.05)
+        h.submit("m")                       # t=52 ms: held, alone, 1 row of the 3
+        await trio.sleep(0.002)
+        h.scheduler.set_policy("m", batch_delay_seconds=0)
+        await trio.sleep(0.05)
+        h.scheduler.set_policy("m", batch_delay_seconds=0.01, batch_target_rows=0)
+        assert h.scheduler.policy("m").batch_target_rows is None
+        t0 = trio.current_time()
+        await h.trickle("m", 8)             # the default target: 8 rows (the largest size)
+        await trio.sleep(1)
+        assert [(round(start, 4), size) for start, _, size, _ in h.device.log] == \
+            [(0.002, 4), (0.055, 1), (round(t0 + 0.007, 4), 8)]   # 0.055: off ends the hold at once
+
+    run(test, config(), {"m": per_batch(0.0005)})
+
+
+def test_set_policy_refuses_a_bad_hold():
+    async def test(h: Harness):
+        for bad in ({"batch_delay_seconds": -1.0}, {"batch_delay_seconds": math.inf}, {"batch_target_rows": -2}):
+            with pytest.raises(ValueError, match="batch_"):
+                h.scheduler.set_policy("m", **bad)
+        assert h.scheduler.policy("m").batch_delay_seconds == 0.0
+
+    run(test, config(), {"m": per_batch(0.0005)})
+
+
 def test_drr_charges_an_unmeasured_model_conservatively():
     costs = CostModel(halflife=30)
     costs.observe("a", 1, 0.010, now=0)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelControl(_message.Message):
-    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions")
+    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows")
     class LearnedCostSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,8 @@ class ModelControl(_message.Message):
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TARGET_ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     version: int
@@ -41,7 +43,9 @@ class ModelControl(_message.Message):
     max_batch_size: int
     requests: int
     executions: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ...) -> None: ...
+    batch_delay_seconds: float
+    batch_target_rows: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ...) -> None: ...
 
 class ModelControlStatusRequest(_message.Message):
     __slots__ = ()
@@ -74,14 +78,18 @@ class SetModelResidencyResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SetModelPolicyRequest(_message.Message):
-    __slots__ = ("model", "weight", "max_batch_size")
+    __slots__ = ("model", "weight", "max_batch_size", "batch_delay_seconds", "batch_target_rows")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TARGET_ROWS_FIELD_NUMBER: _ClassVar[int]
     model: str
     weight: float
     max_batch_size: int
-    def __init__(self, model: _Optional[str] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    batch_delay_seconds: float
+    batch_target_rows: int
+    def __init__(self, model: _Optional[str] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ...) -> None: ...
 
 class SetModelPolicyResponse(_message.Message):
     __slots__ = ()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import trio
@@ -50,6 +51,7 @@ def status_snapshot(worker: "WorkerHandles") -> pb.ModelControlStatusResponse:
             weight_bytes=entry.serving.weight_bytes if entry.serving else 0,
             queue_depth=scheduler.depth(entry.name), learned_cost_seconds=costs.get(entry.name, {}),
             weight=policy.weight, max_batch_size=_cap(policy.max_batch_size),
+            batch_delay_seconds=policy.batch_delay_seconds, batch_target_rows=policy.batch_target_rows or 0,
             requests=stats.inference_count, executions=stats.execution_count))
     return pb.ModelControlStatusResponse(models=models, worker=worker.config.name, backend=worker.device.backend,
                                          budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes)
@@ -115,14 +117,22 @@ class WorkerControlService(WorkerControlBase):
             raise InvalidArgument(f"weight must be > 0 (a relative share of device time); got {weight}")
         if max_batch is not None and max_batch < 0:
             raise InvalidArgument(f"max_batch_size must be >= 1, or 0 for uncapped; got {max_batch}")
+        delay = request.batch_delay_seconds if request.HasField("batch_delay_seconds") else None
+        target = request.batch_target_rows if request.HasField("batch_target_rows") else None
+        if delay is not None and not 0 <= delay < math.inf:
+            raise InvalidArgument(f"batch_delay_seconds must be >= 0 (0 turns the hold off); got {delay}")
+        if target is not None and target < 0:
+            raise InvalidArgument(f"batch_target_rows must be >= 1, or 0 for the default; got {target}")
         scheduler = self._worker.scheduler
 
         # 0 uncaps. Scheduler.set_policy reads None as "unchanged", so uncapped is a cap no
         # request can reach; status reports it as 0 again.
         cap = UNCAPPED_ROWS if max_batch == 0 else max_batch
-        policy = self._apply(lambda: scheduler.set_policy(request.model, weight=weight, max_batch_size=cap))
-        log.info("control: %s policy now weight=%g max_batch_size=%s", request.model, policy.weight,
-                 _cap(policy.max_batch_size) or "uncapped")
+        policy = self._apply(lambda: scheduler.set_policy(request.model, weight=weight, max_batch_size=cap,
+                                                          batch_delay_seconds=delay, batch_target_rows=target))
+        log.info("control: %s policy now weight=%g max_batch_size=%s batch_delay_seconds=%g batch_target_rows=%s",
+                 request.model, policy.weight, _cap(policy.max_batch_size) or "uncapped",
+                 policy.batch_delay_seconds, policy.batch_target_rows or "default")
         await stream.send_message(pb.SetModelPolicyResponse())
 
     @rpc

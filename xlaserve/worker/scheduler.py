@@ -66,6 +66,8 @@ class ModelPolicy:
     model: str
     weight: float
     max_batch_size: int | None
+    batch_delay_seconds: float = 0.0
+    batch_target_rows: int | None = None     # None: the largest compiled size (capped)
 
 
 class Scheduler:
@@ -116,23 +118,48 @@ class Scheduler:
             return override["max_batch_size"]
         return self._config.for_model(model).max_batch_size
 
-    def set_policy(self, model: str, weight: float | None = None, max_batch_size: int | None = None) -> ModelPolicy:
-        """Override a model's ``weight`` and/or ``max_batch_size`` from now on (None: unchanged).
+    def batch_delay_seconds(self, model: str) -> float:
+        override = self._overrides.get(model, {}).get("batch_delay_seconds")
+        return float(override) if override is not None else self._config.for_model(model).batch_delay_seconds
 
-        A new weight changes the ``fair`` shares from the next dispatch on."""
+    def batch_target_rows(self, model: str) -> int | None:
+        override = self._overrides.get(model, {})
+        if "batch_target_rows" in override:
+            return override["batch_target_rows"]
+        return self._config.for_model(model).batch_target_rows
+
+    def set_policy(self, model: str, weight: float | None = None, max_batch_size: int | None = None,
+                   batch_delay_seconds: float | None = None, batch_target_rows: int | None = None) -> ModelPolicy:
+        """Override a model's scheduling settings from now on (None: unchanged;
+        ``batch_target_rows=0``: back to the default target).
+
+        A new weight changes the ``fair`` shares from the next dispatch on; a new hold applies
+        from the next time the dispatch loop looks at the model."""
         if weight is not None and not weight > 0:
             raise ValueError(f"weight of model '{model}' must be > 0, got {weight}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size of model '{model}' must be >= 1, got {max_batch_size}")
+        if batch_delay_seconds is not None and not 0 <= batch_delay_seconds < math.inf:
+            raise ValueError(f"batch_delay_seconds of model '{model}' must be >= 0 and finite, "
+                             f"got {batch_delay_seconds}")
+        if batch_target_rows is not None and batch_target_rows < 0:
+            raise ValueError(f"batch_target_rows of model '{model}' must be >= 1, or 0 for the default, "
+                             f"got {batch_target_rows}")
         override = self._overrides.setdefault(model, {})
         if weight is not None:
             override["weight"] = weight
         if max_batch_size is not None:
             override["max_batch_size"] = max_batch_size
+        if batch_delay_seconds is not None:
+            override["batch_delay_seconds"] = batch_delay_seconds
+        if batch_target_rows is not None:
+            override["batch_target_rows"] = batch_target_rows or None
+        self._wakeup.set()      # a hold in progress is judged again under the new settings
         return self.policy(model)
 
     def policy(self, model: str) -> ModelPolicy:
-        return ModelPolicy(model, self.weight(model), self.max_batch_size(model))
+        return ModelPolicy(model, self.weight(model), self.max_batch_size(model),
+                           self.batch_delay_seconds(model), self.batch_target_rows(model))
 
     # ---- introspection (snapshots) -------------------------------------------------------
     def depth(self, model: str) -> int:
@@ -357,17 +384,17 @@ class Scheduler:
     def _hold_until(self, name: str, queue: deque[Queued], plan: BatchPlan, now: float) -> tuple[float, int]:
         """(until when the model's dispatch may be held for more rows, the rows that end the
         hold). ``until <= now``: dispatch now. See ``batch_delay_seconds``."""
-        config = self._config.for_model(name)
-        if not config.batch_delay_seconds:
+        delay = self.batch_delay_seconds(name)
+        if not delay:
             return -math.inf, 0
         sizes = queue[0].request.model.compiled_batch_sizes
-        target = min(config.batch_target_rows or sizes[-1], self.max_batch_size(name) or sizes[-1], sizes[-1])
+        target = min(self.batch_target_rows(name) or sizes[-1], self.max_batch_size(name) or sizes[-1], sizes[-1])
         if plan.rows >= target or sum(q.request.rows for q in queue) >= target:
             return -math.inf, target        # (requests that do not pack into one batch: no hold)
         # the oldest request (queue order is admission order) waits at most the delay, and no
         # request is held past the moment it must start so as to finish by its deadline
         cost = self._costs.charge(name, smallest_holding(sizes, target) or sizes[-1])
-        return min(queue[0].request.enqueued_at + config.batch_delay_seconds,
+        return min(queue[0].request.enqueued_at + delay,
                    min(q.dispatch_by for q in queue) - cost), target
 
     def _shed(self, name: str, batch: list[Queued], size: int, now: float) -> bool:
