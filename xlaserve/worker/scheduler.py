@@ -108,25 +108,22 @@ class Scheduler:
         self.reply_batch: Callable[[], AbstractContextManager] = nullcontext
 
     # ---- policy settings -----------------------------------------------------------------
+    def _setting(self, model: str, key: str):
+        """A model's scheduling setting: its run-time override (set_policy), else its config."""
+        override = self._overrides.get(model, {})
+        return override[key] if key in override else getattr(self._config.for_model(model), key)
+
     def weight(self, model: str) -> float:
-        override = self._overrides.get(model, {}).get("weight")
-        return float(override) if override is not None else self._config.for_model(model).weight
+        return float(self._setting(model, "weight"))
 
     def max_batch_size(self, model: str) -> int | None:
-        override = self._overrides.get(model, {})
-        if "max_batch_size" in override:
-            return override["max_batch_size"]
-        return self._config.for_model(model).max_batch_size
+        return self._setting(model, "max_batch_size")
 
     def batch_delay_seconds(self, model: str) -> float:
-        override = self._overrides.get(model, {}).get("batch_delay_seconds")
-        return float(override) if override is not None else self._config.for_model(model).batch_delay_seconds
+        return float(self._setting(model, "batch_delay_seconds"))
 
     def batch_target_rows(self, model: str) -> int | None:
-        override = self._overrides.get(model, {})
-        if "batch_target_rows" in override:
-            return override["batch_target_rows"]
-        return self._config.for_model(model).batch_target_rows
+        return self._setting(model, "batch_target_rows")
 
     def set_policy(self, model: str, weight: float | None = None, max_batch_size: int | None = None,
                    batch_delay_seconds: float | None = None, batch_target_rows: int | None = None) -> ModelPolicy:
