@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 
@@ -152,16 +152,21 @@ class ResidencyBook:
         entry = self._entries.get(key)
         return entry is not None and entry.resident
 
-    def is_loading(self, key: Hashable) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.loading
-
     def keys(self) -> tuple[Hashable, ...]:
         return tuple(self._entries)
 
     def lru_order(self) -> tuple[Hashable, ...]:
         """Resident (or loading) models, least recently used first."""
         return tuple(self._lru)
+
+    def evictable(self, protect: Iterable[Hashable] = ()) -> Iterator[Hashable]:
+        """Resident models that may be evicted now, least recently used first: not pinned to
+        the device, not loading, not in ``protect``."""
+        protected = set(protect)
+        for key in list(self._lru):
+            entry = self._entries[key]
+            if key not in protected and entry.floor is not Floor.DEVICE and not entry.loading:
+                yield key
 
     def used_bytes(self) -> int:
         """Bytes resident or reserved by a copy under way."""
@@ -188,14 +193,10 @@ class ResidencyBook:
             return Plan()
         if not may_evict:
             return Plan(refused=f"needs {fmt_bytes(need)} more than is free")
-        protected = set(protect) | {key}
         victims: list[Hashable] = []
-        for other in self._lru:
-            e = self._entries[other]
-            if other in protected or e.floor is Floor.DEVICE or e.loading:
-                continue
+        for other in self.evictable((*protect, key)):
             victims.append(other)
-            need -= e.nbytes
+            need -= self._entries[other].nbytes
             if need <= 0:
                 return Plan(tuple(victims))
         return Plan(refused=(f"it needs {fmt_bytes(entry.nbytes)}; the budget is {fmt_bytes(self.budget)}, "

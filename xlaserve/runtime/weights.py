@@ -197,8 +197,7 @@ class WeightCache:
         log.info("weight cache: %s", self._budget.explain())
         # A smaller budget: evict what no longer fits (idle, unpinned models only).
         while self._book.free_bytes() < 0:
-            victim = next((k for k in self._book.lru_order() if self._book.floor(k) is not Floor.DEVICE
-                           and not self._book.is_loading(k) and k != self._current), None)
+            victim = next(self._book.evictable((self._current,)), None)
             if victim is None:
                 break
             self._evict(victim)
