@@ -19,24 +19,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
-import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+from xlaserve.bench._servers import ROOT, xlaserve
 
 POSTPROCESS = """
 import time
@@ -86,36 +81,6 @@ def build_repo(repo: Path) -> None:
         (copy / "model.py").write_text(POSTPROCESS.format(work=work, body=body, name=name))
     for export in export_examples.HOOK_EXPORTERS.values():
         export(repo)
-
-
-@contextlib.contextmanager
-def running_server(repo: Path, workdir: Path) -> Iterator[str]:
-    node = workdir / "node.yaml"
-    node.write_text(yaml.safe_dump({
-        "model_repo": str(repo), "listen": {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0"},
-        "global": {"runtime": {"backend": "cpu"}, "model_control_mode": "static"}}))
-    ready = workdir / "ready.json"
-    log = open(workdir / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "run", str(node), "--ready-file", str(ready)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():   # the server writes this file once; nothing to subscribe to
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server did not start:\n{(workdir / 'server.log').read_text()}")
-            time.sleep(0.1)
-        url = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
-        client = grpcclient.InferenceServerClient(url)
-        while not client.is_server_ready():   # every model loaded
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server not ready:\n{(workdir / 'server.log').read_text()}")
-            time.sleep(0.1)
-        client.close()
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        log.close()
 
 
 async def closed_loop(url: str, concurrency: int, seconds: float,
@@ -210,7 +175,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="hooks_bench_") as tmp:
         repo = Path(tmp) / "models"
         build_repo(repo)
-        with running_server(repo, Path(tmp)) as url:
+        with xlaserve(repo, log_path=Path(tmp) / "server.log") as (url, _):
             if "hook" in only:
                 compare(url, "postprocess_2ms", 16, {"mlp": mlp_request("mlp"),
                                                      "mlp_sleep": mlp_request("mlp_sleep"),
