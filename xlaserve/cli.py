@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import sys
@@ -42,9 +41,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker of a node file (what the supervisor starts per device)."""
-    import trio
-
-    from xlaserve.worker.server import serve
+    from xlaserve.node import run_worker
     try:
         node = load_node_config(args.node, os.environ)
         which = int(args.worker) if args.worker.isdigit() else args.worker
@@ -52,22 +49,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
-    return _serving(lambda: trio.run(functools.partial(serve, config, ready_callback=_ready_writer(args.ready_file))))
-
-
-def _ready_writer(path: str | None):
-    """With ``--ready-file``, write the bound ports there (atomically) once gRPC listens."""
-    if not path:
-        return None
-
-    def write(grpc_port: int, http_port: int) -> None:
-        import json
-        import os
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}, f)
-        os.replace(tmp, path)
-    return write
+    return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
 def main(argv: list[str] | None = None) -> int:

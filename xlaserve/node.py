@@ -6,17 +6,18 @@ A one-worker node (the only shape so far) runs its worker in this process, servi
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
 
 import trio
 
-from xlaserve.config import NodeConfig, resolve_worker, worker_count
+from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_count
 
 log = logging.getLogger("xlaserve.node")
 
 
 def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
-    from xlaserve.worker.server import serve
     workers = worker_count(node)
     if workers > 1:
         # gpus: N without a workers: list asks for N workers just as a list of N does
@@ -24,6 +25,24 @@ def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
                   "not available yet: run one worker per process with `xlaserve worker NODE --worker NAME`",
                   workers, "its workers: list" if node.workers_explicit else f"gpus: {node.gpus}")
         return 2
-    from xlaserve.cli import _ready_writer
-    trio.run(functools.partial(serve, resolve_worker(node, 0), ready_callback=_ready_writer(ready_file)))
+    run_worker(resolve_worker(node, 0), ready_file)
     return 0
+
+
+def run_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
+    """Run one worker in this process until it is stopped; with ``ready_file``, its bound
+    ports are written there (atomically) once gRPC listens."""
+    from xlaserve.worker.server import serve
+    trio.run(functools.partial(serve, config, ready_callback=_ready_writer(ready_file)))
+
+
+def _ready_writer(path: str | None):
+    if not path:
+        return None
+
+    def write(grpc_port: int, http_port: int) -> None:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}, f)
+        os.replace(tmp, path)
+    return write
