@@ -103,49 +103,44 @@ def _read_response(message) -> tuple:
     )
 
 
+def _builders(request_cls, response_cls, input_cls, output_cls) -> tuple[Callable[[Case], object], ...]:
+    """(build_request, build_response) for one implementation's message classes."""
+    def build_request(case: Case):
+        return request_cls(model_name="bench", id="1",
+                           inputs=[input_cls(name=t.name, datatype=t.datatype, shape=list(t.shape))
+                                   for t in case.inputs],
+                           raw_input_contents=[t.payload for t in case.inputs])
+
+    def build_response(case: Case):
+        return response_cls(model_name="bench", id="1",
+                            outputs=[output_cls(name=t.name, datatype=t.datatype, shape=list(t.shape))
+                                     for t in case.outputs],
+                            raw_output_contents=[t.payload for t in case.outputs])
+    return build_request, build_response
+
+
+def _decoder(cls, read, parse) -> Callable[[bytes], object]:
+    """Parse with ``parse(cls, data)``, then read what the frontend reads."""
+    def decode(data: bytes):
+        message = parse(cls, data)
+        read(message)
+        return message
+    return decode
+
+
 def upb_codec() -> Codec:
     request_cls = grpc_service_pb2.ModelInferRequest
     response_cls = grpc_service_pb2.ModelInferResponse
 
-    def build_request(case: Case):
-        return request_cls(
-            model_name="bench",
-            id="1",
-            inputs=[
-                request_cls.InferInputTensor(name=t.name, datatype=t.datatype, shape=t.shape)
-                for t in case.inputs
-            ],
-            raw_input_contents=[t.payload for t in case.inputs],
-        )
-
-    def build_response(case: Case):
-        return response_cls(
-            model_name="bench",
-            id="1",
-            outputs=[
-                response_cls.InferOutputTensor(name=t.name, datatype=t.datatype, shape=t.shape)
-                for t in case.outputs
-            ],
-            raw_output_contents=[t.payload for t in case.outputs],
-        )
-
-    def decode_request(data: bytes):
-        message = request_cls.FromString(data)
-        _read_request(message)
-        return message
-
-    def decode_response(data: bytes):
-        message = response_cls.FromString(data)
-        _read_response(message)
-        return message
+    def parse(cls, data: bytes):
+        return cls.FromString(data)
 
     return Codec(
         "upb",
-        build_request,
-        build_response,
+        *_builders(request_cls, response_cls, request_cls.InferInputTensor, response_cls.InferOutputTensor),
         lambda message: message.SerializeToString(),
-        decode_request,
-        decode_response,
+        _decoder(request_cls, _read_request, parse),
+        _decoder(response_cls, _read_response, parse),
     )
 
 
@@ -187,35 +182,7 @@ def betterproto_codecs(inference) -> Iterator[Codec | str]:
     input_cls = inference.ModelInferRequestInferInputTensor
     output_cls = inference.ModelInferResponseInferOutputTensor
 
-    def build_request(case: Case):
-        return request_cls(
-            model_name="bench",
-            id="1",
-            inputs=[
-                input_cls(name=t.name, datatype=t.datatype, shape=list(t.shape))
-                for t in case.inputs
-            ],
-            raw_input_contents=[t.payload for t in case.inputs],
-        )
-
-    def build_response(case: Case):
-        return response_cls(
-            model_name="bench",
-            id="1",
-            outputs=[
-                output_cls(name=t.name, datatype=t.datatype, shape=list(t.shape))
-                for t in case.outputs
-            ],
-            raw_output_contents=[t.payload for t in case.outputs],
-        )
-
-    def decoder(cls, read, parse):
-        def decode(data: bytes):
-            message = parse(cls, data)
-            read(message)
-            return message
-
-        return decode
+    build_request, build_response = _builders(request_cls, response_cls, input_cls, output_cls)
 
     def parse_python(cls, data: bytes):
         return cls.parse(data)
@@ -225,8 +192,8 @@ def betterproto_codecs(inference) -> Iterator[Codec | str]:
         build_request,
         build_response,
         bytes,
-        decoder(request_cls, _read_request, parse_python),
-        decoder(response_cls, _read_response, parse_python),
+        _decoder(request_cls, _read_request, parse_python),
+        _decoder(response_cls, _read_response, parse_python),
     )
 
     try:
@@ -250,8 +217,8 @@ def betterproto_codecs(inference) -> Iterator[Codec | str]:
         build_request,
         build_response,
         rust.serialize,
-        decoder(request_cls, _read_request, parse_rust),
-        decoder(response_cls, _read_response, parse_rust),
+        _decoder(request_cls, _read_request, parse_rust),
+        _decoder(response_cls, _read_response, parse_rust),
     )
 
 
