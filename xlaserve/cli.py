@@ -34,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         node = load_node_config(args.node, os.environ)
     except ConfigError as exc:
-        print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
+        print(f"xlaserve: {exc}", file=sys.stderr)  # names the file where the mistake is in it
         return 2
     return _serving(lambda: run_node(node, ready_file=args.ready_file))
 
@@ -44,6 +44,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from xlaserve.node import run_worker
     try:
         node = load_node_config(args.node, os.environ)
+    except ConfigError as exc:
+        print(f"xlaserve: {exc}", file=sys.stderr)
+        return 2
+    try:
         which = int(args.worker) if args.worker.isdigit() else args.worker
         config = resolve_worker(node, which)
     except ConfigError as exc:
