@@ -224,6 +224,8 @@ def test_a_module_that_wants_weights_but_has_none_says_where_weights_come_from(t
     assert msg.startswith("bundle 'bare': model.b2.mlir: @main takes 3 argument(s) but the manifest gives 1 "
                           "(0 weight(s): no weights: key and no weights.safetensors beside manifest.yaml; "
                           "then 1 executable input(s))")
+    assert ("they first differ at argument 0: the manifest gives input 'INPUT__0' tensor<2x224x224xui8>, "
+            "@main takes tensor<9xf32>") in msg
     assert "@main takes: tensor<9xf32>, tensor<784x9xf32>, tensor<2x224x224xui8>" in msg
 
 
@@ -260,7 +262,7 @@ def test_explicit_weights_file_that_is_missing_is_an_error_even_with_the_default
     bundle = small_bundle(tmp_path, "gone", modules["dict.b2"], {"file": "grader.safetensors"},
                           **{"weights.safetensors": dict(reference.grader_weights())})
     assert load_error(bundle, device) == ("bundle 'gone': weights file grader.safetensors is missing "
-                                          "(named by the manifest's weights.file)")
+                                          "(the manifest's weights: key asks for it)")
 
 
 def test_default_weights_of_the_wrong_shape_name_the_tensor_and_argument(tmp_path, device, modules):
@@ -280,8 +282,20 @@ def test_default_weights_with_a_surplus_tensor_name_every_weight_and_the_file(tm
     assert msg.startswith("bundle 'surplus': model.b2.mlir: @main takes 3 argument(s) but the manifest gives 4 "
                           "(3 weight(s) from weights.safetensors (beside manifest.yaml, which has no weights: "
                           "key, so all its tensors, names sorted); then 1 executable input(s))")
+    assert ("they first differ at argument 1: the manifest gives weight 'u' tensor<3xf32>, "
+            "@main takes tensor<784x9xf32>") in msg
     assert ("Expected, in order: weight 't' tensor<9xf32>, weight 'u' tensor<3xf32>, "
-            "weight 'w' tensor<784x9xf32>, input 'INPUT__0' tensor<2x224x224xui8>") in msg
+            "weight 'w' tensor<784x9xf32>, input 'INPUT__0' tensor<2x224x224xui8>;") in msg
+
+
+def test_a_long_argument_mismatch_lists_only_the_first_arguments(tmp_path, device, modules):
+    # Hundreds of weights must not make one error pages long: each list stops after eight.
+    weights = {f"p{i:03d}": np.zeros(1, np.float32) for i in range(300)}
+    bundle = small_bundle(tmp_path, "many", modules["dict.b2"], **{"weights.safetensors": weights})
+    msg = load_error(bundle, device)
+    assert "@main takes 3 argument(s) but the manifest gives 301 (300 weight(s) from weights.safetensors" in msg
+    assert "weight 'p007' tensor<1xf32>, and 293 more;" in msg and "p008" not in msg
+    assert len(msg) < 1500
 
 
 def test_a_stray_weights_file_beside_a_weightless_module_is_an_error_naming_it(tmp_path, device, modules):
@@ -290,4 +304,6 @@ def test_a_stray_weights_file_beside_a_weightless_module_is_an_error_naming_it(t
     msg = load_error(bundle, device)
     assert "@main takes 1 argument(s) but the manifest gives 3 (2 weight(s) from weights.safetensors (beside " \
            "manifest.yaml, which has no weights: key" in msg
-    assert "@main takes: tensor<2x224x224xui8>" in msg
+    assert ("they first differ at argument 0: the manifest gives weight 't' tensor<9xf32>, "
+            "@main takes tensor<2x224x224xui8>") in msg
+    assert msg.endswith("@main takes: tensor<2x224x224xui8>")

@@ -257,7 +257,7 @@ def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
     if not file.is_file():
         if not declared:
             return None
-        raise BundleError(manifest.bundle, f"weights file {name} is missing (named by the manifest's weights.file)")
+        raise BundleError(manifest.bundle, f"weights file {name} is missing (the manifest's weights: key asks for it)")
     try:
         table = _read_safetensors_header(file)
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -281,6 +281,15 @@ def _describe(t: TensorType) -> str:
     return f"{t} ({kserve}[{','.join('?' if d is None else str(d) for d in t.shape)}])"
 
 
+def _listing(items: list[str], limit: int = 8) -> str:
+    """``items`` joined by commas, the first ``limit`` of them: a model with hundreds of weights
+    must not turn one error into pages."""
+    if not items:
+        return "nothing"
+    more = f", and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
 def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signature,
                        weights: HostWeights | None) -> None:
     """Check one module's ``@main`` against the manifest and weights; raise on the first mismatch."""
@@ -298,10 +307,15 @@ def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signat
     if len(sig.inputs) != len(expected_in):
         source = (f"{len(weights.names)} weight(s) from {weights.origin}" if weights is not None
                   else f"0 weight(s): no weights: key and no {DEFAULT_WEIGHTS_FILE} beside {MANIFEST}")
+        at = next((i for i, ((_, want), got) in enumerate(zip(expected_in, sig.inputs)) if want != got),
+                  min(len(expected_in), len(sig.inputs)))
+        want = f"{expected_in[at][0]} {expected_in[at][1]}" if at < len(expected_in) else "nothing more"
+        got = str(sig.inputs[at]) if at < len(sig.inputs) else "nothing more"
         raise fail(f"@main takes {len(sig.inputs)} argument(s) but the manifest gives {len(expected_in)} "
-                   f"({source}; then {len(manifest.executable_inputs)} executable input(s)). Expected, in "
-                   f"order: {', '.join(f'{label} {want}' for label, want in expected_in)}; "
-                   f"@main takes: {', '.join(map(str, sig.inputs)) or 'nothing'}")
+                   f"({source}; then {len(manifest.executable_inputs)} executable input(s)); they first "
+                   f"differ at argument {at}: the manifest gives {want}, @main takes {got}. Expected, in "
+                   f"order: {_listing([f'{label} {t}' for label, t in expected_in])}; "
+                   f"@main takes: {_listing([str(t) for t in sig.inputs])}")
     if len(sig.outputs) != len(expected_out):
         raise fail(f"@main returns {len(sig.outputs)} result(s) but the manifest lists "
                    f"{len(expected_out)} executable output(s) ({', '.join(label for label, _ in expected_out)})")
