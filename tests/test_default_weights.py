@@ -10,6 +10,8 @@ xlaserve would write them, not with ``xlaserve.export``.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -129,7 +131,7 @@ def modules() -> dict[str, str]:
     return out
 
 
-def seed_bundle(repo, modules) -> object:
+def seed_bundle(repo: Path, modules: dict[str, str]) -> Path:
     """The seed's severity_grader, as the announcement lays it out."""
     bundle = repo / "severity_grader"
     bundle.mkdir(parents=True)
@@ -141,7 +143,7 @@ def seed_bundle(repo, modules) -> object:
     return bundle
 
 
-def small_bundle(repo, name: str, module: str, weights_key: dict | None = None, **files) -> object:
+def small_bundle(repo: Path, name: str, module: str, weights_key: dict | None = None, **files) -> Path:
     """The seed's tensors at one compiled batch size (2), with ``module`` as ``model.b2.mlir``;
     ``files`` maps file names to the tensors to save as safetensors."""
     bundle = repo / name
