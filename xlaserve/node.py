@@ -93,8 +93,8 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
     The backend is decided and its PJRT client configured first (:func:`open_backend`), so an
     unusable ``cuda`` fails here, before anything else starts, with a StartupError."""
     from xlaserve.runtime.backend import open_backend
-    from xlaserve.worker.server import serve
     config = dataclasses.replace(config, runtime=open_backend(config.runtime))
+    from xlaserve.worker.server import serve
     trio.run(functools.partial(serve, config, ready_callback=_ready_writer(ready_file)))
 
 
