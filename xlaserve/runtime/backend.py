@@ -88,8 +88,8 @@ def _show(value) -> str:
 def open_backend(runtime: RuntimeConfig) -> RuntimeConfig:
     """Decide and set up this worker process's backend, before its device is opened: probe
     cuda if asked for, log the notes and the fallback warning once, and configure the PJRT
-    client (:func:`configure_client`). Returns ``runtime`` with the
-    backend the worker actually runs on. Raises :class:`StartupError` when ``cuda`` is asked
+    client (:func:`configure_client`). Returns ``runtime`` with the backend the worker
+    actually runs on. Raises :class:`StartupError` when ``cuda`` is asked
     for, cannot be used and no fallback is allowed."""
     plan = plan_backend(runtime, probe_cuda() if runtime.backend == "cuda" else None)
     for note in plan.notes:
