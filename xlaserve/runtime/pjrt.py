@@ -3,9 +3,10 @@
 Everything xlaserve needs from JAX's PJRT client lives here: finding out whether jax's CUDA
 plugin can be used (:func:`probe_cuda`), setting up the client before it exists
 (:func:`configure_client`), opening a backend (``jax.extend.backend``), reading a StableHLO
-module's ``@main`` signature (jaxlib's MLIR bindings), compiling (``compile_and_load``), executing (``execute_sharded``), copying host
-arrays to the device (``batched_device_put``: ``jax.device_put`` costs about 80 µs a call on
-this path, the call underneath it about 7), and (de)serializing executables. The jax version
+module's ``@main`` signature (jaxlib's MLIR bindings), compiling (``compile_and_load``),
+executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
+``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
+(de)serializing executables. The jax version
 is pinned in pyproject.toml because these names move between releases. Nothing outside this
 module imports jax or jaxlib.
 """
