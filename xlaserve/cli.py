@@ -15,7 +15,7 @@ def _logging(level: str) -> None:
 
 
 def _serving(run) -> int:
-    """Run a server; a start-up error is one clear line, not a traceback."""
+    """Run a server; a start-up error is one clear line, not a traceback, and exit status 2."""
     from xlaserve.errors import find_startup_error
     try:
         result = run()
@@ -24,7 +24,7 @@ def _serving(run) -> int:
         if startup is None:
             raise
         logging.getLogger("xlaserve").error("cannot start: %s", startup)
-        return 1
+        return 2
     return result if isinstance(result, int) else 0
 
 

@@ -77,12 +77,15 @@ class RuntimeConfig:
     Attributes:
         backend: ``cpu`` or ``cuda``. Default ``cpu``. ``cpu`` is for development, tests and
             fallback; ``cuda`` needs the ``xlaserve[cuda]`` extra.
-        mem_fraction: fraction of device memory claimed for the memory pool, in (0, 1].
-            Default 0.9. GPU only.
-        preallocate: claim the pool up front rather than growing it. Default true. GPU only.
-        allow_cpu_fallback: when ``cuda`` is asked for but no GPU can be used, run on the CPU
-            instead of failing to start. Default false: a GPU node that silently runs on the CPU
-            is worse than one that refuses to start.
+        mem_fraction: on ``cuda``, the device allocator's pool as a fraction of the GPU's
+            memory, in (0, 1]. Default 0.9. On ``cpu`` a non-default value is logged as not
+            applicable.
+        preallocate: on ``cuda``, claim the pool up front rather than growing it up to
+            ``mem_fraction``. Default true. On ``cpu`` a non-default value is logged as not
+            applicable.
+        allow_cpu_fallback: when ``cuda`` is asked for but cannot be used, run on the CPU (one
+            warning says why) instead of failing to start. Default false: a GPU node that
+            silently runs on the CPU is worse than one that refuses to start.
         weight_cache_fraction: fraction of the device arena the weight cache may fill with
             weights (pinned and on-demand), in [0, 1]. Default 1.0 (the whole arena, self-sized).
             0 disables on-demand loading: every model's weights stay resident.
@@ -270,9 +273,10 @@ class NodeConfig:
             it sets one. Default 9001.
         metrics_base_port: with two or more workers, worker i's HTTP port (health, metrics) is
             ``metrics_base_port + i``. Default 9101.
-        gpus: ``auto`` (one worker per detected GPU, one CPU worker where there is none), a
-            count N, or a list of device ordinals. Used by the supervisor when ``workers:`` is
-            omitted. Default ``auto``.
+        gpus: ``auto`` (when ``runtime.backend`` is ``cuda``, one worker per GPU jax's CUDA
+            plugin sees, one where it sees none; one worker on a ``cpu`` node), a count N, or a
+            list of device ordinals. Used by the supervisor when ``workers:`` is omitted.
+            Default ``auto``.
         cache_dir: (``global.cache_dir``) where compiled executables are cached across
             restarts; null disables the cache. Default ``~/.cache/xlaserve``. Relative paths
             resolve like ``model_repo``.
