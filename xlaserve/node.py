@@ -1,7 +1,9 @@
-"""The node supervisor behind ``xlaserve run``.
+"""What ``xlaserve run`` and ``xlaserve worker`` do with a node file.
 
-A one-worker node (the only shape so far) runs its worker in this process, serving the public
-``listen`` addresses itself.
+A one-worker node (the only shape ``xlaserve run`` serves so far) runs its worker in this
+process, serving the public ``listen`` addresses itself. A node of more workers is refused: no
+supervisor starts workers and no gateway fronts them yet; each worker can be run on its own
+(:func:`run_worker`, behind ``xlaserve worker``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ log = logging.getLogger("xlaserve.node")
 
 
 def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
+    """Serve a one-worker node in this process until it is stopped; 2 (after logging why) for a
+    node of more workers."""
     workers = worker_count(node)
     if workers > 1:
         # gpus: N without a workers: list asks for N workers just as a list of N does
