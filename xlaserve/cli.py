@@ -29,7 +29,7 @@ def _serving(run) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Serve a node file. One worker serves the public ports itself."""
+    """Serve a one-worker node file; its worker serves the public ports itself."""
     from xlaserve.node import run_node
     try:
         node = load_node_config(args.node, os.environ)
@@ -40,7 +40,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Run one worker of a node file (what the supervisor starts per device)."""
+    """Run one worker of a node file, by name or index (any node; the way to run each worker of a
+    multi-worker node until a supervisor exists)."""
     from xlaserve.node import run_worker
     try:
         node = load_node_config(args.node, os.environ)

@@ -1,7 +1,10 @@
-"""The node supervisor behind ``xlaserve run``.
+"""What ``xlaserve run`` and ``xlaserve worker`` do with a node file.
 
-A one-worker node (the only shape so far) runs its worker in this process, serving the public
-``listen`` addresses itself. How many workers a node has is :func:`plan_workers`'s decision.
+A one-worker node (the only shape ``xlaserve run`` serves so far) runs its worker in this
+process, serving the public ``listen`` addresses itself. A node of more workers is refused: no
+supervisor starts workers and no gateway fronts them yet; each worker can be run on its own
+(:func:`run_worker`, behind ``xlaserve worker``). How many workers a node has is
+:func:`plan_workers`'s decision.
 """
 from __future__ import annotations
 
@@ -75,6 +78,8 @@ def refusal(node: NodeConfig, plan: WorkerPlan) -> str:
 
 
 def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
+    """Serve a one-worker node in this process until it is stopped; 2 (after logging why) for a
+    node of more workers."""
     plan = plan_workers(node, *detect_gpus(node))
     if plan.note:
         log.info("%s", plan.note)

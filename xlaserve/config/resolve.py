@@ -397,9 +397,9 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
                    worker_count: int | None = None) -> WorkerConfig:
     """The configuration worker ``which`` (an index or a name) runs with.
 
-    ``worker_count`` is how many workers the supervisor runs when ``workers:`` is omitted
-    (workers are then named ``worker0``, ``worker1``, ...); by default it follows ``gpus``
-    (a count or a list) or is 1 for ``gpus: auto``. With an explicit ``workers:`` list it must
+    ``worker_count`` is how many workers the node has when ``workers:`` is omitted (workers
+    are then named ``worker0``, ``worker1``, ...); by default it follows ``gpus`` (a count or
+    a list) or is 1 for ``gpus: auto``. With an explicit ``workers:`` list it must
     be None or that list's length.
 
     Blocks resolve in this order, each key of a later step winning: built-in defaults, the
@@ -409,8 +409,9 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
     Ports: a one-worker node's worker binds ``listen.grpc`` and ``listen.http`` itself (an
     explicit ``port`` moves its gRPC endpoint to ``endpoints.host:port``). With two or more
     workers, worker i binds gRPC on ``endpoints.host:(port or base_port + i)`` and HTTP on
-    ``endpoints.host:metrics_base_port + i``, and the gateway binds the ``listen`` addresses.
-    Any two equal ports are a ConfigError.
+    ``endpoints.host:metrics_base_port + i``; the ``listen`` addresses are then reserved for
+    the gateway (which does not exist yet) and bound by no worker, but still checked. Any two
+    equal ports are a ConfigError.
     """
     entries = _worker_entries(node, worker_count)
     names = [entry.name for entry in entries]

@@ -157,15 +157,15 @@ class SchedulerConfig:
     Attributes:
         discipline: ``fair`` (weighted deficit by learned cost), ``fifo`` (oldest request
             first) or ``edf`` (earliest deadline first; sheds work that cannot finish in time).
-            Default ``fair``. Behind a gateway in ``lpt_packing`` mode use ``fifo`` or ``edf``.
+            Default ``fair``.
         ema_halflife_seconds: half-life of the moving average that learns each model's
             execution cost, > 0. Default 30.0.
         max_queue_depth: per-model queue cap, >= 1; a full model rejects new requests with
             RESOURCE_EXHAUSTED. Default 1024.
         dispatch_timeout_seconds: longest a request may wait in a queue when it carries no
             deadline of its own, > 0. Default 30.0.
-        compaction_interval: defragment device memory every N on-demand weight loads; 0 (the
-            default) disables. Leave 0 behind a gateway.
+        compaction_interval: defragment device memory every N on-demand weight loads (nothing
+            to do on ``cpu``); 0 (the default) disables.
         models: per-model overrides (:class:`ModelSchedConfig`), keyed by model name. Default
             empty: every model runs with the defaults.
     """
@@ -217,8 +217,8 @@ class EndpointsConfig:
 class ListenConfig:
     """The node's public addresses (YAML top-level block ``listen:``), each ``"host:port"``.
 
-    A one-worker node's worker binds them itself; with two or more workers the embedded gateway
-    binds them.
+    A one-worker node's worker binds them itself. With two or more workers they are reserved
+    for the gateway, which does not exist yet: no worker binds them.
 
     Attributes:
         grpc: KServe V2 gRPC. Default ``0.0.0.0:8001``.
@@ -238,8 +238,8 @@ class WorkerEntry:
         name: the worker's identity in logs, metrics and the pin map; letters, digits, ``_``,
             ``.``, ``-``. Required.
         port: explicit gRPC port (the same as ``endpoints: {port: ...}`` in this entry).
-        gpu: device ordinal this worker uses, >= 0. Default null: the supervisor assigns one
-            (or takes it from a ``gpus:`` list); a bare worker uses ordinal 0.
+        gpu: device ordinal this worker uses, >= 0. Default null: the worker's entry of a
+            ``gpus:`` list when there is one, else ordinal 0.
         runtime, scheduler, endpoints: the keys this worker sets in those blocks (a read-only
             mapping of key to value; ``scheduler["models"]`` maps model name to its keys). They
             merge over ``global:`` key by key, and per model for ``scheduler.models``.
@@ -275,26 +275,29 @@ class NodeConfig:
             ``metrics_base_port + i``. Default 9101.
         gpus: ``auto`` (when ``runtime.backend`` is ``cuda``, one worker per GPU jax's CUDA
             plugin sees, one where it sees none; one worker on a ``cpu`` node), a count N, or a
-            list of device ordinals. Used by the supervisor when ``workers:`` is omitted.
-            Default ``auto``.
+            list of device ordinals. How many workers the node has when ``workers:``
+            is omitted. Default ``auto``. ``xlaserve run`` refuses more than one worker
+            (multi-worker nodes do not exist yet).
         cache_dir: (``global.cache_dir``) where compiled executables are cached across
             restarts; null disables the cache. Default ``~/.cache/xlaserve``. Relative paths
             resolve like ``model_repo``.
         model_control_mode: (``global.``) ``dynamic`` watches the repository and loads,
             reloads and unloads bundles as files change; ``static`` loads the startup set once;
             ``explicit`` acts only on control RPCs. Default ``dynamic``.
-        model_poll_seconds: (``global.``) repository poll interval in ``dynamic`` mode when
-            file events are unavailable, > 0. Default 15.0.
+        model_poll_seconds: (``global.``) interval of the repository rescan that ``dynamic``
+            mode runs beside file events (it notices changes where events are unavailable),
+            > 0. Default 15.0.
         models_include: (``global.``) allowlist of model names to load; empty (the default)
             loads every bundle in the repository.
         runtime, scheduler, endpoints: the ``global:`` blocks, with environment overrides
             applied.
         workers: the ``workers:`` entries; when omitted, one implicit worker ``worker0``.
-        workers_explicit: whether ``workers:`` was written; when false, the supervisor may
-            synthesize ``worker0``, ``worker1``, ... from ``gpus``.
+        workers_explicit: whether ``workers:`` was written; when false, the workers are
+            ``worker0``, ``worker1``, ..., as many as ``gpus`` asks for.
         models: the pin map: model name to the workers that keep it resident on the device
             (``residency: device``). Default empty.
-        gateway: the ``gateway:`` block, kept as written; the gateway validates it.
+        gateway: the ``gateway:`` block (it must be a mapping), kept as written. Nothing reads
+            it until multi-worker nodes (supervisor and gateway) exist.
         listen: the node's public addresses.
         env_overrides: the ``INFERENCE_SERVER_*`` overrides, by section (``node``, ``listen``,
             ``runtime``, ``scheduler``, ``endpoints``); already applied to the fields above, and
@@ -328,8 +331,9 @@ class WorkerConfig:
     """What one worker process runs with, fully resolved (see :func:`resolve_worker`).
 
     ``index`` is the worker's position in the node and ``worker_count`` the node's number of
-    workers (two or more means an embedded gateway fronts them). ``gpu`` is null when the
-    supervisor assigns the device. ``grpc_*`` and ``http_*`` are the addresses to bind.
+    workers (two or more: the port rules of a multi-worker node apply). ``gpu`` is null when
+    nothing names an ordinal; the worker then uses ordinal 0. ``grpc_*`` and ``http_*`` are
+    the addresses to bind.
     """
 
     name: str

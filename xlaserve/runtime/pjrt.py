@@ -6,9 +6,9 @@ plugin can be used (:func:`probe_cuda`), setting up the client before it exists
 module's ``@main`` signature (jaxlib's MLIR bindings), compiling (``compile_and_load``),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
 ``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
-(de)serializing executables. The jax version
-is pinned in pyproject.toml because these names move between releases. Nothing outside this
-module imports jax or jaxlib.
+(de)serializing executables. The jax version is pinned in pyproject.toml because these names
+move between releases. Nothing else in the server imports jax or jaxlib (the export API,
+:mod:`xlaserve.export`, and the benchmarks use jax to build bundles).
 """
 from __future__ import annotations
 
