@@ -10,7 +10,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import serve
-from xlaserve.bench.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
+from benchmarks.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
 
 MB = 1 << 20
 SYSTEM = [f"w{i}" for i in range(8)]

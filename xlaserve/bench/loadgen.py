@@ -7,14 +7,26 @@ Each of C clients sends one request, waits for its answer and sends the next (li
 ``perf_analyzer --concurrency-range``). With several models, each request picks its model from
 the traffic mix: ``uniform``, or ``zipf`` (the k-th model listed is chosen with probability
 proportional to 1/k^s). Inputs are random tensors of ``--batch`` rows (default 1), shaped from
-the model's metadata; ``-i [MODEL/]NAME:DTYPE:DIMS`` (``input:FP32:1x512``) gives them
-explicitly for servers whose metadata is vague. ``--timeout-ms`` attaches a deadline to every
-request, both as Triton's ``timeout`` parameter and as the gRPC deadline.
+the model's metadata: the first variable dimension (-1) of an input is its batch axis, any other
+is 1. ``-i [MODEL/]NAME:DTYPE:DIMS`` (``input:FP32:1x512``) gives them explicitly for servers
+whose metadata is vague. ``--timeout-ms`` attaches a deadline to every request, both as Triton's
+``timeout`` parameter and as the gRPC deadline.
+
+Rows per request are the size of the batch axis of the first input that has one, where the
+model's metadata places it (with ``-i``, the first dimension unless the metadata says otherwise);
+a model none of whose inputs has a batch axis takes one row per request.
+
+Before measuring, one request per model checks the inputs. Any error from the server there (an
+unknown model, a wrong shape, a server that is not up) ends the run with one line on stderr,
+``xlaserve bench: STATUS: message``, and exit status 2, as do inputs the load generator cannot
+make. Errors during the levels are counted, not fatal.
 
 After ``--warmup`` seconds, answers that arrive inside the ``--duration`` window are counted.
 Progress goes to stderr while a level runs; at the end a table (stderr) and one JSON line per
 level and model (stdout, with ``"model": "*"`` for the total) report throughput (requests/s and
 rows/s), latency p50/p90/p99/max in ms and errors by gRPC status.
+
+The Triton client (``tritonclient[grpc]``) is an extra: ``pip install 'xlaserve[bench]'``.
 
 The module is also a library: :func:`run_level` drives any list of :class:`ClientPlan` (the
 fairness benchmark pins clients to models that way).
@@ -36,11 +48,19 @@ _NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np
           "FP32": np.float32, "FP64": np.float64}
 
 
+class BenchError(Exception):
+    """A run that cannot go on; ``main`` prints it as ``xlaserve bench: <message>`` and exits 2."""
+
+
 @dataclass(frozen=True, slots=True)
 class InputSpec:
+    """One input the load generator sends. ``batch_axis`` is the index in ``shape`` of the batch
+    axis, or None when the tensor has none."""
+
     name: str
     datatype: str
     shape: tuple[int, ...]
+    batch_axis: int | None = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,16 +112,37 @@ class LevelResult:
 
 
 def parse_input(text: str) -> tuple[str | None, InputSpec]:
-    """``[MODEL/]NAME:DTYPE:DIMS`` (DIMS like ``1x512``) -> (model or None, spec)."""
+    """``[MODEL/]NAME:DTYPE:DIMS`` (DIMS like ``1x512``) -> (model or None, spec). The first
+    dimension is taken as the batch axis until the model's metadata says otherwise."""
     model, _, rest = text.rpartition("/")
     try:
         name, datatype, dims = rest.split(":")
         shape = tuple(int(d) for d in dims.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--input {text!r}: expected [MODEL/]NAME:DTYPE:DIMS such as input:FP32:1x512") from None
+        raise BenchError(f"--input {text!r}: expected [MODEL/]NAME:DTYPE:DIMS such as input:FP32:1x512") from None
     if datatype.upper() not in _NUMPY:
-        raise SystemExit(f"--input {text!r}: datatype {datatype!r} is not one of {', '.join(_NUMPY)}")
+        raise BenchError(f"--input {text!r}: datatype {datatype!r} is not one of {', '.join(_NUMPY)}")
     return model or None, InputSpec(name, datatype.upper(), shape)
+
+
+def rows_per_request(specs: Sequence[InputSpec]) -> int:
+    """The rows one request carries: the batch axis's size in the first input that has one, or 1
+    when none has (a model without a batch axis answers one sample per request)."""
+    for spec in specs:
+        if spec.batch_axis is not None and spec.batch_axis < len(spec.shape):
+            return spec.shape[spec.batch_axis]
+    return 1
+
+
+def _status(exc: Exception) -> str:
+    """The gRPC status name of a tritonclient ``InferenceServerException`` (``NOT_FOUND``)."""
+    return (exc.status() or "UNKNOWN").replace("StatusCode.", "")
+
+
+def server_error(exc: Exception) -> str:
+    """``STATUS: message`` of a tritonclient ``InferenceServerException``, on one line."""
+    message = " ".join(str(exc.message() or "").splitlines())
+    return f"{_status(exc)}: {message}" if message else _status(exc)
 
 
 def random_tensor(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
@@ -125,20 +166,64 @@ def model_mix(models: Sequence[str], mix: str, s: float, seed: int) -> Callable[
     return lambda: rng.choices(models, weights)[0]
 
 
+def _batch_axis(dims: Sequence[int]) -> int | None:
+    """The batch axis of a metadata shape: its first variable (-1) dimension, or None."""
+    return next((i for i, d in enumerate(dims) if d < 0), None)
+
+
 async def discover_inputs(client, model: str, batch: int) -> list[InputSpec]:
-    """The model's inputs from its metadata, variable dims set to ``batch`` (first) or 1."""
+    """The model's inputs from its metadata: the batch axis (the first -1) set to ``batch``,
+    any other -1 to 1. A tensor without a -1 has no batch axis and keeps its shape."""
     meta = await client.get_model_metadata(model)
     specs = []
     for t in meta.inputs:
-        shape = [int(d) for d in t.shape]
-        shape = [(batch if i == 0 else 1) if d < 0 else d for i, d in enumerate(shape)]
+        dims = [int(d) for d in t.shape]
+        axis = _batch_axis(dims)
+        shape = [(batch if i == axis else 1) if d < 0 else d for i, d in enumerate(dims)]
         if t.datatype not in _NUMPY:
-            raise SystemExit(f"model {model!r}: input {t.name!r} has datatype {t.datatype}, which the load "
+            raise BenchError(f"model {model!r}: input {t.name!r} has datatype {t.datatype}, which the load "
                              f"generator cannot make up; pass -i {model}/{t.name}:DTYPE:DIMS")
-        specs.append(InputSpec(t.name, t.datatype, tuple(shape)))
+        specs.append(InputSpec(t.name, t.datatype, tuple(shape), axis))
     if not specs:
-        raise SystemExit(f"model {model!r}: its metadata lists no inputs; pass them with -i")
+        raise BenchError(f"model {model!r}: its metadata lists no inputs; pass them with -i")
     return specs
+
+
+async def place_batch_axes(client, model: str, specs: Sequence[InputSpec]) -> list[InputSpec]:
+    """Explicit ``-i`` inputs with their batch axes where the model's metadata puts them (a tensor
+    of the same name and rank). Without usable metadata they keep the first dimension."""
+    from tritonclient.utils import InferenceServerException
+    try:
+        meta = await client.get_model_metadata(model)
+    except InferenceServerException:
+        return list(specs)          # the check request reports a server that cannot answer
+    declared = {t.name: [int(d) for d in t.shape] for t in meta.inputs}
+    out = []
+    for spec in specs:
+        dims = declared.get(spec.name)
+        if dims is not None and len(dims) == len(spec.shape):
+            spec = InputSpec(spec.name, spec.datatype, spec.shape, _batch_axis(dims))
+        out.append(spec)
+    return out
+
+
+def _prepare(aio, specs: Sequence[InputSpec], rng: np.random.Generator) -> list:
+    tensors = []
+    for spec in specs:
+        t = aio.InferInput(spec.name, list(spec.shape), spec.datatype)
+        t.set_data_from_numpy(random_tensor(spec, rng))
+        tensors.append(t)
+    return tensors
+
+
+async def check_inputs(url: str, inputs: dict[str, list[InputSpec]]) -> None:
+    """Send one request per model; the first error the server answers propagates (as tritonclient's
+    ``InferenceServerException``)."""
+    import tritonclient.grpc.aio as aio
+    rng = np.random.default_rng(0)
+    async with aio.InferenceServerClient(url) as c:
+        for model, specs in inputs.items():
+            await c.infer(model, _prepare(aio, specs, rng))
 
 
 async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[InputSpec]], *,
@@ -151,14 +236,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
     from tritonclient.utils import InferenceServerException
 
     rng = np.random.default_rng(0)
-    prepared = {}
-    for model, specs in inputs.items():
-        tensors = []
-        for spec in specs:
-            t = aio.InferInput(spec.name, list(spec.shape), spec.datatype)
-            t.set_data_from_numpy(random_tensor(spec, rng))
-            tensors.append(t)
-        prepared[model] = (tensors, specs[0].shape[0] if specs[0].shape else 1)
+    prepared = {model: (_prepare(aio, specs, rng), rows_per_request(specs)) for model, specs in inputs.items()}
     tallies = {m: ModelTally() for m in inputs}
     kwargs = {}
     if timeout_ms is not None:
@@ -177,7 +255,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
             try:
                 await c.infer(model, tensors, **kwargs)
             except InferenceServerException as exc:
-                status = (exc.status() or "UNKNOWN").replace("StatusCode.", "")
+                status = _status(exc)
             t1 = loop.time()
             done[2] += 1
             if t1 >= window_end:
@@ -247,6 +325,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    """``xlaserve bench``: 0 after the last level; 2, after one line on stderr, when the Triton
+    client is missing or the run cannot start (see the module's docstring)."""
+    try:
+        import tritonclient.grpc.aio  # noqa: F401 - only to say early and plainly that it is missing
+        from tritonclient.utils import InferenceServerException
+    except ImportError as exc:
+        print(f"xlaserve bench: needs the Triton client ({exc}); install it with: pip install 'xlaserve[bench]'",
+              file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except BenchError as exc:
+        print(f"xlaserve bench: {exc}", file=sys.stderr)
+    except InferenceServerException as exc:
+        print(f"xlaserve bench: {server_error(exc)}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     explicit: dict[str | None, list[InputSpec]] = {}
     for text in args.input:
@@ -258,7 +355,8 @@ def main(args: argparse.Namespace) -> int:
         out = {}
         async with aio.InferenceServerClient(args.url) as c:
             for m in args.model:
-                out[m] = explicit.get(m) or explicit.get(None) or await discover_inputs(c, m, args.batch)
+                given = explicit.get(m) or explicit.get(None)
+                out[m] = await place_batch_axes(c, m, given) if given else await discover_inputs(c, m, args.batch)
         return out
 
     def progress(label: str):
@@ -276,6 +374,7 @@ def main(args: argparse.Namespace) -> int:
         return show
 
     inputs = asyncio.run(resolve())
+    asyncio.run(check_inputs(args.url, inputs))
     results = []
     for conc in levels:
         plans = [ClientPlan(model_mix(args.model, args.mix, args.zipf_s, args.seed + i)) for i in range(conc)]

@@ -1,6 +1,6 @@
 """Does coalescing pay? ``mlp`` at c=32 with compiled sizes [1] versus [1,2,4,8,16,32].
 
-    python -m xlaserve.bench.coalescing_bench [--rounds 2] [--duration 10] [--concurrency 32]
+    python -m benchmarks.coalescing_bench [--rounds 2] [--duration 10] [--concurrency 32]
         [--delay-ms D [--target-rows T]]
 
 Both variants are exported from the example ``mlp`` and served by one xlaserve each, in
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from benchmarks._servers import batch_device_seconds, export_mlp_as, tree_cpu_seconds, xlaserve
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import batch_device_seconds, export_mlp_as, tree_cpu_seconds, xlaserve
 
 SIZES = {"[1]": (1,), "[1,2,4,8,16,32]": (1, 2, 4, 8, 16, 32)}
 COLUMNS = ("throughput_rps", "p50_ms", "p99_ms", "rows_per_execution", "device_us_per_row", "server_cpu_us_per_req")

@@ -1,6 +1,6 @@
 """What Python hooks and meta models cost.
 
-    python -m xlaserve.bench.hooks_bench [--seconds 5] [--rounds 3] [--only hook,meta]
+    python -m benchmarks.hooks_bench [--seconds 5] [--rounds 3] [--only hook,meta]
 
 Starts its own server (``xlaserve run``, CPU backend, loopback) on a temporary repository and
 drives it with closed loops on tritonclient's asyncio gRPC client (``c`` coroutines, each sending
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc.aio as aioclient
 
-from xlaserve.bench._servers import ROOT, xlaserve
+from benchmarks._servers import xlaserve
 
 POSTPROCESS = """
 import time
@@ -65,7 +65,6 @@ def _timed(fn) -> float:
 
 
 def build_repo(repo: Path) -> None:
-    sys.path.insert(0, str(ROOT))
     from examples import export_examples
     mlp = export_examples.export_mlp(repo, (1, 2, 4, 8, 16))
     for name, work, body in (
@@ -170,7 +169,6 @@ def main(argv=None) -> None:
     parser.add_argument("--only", default="hook,meta")
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
-    sys.path.insert(0, str(ROOT))
     print(json.dumps({"cpus": os.cpu_count(), "python": sys.version.split()[0]}), flush=True)
     with tempfile.TemporaryDirectory(prefix="hooks_bench_") as tmp:
         repo = Path(tmp) / "models"

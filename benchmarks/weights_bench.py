@@ -1,9 +1,9 @@
 """Weight-cache benchmarks (issue 4). Prints numbers; see docs/benchmarks.md for recorded runs.
 
-  python -m xlaserve.bench.weights_bench cold [--sizes-mb 1 16 128 512]
+  python -m benchmarks.weights_bench cold [--sizes-mb 1 16 128 512]
       In process, real cpu device: per size, cold call (weights evicted) minus warm call,
       against bytes / host-to-device bandwidth measured in the same run.
-  python -m xlaserve.bench.weights_bench density [--seconds 60] [--configs ...]
+  python -m benchmarks.weights_bench density [--seconds 60] [--configs ...]
       Real server + Triton client: 100 bundles of mixed sizes totalling 10x the budget, Zipf(1.0)
       over them at concurrency 16; budgeted (prefetch on/off), all resident, all unpinned. Also
       reports the server's RSS against the sum of the weights.
@@ -16,7 +16,6 @@ import contextlib
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xlaserve.bench.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
+from benchmarks.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
 
 MB = 1 << 20
 
@@ -161,7 +160,6 @@ def drive(url: str, names: list[str], seconds: float, concurrency: int) -> dict:
 
 
 def density(seconds: float, configs: list[str], count: int, concurrency: int) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.conftest import serve
 
     tmp = _scratch("xlaserve-density-")
@@ -224,7 +222,6 @@ def _metric(text: str, name: str) -> float:
 
 
 def rss(count: int) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.conftest import serve
     tmp = _scratch("xlaserve-rss-")
     (tmp / "empty").mkdir()

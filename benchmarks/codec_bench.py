@@ -1,6 +1,6 @@
 """How fast can the frontend turn ModelInfer bytes into messages and back?
 
-    python -m xlaserve.bench.codec_bench [--repeat 7]
+    python -m benchmarks.codec_bench [--repeat 7]
 
 Compares the codecs we could put behind grpclib:
 

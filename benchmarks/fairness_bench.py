@@ -1,6 +1,6 @@
 """Fair sharing of one device: a heavy tenant against four light ones, under ``fair`` and ``fifo``.
 
-    python -m xlaserve.bench.fairness_bench [--duration 10] [--depth 8] [--disciplines fair,fifo]
+    python -m benchmarks.fairness_bench [--duration 10] [--depth 8] [--disciplines fair,fifo]
         [--light-think-ms 0] [--heavy-nice 0]
 
 Five models with the same code (``tanh(x @ W)`` applied ``--depth`` times, FP32 [b, 512],
@@ -34,15 +34,14 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from benchmarks._servers import batch_device_seconds, xlaserve
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import ROOT, batch_device_seconds, xlaserve
 
 MODELS = ("heavy", "light1", "light2", "light3", "light4")
 WEIGHTS = {"heavy": 1.0, "light1": 1.0, "light2": 2.0, "light3": 2.0, "light4": 4.0}
 
 
 def export_deep(repo: Path, name: str, depth: int) -> None:
-    sys.path.insert(0, str(ROOT))
     import jax.numpy as jnp
     from examples import reference
     from xlaserve.export import TensorSpec, export_bundle

@@ -1,6 +1,6 @@
 """Where does an xlaserve worker's CPU go under load? py-spy samples, grouped by layer.
 
-    python -m xlaserve.bench.profile_xlaserve [--model mlp] [--concurrency 32] [--seconds 8] [--raw FILE]
+    python -m benchmarks.profile_xlaserve [--model mlp] [--concurrency 32] [--seconds 8] [--raw FILE]
 
 Needs ``py-spy`` on PATH or beside the interpreter (``pip install py-spy``). Serves the example
 bundle (compiled sizes 1..32), drives it with :mod:`xlaserve.bench.loadgen` and samples every
@@ -19,9 +19,9 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from benchmarks._servers import export_mlp_as, xlaserve
+from benchmarks.peers_bench import INPUTS
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import export_mlp_as, xlaserve
-from xlaserve.bench.peers_bench import INPUTS
 
 # innermost match wins; order only breaks ties within one frame
 LAYERS = [

@@ -1,4 +1,4 @@
-"""Model lifecycle benchmarks: ``python -m xlaserve.bench.lifecycle_bench [--bundles 20]``.
+"""Model lifecycle benchmarks: ``python -m benchmarks.lifecycle_bench [--bundles 20]``.
 
 1. Restart with N bundles x 3 compiled batch sizes, cold executable cache versus warm: the time
    from starting the process to /readyz answering 200, and the worker's own start-up line.
@@ -53,7 +53,6 @@ def export_bundles(repo: Path, count: int) -> list[str]:
 def export_cnn_bundles(repo: Path, count: int) -> list[str]:
     """``count`` vision bundles: the example CNN on UINT8 [b,64,64,3] images, each with a different
     first-layer width so no two share a module (XLA takes far longer to compile these than the MLPs)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from examples.export_examples import CNN_WEIGHTS_ORDER, cnn
     from xlaserve.export import TensorSpec, export_bundle
 

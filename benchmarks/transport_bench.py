@@ -2,7 +2,7 @@
 its task-free ModelInfer path and its task-per-call path), grpclib (asyncio, h2) and grpcio's
 asyncio server (C HTTP/2), each answering every ModelInfer with a canned ``mlp``-sized response.
 
-    python -m xlaserve.bench.transport_bench [--rounds 2] [--duration 4] [--concurrency 1,32]
+    python -m benchmarks.transport_bench [--rounds 2] [--duration 4] [--concurrency 1,32]
 
 The servers run as subprocesses of this script; rounds alternate the order. This is the
 measurement behind "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md.
@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
+from benchmarks._servers import ROOT, free_port, stop, wait_ready
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import free_port, stop, wait_ready
 
 CANNED = np.zeros((1, 512), np.float32).tobytes()
 
@@ -124,8 +124,8 @@ def main() -> None:
         order = list(SERVERS) if round_ % 2 == 0 else list(reversed(SERVERS))
         for name in order:
             port = free_port()
-            proc = subprocess.Popen([sys.executable, "-m", "xlaserve.bench.transport_bench", "--serve", name,
-                                     str(port)])
+            proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transport_bench", "--serve", name,
+                                     str(port)], cwd=ROOT)
             try:
                 url = f"127.0.0.1:{port}"
                 wait_ready(url, time.monotonic() + 60, proc, models=("mlp",))

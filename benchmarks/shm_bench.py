@@ -1,6 +1,6 @@
 """Inline tensors versus system shared memory, for the UINT8 [b,224,224,3] image model.
 
-    python -m xlaserve.bench.shm_bench --server xlaserve=127.0.0.1:8001 --server triton=127.0.0.1:18701 \\
+    python -m benchmarks.shm_bench --server xlaserve=127.0.0.1:8001 --server triton=127.0.0.1:18701 \\
         [--model img_mean] [--batches 1,8] [--concurrency 1,8,32] [--seconds 5]
 
 One closed loop per point: ``c`` coroutines on tritonclient's asyncio gRPC client, each sending its

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PEERS = Path(os.environ.get("XLASERVE_PEERS_DIR", ROOT.parent / "shared" / "peers"))
 
 
 def export_mlp_as(repo: Path, name: str, sizes) -> Path:
     """The example ``mlp`` bundle under another name, with the given compiled batch sizes."""
-    sys.path.insert(0, str(ROOT))
     from examples.export_examples import export_img_mean, export_mlp
     with tempfile.TemporaryDirectory() as tmp:
         exporter = export_img_mean if name == "img_mean" else export_mlp

@@ -1,6 +1,6 @@
 """xlaserve against its peers, in one run with alternating rounds.
 
-    python -m xlaserve.bench.peers_bench [--peers xlaserve,triton,mlserver,kserve] [--rounds 2]
+    python -m benchmarks.peers_bench [--peers xlaserve,triton,mlserver,kserve] [--rounds 2]
         [--duration 5] [--concurrency 1,8,32] [--models mlp,img_mean] [--compiled-sizes 1,2,4,8,16,32]
 
 Each round starts every server in turn (peers through ../shared/peers/run_<peer>.sh, which
@@ -26,8 +26,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks._servers import PEERS, export_mlp_as, peer, tree_cpu_seconds, wait_ready, xlaserve
 from xlaserve.bench import loadgen
-from xlaserve.bench._servers import PEERS, export_mlp_as, peer, tree_cpu_seconds, wait_ready, xlaserve
 
 INPUTS = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))],
           "img_mean": [loadgen.InputSpec("input", "UINT8", (1, 224, 224, 3))]}

@@ -1,0 +1,141 @@
+"""``xlaserve bench`` against the real server: rows counted where the metadata puts the batch axis
+(or one per request when there is none), a server's error as one line with exit status 2, and a
+plain message when the Triton client is not installed. Also: no module of the package imports
+the Triton client when it is loaded, so the server runs without the ``bench`` extra."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT, serve
+
+# A meta model that echoes its input: the cheapest way to serve a tensor shaped any way we like.
+ECHO = """
+from xlaserve import NamedTensor, register_model
+
+def run(tensors, ctx):
+    return [NamedTensor("y", {{t.name: t.data for t in tensors}}["x"])]
+
+register_model("{name}", run=run)
+"""
+
+ECHO_MANIFEST = """format_version: "2.0"
+kind: meta
+client_inputs:
+  - {{name: x, dtype: f32, shape: {shape}, dims: {dims}}}
+client_outputs:
+  - {{name: y, dtype: f32, shape: {shape}, dims: {dims}}}
+"""
+
+# Refuses every import of tritonclient, as if the bench extra were not installed.
+BLOCK_TRITONCLIENT = """
+import sys
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name == "tritonclient" or name.startswith("tritonclient."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+@pytest.fixture(scope="module")
+def echo_server(tmp_path_factory):
+    """``unbatched``: x f32 [3, 10], no batch axis. ``batch_last``: x f32 [4, B], the batch axis last."""
+    repo = tmp_path_factory.mktemp("bench") / "models"
+    for name, shape, dims in (("unbatched", "zy", "{z: 10, y: 3}"), ("batch_last", "nz", "{z: 4}")):
+        (repo / name).mkdir(parents=True)
+        (repo / name / "manifest.yaml").write_text(ECHO_MANIFEST.format(shape=shape, dims=dims))
+        (repo / name / "model.py").write_text(ECHO.format(name=name))
+    with serve(tmp_path_factory.mktemp("bench_server"), repo) as server:
+        yield server
+    assert server.process.returncode == 0, server.log()
+
+
+def bench(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
+    """``xlaserve bench ARGS`` in a fresh interpreter, after running ``prelude`` in it."""
+    code = prelude + "\nimport sys\nfrom xlaserve.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return subprocess.run([sys.executable, "-c", code, "bench", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def rows(out: subprocess.CompletedProcess) -> dict:
+    assert out.returncode == 0, out.stderr
+    (row,) = map(json.loads, out.stdout.splitlines())
+    assert row["requests"] > 0 and row["errors"] == {}
+    return row
+
+
+QUICK = ("-c", "2", "-d", "0.5", "--warmup", "0.1", "--quiet")
+
+
+def test_a_model_without_a_batch_axis_counts_one_row_per_request(echo_server):
+    row = rows(bench("--url", echo_server.url, "-m", "unbatched", "-b", "5", *QUICK))
+    # before: the first dimension (3) was taken for the batch, so rows/s read 3x requests/s
+    assert row["throughput_rows_s"] == row["throughput_rps"]
+
+
+def test_rows_are_read_on_the_batch_axis_where_the_metadata_puts_it(echo_server):
+    row = rows(bench("--url", echo_server.url, "-m", "batch_last", "-b", "3", *QUICK))
+    assert row["throughput_rows_s"] == pytest.approx(3 * row["throughput_rps"], abs=0.02)
+
+
+def test_explicit_inputs_take_their_batch_axis_from_the_metadata(echo_server):
+    unbatched = rows(bench("--url", echo_server.url, "-m", "unbatched", "-i", "x:FP32:3x10", *QUICK))
+    assert unbatched["throughput_rows_s"] == unbatched["throughput_rps"]
+    last = rows(bench("--url", echo_server.url, "-m", "batch_last", "-i", "x:FP32:4x2", *QUICK))
+    assert last["throughput_rows_s"] == pytest.approx(2 * last["throughput_rps"], abs=0.02)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("-m", "nope"), "xlaserve bench: NOT_FOUND: model 'nope' is not in the repository (known models: "
+                     "batch_last, unbatched)"),
+    (("-m", "unbatched", "-i", "x:FP32:2x10"), "xlaserve bench: INVALID_ARGUMENT: input 'x': expected shape "
+                                                "[3,10]"),
+])
+def test_a_server_error_is_one_line_and_exit_status_2(echo_server, args, expected):
+    out = bench("--url", echo_server.url, *args, *QUICK)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith(expected), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_server_that_is_not_there_is_one_line_and_exit_status_2():
+    import socket
+    with socket.socket() as s:          # a port that nothing listens on while we hold it unbound
+        s.bind(("127.0.0.1", 0))
+        url = f"127.0.0.1:{s.getsockname()[1]}"
+        out = bench("--url", url, "-m", "mlp", *QUICK)
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.splitlines()) == 1 and out.stderr.startswith("xlaserve bench: UNAVAILABLE: "), out.stderr
+
+
+def test_bench_without_the_triton_client_says_how_to_install_it():
+    out = bench("-m", "mlp", prelude=BLOCK_TRITONCLIENT)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "xlaserve bench: needs the Triton client (No module named 'tritonclient'); "
+        "install it with: pip install 'xlaserve[bench]'"]
+
+
+def test_no_module_of_the_package_imports_the_triton_client():
+    """Every module of xlaserve loads with tritonclient blocked: the server needs no ``bench`` extra
+    (the CI wheel check also serves a request from an install without it)."""
+    code = BLOCK_TRITONCLIENT + textwrap.dedent("""
+        import importlib, pkgutil, xlaserve
+        names = [m.name for m in pkgutil.walk_packages(xlaserve.__path__, "xlaserve.")
+                 if m.name != "xlaserve.__main__"]        # __main__ runs the CLI
+        for name in names:
+            importlib.import_module(name)
+        print(len(names))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) > 20        # the walk found the package's modules, not an empty path
