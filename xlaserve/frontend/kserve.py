@@ -107,8 +107,9 @@ class KServeService(GRPCInferenceServiceBase):
         self._worker = worker
         endpoints = worker.config.endpoints
         self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
-        # model name -> (the version it was computed for, its output bytes per row and fixed)
-        self._reply_sizes: dict[str, tuple[ModelVersion, tuple[int, int]]] = {}
+        # model name -> (the version number it was computed for, its output bytes per row and
+        # fixed); numbers, not the ModelVersion, so a retired version's weights are not kept alive
+        self._reply_sizes: dict[str, tuple[int, tuple[int, int]]] = {}
         metrics = worker.metrics
         metrics.held_request_bytes.set_function(lambda: self.admission.held_bytes)
         metrics.requests_in_flight.set_function(lambda: self.admission.in_flight)
@@ -312,8 +313,9 @@ class KServeService(GRPCInferenceServiceBase):
         for array in arrays.values():
             n += array.nbytes
         known = self._reply_sizes.get(model.name)
-        if known is None or known[0] is not model:
-            known = self._reply_sizes[model.name] = (model, output_bytes_per_row(model.manifest.client_outputs))
+        if known is None or known[0] != model.version:
+            known = self._reply_sizes[model.name] = (model.version,
+                                                     output_bytes_per_row(model.manifest.client_outputs))
         per_row, fixed = known[1]
         return n + per_row * rows + fixed
 
