@@ -76,10 +76,11 @@ def test_block_defaults_match_the_documented_values():
                                                   batch_target_rows=None)
     endpoints = EndpointsConfig()
     assert (endpoints.host, endpoints.port, endpoints.max_concurrent_requests) == \
-        ("0.0.0.0", None, 64)
+        ("0.0.0.0", None, 0)
     assert endpoints.allow_client_shm is False
     assert endpoints.max_recv_msg_bytes == endpoints.max_send_msg_bytes == 256 * 1024 * 1024
     assert endpoints.max_connection_buffer_bytes == 1024 * 1024 * 1024
+    assert endpoints.max_held_request_bytes == 2 * 1024 * 1024 * 1024
 
 
 def test_values_are_frozen_and_mappings_read_only():
@@ -438,6 +439,8 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
      "global.endpoints.port: expected an integer in [0, 65535] or null, got -1"),
     ({"global": {"endpoints": {"max_concurrent_requests": -1}}},
      "global.endpoints.max_concurrent_requests: expected a non-negative integer, got -1"),
+    ({"global": {"endpoints": {"max_held_request_bytes": 0}}},
+     "global.endpoints.max_held_request_bytes: expected a positive integer, got 0"),
     ({"global": {"model_control_mode": "auto"}},
      "global.model_control_mode: expected one of dynamic, static, explicit, got 'auto'"),
     ({"global": {"models_include": "resnet50"}},

@@ -119,7 +119,8 @@ def test_asyncio_client_concurrent_requests(example_server):
     ("wrong_dtype", "StatusCode.INVALID_ARGUMENT", "expected datatype FP32, got 'INT32'"),
     ("wrong_shape", "StatusCode.INVALID_ARGUMENT", "expected shape [-1,512]"),
     ("byte_size", "StatusCode.INVALID_ARGUMENT", "expected 4096 bytes for FP32[2,512], got 2048"),
-    ("unknown_model", "StatusCode.NOT_FOUND", "model 'nope' is not in the repository"),
+    ("unknown_model", "StatusCode.NOT_FOUND",
+     "Request for unknown model: 'nope' is not found; model 'nope' is not in the repository"),
     ("unknown_input", "StatusCode.INVALID_ARGUMENT", "unknown input 'bogus'; the model takes 'input' FP32[B,512]"),
     ("too_big_batch", "StatusCode.INVALID_ARGUMENT", "larger than the largest compiled batch size 32"),
     ("unknown_output", "StatusCode.INVALID_ARGUMENT", "unknown output 'nah' requested"),
@@ -183,3 +184,16 @@ def test_metrics_endpoint_counts_requests(example_server):
     assert status == 200
     assert 'xlaserve_requests_total{model="mlp",status="OK"}' in body
     assert "xlaserve_request_duration_seconds_bucket" in body
+
+
+@pytest.mark.parametrize("call", ["infer", "get_model_metadata", "get_model_config", "get_inference_statistics"])
+def test_unknown_model_is_answered_in_tritons_words(example_server, call):
+    """Triton's example clients check that the message starts with (or contains) "Request for
+    unknown model"; xlaserve's own explanation follows Triton's sentence."""
+    c = grpcclient.InferenceServerClient(example_server.url)
+    args = [[infer_input("input", np.zeros((1, 512), np.float32), "FP32")]] if call == "infer" else []
+    with pytest.raises(InferenceServerException) as info:
+        getattr(c, call)("nope", *args)
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert info.value.message() == ("Request for unknown model: 'nope' is not found; model 'nope' is not in the "
+                                    "repository (known models: cnn, img_mean, mlp, simple)")

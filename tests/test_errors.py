@@ -27,7 +27,7 @@ def test_status_of_each_error(error, status):
 
 def test_model_not_found_lists_known_models():
     assert str(errors.ModelNotFound("mpl", ["mlp", "cnn"])) == \
-        "model 'mpl' is not in the repository (known models: cnn, mlp)"
+        "Request for unknown model: 'mpl' is not found; model 'mpl' is not in the repository (known models: cnn, mlp)"
 
 
 class _Service:

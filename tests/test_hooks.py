@@ -258,7 +258,8 @@ def test_meta_errors_name_the_model_hook_and_keep_sub_call_status():
            "expected dtype FP32" in str(out)
     (out,) = trio.run(_serve_meta, _meta(unknown), 1, None)[1].values()
     assert isinstance(out, SubCallError) and out.status.name == "NOT_FOUND"
-    assert str(out).startswith("model 'meta': run: ctx.infer('nope'): model 'nope' is not in the repository")
+    assert str(out).startswith("model 'meta': run: ctx.infer('nope'): Request for unknown model: 'nope' is not "
+                               "found; model 'nope' is not in the repository")
     (out,) = trio.run(_serve_meta, _meta(raises), 1, None)[1].values()
     assert isinstance(out, InternalError) and str(out) == "model 'meta': run hook raised KeyError: 'k'"
     (out,) = trio.run(_serve_meta, _meta(wrong_output), 1, None)[1].values()

@@ -212,6 +212,7 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
             with pytest.raises(GRPCError) as missing:
                 await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="nope", residency="device"))
             assert missing.value.status is Status.NOT_FOUND
+            assert missing.value.message.startswith("Request for unknown model: 'nope' is not found; ")
             compact = await stub.CompactMemory(cpb.CompactMemoryRequest())
             snapshots = []
             async with stub.WatchStatus.open() as stream:
@@ -244,7 +245,8 @@ def test_explicit_static_and_executable_cache(tmp_path):
     with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)}) as server:
         client = grpcclient.InferenceServerClient(server.url)
         assert _index(client) == {}
-        with pytest.raises(InferenceServerException, match="not in the repository"):
+        with pytest.raises(InferenceServerException, match=r"^\[StatusCode.NOT_FOUND\] Request for unknown model: "
+                                                           "'nope' is not found; model 'nope' is not in the repository"):
             client.load_model("nope")
         client.load_model("simple")
         assert client.is_model_ready("simple")

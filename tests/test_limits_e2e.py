@@ -1,8 +1,10 @@
-"""Endpoint limits: the in-flight cap and the message-size cap answer RESOURCE_EXHAUSTED, and
-every request still gets exactly one response."""
+"""Endpoint limits: with the defaults, load beyond the device's pace waits in the queues and is
+answered; the held-bytes budget, the optional in-flight cap and the message-size cap answer
+RESOURCE_EXHAUSTED naming their key, and every request still gets exactly one response."""
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -10,8 +12,102 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
+from examples import reference
 from tests.conftest import infer_input, serve
 from xlaserve._proto import grpc_service_pb2 as pb
+
+MLP_HELD = 512 * 4 * 2   # one mlp row held: FP32[1,512] in, FP32[1,512] expected out
+
+
+def _gauge(server, name: str) -> float:
+    m = re.search(rf"^{name} (\S+)$", server.get("/metrics")[1], re.M)
+    assert m, f"no {name} in /metrics"
+    return float(m.group(1))
+
+
+def test_256_client_closed_loop_with_default_limits_is_queued_not_refused(examples_repo, tmp_path):
+    """256 clients, each on its own connection, send 3 mlp requests one after another (a closed
+    loop four times the old fixed in-flight cap of 64) at a worker with default endpoint
+    settings: nothing is refused, every answer is the reference answer, and afterwards the
+    worker holds no request bytes."""
+    clients, rounds = 256, 3
+
+    async def client(url, i):
+        async with aioclient.InferenceServerClient(url) as c:
+            answers = []
+            for r in range(rounds):
+                x = np.full((1, 512), (i * rounds + r) / 1000, np.float32)
+                result = await c.infer("mlp", [infer_input("input", x, "FP32", aioclient)])
+                answers.append((x, result.as_numpy("output")))
+            return answers
+
+    async def closed_loop(url):
+        return await asyncio.gather(*[client(url, i) for i in range(clients)], return_exceptions=True)
+
+    with serve(tmp_path, examples_repo) as server:
+        outcomes = asyncio.run(closed_loop(server.url))
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        assert not failures, f"{len(failures)} of {clients} clients failed, first: {failures[0]}"
+        answers = [a for per_client in outcomes for a in per_client]
+        assert len(answers) == clients * rounds
+        for x, y in answers:
+            np.testing.assert_allclose(y, reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
+        assert _gauge(server, "xlaserve_held_request_bytes") == 0
+        assert _gauge(server, "xlaserve_requests_in_flight") == 0
+
+
+def test_held_bytes_budget_refuses_past_it_answers_everyone_and_returns_to_zero(examples_repo, tmp_path):
+    """endpoints.max_held_request_bytes set to hold two mlp rows (4096 bytes each). Eight
+    requests in one TCP write are all decoded before any is answered: the first two are held
+    and served, the others refused with RESOURCE_EXHAUSTED naming the key and both figures. A
+    request larger than the whole budget is refused through the Triton client, one that times
+    out is answered DEADLINE_EXCEEDED, the worker keeps serving, and once everything is
+    answered the held-bytes gauge is back to 0."""
+    from tests.test_grpc_server import DATA, END_STREAM, FrameClient, frame, grpc_body, request_headers
+    budget = 2 * MLP_HELD + MLP_HELD // 2
+    with serve(tmp_path, examples_repo, {"endpoints": {"max_held_request_bytes": budget}}) as server:
+        raw = FrameClient(server.grpc_port)
+        sids = list(range(1, 17, 2))
+        xs = {sid: np.full((1, 512), sid / 100, np.float32) for sid in sids}
+        try:
+            burst = b""
+            for sid in sids:
+                request = pb.ModelInferRequest(model_name="mlp", id=str(sid),
+                                               raw_input_contents=[xs[sid].tobytes()])
+                request.inputs.add(name="input", datatype="FP32", shape=[1, 512])
+                burst += raw.headers_frame(sid, request_headers("/inference.GRPCInferenceService/ModelInfer"))
+                burst += frame(DATA, END_STREAM, sid, grpc_body(request))
+            raw.send(burst)
+            responses = {sid: raw.response(sid) for sid in sids}
+        finally:
+            raw.close()
+        served = [sid for sid, r in responses.items() if r.status == 0]
+        refused = [sid for sid, r in responses.items() if r.status != 0]
+        assert served[:2] == sids[:2] and refused, {sid: (r.status, r.message) for sid, r in responses.items()}
+        for sid in served:
+            reply = pb.ModelInferResponse.FromString(responses[sid].data[5:])
+            y = np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(1, 512)
+            np.testing.assert_allclose(y, reference.mlp_ref(xs[sid]), rtol=1e-5, atol=1e-5)
+        for sid in refused:
+            r = responses[sid]
+            assert r.status == 8, (r.status, r.message)   # RESOURCE_EXHAUSTED
+            assert f"with this one ({MLP_HELD} bytes)" in r.message
+            assert f"(endpoints.max_held_request_bytes) is {budget}" in r.message
+
+        c = grpcclient.InferenceServerClient(server.url)
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("mlp", [infer_input("input", np.zeros((3, 512), np.float32), "FP32")])
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert info.value.message().startswith(f"this request needs {3 * MLP_HELD} bytes")
+        assert f"(endpoints.max_held_request_bytes) of {budget}" in info.value.message()
+        with pytest.raises(InferenceServerException) as late:
+            c.infer("mlp", [infer_input("input", np.zeros((1, 512), np.float32), "FP32")], timeout=1)
+        assert late.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        x = np.ones((2, 512), np.float32)
+        ok = c.infer("mlp", [infer_input("input", x, "FP32")])
+        np.testing.assert_allclose(ok.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
+        assert _gauge(server, "xlaserve_held_request_bytes") == 0
+        assert _gauge(server, "xlaserve_requests_in_flight") == 0
 
 
 def test_message_size_cap(examples_repo, tmp_path):

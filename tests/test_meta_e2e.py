@@ -205,8 +205,9 @@ def test_meta_failures_name_the_hook_or_keep_the_sub_call_status(server):
     with pytest.raises(InferenceServerException) as info:
         c.infer("broken_meta", [infer_input("x", -np.ones(3, np.float32), "FP32")])
     assert info.value.status() == "StatusCode.NOT_FOUND"
-    assert info.value.message().startswith("model 'broken_meta': run: ctx.infer('no_such_model'): model "
-                                           "'no_such_model' is not in the repository")
+    assert info.value.message().startswith("model 'broken_meta': run: ctx.infer('no_such_model'): Request for "
+                                           "unknown model: 'no_such_model' is not found; model 'no_such_model' is "
+                                           "not in the repository")
     r = c.infer("simple", [infer_input("INPUT0", np.ones((1, 16), np.int32), "INT32"),
                            infer_input("INPUT1", np.ones((1, 16), np.int32), "INT32")])
     assert (r.as_numpy("OUTPUT0") == 2).all()

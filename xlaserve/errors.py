@@ -21,11 +21,16 @@ class InvalidArgument(XlaserveError):
 
 
 class ModelNotFound(XlaserveError):
+    """No model of that name. The message opens with Triton's own wording ("Request for unknown
+    model: 'NAME' is not found", which Triton's example clients look for), then says why in
+    xlaserve's terms and which models there are."""
+
     status = Status.NOT_FOUND
 
     def __init__(self, model: str, known: list[str] | None = None) -> None:
         hint = f" (known models: {', '.join(sorted(known))})" if known else ""
-        super().__init__(f"model '{model}' is not in the repository{hint}")
+        super().__init__(f"Request for unknown model: '{model}' is not found; model '{model}' is not in the "
+                         f"repository{hint}")
         self.model = model
 
 

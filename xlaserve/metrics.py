@@ -37,6 +37,13 @@ class Metrics:
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
                                   "model_dropped, weights_unavailable, execution_failed)",
                                   ["model", "reason"], registry=r)
+        # read when scraped (set_function by the frontend): no cost per request
+        self.held_request_bytes = Gauge("xlaserve_held_request_bytes",
+                                        "Bytes of inference requests decoded and not yet answered (input tensors "
+                                        "and expected outputs), held against endpoints.max_held_request_bytes",
+                                        registry=r)
+        self.requests_in_flight = Gauge("xlaserve_requests_in_flight",
+                                        "Inference requests accepted and not yet answered", registry=r)
 
     def observe_request(self, model: str, status: str, seconds: float) -> None:
         self.requests.labels(model, status).inc()

@@ -191,8 +191,11 @@ class EndpointsConfig:
         host: the address a worker of a multi-worker node binds. Default ``0.0.0.0``.
         port: an explicit gRPC port for the worker, 0..65535 (0: any free port). Default null:
             see the port rules in :func:`resolve_worker`.
-        max_concurrent_requests: in-flight RPC cap, >= 0; past it the worker answers
-            RESOURCE_EXHAUSTED. 0 is uncapped. Default 64. Keep it above the gateway's
+        max_concurrent_requests: inference requests the worker may have in flight (accepted,
+            not yet answered), >= 0; past it a new one is answered RESOURCE_EXHAUSTED at once.
+            Default 0: uncapped, so load beyond the device's pace waits in the per-model queues
+            (``scheduler.max_queue_depth``) within ``max_held_request_bytes``. Set it where a
+            gateway in front wants a worker to shed at a fixed count; keep it above the gateway's
             per-worker stream limit.
         allow_client_shm: accept system shared-memory regions registered by clients. Default
             false: only enable it when clients run on the same host and are trusted.
@@ -202,15 +205,22 @@ class EndpointsConfig:
             hold before they are handled (messages still arriving, stream messages not yet
             read), >= 1; never less than one largest message. The call whose data would cross
             it fails with RESOURCE_EXHAUSTED. Default 1 GiB.
+        max_held_request_bytes: bytes of inference requests the worker may hold, over all
+            connections, from decoding until the answer is handed to the connection: their input
+            tensors and their expected fixed-size outputs, >= 1. A request that would cross it
+            is answered RESOURCE_EXHAUSTED at once; the others go on. Default 2 GiB (8 largest
+            messages at the default ``max_recv_msg_bytes``; far above what a queue of small
+            requests needs, small beside the host RAM the weight cache's host copies use).
     """
 
     host: str = _key("0.0.0.0")
     port: int | None = _key(None, **_PORT)
-    max_concurrent_requests: int = _key(64, low=0)
+    max_concurrent_requests: int = _key(0, low=0)
     allow_client_shm: bool = _key(False)
     max_recv_msg_bytes: int = _key(256 * _MIB, low=1)
     max_send_msg_bytes: int = _key(256 * _MIB, low=1)
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
+    max_held_request_bytes: int = _key(2048 * _MIB, low=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,8 @@ from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output, int_parameter
 from xlaserve.errors import (FailedPrecondition, InternalError, InvalidArgument, ModelNotFound, ModelNotReady,
-                             NotFound, ResourceExhausted, Unimplemented, XlaserveError, internal_message)
+                             NotFound, Unimplemented, XlaserveError, internal_message)
+from xlaserve.frontend.admission import Admission, output_bytes_per_row
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.manifest import TensorDecl
@@ -105,7 +106,14 @@ def _request_timeout(request, stream) -> float | None:
 class KServeService(GRPCInferenceServiceBase):
     def __init__(self, worker: "WorkerHandles") -> None:
         self._worker = worker
-        self._in_flight = 0
+        endpoints = worker.config.endpoints
+        self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
+        # model name -> (the version number it was computed for, its output bytes per row and
+        # fixed); numbers, not the ModelVersion, so a retired version's weights are not kept alive
+        self._reply_sizes: dict[str, tuple[int, tuple[int, int]]] = {}
+        metrics = worker.metrics
+        metrics.held_request_bytes.set_function(lambda: self.admission.held_bytes)
+        metrics.requests_in_flight.set_function(lambda: self.admission.in_flight)
 
     # ---- model lookup --------------------------------------------------------------------
     def _entry(self, name: str, version: str = "") -> ModelEntry:
@@ -257,11 +265,12 @@ class KServeService(GRPCInferenceServiceBase):
         on the Trio thread, with the ModelInferResponse or the XlaserveError that ends the call."""
         received_ns = time.perf_counter_ns()
         worker = self._worker
-        self._in_flight += 1
+        admission = self.admission
         model = wanted = None
+        held = 0
 
         def finish(outcome) -> None:
-            self._in_flight -= 1
+            admission.leave(held)
             if isinstance(outcome, InferResult):
                 try:
                     outcome = self._response(request, model, outcome.outputs, wanted)
@@ -275,10 +284,7 @@ class KServeService(GRPCInferenceServiceBase):
             done(outcome)
 
         try:
-            limit = worker.config.endpoints.max_concurrent_requests
-            if limit and self._in_flight > limit:
-                raise ResourceExhausted(f"{self._in_flight - 1} inference requests are in flight, the limit "
-                                        f"(endpoints.max_concurrent_requests) is {limit}; retry later")
+            admission.enter()
             model = self._ready(request.model_name, request.model_version)
             max_rows = None if model.is_meta else model.manifest.max_batch_size
             shm = worker.shared_memory
@@ -293,12 +299,26 @@ class KServeService(GRPCInferenceServiceBase):
                                               "(endpoints.allow_client_shm)")
                     shm.check_output(decl.name, requested.parameters)
             timeout = _request_timeout(request, stream)
+            held = admission.hold(self._held_bytes(model, decoded.arrays, decoded.rows))
         except XlaserveError as exc:
             finish(exc)
             return
         on_trio = worker.bridge.on_trio
         worker.service.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
                                             lambda outcome: on_trio(finish, outcome), received_ns))
+
+    def _held_bytes(self, model: ModelVersion, arrays: Mapping[str, np.ndarray], rows: int) -> int:
+        """What holding a decoded request costs until it is answered: its input tensors and the
+        fixed-size outputs its reply will carry (a BYTES tensor counts its object pointers only)."""
+        n = 0
+        for array in arrays.values():
+            n += array.nbytes
+        known = self._reply_sizes.get(model.name)
+        if known is None or known[0] != model.version:
+            known = self._reply_sizes[model.name] = (model.version,
+                                                     output_bytes_per_row(model.manifest.client_outputs))
+        per_row, fixed = known[1]
+        return n + per_row * rows + fixed
 
     @staticmethod
     def _requested_outputs(request, model: ModelVersion) -> list:

@@ -1,0 +1,84 @@
+"""What the frontend lets in: the in-flight count cap and the held-bytes budget of inference
+requests (``endpoints.max_concurrent_requests``, ``endpoints.max_held_request_bytes``).
+
+Pure bookkeeping, no I/O: the KServe service calls :meth:`Admission.enter` when a ModelInfer
+arrives, :meth:`Admission.hold` once the request is decoded and its size known, and
+:meth:`Admission.leave` exactly once when the request is answered (whatever the outcome). A
+request refused by either limit is answered RESOURCE_EXHAUSTED at once; the others go on.
+
+Why bytes and not a count: under load beyond the device's pace requests wait in the per-model
+queues, and what a waiting request costs the host is its tensors. A count cap sheds a closed loop
+of small requests the device could easily have served in turn; a byte budget lets them wait and
+still stops a flood of large requests from taking the host's memory.
+"""
+from __future__ import annotations
+
+from xlaserve.errors import ResourceExhausted
+from xlaserve.manifest import TensorDecl
+
+
+class Admission:
+    """Counts the inference requests in flight and the bytes they hold. Trio thread only.
+
+    ``max_concurrent_requests`` 0 is uncapped; ``max_held_request_bytes`` is always a limit.
+    """
+
+    __slots__ = ("max_concurrent_requests", "max_held_request_bytes", "in_flight", "held_bytes")
+
+    def __init__(self, max_concurrent_requests: int, max_held_request_bytes: int) -> None:
+        self.max_concurrent_requests = max_concurrent_requests
+        self.max_held_request_bytes = max_held_request_bytes
+        self.in_flight = 0       #: requests entered and not yet left
+        self.held_bytes = 0      #: bytes held by requests past :meth:`hold`, not yet left
+
+    def enter(self) -> None:
+        """Count one more request in flight. Past ``max_concurrent_requests`` raise
+        ResourceExhausted; the request is counted all the same, so its answer must
+        :meth:`leave` as any other's does (with 0 bytes)."""
+        self.in_flight += 1
+        limit = self.max_concurrent_requests
+        if limit and self.in_flight > limit:
+            raise ResourceExhausted(f"{self.in_flight - 1} inference requests are in flight, the limit "
+                                    f"(endpoints.max_concurrent_requests) is {limit}; retry later")
+
+    def hold(self, nbytes: int) -> int:
+        """Hold ``nbytes`` for an entered request and return them (what its :meth:`leave` gives
+        back). When they would take the held total past ``max_held_request_bytes`` nothing is
+        held and ResourceExhausted says how much and what the limit is."""
+        held = self.held_bytes + nbytes
+        limit = self.max_held_request_bytes
+        if held > limit:
+            if nbytes > limit:
+                raise ResourceExhausted(
+                    f"this request needs {nbytes} bytes (its input tensors and expected outputs), more than the "
+                    f"worker may hold for all requests together (endpoints.max_held_request_bytes) of {limit}; "
+                    "send fewer rows per request or raise the limit")
+            raise ResourceExhausted(
+                f"the worker would hold {held} bytes of requests not yet answered with this one ({nbytes} bytes), "
+                f"the limit (endpoints.max_held_request_bytes) is {limit}; retry later")
+        self.held_bytes = held
+        return nbytes
+
+    def leave(self, nbytes: int) -> None:
+        """A request is answered: it is no longer in flight and gives back the ``nbytes`` that
+        :meth:`hold` returned for it (0 when it was refused or failed before holding)."""
+        self.in_flight -= 1
+        self.held_bytes -= nbytes
+
+
+def output_bytes_per_row(outputs: tuple[TensorDecl, ...]) -> tuple[int, int]:
+    """What a reply to ``outputs`` will hold: (bytes per batch row of the batched outputs, bytes
+    of the unbatched ones). Variable-length BYTES outputs count nothing: their size is known only
+    once they exist."""
+    per_row = fixed = 0
+    for decl in outputs:
+        n = decl.dtype.itemsize
+        if n is None:
+            continue
+        for size in decl.row_major_shape(1):
+            n *= size
+        if decl.batched:
+            per_row += n
+        else:
+            fixed += n
+    return per_row, fixed
