@@ -94,8 +94,8 @@ def test_explicit_inputs_take_their_batch_axis_from_the_metadata(echo_server):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (("-m", "nope"), "xlaserve bench: NOT_FOUND: model 'nope' is not in the repository (known models: "
-                     "batch_last, unbatched)"),
+    (("-m", "nope"), "xlaserve bench: NOT_FOUND: Request for unknown model: 'nope' is not found; model "
+                     "'nope' is not in the repository (known models: batch_last, unbatched)"),
     (("-m", "unbatched", "-i", "x:FP32:2x10"), "xlaserve bench: INVALID_ARGUMENT: input 'x': expected shape "
                                                 "[3,10]"),
 ])
