@@ -171,8 +171,11 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
             assert version == "2"
             np.testing.assert_allclose(y, np.tanh(x @ w2), rtol=1e-4, atol=1e-5)
             manifest.write_text(text)
-            _wait(lambda: (m := _index(client)["mlp"]).reason == "" and m.version not in ("1", "2"),
+            # The failed reloads used no version numbers: the fix is version 3.
+            _wait(lambda: (m := _index(client)["mlp"]).reason == "" and m.version != "2",
                   "a good reload after the fix")
+            assert _index(client)["mlp"].version == "3"
+            assert "mlp version 3 ready" in server.log() and "mlp version 4" not in server.log()
         assert load.errors == []
         assert _metric(server, "xlaserve_model_loads_total", model="mlp", outcome="failed") >= failed_before + 2
         assert "still serving version 2" in server.log()

@@ -248,8 +248,9 @@ class Lifecycle:
         current = self._table.snapshot.get(name)
         if current is None:
             self._table.publish(ModelEntry(name, ModelState.LOADING))
+        # The number is taken only when the version is published: a failed attempt uses none,
+        # so served versions count up without gaps.
         version = self._versions.get(name, 0) + 1
-        self._versions[name] = version
         started = time.perf_counter()
         try:
             model: ModelVersion = await trio.to_thread.run_sync(
@@ -262,6 +263,7 @@ class Lifecycle:
         seconds = time.perf_counter() - started
         old = self._table.snapshot.get(name)
         entry = ModelEntry(name, ModelState.READY, "", model)
+        self._versions[name] = version
         self._table.publish(entry)
         hits = sum(m.cache_hit for m in model.modules.values())
         log.info("%s version %d ready in %.2fs (%d of %d module(s) from the executable cache)", name, version,
