@@ -31,9 +31,17 @@ def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
 
 def run_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
     """Run one worker in this process until it is stopped; with ``ready_file``, its bound
-    ports are written there (atomically) once gRPC listens."""
-    from xlaserve.worker.server import serve
-    trio.run(functools.partial(serve, config, ready_callback=_ready_writer(ready_file)))
+    ports are written there (atomically) once gRPC listens.
+
+    The model repository is checked and both addresses are bound before the runtime (JAX) is
+    imported, so those mistakes fail start-up at once (:class:`~xlaserve.errors.StartupError`)."""
+    from xlaserve.worker.preflight import claim
+    claimed = claim(config)
+    try:
+        from xlaserve.worker.server import serve
+        trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=_ready_writer(ready_file)))
+    finally:
+        claimed.close()
 
 
 def _ready_writer(path: str | None):
