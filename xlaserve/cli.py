@@ -15,7 +15,8 @@ def _logging(level: str) -> None:
 
 
 def _serving(run) -> int:
-    """Run a server; a start-up error is one clear line, not a traceback."""
+    """Run a server; a start-up error is one line on stderr (``xlaserve: cannot start: ...``)
+    and exit status 2, like a mistake in the node file, never a traceback."""
     from xlaserve.errors import find_startup_error
     try:
         result = run()
@@ -23,8 +24,8 @@ def _serving(run) -> int:
         startup = find_startup_error(exc)
         if startup is None:
             raise
-        logging.getLogger("xlaserve").error("cannot start: %s", startup)
-        return 1
+        print(f"xlaserve: cannot start: {startup}", file=sys.stderr)
+        return 2
     return result if isinstance(result, int) else 0
 
 
