@@ -16,7 +16,8 @@ def _logging(level: str) -> None:
 
 def _serving(run) -> int:
     """Run a server; a start-up error is one line on stderr (``xlaserve: cannot start: ...``)
-    and exit status 2, like a mistake in the node file, never a traceback."""
+    and exit status 2, like a mistake in the node file, never a traceback. After a clean stop
+    the process exits at once (``os._exit``), with its logs flushed."""
     from xlaserve.errors import find_startup_error
     try:
         result = run()
@@ -26,7 +27,14 @@ def _serving(run) -> int:
             raise
         print(f"xlaserve: cannot start: {startup}", file=sys.stderr)
         return 2
-    return result if isinstance(result, int) else 0
+    code = result if isinstance(result, int) else 0
+    # The server has stopped: its sockets are closed, its files written. What remains is the
+    # interpreter tearing down JAX and XLA module by module (0.2-0.4 s measured), which frees
+    # nothing the OS does not free at exit; skip it so a SIGTERM ends the process promptly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
