@@ -138,6 +138,7 @@ class Lifecycle:
             else:
                 log.info("model_control_mode is explicit: no model loads until RepositoryModelLoad asks")
             self._table.startup_done.set()
+            self._weights.log_budget()
             if mode == "dynamic":
                 rescans_send, rescans = trio.open_memory_channel[None](1)
                 rescans_send.send_nowait(None)   # catch what changed while the start-up set loaded

@@ -122,7 +122,8 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
     loading) and runs until cancelled. The admin HTTP port serves ``admin_listeners`` when
     given, else binds ``config.http_host:http_port``."""
     device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
-    log.info("device: %s (%s), jax PJRT %s", device.backend, device.kind, device.platform_version)
+    log.info("device: %s (%s), jax PJRT %s; host copies of weights in %s memory", device.backend, device.kind,
+             device.platform_version, device.host_memory_kind)
     device_limiter = trio.CapacityLimiter(1)
     table = ModelTable()
     stats = StatsBook()
@@ -131,7 +132,6 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
                           residency=lambda name: config.scheduler.for_model(name).residency,
                           metrics=WeightCacheMetrics(metrics.registry),
                           compaction_interval=config.scheduler.compaction_interval)
-    log.info("weight cache: %s; host copies in %s memory", weights.budget.explain(), device.host_memory_kind)
     from xlaserve.worker.executor import Executor
     scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
     to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
