@@ -9,9 +9,18 @@ import sys
 from xlaserve.config import ConfigError, load_node_config, resolve_worker
 
 
+# Libraries whose INFO lines are not news to an operator: JAX probing for platforms it will not
+# use ("Unable to initialize backend 'tpu'"), watchfiles announcing every file change (the
+# lifecycle logs what a change did). They log at WARNING and above unless --log-level debug.
+_QUIET_BELOW_DEBUG = ("jax", "watchfiles")
+
+
 def _logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    chosen = getattr(logging, level.upper())
+    logging.basicConfig(level=chosen, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if chosen > logging.DEBUG:
+        for name in _QUIET_BELOW_DEBUG:
+            logging.getLogger(name).setLevel(max(chosen, logging.WARNING))
 
 
 def _serving(run) -> int:
