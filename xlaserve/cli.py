@@ -1,4 +1,5 @@
-"""The ``xlaserve`` command."""
+"""The ``xlaserve`` command: ``run`` and ``worker`` serve a node file, ``bench`` loads any KServe V2
+server. ``--help`` says what xlaserve is and where its manual is."""
 from __future__ import annotations
 
 import argparse
@@ -70,8 +71,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
+DESCRIPTION = ("xlaserve serves XLA-compiled models (bundles of StableHLO modules and safetensors weights) over "
+               "the KServe V2 gRPC protocol, so Triton and KServe clients work unchanged. Try `xlaserve run "
+               "examples/node.yaml` after `python examples/export_examples.py`.")
+EPILOG = ("The manual: README.md and docs/ in the xlaserve source tree; start with docs/getting-started.md, "
+          "and docs/node-config.md for every key of a node file.")
+
+
+def version_line() -> str:
+    """``xlaserve X.Y.Z (jax A.B.C, jaxlib A.B.C)``, from installed package metadata (JAX is not
+    imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"xlaserve {of('xlaserve')} (jax {of('jax')}, jaxlib {of('jaxlib')})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xlaserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="xlaserve", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the xlaserve, jax and jaxlib versions and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve a node file (the supervisor)")
