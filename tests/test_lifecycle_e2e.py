@@ -244,13 +244,20 @@ def test_explicit_static_and_executable_cache(tmp_path):
     expected = 2 * np.arange(16).reshape(1, 16)
 
     # explicit: nothing until asked; load, serve, unload.
-    with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)}) as server:
+    # Served but not ready until a model is loaded.
+    with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)},
+               wait_ready=False) as server:
         client = grpcclient.InferenceServerClient(server.url)
         assert _index(client) == {}
+        _wait(lambda: server.get("/readyz")[1] != "loading models\n", "the (empty) start-up set")
+        assert server.get("/readyz") == (503, "no model is loaded (model_control_mode is explicit: load one "
+                                              "with RepositoryModelLoad)\n")
+        assert not client.is_server_ready()
         with pytest.raises(InferenceServerException, match="not in the repository"):
             client.load_model("nope")
         client.load_model("simple")
-        assert client.is_model_ready("simple")
+        assert client.is_model_ready("simple") and client.is_server_ready()
+        assert server.get("/readyz") == (200, "ready READY=1\n")
         np.testing.assert_array_equal(_simple(client), expected)
         assert "simple version 1 ready" in server.log() and "0 of 2 module(s) from the executable cache" in server.log()
         client.unload_model("simple")
