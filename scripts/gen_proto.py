@@ -13,7 +13,7 @@ live inside the package:
 - descriptors go into xlaserve's own descriptor pool instead of protobuf's default pool.
   tritonclient registers the same file names (`grpc_service.proto`) and message names
   (`inference.ModelInferRequest`) in the default pool, and a process that imports both (the
-  tests, a gateway, a benchmark) would otherwise fail with "duplicate file name".
+  tests, a benchmark) would otherwise fail with "duplicate file name".
 
 The output is deterministic: same protos and same grpcio-tools version give the same bytes.
 """

@@ -79,6 +79,7 @@ def test_argument_count_mismatch(repo, device):
     edit_manifest(repo / "simple", lambda d: d["executable_inputs"].pop())
     msg = load_error(repo / "simple", device)
     assert "@main takes 2 argument(s) but the manifest gives 1" in msg
+    assert "they first differ at argument 1: the manifest gives nothing more, @main takes tensor<2x16xi32>" in msg
 
 
 def test_weight_shape_mismatch(repo, device):

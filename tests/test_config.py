@@ -489,16 +489,32 @@ def test_missing_model_repo_and_bad_top_level():
 
 
 def test_load_reports_unreadable_files_bad_yaml_and_duplicate_keys(tmp_path: Path):
-    with pytest.raises(ConfigError, match="cannot read the node file"):
-        load_node_config(tmp_path / "absent.yaml")
+    absent = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(absent))}: cannot read the node file"):
+        load_node_config(absent)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model_repo: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    bad.write_text("model_repo: x\nglobal:\n  scheduler: [\n  bad: : x\n")
+    with pytest.raises(ConfigError) as caught:
         load_node_config(bad)
+    # the file, then line:column of the problem, then YAML's own words, all on one line
+    assert str(caught.value) == (f"{bad}:4:8: not valid YAML: expected the node content, but found "
+                                 "':' (while parsing a flow node)")
     duplicate = tmp_path / "dup.yaml"
     duplicate.write_text("model_repo: a\nglobal:\n  runtime: {}\n  runtime: {}\n")
-    with pytest.raises(ConfigError, match="line 4: duplicate key 'runtime'"):
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(duplicate))}:4:3: duplicate key 'runtime'$"):
         load_node_config(duplicate)
+
+
+def test_load_names_the_file_once_and_variables_without_it(tmp_path: Path):
+    node = tmp_path / "node.yaml"
+    node.write_text("model_repo: m\nglobal:\n  scheduler: {max_queue_depth: abc}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_node_config(node)
+    assert str(caught.value) == (f"{node}: global.scheduler.max_queue_depth: expected a positive "
+                                 "integer, got 'abc'")
+    node.write_text("model_repo: m\n")
+    with pytest.raises(ConfigError, match="^INFERENCE_SERVER_NOPE: unknown variable"):
+        load_node_config(node, {"INFERENCE_SERVER_NOPE": "1"})
 
 
 # --- environment overrides -----------------------------------------------------------------------

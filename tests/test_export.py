@@ -227,6 +227,41 @@ def test_client_tensors_and_default_weights_order(tmp_path):
         {"name": "grade", "dtype": "i64", "shape": "yn", "dims": {"y": 1}}]
 
 
+def test_exported_weights_key_agrees_with_the_no_key_default(tmp_path):
+    """export_bundle writes an explicit weights: key; with the default order it binds exactly what
+    the loader binds for the same bundle without the key (the seed form). Weightless exports
+    write neither key nor file, so they load with no weights."""
+    from xlaserve.bundle import load_bundle
+    from xlaserve.runtime.pjrt import Device
+
+    x = TensorSpec("x", "f32", "xn", {"x": 2})
+    weights = {"scale": np.full(2, 3, np.float32), "bias": np.array([1, -1], np.float32)}
+    keyed = export_bundle(tmp_path / "keyed", lambda bias, scale, v: (v * scale + bias,), inputs=[x],
+                          outputs=[x], weights=weights, compiled_batch_sizes=[2])
+    seed_form = tmp_path / "seed_form"
+    seed_form.mkdir()
+    for f in keyed.iterdir():
+        (seed_form / f.name).write_bytes(f.read_bytes())
+    manifest = yaml.safe_load((seed_form / "manifest.yaml").read_text())
+    assert manifest.pop("weights") == {"file": "weights.safetensors", "order": ["bias", "scale"]}
+    manifest["name"] = "seed_form"
+    (seed_form / "manifest.yaml").write_text(yaml.safe_dump(manifest))
+
+    device = Device("cpu")
+    v = np.array([[1, 2], [3, 4]], np.float32)
+    for bundle in (keyed, seed_form):
+        model = load_bundle(bundle, 1, device)
+        assert model.weights.names == ("bias", "scale")
+        (out,) = device.execute(model.modules[2].executable, [*model.weights.arrays, v])
+        np.testing.assert_array_equal(out, v * 3 + np.array([1, -1], np.float32))
+
+    plain = export_bundle(tmp_path / "plain", lambda v: (v + 1,), inputs=[x], outputs=[x], weights=None,
+                          compiled_batch_sizes=[2])
+    assert "weights" not in yaml.safe_load((plain / "manifest.yaml").read_text())
+    assert not (plain / "weights.safetensors").exists()
+    assert load_bundle(plain, 1, device).weights is None
+
+
 def test_output_mismatch_names_tensor(tmp_path):
     x = TensorSpec("x", "f32", "xn", {"x": 3})
     wrong = TensorSpec("y", "f32", "xn", {"x": 4})

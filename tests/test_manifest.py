@@ -48,6 +48,16 @@ def test_seed_manifest_with_client_outputs_and_weights():
     assert m.weights_order == ("b", "a")
 
 
+def test_weights_key_forms():
+    """No key: weights_file None (the loader then looks for weights.safetensors beside the
+    manifest). A key without order: names sorted (None). A key without file: weights.safetensors."""
+    assert parse_manifest(manifest(), "g").weights_file is None
+    named = parse_manifest(manifest(weights={"file": "trained.safetensors"}), "g")
+    assert (named.weights_file, named.weights_order) == ("trained.safetensors", None)
+    empty = parse_manifest(manifest(weights={}), "g")
+    assert (empty.weights_file, empty.weights_order) == ("weights.safetensors", None)
+
+
 @pytest.mark.parametrize("change, fragment", [
     ({"extra": 1}, "unknown key(s) extra"),
     ({"format_version": "1.0"}, "format_version: expected \"2.0\""),

@@ -13,7 +13,8 @@ from xlaserve.bundle import ModelVersion, read_weights
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor
-from xlaserve.runtime.weights import CatalogTooLarge, WeightCache
+from xlaserve.config import RuntimeConfig
+from xlaserve.runtime.weights import CatalogTooLarge, WeightCache, budget_for
 
 MB = 1 << 20
 
@@ -82,6 +83,16 @@ def test_budget_arithmetic():
     assert Budget(1000, 1.0, 100, activations=300).bytes == 700     # headroom from the executables
     assert Budget(1000, 0.0, 100).bytes == 900 and not Budget(1000, 0.0, 100).on_demand
     assert "arena" in b.explain() and "headroom" in b.explain()
+
+
+def test_cuda_arena_is_the_allocator_pool_that_mem_fraction_already_sized():
+    # the cuda client's BFC pool is mem_fraction x device memory and reports itself as the
+    # device's bytes_limit; applying mem_fraction again would shrink the arena to 0.5 x 0.5
+    gpu = SimpleNamespace(backend="cuda", memory_bytes=lambda: 8 * MB)
+    budget = budget_for(RuntimeConfig(backend="cuda", mem_fraction=0.5, weight_cache_wiggle_fraction=0.25), gpu)
+    assert (budget.arena, budget.wiggle) == (8 * MB, 2 * MB)
+    cpu = SimpleNamespace(backend="cpu", memory_bytes=lambda: None)
+    assert budget_for(RuntimeConfig(device_memory_bytes=4 * MB, mem_fraction=0.5), cpu).arena == 4 * MB
 
 
 def test_thrash_monitor_warns_when_most_dispatches_evict_once_per_window():

@@ -1,4 +1,4 @@
-"""xlaserve: a production inference server for XLA-compiled models.
+"""xlaserve: an inference server for XLA-compiled models.
 
 The public face is small: what a bundle's ``model.py`` needs.
 """

@@ -28,7 +28,7 @@ import yaml
 from xlaserve._hooks import Registration, collecting_registrations
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
-from xlaserve.manifest import Manifest, TensorDecl, parse_manifest
+from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.runtime.pjrt import CompiledMemory, Device, ModuleError, Signature, TensorType, read_signature
 
 MANIFEST = "manifest.yaml"
@@ -65,6 +65,15 @@ class HostWeights:
 
     file: Path
     tensors: tuple[WeightTensor, ...]
+    declared: bool = True                       # False: found beside a manifest with no weights: key
+
+    @property
+    def origin(self) -> str:
+        """Where the weights came from and why in this order, for error messages."""
+        if self.declared:
+            return f"{self.file.name} (the manifest's weights: key)"
+        return (f"{self.file.name} (beside {MANIFEST}, which has no weights: key, so all its tensors, "
+                "names sorted)")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -234,24 +243,32 @@ def _read_safetensors_header(file: Path) -> dict[str, WeightTensor]:
 
 
 def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
-    """Read the weights file's tensor table and check it against ``weights.order``. The bytes
-    themselves are mapped or read by the weight cache (:class:`HostWeights`)."""
-    if manifest.weights_file is None:
-        return None
-    file = path / manifest.weights_file
+    """Read the weights file's tensor table and fix the order the tensors bind to ``@main``.
+
+    With a ``weights:`` key, its ``file`` must exist and its ``order`` (default: every tensor of the
+    file, names sorted) picks the tensors. Without one, :data:`DEFAULT_WEIGHTS_FILE` beside the
+    manifest is used when it exists, every tensor, names sorted: the order ``jax.jit`` flattens a
+    dict of parameters, so a module lowered as ``jit(fn).lower(params, *inputs)`` takes them as
+    they are. No key and no file: no weights. The bytes themselves are read later by the weight
+    cache (:class:`HostWeights`)."""
+    declared = manifest.weights_file is not None
+    name = manifest.weights_file if declared else DEFAULT_WEIGHTS_FILE
+    file = path / name
     if not file.is_file():
-        raise BundleError(manifest.bundle, f"weights file {manifest.weights_file} is missing")
+        if not declared:
+            return None
+        raise BundleError(manifest.bundle, f"weights file {name} is missing (the manifest's weights: key asks for it)")
     try:
         table = _read_safetensors_header(file)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise BundleError(manifest.bundle, f"cannot read {manifest.weights_file}: {exc}") from None
+        raise BundleError(manifest.bundle, f"cannot read {name}: {exc}") from None
     names = list(table)
     order = manifest.weights_order if manifest.weights_order is not None else tuple(sorted(names))
     missing = [n for n in order if n not in names]
     if missing:
-        raise BundleError(manifest.bundle, f"weights.order names {missing} but {manifest.weights_file} "
+        raise BundleError(manifest.bundle, f"weights.order names {missing} but {name} "
                           f"holds {sorted(names)}")
-    return HostWeights(file.resolve(), tuple(table[n] for n in order))
+    return HostWeights(file.resolve(), tuple(table[n] for n in order), declared)
 
 
 def _type_of_decl(decl: TensorDecl, batch: int) -> TensorType:
@@ -262,6 +279,15 @@ def _describe(t: TensorType) -> str:
     dtype = BY_MLIR.get(t.element)
     kserve = dtype.kserve if dtype else t.element
     return f"{t} ({kserve}[{','.join('?' if d is None else str(d) for d in t.shape)}])"
+
+
+def _listing(items: list[str], limit: int = 8) -> str:
+    """``items`` joined by commas, the first ``limit`` of them: a model with hundreds of weights
+    must not turn one error into pages."""
+    if not items:
+        return "nothing"
+    more = f", and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
 
 
 def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signature,
@@ -278,11 +304,18 @@ def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signat
     expected_in += [(f"input '{d.name}'", _type_of_decl(d, batch)) for d in manifest.executable_inputs]
     expected_out = [(f"output '{d.name}'", _type_of_decl(d, batch)) for d in manifest.executable_outputs]
 
-    n_w = len(weights.names) if weights else 0
     if len(sig.inputs) != len(expected_in):
+        source = (f"{len(weights.names)} weight(s) from {weights.origin}" if weights is not None
+                  else f"0 weight(s): no weights: key and no {DEFAULT_WEIGHTS_FILE} beside {MANIFEST}")
+        at = next((i for i, ((_, want), got) in enumerate(zip(expected_in, sig.inputs)) if want != got),
+                  min(len(expected_in), len(sig.inputs)))
+        want = f"{expected_in[at][0]} {expected_in[at][1]}" if at < len(expected_in) else "nothing more"
+        got = str(sig.inputs[at]) if at < len(sig.inputs) else "nothing more"
         raise fail(f"@main takes {len(sig.inputs)} argument(s) but the manifest gives {len(expected_in)} "
-                   f"({n_w} weight(s) then {len(manifest.executable_inputs)} executable input(s): "
-                   f"{', '.join(label for label, _ in expected_in)})")
+                   f"({source}; then {len(manifest.executable_inputs)} executable input(s)); they first "
+                   f"differ at argument {at}: the manifest gives {want}, @main takes {got}. Expected, in "
+                   f"order: {_listing([f'{label} {t}' for label, t in expected_in])}; "
+                   f"@main takes: {_listing([str(t) for t in sig.inputs])}")
     if len(sig.outputs) != len(expected_out):
         raise fail(f"@main returns {len(sig.outputs)} result(s) but the manifest lists "
                    f"{len(expected_out)} executable output(s) ({', '.join(label for label, _ in expected_out)})")

@@ -48,21 +48,26 @@ def _serving(run) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Serve a node file. One worker serves the public ports itself."""
+    """Serve a one-worker node file; its worker serves the public ports itself."""
     from xlaserve.node import run_node
     try:
         node = load_node_config(args.node, os.environ)
     except ConfigError as exc:
-        print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
+        print(f"xlaserve: {exc}", file=sys.stderr)  # names the file where the mistake is in it
         return 2
     return _serving(lambda: run_node(node, ready_file=args.ready_file))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    """Run one worker of a node file (what the supervisor starts per device)."""
+    """Run one worker of a node file, by name or index (any node; the way to run each worker of a
+    multi-worker node until a supervisor exists)."""
     from xlaserve.node import run_worker
     try:
         node = load_node_config(args.node, os.environ)
+    except ConfigError as exc:
+        print(f"xlaserve: {exc}", file=sys.stderr)
+        return 2
+    try:
         which = int(args.worker) if args.worker.isdigit() else args.worker
         config = resolve_worker(node, which)
     except ConfigError as exc:

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 
 from xlaserve.bundle import MANIFEST
 from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES
-from xlaserve.manifest import BATCH_AXIS, FORMAT_VERSION
+from xlaserve.manifest import BATCH_AXIS, DEFAULT_WEIGHTS_FILE, FORMAT_VERSION
 
 __all__ = [
     "DTYPES",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 MANIFEST_FILE = MANIFEST
-WEIGHTS_FILE = "weights.safetensors"
+WEIGHTS_FILE = DEFAULT_WEIGHTS_FILE
 
 #: Manifest dtype code -> NumPy dtype, for every type a module argument can have.
 DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
@@ -155,6 +155,11 @@ def export_bundle(
     which PJRT compiles directly. If in doubt, use text: it is diffable and reviewable.
 
     ``extra_files`` maps file names to text written beside the modules (a bundle's ``model.py``).
+
+    With weights, the manifest always gets an explicit ``weights: {file, order}`` key recording
+    the order ``fn`` takes them in (with the default order it is what the loader would pick
+    without the key: every tensor of ``weights.safetensors``, names sorted). Without weights no
+    weights file is written, so the bundle has none: no key and no file.
 
     The bundle is staged in a hidden sibling directory (``.<name>.*.tmp``) and renamed into place,
     so a repository watcher sees either no bundle, the old one, or the complete new one. On Linux an

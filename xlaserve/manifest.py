@@ -16,6 +16,9 @@ from xlaserve.errors import BundleError
 
 FORMAT_VERSION = "2.0"
 BATCH_AXIS = "n"
+#: The weights file a bundle uses when its manifest has no ``weights:`` key (if the file exists),
+#: and the file ``weights: {}`` names when it gives no ``file``.
+DEFAULT_WEIGHTS_FILE = "weights.safetensors"
 _TOP_KEYS = {"format_version", "name", "kind", "executable_inputs", "executable_outputs",
              "client_inputs", "client_outputs", "weights", "batching"}
 _TENSOR_KEYS = {"name", "dtype", "shape", "dims"}
@@ -55,13 +58,18 @@ class TensorDecl:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
+    """A validated manifest. ``weights_file`` is the file the ``weights:`` key names, or None when
+    the manifest has no ``weights:`` key; the bundle loader then uses :data:`DEFAULT_WEIGHTS_FILE`
+    if it exists beside the manifest (names sorted), and no weights otherwise. The manifest parser
+    does no I/O, so that choice is the loader's (:func:`xlaserve.bundle.read_weights`)."""
+
     bundle: str
     kind: str                                   # "model" | "meta"
     executable_inputs: tuple[TensorDecl, ...]
     executable_outputs: tuple[TensorDecl, ...]
     client_inputs: tuple[TensorDecl, ...]
     client_outputs: tuple[TensorDecl, ...]
-    weights_file: str | None
+    weights_file: str | None                    # None: no weights: key
     weights_order: tuple[str, ...] | None       # None: tensor names sorted
     compiled_batch_sizes: tuple[int, ...]       # ascending
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -123,7 +131,7 @@ def parse_manifest(data: Any, bundle: str) -> Manifest:
         if not isinstance(w, dict):
             raise fail(f"weights: expected a mapping {{file, order}}, got {type(w).__name__}")
         _known_keys(w, {"file", "order"}, "weights: ", fail)
-        weights_file = w.get("file", "weights.safetensors")
+        weights_file = w.get("file", DEFAULT_WEIGHTS_FILE)
         if not isinstance(weights_file, str) or "/" in weights_file or weights_file.startswith("."):
             raise fail(f"weights.file: expected a file name inside the bundle, got {weights_file!r}")
         if "order" in w:

@@ -1,14 +1,19 @@
-"""The node supervisor behind ``xlaserve run``.
+"""What ``xlaserve run`` and ``xlaserve worker`` do with a node file.
 
-A one-worker node (the only shape so far) runs its worker in this process, serving the public
-``listen`` addresses itself.
+A one-worker node (the only shape ``xlaserve run`` serves so far) runs its worker in this
+process, serving the public ``listen`` addresses itself. A node of more workers is refused: no
+supervisor starts workers and no gateway fronts them yet; each worker can be run on its own
+(:func:`run_worker`, behind ``xlaserve worker``). How many workers a node has is
+:func:`plan_workers`'s decision.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
 import os
+from dataclasses import dataclass
 
 import trio
 
@@ -17,13 +22,70 @@ from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_cou
 log = logging.getLogger("xlaserve.node")
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerPlan:
+    """How many workers a node runs (``count``), which key decided it (``origin``, for
+    messages) and, for ``gpus: auto``, the INFO line that says what was detected (``note``)."""
+
+    count: int
+    origin: str
+    note: str = ""
+
+
+def plan_workers(node: NodeConfig, detected_gpus: int | None = None, why_none: str = "") -> WorkerPlan:
+    """The node's worker count. A ``workers:`` list fixes it; else ``gpus: N`` or a list of N
+    ordinals asks for N; else (``gpus: auto``) one worker per GPU that jax's CUDA plugin sees,
+    ``detected_gpus``, which is None when GPUs were not counted (the node's backend is ``cpu``).
+    No GPU detected (``why_none`` says why) still means one worker, whose backend then decides
+    between the cpu fallback and refusing to start. Pure: counting is the caller's job."""
+    if node.workers_explicit:
+        return WorkerPlan(len(node.workers), "its workers: list")
+    if node.gpus != "auto":
+        return WorkerPlan(worker_count(node), f"gpus: {node.gpus}" if isinstance(node.gpus, int)
+                          else f"gpus: {list(node.gpus)}")
+    if detected_gpus is None:
+        return WorkerPlan(1, "gpus: auto", "gpus: auto: one worker; GPUs are not counted because "
+                                           "runtime.backend is cpu")
+    if detected_gpus < 1:
+        return WorkerPlan(1, "gpus: auto", f"gpus: auto: no GPU detected ({why_none or 'none seen'}); one worker")
+    plural = "s" if detected_gpus != 1 else ""
+    return WorkerPlan(detected_gpus, f"gpus: auto, {detected_gpus} GPU{plural} detected",
+                      f"gpus: auto: {detected_gpus} GPU{plural} detected; {detected_gpus} worker{plural}")
+
+
+def detect_gpus(node: NodeConfig) -> tuple[int | None, str]:
+    """What :func:`plan_workers` needs for ``gpus: auto``: the GPUs jax's CUDA plugin sees and,
+    when none, why; ``(None, '')`` when the count does not matter (explicit ``workers:`` or
+    ``gpus``, or a ``cpu`` node). Counting creates no PJRT client, so the worker that later
+    opens the device still owns it."""
+    if node.workers_explicit or node.gpus != "auto" or node.runtime.backend != "cuda":
+        return None, ""
+    from xlaserve.runtime.pjrt import probe_cuda
+    probe = probe_cuda()
+    return probe.devices, probe.problem
+
+
+def refusal(node: NodeConfig, plan: WorkerPlan) -> str:
+    """Why ``xlaserve run`` cannot serve ``plan`` ('' when it can): until multi-worker nodes
+    exist, a node of two or more workers is refused, never served by its first worker alone."""
+    if plan.count <= 1:
+        return ""
+    hint = " (give the node a workers: list for that), or set gpus: 1 to serve one GPU" \
+        if node.gpus == "auto" and not node.workers_explicit else ""
+    return (f"this node file asks for {plan.count} workers ({plan.origin}); multi-worker nodes (supervisor + "
+            f"gateway) are not available yet: run one worker per process with "
+            f"`xlaserve worker NODE --worker NAME`{hint}")
+
+
 def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
-    workers = worker_count(node)
-    if workers > 1:
-        # gpus: N without a workers: list asks for N workers just as a list of N does
-        log.error("this node file asks for %d workers (%s); multi-worker nodes (supervisor + gateway) are "
-                  "not available yet: run one worker per process with `xlaserve worker NODE --worker NAME`",
-                  workers, "its workers: list" if node.workers_explicit else f"gpus: {node.gpus}")
+    """Serve a one-worker node in this process until it is stopped; 2 (after logging why) for a
+    node of more workers."""
+    plan = plan_workers(node, *detect_gpus(node))
+    if plan.note:
+        log.info("%s", plan.note)
+    problem = refusal(node, plan)
+    if problem:
+        log.error("%s", problem)
         return 2
     run_worker(resolve_worker(node, 0), ready_file)
     return 0
@@ -33,11 +95,15 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
     """Run one worker in this process until it is stopped; with ``ready_file``, its bound
     ports are written there (atomically) once gRPC listens.
 
-    The model repository is checked and both addresses are bound before the runtime (JAX) is
-    imported, so those mistakes fail start-up at once (:class:`~xlaserve.errors.StartupError`)."""
+    The model repository is checked and both addresses are bound first, before the runtime
+    (JAX) is imported (:func:`~xlaserve.worker.preflight.claim`); then the backend is decided and
+    its PJRT client configured (:func:`open_backend`). Each fails start-up with a StartupError
+    before anything else starts: an address in use, a missing repository, an unusable ``cuda``."""
     from xlaserve.worker.preflight import claim
     claimed = claim(config)
     try:
+        from xlaserve.runtime.backend import open_backend
+        config = dataclasses.replace(config, runtime=open_backend(config.runtime))
         from xlaserve.worker.server import serve
         trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=_ready_writer(ready_file)))
     finally:

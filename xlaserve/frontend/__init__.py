@@ -1,1 +1,1 @@
-"""The gRPC frontend (grpclib, asyncio) and its one bridge to the Trio actors."""
+"""The gRPC frontend (xlaserve's own HTTP/2 server on Trio, grpclib-shaped handlers) and its bridge to the actors."""

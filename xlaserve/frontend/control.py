@@ -1,6 +1,7 @@
 """xlaserve's own ``WorkerControl`` gRPC service (proto/xlaserve_control.proto), on the worker's
 gRPC port beside the KServe service: per-model status, residency and scheduling changes at run
-time, memory compaction, and a status stream for ``xlaserve top`` and operators' control planes.
+time, memory defragmentation (``CompactMemory``; it evicts nothing), and a status stream
+(``WatchStatus``) for operators' control planes.
 
 Handlers run as Trio tasks of the worker, so status is read straight from the actors' snapshots
 (model table, queue depths, learned costs, residency) and small changes (scheduling policy) are
@@ -147,7 +148,8 @@ class WorkerControlService(WorkerControlBase):
         request = await stream.recv_message()
         interval = request.interval_seconds if request.interval_seconds > 0 else DEFAULT_WATCH_INTERVAL
         interval = max(interval, MIN_WATCH_INTERVAL)
-        # Ends when the client cancels or the server closes (the call's task is cancelled).
+        # Ends when the client cancels or the worker stops (the call's task is cancelled). A
+        # drain waits for it like any open call, up to DRAIN_SECONDS.
         while True:
             await stream.send_message(status_snapshot(self._worker))
             await trio.sleep(interval)

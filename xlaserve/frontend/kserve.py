@@ -1,5 +1,6 @@
 """KServe V2 ``inference.GRPCInferenceService``: decode, validate, hand a message to the actors
-through the bridge, await the reply, encode. No model logic lives here. The handlers are
+through the bridge, await the reply, encode (ModelInfer skips the await: :meth:`KServeService.infer_now`
+is called by the transport and its reply is encoded by whoever answers it). No model logic lives here. The handlers are
 grpclib-shaped (the generated base class, ``stream.recv_message``/``send_message``) and are
 served by :mod:`xlaserve.frontend.grpc_server`."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Triton's system shared-memory extension: clients on the same host register POSIX shared-memory
 objects by name and pass tensors through them instead of through the gRPC message.
 
-The registry is frontend state, owned by the asyncio side (one thread, no locks). A region is an
+The registry is frontend state, used on the worker's Trio thread only (no locks). A region is an
 ``mmap`` of ``[offset, offset + byte_size)`` of ``/dev/shm/<key>``. Inputs are handed to the codec
 as ``memoryview`` slices of that map, so ``np.frombuffer`` reads the client's bytes in place; outputs
 are copied straight from the result array into the map.
@@ -85,7 +85,7 @@ def _object_name(key: str) -> str:
 
 
 class SharedMemoryRegistry:
-    """Registered system shared-memory regions by name. Not thread-safe: the asyncio frontend owns it."""
+    """Registered system shared-memory regions by name. Not thread-safe: used on the Trio thread only."""
 
     def __init__(self, shm_dir: str = SHM_DIR) -> None:
         self._dir = shm_dir

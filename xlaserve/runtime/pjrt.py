@@ -1,18 +1,24 @@
 """The one module that touches JAX internals.
 
-Everything xlaserve needs from JAX's PJRT client lives here: opening a backend
-(``jax.extend.backend``), reading a StableHLO module's ``@main`` signature (jaxlib's MLIR
-bindings), compiling (``compile_and_load``), executing (``execute_sharded``), copying host
-arrays to the device (``batched_device_put``: ``jax.device_put`` costs about 80 µs a call on
-this path, the call underneath it about 7), and (de)serializing executables. The jax version
-is pinned in pyproject.toml because these names move between releases. Nothing outside this
-module imports jax or jaxlib.
+Everything xlaserve needs from JAX's PJRT client lives here: finding out whether jax's CUDA
+plugin can be used (:func:`probe_cuda`), setting up the client before it exists
+(:func:`configure_client`), opening a backend (``jax.extend.backend``), reading a StableHLO
+module's ``@main`` signature (jaxlib's MLIR bindings), compiling (``compile_and_load``),
+executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
+``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
+(de)serializing executables. The jax version is pinned in pyproject.toml because these names
+move between releases. Nothing else in the server imports jax or jaxlib (the export API,
+:mod:`xlaserve.export`, and the benchmarks use jax to build bundles).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.util
 import re
+import sys
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +27,105 @@ import jax
 import jaxlib
 from jax.extend import backend as jax_backend
 from jax.extend import mlir as jax_mlir
+from jax._src import config as jax_config
 from jax._src import core as jax_core
+from jax._src import hardware_utils, xla_bridge
 from jax._src.interpreters import mlir as jax_mlir_internal
 from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir
 
 JAX_VERSION = jax.__version__
 JAXLIB_VERSION = jaxlib.__version__
+
+
+# The module names jax's CUDA plugin installs under (``jax[cuda13]``, ``jax[cuda12]``), newest first.
+CUDA_PLUGIN_MODULES = ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12")
+
+
+@dataclass(frozen=True, slots=True)
+class CudaProbe:
+    """What this process can tell about the ``cuda`` backend without creating its client.
+
+    ``installed``: jax's CUDA plugin is installed. ``devices``: the GPUs it sees (0 when it
+    cannot be used). ``problem``: why ``cuda`` cannot be used here, '' when it can.
+    """
+
+    installed: bool
+    devices: int
+    problem: str
+
+    @property
+    def usable(self) -> bool:
+        return not self.problem
+
+
+@functools.cache
+def probe_cuda() -> CudaProbe:
+    """Whether jax's CUDA plugin is installed and how many GPUs it sees, found without creating
+    a PJRT client, so that no device memory is claimed and a later client in this process (or
+    a worker process) still owns the devices. The plugin is loaded the way jax loads it (its
+    ``initialize()``, which checks its CUDA libraries) and asked for the device count
+    (``cudaGetDeviceCount``, which honours ``CUDA_VISIBLE_DEVICES``). Cached: the answer is a
+    fact about the process."""
+    plugin = _installed_cuda_plugin()
+    if plugin is None:
+        return CudaProbe(False, 0, "jax's CUDA plugin is not installed")
+    if not hardware_utils.has_visible_nvidia_gpu():
+        # the same test jax applies before it tries the cuda backend
+        return CudaProbe(True, 0, "jax's CUDA plugin is installed but no NVIDIA GPU is visible "
+                                  "(none of /dev/nvidia0, /dev/nvidiactl, /dev/dxg exists)")
+    xla_bridge._discover_and_register_pjrt_plugins()
+    if "cuda" not in xla_bridge._backend_factories:
+        return CudaProbe(True, 0, f"jax's CUDA plugin ({plugin}) is installed but did not load (jax logged why "
+                                  "above: usually CUDA libraries older than the plugin needs)")
+    versions = getattr(sys.modules.get(plugin), "cuda_versions", None)
+    try:
+        count = int(versions.cuda_device_count())
+    except Exception as exc:  # the plugin's native helper is missing or CUDA refused to answer
+        return CudaProbe(True, 0, f"jax's CUDA plugin ({plugin}) cannot count the GPUs: {_first_line(exc)}")
+    if count < 1:
+        return CudaProbe(True, 0, "jax's CUDA plugin sees no GPU (check the NVIDIA driver and "
+                                  "CUDA_VISIBLE_DEVICES)")
+    return CudaProbe(True, count, "")
+
+
+def _installed_cuda_plugin() -> str | None:
+    for name in CUDA_PLUGIN_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return name
+        except ImportError:  # no jax_plugins package at all
+            return None
+    return None
+
+
+def cuda_client_options(mem_fraction: float, preallocate: bool) -> dict[str, str | float | bool]:
+    """The PJRT client-create options that size the CUDA client's device allocator: XLA's BFC
+    pool, which may grow to ``mem_fraction`` of the device's memory and, with ``preallocate``,
+    claims all of that when the client is created. These are the options jax derives from
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION`` and ``XLA_PYTHON_CLIENT_PREALLOCATE``; passed through
+    :func:`configure_client` they win over those variables."""
+    return {"allocator": "bfc", "memory_fraction": float(mem_fraction), "preallocate": bool(preallocate)}
+
+
+def configure_client(backend: str, cuda_options: Mapping[str, str | float | bool] | None = None) -> None:
+    """Set up the PJRT clients this process will create: only ``backend``'s (``cuda`` also
+    gets a ``cpu`` client beside it), the ``cuda`` one with ``cuda_options`` (see
+    :func:`cuda_client_options`). Without this jax creates a client for every platform it
+    finds, so a ``cpu`` worker on a GPU machine would claim GPU memory.
+
+    Must run before the first :class:`Device` of the process: jax reads these settings when it
+    creates its clients, once. RuntimeError if the clients already exist with other settings.
+    """
+    platforms = "cpu" if backend == "cpu" else f"{backend},cpu"
+    options = dict(cuda_options) if cuda_options and backend == "cuda" else None
+    if xla_bridge.backends_are_initialized():
+        if (jax_config.jax_platforms.value, jax_config.jax_pjrt_client_create_options.value) == (platforms, options):
+            return
+        raise RuntimeError(f"cannot configure the {backend} client: jax's PJRT clients already exist in this "
+                           "process (configure_client must run before the first Device is opened)")
+    jax.config.update("jax_platforms", platforms)
+    jax.config.update("jax_pjrt_client_create_options", options)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +228,9 @@ class Device:
         return str(self._client.platform_version)
 
     def memory_bytes(self) -> int | None:
-        """Total device memory as the allocator reports it, or None where it does not (cpu)."""
+        """The device allocator's limit (``bytes_limit``): on cuda the BFC pool, that is
+        ``memory_fraction`` of the device's memory (see :func:`cuda_client_options`); None where
+        the allocator does not say (cpu)."""
         stats = self._device.memory_stats()
         return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 

@@ -236,7 +236,7 @@ class ResidencyBook:
 
 class ThrashMonitor:
     """Counts how many of the last ``window`` dispatches had to evict. :meth:`record` returns
-    True when the share reaches ``threshold`` and no warning was given in the last ``window``
+    True when the share exceeds ``threshold`` and no warning was given in the last ``window``
     dispatches, so a thrashing worker warns about once per window."""
 
     def __init__(self, window: int = 64, threshold: float = 0.5) -> None:

@@ -69,16 +69,16 @@ class CacheSnapshot:
 
 def budget_for(runtime, device: Device) -> Budget:
     """The budget a worker starts with, from its ``runtime:`` config (before any executable's
-    activations are known). The arena is ``mem_fraction`` x device memory on a GPU and
-    ``device_memory_bytes`` (default: all of the machine's RAM) on cpu."""
+    activations are known). The arena is the device allocator's pool on a GPU, which
+    ``mem_fraction`` already sized (``mem_fraction`` x device memory; the allocator reports the
+    pool as its limit), and ``device_memory_bytes`` (default: all of the machine's RAM) on cpu."""
     if device.backend == "cpu":
         arena = runtime.device_memory_bytes or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     else:
-        total = device.memory_bytes()
-        if total is None:
+        arena = device.memory_bytes()
+        if arena is None:
             raise RuntimeError(f"the {device.backend} device does not report its memory size; "
                                "cannot size the weight budget")
-        arena = int(runtime.mem_fraction * total)
     return Budget(int(arena), runtime.weight_cache_fraction, int(runtime.weight_cache_wiggle_fraction * arena))
 
 

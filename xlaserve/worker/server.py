@@ -2,10 +2,10 @@
 
 Boot order, in one place: check the model repository and bind both addresses (before JAX is
 imported, see :mod:`xlaserve.worker.preflight`); log the effective configuration with the ports
-bound; open the device; start the scheduler, the lifecycle actor (which loads the repository)
-and the admin HTTP port; then the gRPC frontend. SIGTERM or SIGINT
-drains: the gRPC server stops taking calls (GOAWAY), in-flight requests finish, then the
-actors are cancelled.
+bound; open the device; start the weight cache, the scheduler, the admin HTTP port and the
+lifecycle actor (which loads the repository); then the gRPC frontend. SIGTERM or SIGINT drains:
+the gRPC server stops taking calls (GOAWAY), in-flight calls finish (for at most
+``DRAIN_SECONDS``), then the actors are cancelled.
 """
 from __future__ import annotations
 

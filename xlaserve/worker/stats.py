@@ -1,4 +1,5 @@
-"""Per-model statistics as Triton's ModelStatistics reports them. Owned by the scheduler."""
+"""Per-model statistics as Triton's ModelStatistics reports them. Written by the scheduler, and
+by the inference service for meta-model requests; kept per model name for the worker's lifetime."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace

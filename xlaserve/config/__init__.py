@@ -1,0 +1,46 @@
+"""The node file: one typed YAML file that describes a machine's workers.
+
+A node file names one shared model repository, the defaults every worker runs with (``global:``),
+optionally one entry per worker (``workers:``) whose blocks merge over those defaults, an optional
+pin map (``models:``), the node's public addresses (``listen:``) and a ``gateway:`` block (kept as
+written; nothing reads it until multi-worker nodes exist).
+
+Three modules, one idea each:
+
+- :mod:`~xlaserve.config.schema`: the documented keys, as frozen dataclasses (a key's meaning
+  and default is on the class that holds it);
+- :mod:`~xlaserve.config.fields`: generic validation of one value against its key's type and
+  bounds, and the wording of every error;
+- :mod:`~xlaserve.config.resolve`: environment overrides, reading the node file, workers, ports,
+  and the settings one worker runs with.
+
+The value objects are frozen and slotted; mappings inside them are read-only.
+"""
+from xlaserve.config.fields import ConfigError
+from xlaserve.config.resolve import (ENV_PREFIX, effective_config_lines, environment_variables,
+                                     load_node_config, parse_node_config, resolve_worker,
+                                     to_plain, worker_count)
+from xlaserve.config.schema import (EndpointsConfig, ListenConfig, ModelSchedConfig, NodeConfig,
+                                    RuntimeConfig, SchedulerConfig, WorkerConfig, WorkerEntry,
+                                    split_address)
+
+__all__ = [
+    "ENV_PREFIX",
+    "ConfigError",
+    "EndpointsConfig",
+    "ListenConfig",
+    "ModelSchedConfig",
+    "NodeConfig",
+    "RuntimeConfig",
+    "SchedulerConfig",
+    "WorkerConfig",
+    "WorkerEntry",
+    "effective_config_lines",
+    "environment_variables",
+    "load_node_config",
+    "parse_node_config",
+    "resolve_worker",
+    "split_address",
+    "to_plain",
+    "worker_count",
+]

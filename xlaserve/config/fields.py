@@ -1,0 +1,246 @@
+"""Generic validation of the node file's fields: one parser for every documented key.
+
+A key is a dataclass field declared with :func:`_key`, whose type hint and :class:`_Rule` say
+what a valid value is. :func:`_convert` checks one YAML value against them and words the error
+(``global.scheduler.max_queue_depth: expected a positive integer, got 'abc'``);
+:func:`_parse_partial` validates the keys one block sets without filling in defaults, and
+:func:`_merge` lays such a partial block over a complete one. Nothing here knows any particular
+key: the schema lives in :mod:`xlaserve.config.schema`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType, NoneType, UnionType
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(Exception):
+    """The node file or an ``INFERENCE_SERVER_*`` variable is invalid.
+
+    The message starts with where the mistake is (a key path such as ``workers[1].name`` or a
+    variable name) and says what was expected.
+    """
+
+
+# --- validation rules, attached to dataclass fields ----------------------------------------------
+
+class _Invalid(Exception):
+    """Raised by a custom field parser; the generic code turns it into a ConfigError."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Rule:
+    choices: tuple[str, ...] = ()
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    # A custom parser for values the type alone cannot describe; raises _Invalid.
+    parse: Callable[[Any], Any] | None = None
+    describe: str = ""
+    # False for fields an environment variable may not set.
+    env: bool = True
+
+
+def _key(default: Any = MISSING, *, factory: Any = MISSING, **rule: Any) -> Any:
+    return field(default=default, default_factory=factory, metadata={"rule": _Rule(**rule)})
+
+
+# --- the generic field parser --------------------------------------------------------------------
+
+@functools.cache
+def _field_specs(cls: type) -> dict[str, tuple[Any, _Rule, bool]]:
+    """name -> (type hint, rule, required) for each field of a config dataclass."""
+    hints = get_type_hints(cls)
+    return {
+        f.name: (hints[f.name], f.metadata.get("rule", _Rule()),
+                 f.default is MISSING and f.default_factory is MISSING)
+        for f in fields(cls)
+    }
+
+
+def _optional_inner(hint: Any) -> Any | None:
+    if get_origin(hint) in (Union, UnionType) and NoneType in get_args(hint):
+        (inner,) = (a for a in get_args(hint) if a is not NoneType)
+        return inner
+    return None
+
+
+def _bound(value: float) -> str:
+    return f"{value:g}"
+
+
+def _expected(hint: Any, rule: _Rule) -> str:
+    inner = _optional_inner(hint)
+    if inner is not None:
+        return f"{_expected(inner, rule)} or null"
+    if rule.describe:
+        return rule.describe
+    if rule.choices:
+        return "one of " + ", ".join(rule.choices)
+    if hint is bool:
+        return "true or false"
+    if hint in (int, float):
+        noun = "integer" if hint is int else "number"
+        article = "an" if hint is int else "a"
+        if rule.high is None and rule.low == 0:
+            return f"a {'positive' if rule.low_open else 'non-negative'} {noun}"
+        if rule.high is None and rule.low == 1 and hint is int:
+            return "a positive integer"
+        if rule.low is None and rule.high is None:
+            return f"{article} {noun}"
+        if hint is int:
+            return f"an integer in [{rule.low}, {rule.high}]"
+        return (f"a number in {'(' if rule.low_open else '['}{_bound(rule.low)}, "
+                f"{_bound(rule.high)}{')' if rule.high_open else ']'}")
+    if hint is Path:
+        return "a path"
+    if get_origin(hint) is tuple:
+        return "a list of names"
+    if get_origin(hint) is Mapping:
+        return "a mapping of model name to settings"
+    return "a non-empty string"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (dict, Mapping)):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return repr(value)
+
+
+def _in_range(value: float, rule: _Rule) -> bool:
+    if rule.low is not None and not (value > rule.low if rule.low_open else value >= rule.low):
+        return False
+    return rule.high is None or (value < rule.high if rule.high_open else value <= rule.high)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _convert(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | None,
+             described: Any = None) -> Any:
+    """Validate one YAML value against a field's type and rule; ``base_dir`` anchors paths.
+
+    ``described`` is the hint the error message describes (the field's own, optional included).
+    """
+    def fail() -> ConfigError:
+        expected = _expected(described or hint, rule)
+        return ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+
+    inner = _optional_inner(hint)
+    if inner is not None:
+        return None if value is None else _convert(inner, rule, value, path, base_dir, hint)
+    if rule.parse is not None:
+        try:
+            return rule.parse(value)
+        except _Invalid:
+            raise fail() from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if _is_int(value) and _in_range(value, rule):
+            return value
+    elif hint is float:
+        if (_is_int(value) or isinstance(value, float)) and math.isfinite(value) \
+                and _in_range(value, rule):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, str) and value and (not rule.choices or value in rule.choices):
+            return value
+    elif hint is Path:
+        if isinstance(value, str) and value:
+            resolved = Path(value).expanduser()
+            if base_dir is None:
+                return resolved.absolute()
+            return base_dir / resolved
+    elif get_origin(hint) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+            return tuple(value)
+    elif get_origin(hint) is Mapping:
+        if isinstance(value, Mapping):
+            nested = get_args(hint)[1]
+            out = {}
+            for name, sub in value.items():
+                if not isinstance(name, str) or not name:
+                    raise ConfigError(f"{path}: keys must be model names, got {_show(name)}")
+                out[name] = _parse_partial(nested, sub, f"{path}.{name}", base_dir)
+            return MappingProxyType(out)
+    else:  # pragma: no cover - a field type this parser does not know is a bug here
+        raise TypeError(f"no parser for {hint!r}")
+    raise fail()
+
+
+def _value(cls: type, name: str, value: Any, path: str, base_dir: Path | None) -> Any:
+    hint, rule, _ = _field_specs(cls)[name]
+    return _convert(hint, rule, value, path, base_dir)
+
+
+def _mapping(raw: Any, path: str) -> Mapping[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {_show(raw)}")
+    for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"{path}: keys must be strings, got {_show(key)}")
+    return raw
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _reject_unknown(raw: Mapping[str, Any], known: set[str] | frozenset[str], path: str) -> None:
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                f"{_join(path, key)}: unknown key (known: {', '.join(sorted(known))})")
+
+
+def _parse_partial(cls: type, raw: Any, path: str,
+                   base_dir: Path | None) -> Mapping[str, Any]:
+    """Validate the keys a block sets, without filling in defaults (so blocks can merge).
+
+    A block class may accept keys beyond its fields: its ``ALIASES`` class attribute maps each
+    such key to a function ``(value, validated keys so far, key path, block path)`` that returns
+    the validated keys with the alias applied (or raises :class:`ConfigError`).
+    """
+    raw = _mapping(raw, path)
+    aliases: Mapping[str, Callable[..., Mapping[str, Any]]] = getattr(cls, "ALIASES", {})
+    _reject_unknown(raw, set(_field_specs(cls)) | set(aliases), path)
+    out = {key: _value(cls, key, value, _join(path, key), base_dir)
+           for key, value in raw.items() if key in _field_specs(cls)}
+    for key, apply in aliases.items():
+        if key in raw:
+            out = dict(apply(raw[key], out, _join(path, key), path))
+    return MappingProxyType(out)
+
+
+def _merge(base: Any, partial: Mapping[str, Any]) -> Any:
+    """``base`` with the keys of ``partial`` set; mapping-of-block fields merge per entry."""
+    if not partial:
+        return base
+    changes = {}
+    for name, value in partial.items():
+        hint = _field_specs(type(base))[name][0]
+        if get_origin(hint) is Mapping and dataclasses.is_dataclass(get_args(hint)[1]):
+            nested = get_args(hint)[1]
+            merged = dict(getattr(base, name))
+            for key, sub in value.items():
+                merged[key] = _merge(merged.get(key) or nested(), sub)
+            value = MappingProxyType(merged)
+        changes[name] = value
+    return dataclasses.replace(base, **changes)

@@ -1,0 +1,486 @@
+"""Node resolution: environment overrides, the node file, workers, ports, one worker's settings.
+
+Reading a node file is two steps, both pure:
+
+- :func:`load_node_config` / :func:`parse_node_config` validate the whole file into a
+  :class:`~xlaserve.config.schema.NodeConfig`. Every mistake is a :class:`ConfigError` whose
+  message starts with the key path.
+- :func:`resolve_worker` turns a node into the :class:`~xlaserve.config.schema.WorkerConfig` one
+  worker process runs with: global blocks, then the worker's own blocks, then the pin map, then
+  environment overrides.
+
+Environment overrides (``INFERENCE_SERVER_<SECTION>_<FIELD>``) are read from the mapping the caller
+passes (the CLI passes ``os.environ``); passing nothing means no overrides, which keeps tests
+independent of the shell they run in.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, get_origin
+
+import yaml
+
+from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _is_int, _optional_inner,
+                                    _mapping, _merge, _parse_partial, _reject_unknown, _show,
+                                    _value)
+from xlaserve.config.schema import (MAX_PORT, EndpointsConfig, ListenConfig, NodeConfig,
+                                    RuntimeConfig, SchedulerConfig, WorkerConfig, WorkerEntry,
+                                    split_address)
+
+ENV_PREFIX = "INFERENCE_SERVER_"
+
+
+# --- environment overrides -----------------------------------------------------------------------
+
+_BLOCKS: dict[str, type] = {"runtime": RuntimeConfig, "scheduler": SchedulerConfig,
+                            "endpoints": EndpointsConfig}
+_NODE_ENV_FIELDS = ("model_repo", "base_port", "metrics_base_port", "cache_dir",
+                    "model_control_mode", "model_poll_seconds", "models_include")
+_TRUE = ("true", "1", "yes")
+_FALSE = ("false", "0", "no")
+
+
+@functools.cache
+def _env_table() -> dict[str, tuple[str, type, str]]:
+    """Variable name -> (section, dataclass, field) for every supported override."""
+    table: dict[str, tuple[str, type, str]] = {}
+    sections = [("node", NodeConfig, _NODE_ENV_FIELDS), ("listen", ListenConfig, None)]
+    sections += [(name, cls, None) for name, cls in _BLOCKS.items()]
+    for section, cls, only in sections:
+        for name, (_, rule, _) in _field_specs(cls).items():
+            if rule.env and (only is None or name in only):
+                prefix = "" if section == "node" else f"{section.upper()}_"
+                table[f"{ENV_PREFIX}{prefix}{name.upper()}"] = (section, cls, name)
+    return table
+
+
+def environment_variables() -> list[str]:
+    """Every ``INFERENCE_SERVER_*`` variable the node config understands, sorted."""
+    return sorted([*_env_table(), f"{ENV_PREFIX}MODEL_DIRS"])
+
+
+def _from_text(hint: Any, text: str) -> Any:
+    """An environment variable's text as the YAML value it stands for (validated afterwards)."""
+    inner = _optional_inner(hint)
+    if inner is not None:
+        return None if text.strip().lower() in ("", "null", "none") else _from_text(inner, text)
+    if hint is bool:
+        lowered = text.strip().lower()
+        return True if lowered in _TRUE else False if lowered in _FALSE else text
+    try:
+        if hint is int:
+            return int(text.strip())
+        if hint is float:
+            return float(text.strip())
+    except ValueError:
+        return text
+    if get_origin(hint) is tuple:
+        return [part for part in text.split(":") if part]
+    return text
+
+
+def _parse_environ(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The ``INFERENCE_SERVER_*`` variables of ``environ``, as validated values by section."""
+    out: dict[str, dict[str, Any]] = {"node": {}, "listen": {}, **{s: {} for s in _BLOCKS}}
+    table = _env_table()
+    for var in sorted(environ):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        text = environ[var]
+        if var == f"{ENV_PREFIX}MODEL_DIRS":
+            dirs = [part for part in text.split(":") if part]
+            if len(dirs) != 1:
+                raise ConfigError(
+                    f"{var}: expected exactly one directory (xlaserve serves one model "
+                    f"repository), got {len(dirs)}")
+            if f"{ENV_PREFIX}MODEL_REPO" in environ:
+                raise ConfigError(f"{var}: conflicts with {ENV_PREFIX}MODEL_REPO; set one")
+            out["node"]["model_repo"] = Path(dirs[0]).expanduser().absolute()
+            continue
+        if var not in table:
+            raise ConfigError(
+                f"{var}: unknown variable (known: {', '.join(environment_variables())})")
+        section, cls, name = table[var]
+        hint, rule, _ = _field_specs(cls)[name]
+        value = _from_text(hint, text)
+        if hint is bool and not isinstance(value, bool):
+            raise ConfigError(
+                f"{var}: expected one of true, false, 1, 0, yes, no, got {text!r}")
+        out[section][name] = _convert(hint, rule, value, var, None)
+    return out
+
+
+# --- the node file -------------------------------------------------------------------------------
+
+_TOP_KEYS = frozenset({"model_repo", "base_port", "metrics_base_port", "gpus", "global",
+                       "workers", "models", "gateway", "listen"})
+_GLOBAL_SCALARS = ("cache_dir", "model_control_mode", "model_poll_seconds", "models_include")
+_GLOBAL_KEYS = frozenset({*_GLOBAL_SCALARS, *_BLOCKS})
+_IMPLICIT_WORKER = re.compile(r"worker(0|[1-9][0-9]*)\Z")
+
+
+class _DuplicateKey(ConfigError):
+    """A key written twice in one mapping (YAML would silently keep the last)."""
+
+
+class _NodeLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of keeping the last one silently."""
+
+
+def _construct_mapping(loader: _NodeLoader, node: yaml.MappingNode,
+                       deep: bool = False) -> dict[Any, Any]:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, str) and key in seen:
+            mark = key_node.start_mark
+            raise _DuplicateKey(f"{mark.line + 1}:{mark.column + 1}: duplicate key {key!r}")
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_NodeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_node_config(path: str | Path, environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """Read and validate a node file. Relative paths in it resolve against its directory.
+
+    ``environ`` supplies ``INFERENCE_SERVER_*`` overrides; pass ``os.environ`` to honour the
+    process environment. None means no overrides.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read the node file: {error.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_NodeLoader)  # a SafeLoader subclass
+    except _DuplicateKey as error:
+        raise ConfigError(f"{path}:{error}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}:{_yaml_problem(error)}") from None
+    try:
+        return parse_node_config(data, path.absolute().parent, environ)
+    except ConfigError as error:
+        if str(error).startswith(ENV_PREFIX):  # about a variable, not about the file
+            raise
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML syntax error as ``LINE:COLUMN: not valid YAML: what (while what)``, one line."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"{mark.line + 1}:{mark.column + 1}:" if mark is not None else ""
+    problem = getattr(error, "problem", None) or str(error)
+    context = getattr(error, "context", None)
+    text = f"{problem} ({context})" if context else problem
+    return f"{where} not valid YAML: {' '.join(text.split())}"
+
+
+def parse_node_config(data: Any, base_dir: str | Path,
+                      environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """Validate an already-parsed node file (``data``) into a :class:`NodeConfig`.
+
+    ``base_dir`` anchors relative paths (the node file's directory). ``environ`` as in
+    :func:`load_node_config`.
+    """
+    base_dir = Path(base_dir)
+    env = _parse_environ(environ or {})
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"node file: expected a mapping at the top level, got {_show(data)}")
+    top = _mapping(data, "node file")
+    _reject_unknown(top, _TOP_KEYS, "")
+    node_fields: dict[str, Any] = {
+        key: _value(NodeConfig, key, top[key], key, base_dir)
+        for key in ("model_repo", "base_port", "metrics_base_port", "gpus") if key in top}
+
+    global_block = _mapping(top.get("global"), "global")
+    _reject_unknown(global_block, _GLOBAL_KEYS, "global")
+    for key in _GLOBAL_SCALARS:
+        if key in global_block:
+            node_fields[key] = _value(NodeConfig, key, global_block[key], f"global.{key}",
+                                      base_dir)
+    for section, cls in _BLOCKS.items():
+        written = _parse_partial(cls, global_block.get(section), f"global.{section}", base_dir)
+        node_fields[section] = _merge(_merge(cls(), written), env[section])
+    listen = _parse_partial(ListenConfig, top.get("listen"), "listen", base_dir)
+    node_fields["listen"] = _merge(_merge(ListenConfig(), listen), env["listen"])
+    node_fields.update(env["node"])
+    if "model_repo" not in node_fields:
+        raise ConfigError(
+            f"model_repo: missing (set it in the node file or {ENV_PREFIX}MODEL_REPO)")
+
+    if "workers" in top:
+        node_fields["workers"] = _parse_workers(top["workers"], base_dir)
+        node_fields["workers_explicit"] = True
+    gpus = node_fields.get("gpus", "auto")
+    node_fields["models"] = _parse_pins(top.get("models"), node_fields.get("workers"), gpus)
+    if top.get("gateway") is not None:
+        node_fields["gateway"] = MappingProxyType(dict(_mapping(top["gateway"], "gateway")))
+    node_fields["env_overrides"] = MappingProxyType(
+        {section: MappingProxyType(values) for section, values in env.items()})
+    node = NodeConfig(**node_fields)
+    _check_ports(node, _worker_entries(node, None))
+    return node
+
+
+def _parse_workers(raw: Any, base_dir: Path) -> tuple[WorkerEntry, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError(f"workers: expected a non-empty list of worker entries, got "
+                          f"{_show(raw)}")
+    entries: list[WorkerEntry] = []
+    seen: dict[str, int] = {}
+    for index, item in enumerate(raw):
+        path = f"workers[{index}]"
+        item = _mapping(item, path)
+        _reject_unknown(item, set(_field_specs(WorkerEntry)), path)
+        values: dict[str, Any] = {}
+        for key, value in item.items():
+            cls = _BLOCKS.get(key)
+            if cls is not None:
+                values[key] = _parse_partial(cls, value, f"{path}.{key}", base_dir)
+            else:
+                values[key] = _value(WorkerEntry, key, value, f"{path}.{key}", base_dir)
+        for key, (_, _, required) in _field_specs(WorkerEntry).items():
+            if required and key not in values:
+                raise ConfigError(f"{path}.{key}: missing")
+        name = values["name"]
+        if name in seen:
+            raise ConfigError(
+                f"{path}.name: duplicate worker name {name!r} (also workers[{seen[name]}])")
+        seen[name] = index
+        if values.get("port") is not None:
+            endpoints = dict(values.get("endpoints", {}))
+            if "port" in endpoints:
+                raise ConfigError(f"{path}.port: also set as {path}.endpoints.port; set one")
+            endpoints["port"] = values["port"]
+            values["endpoints"] = MappingProxyType(endpoints)
+        entries.append(WorkerEntry(**values))
+    return tuple(entries)
+
+
+def _implicit_count(gpus: str | int | tuple[int, ...]) -> int | None:
+    if gpus == "auto":
+        return None
+    return gpus if isinstance(gpus, int) else len(gpus)
+
+
+def _parse_pins(raw: Any, workers: tuple[WorkerEntry, ...] | None,
+                gpus: str | int | tuple[int, ...]) -> Mapping[str, tuple[str, ...]]:
+    pins = {}
+    for model, listed in _mapping(raw, "models").items():
+        path = f"models.{model}"
+        if not isinstance(listed, list) or not all(isinstance(w, str) for w in listed):
+            raise ConfigError(f"{path}: expected a list of worker names, got {_show(listed)}")
+        for position, worker in enumerate(listed):
+            problem = _unknown_worker(worker, workers, _implicit_count(gpus))
+            if problem:
+                raise ConfigError(f"{path}[{position}]: {problem}")
+        pins[model] = tuple(dict.fromkeys(listed))
+    return MappingProxyType(pins)
+
+
+def _unknown_worker(worker: str, workers: tuple[WorkerEntry, ...] | None,
+                    implicit_count: int | None) -> str:
+    """Why ``worker`` names no worker of the node ('' when it does)."""
+    if workers is not None:
+        names = [w.name for w in workers]
+        return "" if worker in names else \
+            f"unknown worker {worker!r} (workers: {', '.join(names)})"
+    match = _IMPLICIT_WORKER.match(worker)
+    if match and (implicit_count is None or int(match.group(1)) < implicit_count):
+        return ""
+    known = "worker0, worker1, ..." if implicit_count is None else \
+        ", ".join(f"worker{i}" for i in range(implicit_count))
+    return (f"unknown worker {worker!r} (workers: {known}; without a workers: list they are "
+            "named after their index)")
+
+
+# --- one worker ----------------------------------------------------------------------------------
+
+def _worker_entries(node: NodeConfig, worker_count: int | None) -> tuple[WorkerEntry, ...]:
+    if node.workers_explicit:
+        if worker_count is not None and worker_count != len(node.workers):
+            raise ConfigError(
+                f"workers: the node file lists {len(node.workers)} workers but "
+                f"{worker_count} were asked for; an explicit workers: list fixes the count")
+        return node.workers
+    count = worker_count if worker_count is not None else _implicit_count(node.gpus) or 1
+    if not _is_int(count) or count < 1:
+        raise ConfigError(f"worker count: expected a positive integer, got {_show(count)}")
+    return tuple(WorkerEntry(f"worker{i}") for i in range(count))
+
+
+def worker_count(node: NodeConfig) -> int:
+    """How many workers the node runs: its ``workers:`` list, else one per ``gpus`` entry (a
+    count or a list of ordinals), else one."""
+    return len(_worker_entries(node, None))
+
+
+def _endpoints_for(node: NodeConfig, entry: WorkerEntry) -> EndpointsConfig:
+    return _merge(_merge(node.endpoints, entry.endpoints),
+                  node.env_overrides.get("endpoints", {}))
+
+
+@dataclass(frozen=True, slots=True)
+class _Binding:
+    grpc_host: str
+    grpc_port: int
+    grpc_origin: str
+    http_host: str
+    http_port: int
+    http_origin: str
+
+
+def _binding(node: NodeConfig, entries: tuple[WorkerEntry, ...], index: int) -> _Binding:
+    """Where worker ``index`` listens, and which key each port came from (for errors)."""
+    entry = entries[index]
+    endpoints = _endpoints_for(node, entry)
+    if "port" in node.env_overrides.get("endpoints", {}):
+        origin = f"{ENV_PREFIX}ENDPOINTS_PORT"
+    elif "port" in entry.endpoints:
+        origin = f"workers[{index}].port" if entry.port is not None else \
+            f"workers[{index}].endpoints.port"
+    else:
+        origin = "global.endpoints.port"
+    if len(entries) == 1:
+        listen_host, listen_port = split_address(node.listen.grpc)
+        http_host, http_port = split_address(node.listen.http)
+        if endpoints.port is not None:
+            return _Binding(endpoints.host, endpoints.port, origin,
+                            http_host, http_port, "listen.http")
+        return _Binding(listen_host, listen_port, "listen.grpc",
+                        http_host, http_port, "listen.http")
+    if endpoints.port is None:
+        port, origin = node.base_port + index, f"base_port + {index}"
+        if port > MAX_PORT:
+            raise ConfigError(f"base_port: worker {index} would get port {port} > {MAX_PORT}")
+    else:
+        port = endpoints.port
+    http_port = node.metrics_base_port + index
+    if http_port > MAX_PORT:
+        raise ConfigError(
+            f"metrics_base_port: worker {index} would get port {http_port} > {MAX_PORT}")
+    return _Binding(endpoints.host, port, origin, endpoints.host, http_port,
+                    f"metrics_base_port + {index}")
+
+
+def _check_ports(node: NodeConfig, entries: tuple[WorkerEntry, ...]) -> None:
+    """Every port the node binds is distinct (0, any free port, never collides)."""
+    used: dict[int, str] = {}
+
+    def claim(port: int, what: str, origin: str) -> None:
+        if port == 0:
+            return
+        if port in used:
+            raise ConfigError(f"{origin}: port {port} for {what} is already used by {used[port]}")
+        used[port] = f"{what} ({origin})"
+
+    if len(entries) > 1:
+        claim(split_address(node.listen.grpc)[1], "the gateway's gRPC", "listen.grpc")
+        claim(split_address(node.listen.http)[1], "the gateway's HTTP", "listen.http")
+    for index, entry in enumerate(entries):
+        binding = _binding(node, entries, index)
+        claim(binding.grpc_port, f"worker {entry.name}'s gRPC", binding.grpc_origin)
+        claim(binding.http_port, f"worker {entry.name}'s HTTP", binding.http_origin)
+
+
+def resolve_worker(node: NodeConfig, which: int | str = 0,
+                   worker_count: int | None = None) -> WorkerConfig:
+    """The configuration worker ``which`` (an index or a name) runs with.
+
+    ``worker_count`` is how many workers the node has when ``workers:`` is omitted (workers
+    are then named ``worker0``, ``worker1``, ...); by default it follows ``gpus`` (a count or
+    a list) or is 1 for ``gpus: auto``. With an explicit ``workers:`` list it must
+    be None or that list's length.
+
+    Blocks resolve in this order, each key of a later step winning: built-in defaults, the
+    ``global:`` block, the worker entry's block, the ``models:`` pin map (a model pinned on this
+    worker gets ``residency: device``), then ``INFERENCE_SERVER_*`` overrides.
+
+    Ports: a one-worker node's worker binds ``listen.grpc`` and ``listen.http`` itself (an
+    explicit ``port`` moves its gRPC endpoint to ``endpoints.host:port``). With two or more
+    workers, worker i binds gRPC on ``endpoints.host:(port or base_port + i)`` and HTTP on
+    ``endpoints.host:metrics_base_port + i``; the ``listen`` addresses are then reserved for
+    the gateway (which does not exist yet) and bound by no worker, but still checked. Any two
+    equal ports are a ConfigError.
+    """
+    entries = _worker_entries(node, worker_count)
+    names = [entry.name for entry in entries]
+    if isinstance(which, str):
+        if which not in names:
+            raise ConfigError(f"worker {which!r}: no such worker (workers: {', '.join(names)})")
+        index = names.index(which)
+    elif _is_int(which) and 0 <= which < len(entries):
+        index = which
+    else:
+        raise ConfigError(f"worker {_show(which)}: no such worker (the node has "
+                          f"{len(entries)} worker{'s' if len(entries) != 1 else ''})")
+    if not node.workers_explicit:
+        for model, pinned in node.models.items():
+            for position, worker in enumerate(pinned):
+                problem = _unknown_worker(worker, None, len(entries))
+                if problem:
+                    raise ConfigError(f"models.{model}[{position}]: {problem}")
+    _check_ports(node, entries)
+
+    entry = entries[index]
+    env = node.env_overrides
+    scheduler = _merge(node.scheduler, entry.scheduler)
+    pinned_here = {model: {"residency": "device"}
+                   for model, workers in node.models.items() if entry.name in workers}
+    scheduler = _merge(_merge(scheduler, {"models": pinned_here} if pinned_here else {}),
+                       env.get("scheduler", {}))
+    models_include = node.models_include
+    if entry.models_include is not None and "models_include" not in env.get("node", {}):
+        models_include = entry.models_include
+    gpu = entry.gpu
+    if gpu is None and isinstance(node.gpus, tuple) and index < len(node.gpus):
+        gpu = node.gpus[index]
+    binding = _binding(node, entries, index)
+    return WorkerConfig(
+        name=entry.name,
+        index=index,
+        worker_count=len(entries),
+        model_repo=node.model_repo,
+        cache_dir=node.cache_dir,
+        model_control_mode=node.model_control_mode,
+        model_poll_seconds=node.model_poll_seconds,
+        models_include=models_include,
+        runtime=_merge(_merge(node.runtime, entry.runtime), env.get("runtime", {})),
+        scheduler=scheduler,
+        endpoints=_endpoints_for(node, entry),
+        gpu=gpu,
+        grpc_host=binding.grpc_host,
+        grpc_port=binding.grpc_port,
+        http_host=binding.http_host,
+        http_port=binding.http_port,
+    )
+
+
+# --- logging the effective configuration ---------------------------------------------------------
+
+def to_plain(obj: Any) -> Any:
+    """A config value as plain YAML/JSON data (dicts, lists, strings, numbers, null)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(key): to_plain(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(value) for value in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def effective_config_lines(obj: Any) -> list[str]:
+    """``obj`` (usually a :class:`WorkerConfig`) as YAML lines, for logging at start-up."""
+    return yaml.safe_dump(to_plain(obj), sort_keys=False, default_flow_style=False).splitlines()

@@ -1,0 +1,358 @@
+"""The node file's schema: every documented key, its type, default, bounds and meaning.
+
+Each block of the node file is a frozen, slotted dataclass here; each field is one key, and its
+docstring entry is the key's documentation (``docs/node-config.md`` is written from these
+docstrings). Validation is generic (:mod:`xlaserve.config.fields`); how a node's blocks resolve
+into one worker's settings is :mod:`xlaserve.config.resolve`.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, ClassVar
+
+from xlaserve.config.fields import ConfigError, _Invalid, _join, _key, _show
+
+MAX_PORT = 65535
+_MIB = 1024 * 1024
+
+_PORT = {"low": 0, "high": MAX_PORT}
+_BASE_PORT = {"low": 1, "high": MAX_PORT}
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
+
+
+def _parse_name(value: Any) -> str:
+    if isinstance(value, str) and _NAME.match(value):
+        return value
+    raise _Invalid
+
+
+def split_address(text: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (``"[::]:8001"`` for IPv6) into host and port; ValueError if bad."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > MAX_PORT:
+        raise ValueError(f"not a host:port address: {text!r}")
+    return host, int(port)
+
+
+def _join_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _parse_address(value: Any) -> str:
+    if not isinstance(value, str):
+        raise _Invalid
+    try:
+        split_address(value)
+    except ValueError:
+        raise _Invalid from None
+    return value
+
+
+def _parse_gpus(value: Any) -> str | int | tuple[int, ...]:
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    if isinstance(value, list) and value:
+        ordinals = tuple(value)
+        if (all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in ordinals)
+                and len(set(ordinals)) == len(ordinals)):
+            return ordinals
+    raise _Invalid
+
+
+
+# --- the value objects ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """How a worker drives its device (YAML block ``runtime:``).
+
+    Attributes:
+        backend: ``cpu`` or ``cuda``. Default ``cpu``. ``cpu`` is for development, tests and
+            fallback; ``cuda`` needs the ``xlaserve[cuda]`` extra.
+        mem_fraction: on ``cuda``, the device allocator's pool as a fraction of the GPU's
+            memory, in (0, 1]. Default 0.9. On ``cpu`` a non-default value is logged as not
+            applicable.
+        preallocate: on ``cuda``, claim the pool up front rather than growing it up to
+            ``mem_fraction``. Default true. On ``cpu`` a non-default value is logged as not
+            applicable.
+        allow_cpu_fallback: when ``cuda`` is asked for but cannot be used, run on the CPU (one
+            warning says why) instead of failing to start. Default false: a GPU node that
+            silently runs on the CPU is worse than one that refuses to start.
+        weight_cache_fraction: fraction of the device arena the weight cache may fill with
+            weights (pinned and on-demand), in [0, 1]. Default 1.0 (the whole arena, self-sized).
+            0 disables on-demand loading: every model's weights stay resident.
+        weight_cache_wiggle_fraction: fraction of the arena kept free for activations and
+            compiler scratch, in [0, 1). Default 0.1.
+        device_memory_bytes: size of the arena the weight budget is computed from on the ``cpu``
+            backend, in bytes. Default 0, meaning the machine's total RAM. Set it to simulate a
+            small accelerator on the CPU.
+    """
+
+    backend: str = _key("cpu", choices=("cpu", "cuda"))
+    mem_fraction: float = _key(0.9, low=0.0, low_open=True, high=1.0)
+    preallocate: bool = _key(True)
+    allow_cpu_fallback: bool = _key(False)
+    weight_cache_fraction: float = _key(1.0, low=0.0, high=1.0)
+    weight_cache_wiggle_fraction: float = _key(0.1, low=0.0, high=1.0, high_open=True)
+    device_memory_bytes: int = _key(0, low=0)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSchedConfig:
+    """Per-model scheduling (YAML ``scheduler.models.<model>:``).
+
+    Attributes:
+        weight: the model's relative share of device time under the ``fair`` discipline, > 0.
+            Default 1.0.
+        residency: the model's residency floor: ``device`` keeps its weights on the device for
+            the server's lifetime, ``system`` keeps a host copy in RAM and loads it onto the
+            device on demand, ``unpinned`` keeps no host copy and re-reads the weights from disk
+            on each load. Default ``system``. ``pin_to_gpu: true`` is an alias for
+            ``residency: device``.
+        max_batch_size: cap on the rows coalesced into one dispatch, >= 1; null (the default)
+            is uncapped. It never changes compiled shapes and never splits a request.
+        batch_delay_seconds: how long, at most, the model's oldest queued request is held back
+            so that more rows gather before a dispatch, >= 0. Default 0: never (a dispatch takes
+            whatever has queued when the device frees). A hold happens only while no other model
+            has requests queued and never past a request's deadline less the learned cost.
+        batch_target_rows: a hold ends as soon as this many rows are queued, >= 1. Default null:
+            the largest compiled batch size (capped by ``max_batch_size``).
+    """
+
+    # ``pin_to_gpu: true`` is accepted as an alias of ``residency: device``
+    ALIASES: ClassVar[Mapping[str, Callable[..., Mapping[str, Any]]]]
+
+    weight: float = _key(1.0, low=0.0, low_open=True)
+    residency: str = _key("system", choices=("device", "system", "unpinned"))
+    max_batch_size: int | None = _key(None, low=1)
+    batch_delay_seconds: float = _key(0.0, low=0.0)
+    batch_target_rows: int | None = _key(None, low=1)
+
+
+def _pin_to_gpu(pin: Any, out: Mapping[str, Any], pin_path: str, path: str) -> Mapping[str, Any]:
+    if not isinstance(pin, bool):
+        raise ConfigError(f"{pin_path}: expected true or false, got {_show(pin)}")
+    if "residency" in out and (out["residency"] == "device") != pin:
+        raise ConfigError(
+            f"{pin_path}: contradicts {_join(path, 'residency')}: {out['residency']}; "
+            "set only residency")
+    return {**out, "residency": "device"} if pin else out
+
+
+ModelSchedConfig.ALIASES = MappingProxyType({"pin_to_gpu": _pin_to_gpu})
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How a worker shares its device between models (YAML block ``scheduler:``).
+
+    Attributes:
+        discipline: ``fair`` (weighted deficit by learned cost), ``fifo`` (oldest request
+            first) or ``edf`` (earliest deadline first; sheds work that cannot finish in time).
+            Default ``fair``.
+        ema_halflife_seconds: half-life of the moving average that learns each model's
+            execution cost, > 0. Default 30.0.
+        max_queue_depth: per-model queue cap, >= 1; a full model rejects new requests with
+            RESOURCE_EXHAUSTED. Default 1024.
+        dispatch_timeout_seconds: longest a request may wait in a queue when it carries no
+            deadline of its own, > 0. Default 30.0.
+        compaction_interval: defragment device memory every N on-demand weight loads (nothing
+            to do on ``cpu``); 0 (the default) disables.
+        models: per-model overrides (:class:`ModelSchedConfig`), keyed by model name. Default
+            empty: every model runs with the defaults.
+    """
+
+    discipline: str = _key("fair", choices=("fair", "fifo", "edf"))
+    ema_halflife_seconds: float = _key(30.0, low=0.0, low_open=True)
+    max_queue_depth: int = _key(1024, low=1)
+    dispatch_timeout_seconds: float = _key(30.0, low=0.0, low_open=True)
+    compaction_interval: int = _key(0, low=0)
+    models: Mapping[str, ModelSchedConfig] = _key(factory=lambda: MappingProxyType({}),
+                                                  env=False)
+
+    def for_model(self, name: str) -> ModelSchedConfig:
+        """The model's override, or the defaults when it has none."""
+        return self.models.get(name) or ModelSchedConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointsConfig:
+    """A worker's gRPC endpoint (YAML block ``endpoints:``).
+
+    Attributes:
+        host: the address a worker of a multi-worker node binds. Default ``0.0.0.0``.
+        port: an explicit gRPC port for the worker, 0..65535 (0: any free port). Default null:
+            see the port rules in :func:`resolve_worker`.
+        max_concurrent_requests: in-flight RPC cap, >= 0; past it the worker answers
+            RESOURCE_EXHAUSTED. 0 is uncapped. Default 64. Keep it above the gateway's
+            per-worker stream limit.
+        allow_client_shm: accept system shared-memory regions registered by clients. Default
+            false: only enable it when clients run on the same host and are trusted.
+        max_recv_msg_bytes: largest gRPC message accepted, >= 1. Default 256 MiB.
+        max_send_msg_bytes: largest gRPC message sent, >= 1. Default 256 MiB.
+        max_connection_buffer_bytes: request bytes one client connection may have the worker
+            hold before they are handled (messages still arriving, stream messages not yet
+            read), >= 1; never less than one largest message. The call whose data would cross
+            it fails with RESOURCE_EXHAUSTED. Default 1 GiB.
+    """
+
+    host: str = _key("0.0.0.0")
+    port: int | None = _key(None, **_PORT)
+    max_concurrent_requests: int = _key(64, low=0)
+    allow_client_shm: bool = _key(False)
+    max_recv_msg_bytes: int = _key(256 * _MIB, low=1)
+    max_send_msg_bytes: int = _key(256 * _MIB, low=1)
+    max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    """The node's public addresses (YAML top-level block ``listen:``), each ``"host:port"``.
+
+    A one-worker node's worker binds them itself. With two or more workers they are reserved
+    for the gateway, which does not exist yet: no worker binds them.
+
+    Attributes:
+        grpc: KServe V2 gRPC. Default ``0.0.0.0:8001``.
+        http: health (``/healthz``, ``/readyz``) and Prometheus ``/metrics``. Default
+            ``0.0.0.0:8002``.
+    """
+
+    grpc: str = _key("0.0.0.0:8001", parse=_parse_address, describe="a host:port address")
+    http: str = _key("0.0.0.0:8002", parse=_parse_address, describe="a host:port address")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEntry:
+    """One entry of ``workers:``, as written (override blocks validated but not yet merged).
+
+    Attributes:
+        name: the worker's identity in logs, metrics and the pin map; letters, digits, ``_``,
+            ``.``, ``-``. Required.
+        port: explicit gRPC port (the same as ``endpoints: {port: ...}`` in this entry).
+        gpu: device ordinal this worker uses, >= 0. Default null: the worker's entry of a
+            ``gpus:`` list when there is one, else ordinal 0.
+        runtime, scheduler, endpoints: the keys this worker sets in those blocks (a read-only
+            mapping of key to value; ``scheduler["models"]`` maps model name to its keys). They
+            merge over ``global:`` key by key, and per model for ``scheduler.models``.
+        models_include: this worker's allowlist, replacing ``global.models_include``; null
+            (the default) keeps the global one.
+    """
+
+    name: str = _key(parse=_parse_name,
+                     describe="a name of letters, digits, '_', '.' and '-'")
+    port: int | None = _key(None, **_PORT)
+    gpu: int | None = _key(None, low=0)
+    runtime: Mapping[str, Any] = _key(factory=lambda: MappingProxyType({}))
+    scheduler: Mapping[str, Any] = _key(factory=lambda: MappingProxyType({}))
+    endpoints: Mapping[str, Any] = _key(factory=lambda: MappingProxyType({}))
+    models_include: tuple[str, ...] | None = _key(None)
+
+
+def _default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "xlaserve"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """A validated node file.
+
+    Attributes:
+        model_repo: the shared bundle repository; each subdirectory holding a
+            ``manifest.yaml`` is a bundle named after the directory. Required. A relative
+            path resolves against the node file's directory.
+        base_port: with two or more workers, worker i's gRPC port is ``base_port + i`` unless
+            it sets one. Default 9001.
+        metrics_base_port: with two or more workers, worker i's HTTP port (health, metrics) is
+            ``metrics_base_port + i``. Default 9101.
+        gpus: ``auto`` (when ``runtime.backend`` is ``cuda``, one worker per GPU jax's CUDA
+            plugin sees, one where it sees none; one worker on a ``cpu`` node), a count N, or a
+            list of device ordinals. How many workers the node has when ``workers:``
+            is omitted. Default ``auto``. ``xlaserve run`` refuses more than one worker
+            (multi-worker nodes do not exist yet).
+        cache_dir: (``global.cache_dir``) where compiled executables are cached across
+            restarts; null disables the cache. Default ``~/.cache/xlaserve``. Relative paths
+            resolve like ``model_repo``.
+        model_control_mode: (``global.``) ``dynamic`` watches the repository and loads,
+            reloads and unloads bundles as files change; ``static`` loads the startup set once;
+            ``explicit`` acts only on control RPCs. Default ``dynamic``.
+        model_poll_seconds: (``global.``) interval of the repository rescan that ``dynamic``
+            mode runs beside file events (it notices changes where events are unavailable),
+            > 0. Default 15.0.
+        models_include: (``global.``) allowlist of model names to load; empty (the default)
+            loads every bundle in the repository.
+        runtime, scheduler, endpoints: the ``global:`` blocks, with environment overrides
+            applied.
+        workers: the ``workers:`` entries; when omitted, one implicit worker ``worker0``.
+        workers_explicit: whether ``workers:`` was written; when false, the workers are
+            ``worker0``, ``worker1``, ..., as many as ``gpus`` asks for.
+        models: the pin map: model name to the workers that keep it resident on the device
+            (``residency: device``). Default empty.
+        gateway: the ``gateway:`` block (it must be a mapping), kept as written. Nothing reads
+            it until multi-worker nodes (supervisor and gateway) exist.
+        listen: the node's public addresses.
+        env_overrides: the ``INFERENCE_SERVER_*`` overrides, by section (``node``, ``listen``,
+            ``runtime``, ``scheduler``, ``endpoints``); already applied to the fields above, and
+            applied again on top of each worker's blocks by :func:`resolve_worker`.
+    """
+
+    model_repo: Path
+    base_port: int = _key(9001, **_BASE_PORT)
+    metrics_base_port: int = _key(9101, **_BASE_PORT)
+    gpus: str | int | tuple[int, ...] = _key(
+        "auto", parse=_parse_gpus, env=False,
+        describe="'auto', a positive integer or a list of distinct device ordinals")
+    cache_dir: Path | None = field(default_factory=_default_cache_dir)
+    model_control_mode: str = _key("dynamic", choices=("dynamic", "static", "explicit"))
+    model_poll_seconds: float = _key(15.0, low=0.0, low_open=True)
+    models_include: tuple[str, ...] = _key(())
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
+    workers: tuple[WorkerEntry, ...] = field(default_factory=lambda: (WorkerEntry("worker0"),))
+    workers_explicit: bool = False
+    models: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    gateway: Mapping[str, Any] | None = None
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    env_overrides: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What one worker process runs with, fully resolved (see :func:`resolve_worker`).
+
+    ``index`` is the worker's position in the node and ``worker_count`` the node's number of
+    workers (two or more: the port rules of a multi-worker node apply). ``gpu`` is null when
+    nothing names an ordinal; the worker then uses ordinal 0. ``grpc_*`` and ``http_*`` are
+    the addresses to bind.
+    """
+
+    name: str
+    index: int
+    worker_count: int
+    model_repo: Path
+    cache_dir: Path | None
+    model_control_mode: str
+    model_poll_seconds: float
+    models_include: tuple[str, ...]
+    runtime: RuntimeConfig
+    scheduler: SchedulerConfig
+    endpoints: EndpointsConfig
+    gpu: int | None
+    grpc_host: str
+    grpc_port: int
+    http_host: str
+    http_port: int
+
+    @property
+    def grpc_address(self) -> str:
+        return _join_address(self.grpc_host, self.grpc_port)
