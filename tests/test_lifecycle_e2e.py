@@ -161,10 +161,12 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
             entry = _wait(lambda: (m := _index(client)["mlp"]).reason and m, "a failed reload")
             assert entry.state == "READY" and entry.version == "2"
             assert "reload failed, still serving version 2" in entry.reason and "weights.safetensors" in entry.reason
-            (repo / "mlp" / "weights.safetensors").write_bytes(good)
+            # Break the manifest before restoring the weights: a rescan between the two writes
+            # must not find a good bundle (it would serve version 3 before the fix below).
             manifest = repo / "mlp" / "manifest.yaml"
             text = manifest.read_text()
             manifest.write_text(text.replace("dims: {f: 512}", "dims: {f: 513}"))
+            (repo / "mlp" / "weights.safetensors").write_bytes(good)
             _wait(lambda: "513" in _index(client)["mlp"].reason, "the manifest error in the index")
             x = np.ones((1, reference.MLP_HIDDEN), np.float32)
             version, y = _mlp(client, x)
