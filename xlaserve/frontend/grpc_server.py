@@ -857,9 +857,12 @@ class GrpcServer:
         self.holding = 0                                   # write_batch() depth
         self.dirty: dict[Connection, None] = {}           # connections written to while holding
 
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Listen and serve until :meth:`close` and every connection has ended."""
-        listeners = await trio.open_tcp_listeners(port, host=host)
+    async def serve(self, host: str = "", port: int = 0, *, listeners: list[trio.SocketListener] | None = None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host:port``, or serve ``listeners`` already open, until :meth:`close`
+        and every connection has ended. Reports the port served."""
+        if listeners is None:
+            listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             with self._listen_scope:
