@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="print the xlaserve, jax and jaxlib versions and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="serve a node file (the supervisor)")
+    p = sub.add_parser("run", help="serve a node file (one worker; multi-worker nodes are refused for now)")
     p.add_argument("node", help="path of the node YAML file")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving (for tests, scripts)")
     p.set_defaults(func=cmd_run)
