@@ -8,6 +8,7 @@ import asyncio
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -309,3 +310,26 @@ def test_plan_rescan_compares_fingerprints():
     plan = plan_rescan({"a": "1", "b": "2", "gone": "3"}, {"a": "1", "b": "9", "new": "4"})
     assert plan == RescanPlan(added=("new",), changed=("b",), removed=("gone",))
     assert not plan_rescan({"a": "1"}, {"a": "1"})
+
+
+def test_sigterm_ends_an_open_status_stream_with_ok_instead_of_waiting_out_the_drain(tmp_path, repo):
+    # grpcio, not grpclib: grpclib's client drops every open stream when a GOAWAY arrives, even
+    # a graceful one, so it cannot see a stream end with OK during a drain.
+    import grpc
+    with serve(tmp_path / "srv", repo, {"cache_dir": None}) as server:
+        with grpc.insecure_channel(server.url) as channel:
+            watch = channel.unary_stream("/xlaserve.control.WorkerControl/WatchStatus",
+                                         request_serializer=cpb.WatchStatusRequest.SerializeToString,
+                                         response_deserializer=cpb.ModelControlStatusResponse.FromString)
+            # a long interval: only the drain can end the stream before the test gives up
+            stream = watch(cpb.WatchStatusRequest(interval_seconds=3600), timeout=25)
+            snapshots = []
+            for snapshot in stream:
+                snapshots.append(snapshot)
+                if len(snapshots) == 1:
+                    server.process.send_signal(signal.SIGTERM)
+            assert stream.code() == grpc.StatusCode.OK, stream.details()
+        assert len(snapshots) == 1 and {m.name for m in snapshots[0].models} == {"mlp", "simple"}
+        assert server.process.wait(20) == 0
+    log = server.log()
+    assert "draining: no new calls" in log and "drain timed out" not in log

@@ -58,6 +58,9 @@ class WorkerHandles:
     bridge: Bridge | None = None
     shared_memory: Any = None
     services: list = field(default_factory=list)   # gRPC services served beside KServe
+    # Set when SIGTERM/SIGINT starts the drain: calls that would otherwise never end on their
+    # own (a WatchStatus stream) finish then, so the drain waits only for real work.
+    draining: trio.Event = field(default_factory=trio.Event)
 
     def ready(self) -> bool:
         return self.table.ready()
@@ -190,6 +193,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
             async for _ in signals:
                 break
             log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
+            handles.draining.set()
             server.close()
             with trio.move_on_after(DRAIN_SECONDS) as drain:
                 await server.wait_closed()
