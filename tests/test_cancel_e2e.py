@@ -4,8 +4,12 @@
 queue until four rows are there. A request whose stream is reset, or whose connection closes,
 while it waits leaves the queue: it never executes (ModelStatistics and the batch it would have
 joined say so), it is counted as ``xlaserve_rejections{reason="cancelled"}``, and the worker
-holds no bytes for it afterwards. A ``grpc-timeout`` that expires while queued is answered
-DEADLINE_EXCEEDED and counted as ``deadline_expired``, as any deadline passing in the queue is.
+holds no bytes for it afterwards.
+
+A second server keeps its device busy with ``spin``, a model whose execution time the request
+sets: a request reset while it executes runs to completion and its result is dropped, and a
+``grpc-timeout`` that expires while queued is answered DEADLINE_EXCEEDED and counted as
+``deadline_expired``, as any deadline passing in the queue is.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from tests.test_grpc_server import (CANCEL, DATA, END_STREAM, RST_STREAM, TIMEOU
 from xlaserve._proto import grpc_service_pb2 as pb
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
-SPIN_STEPS = 200_000    # about 1.5 s of device time on a 2-core machine
+SPIN_STEPS = 60_000     # 0.45 s of device time on an idle 2-core machine, seconds on a busy one
 
 
 @pytest.fixture(scope="module")
@@ -54,19 +58,25 @@ def _rst(sid: int) -> bytes:
 
 
 class Counts:
-    """What the worker has counted for mlp: statistics, rejections by reason, gauges."""
+    """What the worker has counted for ``model``: statistics, rejections by reason, answers by
+    status, and the admission gauges."""
 
-    def __init__(self, server) -> None:
-        stats = grpcclient.InferenceServerClient(server.url).get_inference_statistics("mlp").model_stats[0]
+    def __init__(self, server, model: str = "mlp") -> None:
+        stats = grpcclient.InferenceServerClient(server.url).get_inference_statistics(model).model_stats[0]
         self.inference_count, self.execution_count = stats.inference_count, stats.execution_count
         body = server.get("/metrics")[1]
         self.rejections = {m[0]: float(m[1]) for m in re.findall(
-            r'^xlaserve_rejections_total\{model="mlp",reason="(\w+)"\} (\S+)$', body, re.M)}
+            rf'^xlaserve_rejections_total\{{model="{model}",reason="(\w+)"\}} (\S+)$', body, re.M)}
+        self.answers = {m[0]: float(m[1]) for m in re.findall(
+            rf'^xlaserve_requests_total\{{model="{model}",status="(\w+)"\}} (\S+)$', body, re.M)}
         self.held_bytes = float(re.search(r"^xlaserve_held_request_bytes (\S+)$", body, re.M)[1])
         self.in_flight = float(re.search(r"^xlaserve_requests_in_flight (\S+)$", body, re.M)[1])
 
     def rejected(self, reason: str) -> float:
         return self.rejections.get(reason, 0.0)
+
+    def answered(self, status: str) -> float:
+        return self.answers.get(status, 0.0)
 
 
 def _answered(raw: FrameClient, sids) -> None:
@@ -158,19 +168,55 @@ def busy_server(examples_repo, tmp_path_factory):
     assert server.process.returncode == 0, server.log()
 
 
+def _busy_client(server) -> FrameClient:
+    """A frame client that waits for a reply as long as a spin may take on a loaded machine."""
+    raw = FrameClient(server.grpc_port)
+    raw.sock.settimeout(30)
+    return raw
+
+
+def _spin_request(raw: FrameClient, sid: int) -> bytes:
+    spin = pb.ModelInferRequest(model_name="spin", id=str(sid),
+                                raw_input_contents=[np.array([SPIN_STEPS], np.int32).tobytes()])
+    spin.inputs.add(name="steps", datatype="INT32", shape=[1])
+    return raw.headers_frame(sid, request_headers(INFER)) + frame(DATA, END_STREAM, sid, grpc_body(spin))
+
+
+def test_a_request_reset_while_it_executes_runs_and_its_result_is_dropped(busy_server):
+    """A spin is on the device (an mlp request with a 100 ms grpc-timeout sent behind it has
+    expired meanwhile); its stream is reset. It runs to completion and counts as executed, is not
+    counted as a cancelled rejection, its answer counts as CANCELLED, nothing is ever written on
+    its stream, and the worker holds nothing for it once an mlp request queued behind it is
+    answered."""
+    before, spin_before = Counts(busy_server), Counts(busy_server, "spin")
+    raw = _busy_client(busy_server)
+    try:
+        raw.send(_spin_request(raw, 1), _infer(raw, 3, extra=(("grpc-timeout", "100m"),)))
+        assert raw.response(3).status == 4       # DEADLINE_EXCEEDED: the spin holds the device
+        assert 1 not in raw.ended, "the spin ended before the deadline: raise SPIN_STEPS"
+        raw.send(_rst(1), _infer(raw, 5))
+        _answered(raw, (5,))                     # queued behind the spin: answered once it ended
+        raw.ping_barrier()
+        assert [f for f in raw.log if f.stream == 1] == []
+    finally:
+        raw.close()
+    after, spin_after = Counts(busy_server), Counts(busy_server, "spin")
+    assert spin_after.inference_count - spin_before.inference_count == 1
+    assert spin_after.answered("CANCELLED") - spin_before.answered("CANCELLED") == 1
+    assert spin_after.rejected("cancelled") == spin_before.rejected("cancelled")
+    assert after.inference_count - before.inference_count == 1
+    assert (after.held_bytes, after.in_flight) == (0, 0)
+
+
 def test_a_grpc_timeout_expiring_in_the_queue_answers_deadline_exceeded(busy_server):
     """A spin execution of about a second holds the device; an mlp request with grpc-timeout
     100 ms, sent right behind it, expires in the queue: answered DEADLINE_EXCEEDED while the spin
     still runs, never executed, counted deadline_expired (as any deadline passing in the queue
     is; not cancelled), and the worker holds nothing for it afterwards."""
     before = Counts(busy_server)
-    spin = pb.ModelInferRequest(model_name="spin", id="spin",
-                                raw_input_contents=[np.array([SPIN_STEPS], np.int32).tobytes()])
-    spin.inputs.add(name="steps", datatype="INT32", shape=[1])
-    raw = FrameClient(busy_server.grpc_port)
+    raw = _busy_client(busy_server)
     try:
-        raw.send(raw.headers_frame(1, request_headers(INFER)), frame(DATA, END_STREAM, 1, grpc_body(spin)),
-                 _infer(raw, 3, extra=(("grpc-timeout", "100m"),)))
+        raw.send(_spin_request(raw, 1), _infer(raw, 3, extra=(("grpc-timeout", "100m"),)))
         late = raw.response(3)
         assert late.status == 4, (late.status, late.message)          # DEADLINE_EXCEEDED
         assert "deadline passed" in late.message and "it was not run" in late.message
