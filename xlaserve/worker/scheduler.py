@@ -338,6 +338,7 @@ class Scheduler:
         while heap and heap[0][0] <= now:
             _, seq, name = heapq.heappop(heap)
             if seq in self._queued:
+                self._queued.discard(seq)
                 expired.setdefault(name, set()).add(seq)
         for name, seqs in expired.items():
             queue = self._queues.get(name, deque())
