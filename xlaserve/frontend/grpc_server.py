@@ -17,7 +17,8 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
   gRPC clients send); responses use fixed, stateless header encodings.
 - Flow control both ways: the peer's windows and frame size are honoured (a reply larger than
   the window waits for WINDOW_UPDATE); our receive windows are replenished as data is consumed.
-- RST_STREAM from the client cancels the call's task. :meth:`GrpcServer.close` stops accepting
+- RST_STREAM from the client cancels the call's task (a task-free call runs its ``on_cancel``;
+  so does every call of a connection that closes or breaks). :meth:`GrpcServer.close` stops accepting
   connections and sends GOAWAY; calls already started finish, new streams are refused.
 - Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
 
@@ -105,7 +106,7 @@ class Call:
 
     __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
-                 "unacked", "arrived", "scope", "drained", "fast")
+                 "unacked", "arrived", "scope", "drained", "fast", "on_cancel")
 
     def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
                  deadline: Deadline | None, encoding: str) -> None:
@@ -129,13 +130,24 @@ class Call:
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
         self.fast = None                # the method's task-free entry point, if it has one
+        #: Called once (Trio thread), with no arguments, when the call is cancelled: the client
+        #: reset the stream, the server reset it, or the connection closed or broke. A task-free
+        #: handler sets it to take back work it handed on; it is not called once the call ended.
+        self.on_cancel: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
+        was_finished = self.finished
         self.reset = self.finished = True
         self.pending.clear()
         if self.scope is not None:
             self.scope.cancel()
+        on_cancel, self.on_cancel = self.on_cancel, None
+        if on_cancel is not None and not was_finished:
+            try:
+                on_cancel()
+            except Exception:   # a bug in the layer above must not take the connection down
+                log.exception("gRPC on_cancel callback failed")
 
     def complete(self, outcome) -> None:
         """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
