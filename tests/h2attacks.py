@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
+import queue
 import select
 import socket
 import struct
@@ -36,6 +37,7 @@ RSS_BUDGET_MB = 64.0        # the server's RSS may grow by at most this during a
 RSS_RETURN_MB = 16.0        # ...and must be back within this of where it started soon after
 CLOSE_WITHIN_S = 1.0        # the attacking connection is closed this soon after crossing a limit
 P99_FACTOR = 3.0            # a well-behaved client's p99 during the attack, against its quiet p99
+WARM_UP_S = 1.0             # the well-behaved client's first second counts neither as quiet nor as attacked
 MIN_WINDOW_S = 2.0          # the well-behaved client is judged over at least this from the attack's start
 
 # ---- the limits a protected server is expected to enforce (where a scenario's "limit" is) --------
@@ -413,6 +415,7 @@ class AttackOutcome:
     first_rst_after: float | None = None
     rst_streams: int = 0
     statuses: tuple[tuple[str, int], ...] = ()     # grpc-status of the trailers received, with counts
+    calls: int = 0                     # gRPC calls the attack completed on the wire (where it counts them)
     errors: tuple[str, ...] = ()
     note: str = ""
 
@@ -427,7 +430,7 @@ class AttackOutcome:
 
 
 def _outcome(attack: str, started: float, conns: list[RawConnection], frames_sent: int,
-             limit_at: float | None, note: str, *, all_must_close: bool = True) -> AttackOutcome:
+             limit_at: float | None, note: str, *, all_must_close: bool = True, calls: int = 0) -> AttackOutcome:
     """Summarise ``conns`` (the attack's connections). With several, the attack counts as closed
     only once all of them are, at the last one's time."""
     closed_times = [c.closed_at for c in conns if c.closed_at is not None]
@@ -456,8 +459,8 @@ def _outcome(attack: str, started: float, conns: list[RawConnection], frames_sen
         goaway_code=goaway.goaway_code if goaway else None, goaway_debug=goaway.goaway_debug if goaway else "",
         stalled=any(c.stalled for c in conns),
         first_rst_after=round(min(rst_times) - started, 3) if rst_times else None,
-        rst_streams=rst, statuses=tuple(sorted(statuses.items())), errors=tuple(dict.fromkeys(errors))[:5],
-        note=note)
+        rst_streams=rst, statuses=tuple(sorted(statuses.items())), calls=calls,
+        errors=tuple(dict.fromkeys(errors))[:5], note=note)
 
 
 def _frame_size(conn: RawConnection, cap: int = 1 << 20) -> int:
@@ -881,15 +884,45 @@ def gzip_bomb(address: tuple[str, int], *, streams: int = 2, inflated_bytes: int
         conn.close()
 
 
+def malformed_grpc(address: tuple[str, int], *, rounds: int = 500, seconds: float = 8.0) -> AttackOutcome:
+    """Not in the table: well-formed HTTP/2 carrying broken gRPC. Each round makes four ModelInfer
+    calls: a message prefix announcing 4 GiB, bytes that are no ModelInferRequest, a compressed
+    flag without grpc-encoding, and a request that ends inside its message. Every call should be
+    answered with an error status, on a connection that stays open."""
+    bodies = (struct.pack(">BI", 0, 0xFFFF_FFFF) + b"x" * 16, grpc_message(b"\xff\xff\xff\xff"),
+              grpc_message(b"abc", compressed=True), grpc_message(simple_request())[:-3])
+    started = time.monotonic()
+    conn = RawConnection.open(address, deadline=started + seconds)
+    try:
+        block = request_block(MODEL_INFER)
+        size = _frame_size(conn)
+        calls = 0
+        for r in range(rounds):
+            ids = range(2 * calls + 1, 2 * (calls + len(bodies)) + 1, 2)
+            if time.monotonic() >= conn.deadline or not conn.send(b"".join(
+                    frame(HEADERS, END_HEADERS, sid, block) + data_frames(sid, body, size)
+                    for sid, body in zip(ids, bodies))):
+                break
+            calls += len(bodies)
+        conn.wait_for(lambda c: sum(c.statuses.values()) >= calls, started + seconds)
+        errors = sum(n for status, n in conn.statuses.items() if status != "0")
+        return _outcome("malformed_grpc", started, [conn], 2 * calls, None,
+                        f"{calls:,} broken calls, {errors:,} answered with an error: "
+                        f"grpc-status {dict(conn.statuses)}", calls=calls)
+    finally:
+        conn.close()
+
+
 @dataclass(frozen=True)
 class Attack:
     """One row of issue 14's table. ``close_goal``: "close" (the attacking connection must be
     closed within CLOSE_WITHIN_S of crossing the limit), "reject" (the offending stream reset or
-    the connection ended with GOAWAY, within CLOSE_WITHIN_S), or None (not judged: no limit is
-    crossed; memory and the other clients are)."""
+    the connection ended with GOAWAY, within CLOSE_WITHIN_S), "answer" (every call answered with
+    an error status, the connection kept open), or None (not judged: no limit is crossed; memory
+    and the other clients are)."""
     name: str
     run: Callable[[tuple[str, int]], AttackOutcome]
-    close_goal: Literal["close", "reject"] | None
+    close_goal: Literal["close", "reject", "answer"] | None
     table_row: str
 
 
@@ -909,6 +942,8 @@ ATTACKS: dict[str, Attack] = {a.name: a for a in (
     Attack("decode_cache_fill", decode_cache_fill, None, "10 connections filling the header decode cache"),
     Attack("empty_header_name", empty_header_name, "reject", "a header with an empty name"),
     Attack("gzip_bomb", gzip_bomb, None, "6 streams of gzip that inflate to 255 MiB each"),
+    Attack("malformed_grpc", malformed_grpc, "answer",
+           "(not in the table) broken gRPC framing and protobuf on sound HTTP/2"),
 )}
 
 
@@ -1001,8 +1036,16 @@ class LegitClient:
 
     def __enter__(self) -> "LegitClient":
         self._process.start()
-        self._results.get(timeout=60)       # its schedule has started
-        return self
+        deadline = time.monotonic() + 60
+        while True:                         # until its schedule has started
+            try:
+                self._results.get(timeout=0.5)
+                return self
+            except queue.Empty:
+                if not self._process.is_alive() or time.monotonic() > deadline:
+                    self._process.kill()
+                    raise RuntimeError(f"the well-behaved client did not start (exit code "
+                                       f"{self._process.exitcode})") from None
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -1056,6 +1099,7 @@ def measure(attack: Attack, address: tuple[str, int], pid: int, *, quiet_s: floa
     whose process is ``pid``, with the well-behaved client running throughout."""
     url = f"{address[0]}:{address[1]}"
     with RssSampler(pid) as rss, LegitClient(url) as legit:
+        time.sleep(WARM_UP_S)
         quiet_start = time.monotonic()
         time.sleep(quiet_s)
         before = rss.now()
@@ -1087,7 +1131,8 @@ def measure(attack: Attack, address: tuple[str, int], pid: int, *, quiet_s: floa
 def judge(m: Measurement) -> Verdict:
     """The issue's three goals: RSS grows by at most RSS_BUDGET_MB and returns to within
     RSS_RETURN_MB; the attacking connection is closed (or, for "reject", the stream reset or the
-    connection sent GOAWAY) within CLOSE_WITHIN_S of crossing the limit; the well-behaved client
+    connection sent GOAWAY) within CLOSE_WITHIN_S of crossing the limit (for "answer": every call
+    answered with an error status on a connection left open); the well-behaved client
     had no failure and a p99 within P99_FACTOR of its quiet p99."""
     o = m.outcome
     rss = m.rss_peak_growth_mb <= RSS_BUDGET_MB and m.rss_after_growth_mb <= RSS_RETURN_MB
@@ -1098,6 +1143,9 @@ def judge(m: Measurement) -> Verdict:
         answered = [t for t in (o.first_rst_after, o.closed_after if o.goaway_code is not None else None)
                     if t is not None]
         close = bool(answered) and min(answered) - limit <= CLOSE_WITHIN_S
+    elif m.close_goal == "answer":
+        errors = sum(n for status, n in o.statuses if status != "0")
+        close = o.closed is None and o.calls > 0 and errors == o.calls
     else:
         close = None
     legit = (m.legit_failures == 0 and m.legit_requests > 0 and not math.isnan(m.quiet_p99_ms)
