@@ -690,7 +690,7 @@ def preface_only(address: tuple[str, int], *, connections: int = 100,
             sock.close()
 
 
-def slow_reader(address: tuple[str, int], *, requests: int = 20_000, batch: int = 8,
+def slow_reader(address: tuple[str, int], *, requests: int = 40_000, batch: int = 8,
                 seconds: float = 10.0) -> AttackOutcome:
     """A client that opens its windows wide, sends ModelInfer requests for ``mlp`` (``batch`` rows,
     16 KiB each at 8) and never reads the replies. No limit is crossed: the server should stop
@@ -884,7 +884,7 @@ def gzip_bomb(address: tuple[str, int], *, streams: int = 2, inflated_bytes: int
         conn.close()
 
 
-def malformed_grpc(address: tuple[str, int], *, rounds: int = 500, seconds: float = 8.0) -> AttackOutcome:
+def malformed_grpc(address: tuple[str, int], *, rounds: int = 100, seconds: float = 8.0) -> AttackOutcome:
     """Not in the table: well-formed HTTP/2 carrying broken gRPC. Each round makes four ModelInfer
     calls: a message prefix announcing 4 GiB, bytes that are no ModelInferRequest, a compressed
     flag without grpc-encoding, and a request that ends inside its message. Every call should be
@@ -992,8 +992,10 @@ class RssSampler:
 
 def _legit_loop(url: str, interval: float, timeout: float, stop, results) -> None:
     """A well-behaved client (runs in its own process): ``simple`` inferences with the real Triton
-    client, one every ``interval`` seconds on a fixed schedule; each latency is measured from its
-    scheduled time, so a request held up by a stall counts it, as do the ones scheduled during it."""
+    client, one every ``interval`` seconds on a fixed schedule, each sent at its time whether or not
+    the earlier ones were answered (open loop), so a stall shows in every request scheduled during
+    it. Reports (scheduled, latency, error) per request; one still unanswered ``timeout`` after the
+    schedule stopped is an error."""
     import numpy as np
     import tritonclient.grpc as grpcclient
     client = grpcclient.InferenceServerClient(url)
@@ -1003,22 +1005,37 @@ def _legit_loop(url: str, interval: float, timeout: float, stop, results) -> Non
         tensor.set_data_from_numpy(np.arange(16, dtype=np.int32).reshape(1, 16))
         inputs.append(tensor)
     client.infer("simple", inputs, client_timeout=timeout)     # connected and warm before the clock starts
-    samples: list[tuple[float, float, str]] = []
+    done: dict[float, tuple[float, float, str]] = {}
+    lock = threading.Lock()
+    all_answered = threading.Event()
+    sent: list[float] = []
+
+    def answered(scheduled: float, result, error) -> None:
+        latency = time.monotonic() - scheduled
+        message = "" if error is None else (str(error).splitlines() or [type(error).__name__])[0][:160]
+        with lock:
+            done[scheduled] = (scheduled, latency, message)
+            if stop.is_set() and len(done) == len(sent):
+                all_answered.set()
+
     start = time.monotonic()
     results.put(start)
     k = 0
-    while not stop.is_set() and len(samples) < 100_000:
+    while len(sent) < 100_000:
         scheduled = start + k * interval
         k += 1
         wait = scheduled - time.monotonic()
-        if wait > 0 and stop.wait(wait):
+        if (wait > 0 and stop.wait(wait)) or stop.is_set():
             break
-        error = ""
-        try:
-            client.infer("simple", inputs, client_timeout=timeout)
-        except Exception as exc:            # any failure is a data point, not the end of the client
-            error = str(exc).splitlines()[0][:160] or type(exc).__name__
-        samples.append((scheduled, time.monotonic() - scheduled, error))
+        with lock:
+            sent.append(scheduled)
+        client.async_infer("simple", inputs, functools.partial(answered, scheduled), client_timeout=timeout)
+    with lock:
+        if len(done) == len(sent):
+            all_answered.set()
+    all_answered.wait(timeout + 1.0)
+    with lock:
+        samples = [done.get(t, (t, time.monotonic() - t, "no answer")) for t in sent]
     client.close()
     results.put(samples)
 
@@ -1026,7 +1043,7 @@ def _legit_loop(url: str, interval: float, timeout: float, stop, results) -> Non
 class LegitClient:
     """The well-behaved client of :func:`_legit_loop`, in a spawned process."""
 
-    def __init__(self, url: str, interval: float = 0.01, timeout: float = 10.0) -> None:
+    def __init__(self, url: str, interval: float = 0.01, timeout: float = 5.0) -> None:
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()
         self._results = context.Queue()
@@ -1116,7 +1133,8 @@ def measure(attack: Attack, address: tuple[str, int], pid: int, *, quiet_s: floa
         while (after - before > RSS_RETURN_MB and time.monotonic() < settle_until) or time.monotonic() < window_end:
             time.sleep(0.1)
             after = rss.now()
-    quiet = [s[1] for s in legit.window(quiet_start, attack_start) if not s[2]]
+    # Quiet: scheduled and answered before the attack started.
+    quiet = [s[1] for s in legit.window(quiet_start, attack_start) if not s[2] and s[0] + s[1] < attack_start]
     during = legit.window(attack_start, window_end)
     failures = [s[2] for s in during if s[2]]
     return Measurement(
