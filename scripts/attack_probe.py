@@ -14,13 +14,16 @@ the issue's three goals:
           attack crosses no limit; for empty_header_name the stream must be reset or GOAWAY sent)
 - legit:  the well-behaved client gets every answer, with p99 at most 3x its quiet p99
 
-Each attack is bounded (about 20 s with the worker's start and stop); --time-limit bounds the run:
+The well-behaved client's verdict compares two windows a few seconds apart, so run the probe on an
+otherwise idle machine: other processes' load shows up as latency. The header line gives the
+load average. Each attack is bounded (about 20 s with the worker's start and stop); --time-limit bounds the run:
 attacks that would start after it are reported as not run. Exit status 0 if every attack run was
 withstood, 1 otherwise.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import tempfile
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     print(f"attack probe, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC: goals rss <= "
           f"{h2attacks.RSS_BUDGET_MB:.0f} MB growth (back within {h2attacks.RSS_RETURN_MB:.0f} MB), close within "
-          f"{h2attacks.CLOSE_WITHIN_S:.0f} s of the limit, legit p99 <= {h2attacks.P99_FACTOR:.0f}x quiet\n")
+          f"{h2attacks.CLOSE_WITHIN_S:.0f} s of the limit, legit p99 <= {h2attacks.P99_FACTOR:.0f}x quiet; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (the legit verdict needs a quiet machine)\n")
     print(HEADER, flush=True)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="attack-probe-") as tmp:
@@ -121,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             m, v, extra = probe(name, repo, Path(tmp))
             failed += not v.withstood
             print(row(name, m, v, extra), flush=True)
-    print(f"\n{len(names) - failed} of {len(names)} withstood, in {time.monotonic() - started:.0f} s")
+    print(f"\n{len(names) - failed} of {len(names)} withstood, in {time.monotonic() - started:.0f} s; "
+          f"load average {os.getloadavg()[0]:.1f}")
     return 1 if failed else 0
 
 
