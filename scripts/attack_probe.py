@@ -122,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | not run (--time-limit {args.time_limit:.0f} s) | | | | | |", flush=True)
                 failed += 1
                 continue
-            m, v, extra = probe(name, repo, Path(tmp))
+            try:
+                m, v, extra = probe(name, repo, Path(tmp))
+            except Exception as exc:     # one attack's failure to run is its row, not the end of the probe
+                failed += 1
+                print(f"| {name} | could not run: {type(exc).__name__}: {str(exc).splitlines()[0][:200]} "
+                      f"| | | | | |", flush=True)
+                continue
             failed += not v.withstood
             print(row(name, m, v, extra), flush=True)
     print(f"\n{len(names) - failed} of {len(names)} withstood, in {time.monotonic() - started:.0f} s; "

@@ -897,7 +897,10 @@ def malformed_grpc(address: tuple[str, int], *, rounds: int = 100, seconds: floa
         block = request_block(MODEL_INFER)
         size = _frame_size(conn)
         calls = 0
-        for r in range(rounds):
+        streams = conn.server.max_concurrent_streams or 2**31
+        for _ in range(rounds):
+            # within the server's stream limit: a refused stream is no answer to broken gRPC
+            conn.wait_for(lambda c: calls + len(bodies) - sum(c.statuses.values()) <= streams, conn.deadline)
             ids = range(2 * calls + 1, 2 * (calls + len(bodies)) + 1, 2)
             if time.monotonic() >= conn.deadline or not conn.send(b"".join(
                     frame(HEADERS, END_HEADERS, sid, block) + data_frames(sid, body, size)
@@ -921,7 +924,7 @@ class Attack:
     an error status, the connection kept open), or None (not judged: no limit is crossed; memory
     and the other clients are)."""
     name: str
-    run: Callable[[tuple[str, int]], AttackOutcome]
+    run: Callable[..., AttackOutcome]      # run(address, **bounds); the defaults are the probe's
     close_goal: Literal["close", "reject", "answer"] | None
     table_row: str
 
