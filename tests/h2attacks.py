@@ -29,7 +29,7 @@ import time
 import zlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 # ---- the goals ---------------------------------------------------------------------------
@@ -180,7 +180,6 @@ class RawConnection:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setblocking(False)
         self.deadline = deadline
-        self.started = time.monotonic()
         self.bytes_sent = 0
         self.stalled = False                    # the server took no byte for STALL_S before the deadline
         self._progress_at = time.monotonic()
@@ -197,7 +196,6 @@ class RawConnection:
         self.errors: list[str] = []
         self._buffer = bytearray()
         self._block: bytearray | None = None            # a header block being received
-        self._block_end_stream = False
         self._decoder = None
         self._changed = threading.Condition()
         self._stop = False
@@ -244,7 +242,7 @@ class RawConnection:
                 now = time.monotonic()
                 left = self.deadline - now
                 if left <= 0:
-                    self.stalled = now - self._progress_at >= STALL_S
+                    self.stalled = self.stalled or now - self._progress_at >= STALL_S
                     self.deadline = now         # nothing more is sent
                     return False
                 poller.poll(min(left, 0.5) * 1000)
@@ -323,7 +321,6 @@ class RawConnection:
                 if flags & 0x20:                        # PRIORITY
                     start += 5
                 self._block = bytearray(payload[start:stop])
-                self._block_end_stream = bool(flags & END_STREAM)
                 if flags & END_HEADERS:
                     self._header_block()
             elif ftype == CONTINUATION and self._block is not None:
