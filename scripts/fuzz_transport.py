@@ -20,13 +20,19 @@ on loopback, and throws Hypothesis-generated inputs at its gRPC port, in four fa
   requests (ModelInfer with wrong shapes, dtypes and sizes, and the other methods).
 
 The client knows nothing of the server's HTTP/2 engine: it writes frames and reads frames, so it
-works unchanged on any engine. Each case is classified: a gRPC status (``grpc-3``), an HTTP error
-(``http-415/grpc-13``), a stream reset (``rst-PROTOCOL_ERROR``), a connection GOAWAY
-(``goaway-COMPRESSION_ERROR``), ``eof``/``reset``, ``ping-ack`` (frames: the connection lives on),
-or a failure: ``hang`` (no answer within --case-timeout), ``internal`` (grpc-status 13 on a gRPC
-response, or HTTP/2 INTERNAL_ERROR), ``bad-reply`` (a reply this client cannot parse), ``crash``
-(the server process died), ``traceback`` (a Traceback or ERROR line in the server log after the
-case). Every --check-every cases the Triton client runs a real inference and checks its answer.
+works unchanged on any engine. Each case is classified:
+
+- answered: a gRPC status (``grpc-INVALID_ARGUMENT``), an HTTP-level refusal (``http-415/grpc-...``),
+  a stream reset (``rst-PROTOCOL_ERROR``), a connection GOAWAY (``goaway-COMPRESSION_ERROR``), a close
+  without GOAWAY (``eof``, ``reset``; ``half-closed/eof`` when the fuzzer half-closed first, after a
+  frame whose lying length it could not complete), ``ping-ack`` (frames: the connection lives on);
+  ``late/...`` when the answer took between 1x and 3x --case-timeout (a loaded machine can starve
+  the server);
+- failed: ``hang`` (no answer within 3x --case-timeout), ``internal`` (grpc-status 13 on a gRPC
+  response, or HTTP/2 INTERNAL_ERROR), ``bad-reply`` (a reply this client cannot parse), ``crash``
+  (the server process died), ``traceback`` (a Traceback or ERROR record in the server log after the
+  case), ``health-check`` (every --check-every cases the Triton client runs a real inference and
+  checks its answer).
 
 Failures are saved under ``--out/failures`` as the exact bytes sent on one fresh connection
 (preface included), replayable with ``--replay``. The exit status is 1 on any failure.
@@ -1040,7 +1046,8 @@ class Fuzzer:
                 preface = case.preface if case.fresh else CLIENT_SETUP
                 if not self.conn.send(preface, deadline):
                     return self._hang("the preface was not taken", preface)
-                if not case.fresh and not self.conn.wait(lambda: self.conn.settings_seen, deadline):
+                if not case.fresh and not self.conn.wait(lambda: self.conn.settings_seen,
+                                                         deadline + 2 * self.case_timeout):
                     return self._done(("eof", False, "", preface) if self.conn.closed
                                       else ("hang", True, "no SETTINGS after the preface", preface))
         except OSError as exc:
@@ -1072,6 +1079,11 @@ class Fuzzer:
         else:
             done = lambda: conn.dead or sync in conn.pings
         answered = conn.wait(done, deadline)
+        late = False
+        if not answered:
+            # Past the bound: a hang, unless the answer comes within twice as long again (a
+            # loaded machine can starve the server); then it is counted as late, not failed.
+            answered = late = conn.wait(done, deadline + 2 * self.case_timeout)
         # any INTERNAL on any stream of the connection fails the case
         failed, detail = False, ""
         for s, reply in conn.streams.items():
@@ -1085,16 +1097,18 @@ class Fuzzer:
             return self._done(("bad-reply", True, conn.bad_reply, standalone))
         if not answered:
             what = f"stream {sid} unanswered" if case.answer_expected else "no PING ack and no close"
-            return self._done(("hang", True, f"{what} after {self.case_timeout} s", standalone))
+            return self._done(("hang", True, f"{what} after {3 * self.case_timeout} s", standalone))
         main = conn.streams.get(sid)
         if case.answer_expected and main is not None and (main.ended or main.rst is not None):
             label, bad = reply_label(main)
         elif conn.goaway is not None:
             label, bad = f"goaway-{error_name(conn.goaway[1])}", False
         elif conn.closed is not None:
-            label, bad = conn.closed, False
+            label, bad = ("half-closed/" if shutdown else "") + conn.closed, False
         else:
             label, bad = "ping-ack", False
+        if late:
+            label = "late/" + label
         outcome = ("internal" if (failed or bad) else label, failed or bad, detail or label, standalone)
         if case.fresh or conn.dead or (case.answer_expected and main is None):
             self._drop()
@@ -1263,10 +1277,12 @@ def main(argv=None) -> int:
     p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     p.add_argument("--time-limit", type=float, default=None, help="stop after this many seconds")
     p.add_argument("--out", type=Path, default=Path("fuzz-out"), help="summary.json, server.log, failures/")
-    p.add_argument("--case-timeout", type=float, default=2.0, help="seconds a case may wait for its answer")
+    p.add_argument("--case-timeout", type=float, default=2.0,
+                   help="seconds a case waits for its answer; one answered within 3x that is 'late', later a hang")
     p.add_argument("--check-every", type=int, default=500, help="cases between Triton-client health checks")
     p.add_argument("--repo", type=Path, help="a model repository with `simple` (default: export one into --out)")
     p.add_argument("--port", type=int, help="fuzz a server already listening on 127.0.0.1:PORT instead")
+    p.add_argument("--server-log", type=Path, help="with --port: the server's log, scanned for tracebacks")
     p.add_argument("--replay", type=Path, help="send one saved failure to --port and print the reply")
     args = p.parse_args(argv)
     if args.replay:
@@ -1277,7 +1293,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     proc = log = None
     if args.port:
-        target = Target(args.port, None, None)
+        target = Target(args.port, None, args.server_log)
     else:
         repo = args.repo
         if repo is None:
