@@ -284,10 +284,19 @@ def padded(draw, body: bytes) -> tuple[int, bytes]:
     return PADDED, bytes([pad]) + body + b"\0" * actual
 
 
+FRAME_KINDS = st.sampled_from(("data", "data", "headers", "priority", "rst", "settings", "settings", "push", "ping",
+                               "goaway", "window", "window", "continuation", "unknown", "chain", "call", "call",
+                               "garbage", "flood", "rapid-reset"))
+
+
+def wrong_length(draw, body: bytes) -> bytes:
+    """``body``, or now and then one byte short, one long, or empty."""
+    return draw(st.sampled_from((body[:-1], body + b"\0", b""))) if chance(draw, 4) else body
+
+
 @st.composite
 def any_frame(draw) -> list:
-    kind = draw(st.sampled_from(("data", "headers", "priority", "rst", "settings", "push", "ping", "goaway",
-                                 "window", "continuation", "unknown", "chain", "call", "garbage")))
+    kind = draw(FRAME_KINDS)
     sid = draw(STREAM_IDS) if chance(draw, 4) else draw(CLIENT_IDS)
     flags = draw(ANY_FLAGS)
     if kind == "data":
@@ -311,10 +320,10 @@ def any_frame(draw) -> list:
         out = [Frame(HEADERS, flags, sid, body)]
     elif kind == "priority":
         body = struct.pack(">IB", draw(st.one_of(st.just(sid), STREAM_IDS)), draw(st.integers(0, 255)))
-        out = [Frame(PRIORITY, flags, sid, draw(st.sampled_from((body, body[:4], body + b"\0", b""))))]
+        out = [Frame(PRIORITY, flags, sid, wrong_length(draw, body))]
     elif kind == "rst":
         body = struct.pack(">I", draw(ERROR_CODE))
-        out = [Frame(RST_STREAM, flags, sid, draw(st.sampled_from((body, body[:3], body + b"\0"))))]
+        out = [Frame(RST_STREAM, flags, sid, wrong_length(draw, body))]
     elif kind == "settings":
         pairs = draw(st.lists(st.tuples(SETTING_IDS, SETTING_VALUES), max_size=6))
         body = settings_payload(pairs)
@@ -325,15 +334,28 @@ def any_frame(draw) -> list:
         out = [Frame(PUSH_PROMISE, flags, sid, struct.pack(">I", draw(STREAM_IDS)) + blob(draw, 64))]
     elif kind == "ping":
         body = draw(st.binary(min_size=8, max_size=8))
-        out = [Frame(PING, draw(st.sampled_from((0, ACK, flags))), draw(st.sampled_from((0, 0, sid))),
-                     draw(st.sampled_from((body, body[:7], body + b"\0", b""))))]
+        out = [Frame(PING, draw(st.sampled_from((0, ACK, flags))), sid if chance(draw, 4) else 0,
+                     wrong_length(draw, body))]
     elif kind == "goaway":
         body = struct.pack(">II", draw(STREAM_IDS), draw(ERROR_CODE)) + blob(draw, 64)
         out = [Frame(GOAWAY, flags, draw(st.sampled_from((0, 0, sid))), draw(st.sampled_from((body, body[:7]))))]
     elif kind == "window":
         inc = draw(st.one_of(st.sampled_from((0, 1, 65535, 2**31 - 1, 2**31, 2**32 - 1)), st.integers(0, 2**32 - 1)))
         body = struct.pack(">I", inc)
-        out = [Frame(WINDOW_UPDATE, flags, draw(st.sampled_from((0, sid, 1))), draw(st.sampled_from((body, body[:3], body + b"\0"))))]
+        out = [Frame(WINDOW_UPDATE, flags, draw(st.sampled_from((0, sid, 1))), wrong_length(draw, body))]
+    elif kind == "flood":       # many small control frames: PINGs, SETTINGS, PRIORITY, empty DATA
+        n = draw(st.integers(1, 2000))
+        one = draw(st.sampled_from((Frame(PING, 0, 0, bytes(8)), Frame(SETTINGS, 0, 0, b""),
+                                    Frame(PRIORITY, 0, 3, struct.pack(">IB", 1, 16)), Frame(DATA, 0, 1, b""),
+                                    Frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1)))))
+        out = [one] * n
+    elif kind == "rapid-reset":   # open streams and cancel them at once (CVE-2023-44487's pattern)
+        n = draw(st.integers(1, 500))
+        block = request_block(SERVICE + draw(st.sampled_from(("ServerLive", "ModelInfer", "ModelStreamInfer"))))
+        first = draw(st.sampled_from((1, 101, 1001)))
+        out = []
+        for i in range(n):
+            out += [Frame(HEADERS, END_HEADERS, first + 2 * i, block), Frame(RST_STREAM, 0, first + 2 * i, struct.pack(">I", 8))]
     elif kind == "continuation":
         out = [Frame(CONTINUATION, flags, sid, blob(draw, 128))]
     elif kind == "unknown":
@@ -375,6 +397,8 @@ def any_frame(draw) -> list:
 @st.composite
 def frames_case(draw) -> Case:
     parts = [p for group in draw(st.lists(any_frame(), min_size=1, max_size=6)) for p in group]
+    if draw(st.booleans()):    # an open call first, so that DATA, RST_STREAM, WINDOW_UPDATE on stream 1 mean something
+        parts.insert(0, Frame(HEADERS, END_HEADERS, 1, request_block(SERVICE + draw(METHOD_NAMES))))
     preface = CLIENT_SETUP
     if chance(draw, 41):     # a broken preface, now and then
         cut = draw(st.integers(0, len(PREFACE) - 1))
@@ -997,13 +1021,14 @@ class Report:
 
 class Fuzzer:
     def __init__(self, target: Target, *, case_timeout: float = 2.0, check_every: int = 500,
-                 out: Path | None = None, log: Callable[[str], None] = print) -> None:
+                 out: Path | None = None, log: Callable[[str], None] = print, record=None) -> None:
         self.target = target
         self.case_timeout = case_timeout
         self.check_every = check_every
         self.out = out
         self.say = log
         self.report = Report()
+        self.record = record         # a text file: one JSON line per case (id, outcome, bytes)
         self.conn: Connection | None = None
         self.log_offset = target.log_path.stat().st_size if target.log_path else 0
         self.since_check = 0
@@ -1016,6 +1041,8 @@ class Fuzzer:
         report = self.report
         report.cases[case.family] += 1
         report.outcomes.setdefault(case.family, Counter())[outcome] += 1
+        if self.record is not None:
+            self.record.write(json.dumps({"case": case_id, "outcome": outcome, "hex": data.hex()}) + "\n")
         if failed:
             self._fail(case.family, case_id, outcome, detail, data)
         if self.target.process is not None and self.target.process.poll() is not None:
@@ -1282,6 +1309,7 @@ def main(argv=None) -> int:
     p.add_argument("--check-every", type=int, default=500, help="cases between Triton-client health checks")
     p.add_argument("--repo", type=Path, help="a model repository with `simple` (default: export one into --out)")
     p.add_argument("--port", type=int, help="fuzz a server already listening on 127.0.0.1:PORT instead")
+    p.add_argument("--record", action="store_true", help="write every case's outcome and bytes to --out/cases.jsonl")
     p.add_argument("--server-log", type=Path, help="with --port: the server's log, scanned for tracebacks")
     p.add_argument("--replay", type=Path, help="send one saved failure to --port and print the reply")
     args = p.parse_args(argv)
@@ -1291,7 +1319,7 @@ def main(argv=None) -> int:
         replay(args.replay, args.port, args.case_timeout)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    proc = log = None
+    proc = log = record = None
     if args.port:
         target = Target(args.port, None, args.server_log)
     else:
@@ -1304,7 +1332,9 @@ def main(argv=None) -> int:
         proc = target.process
     try:
         wait_model_ready(target)
-        fuzzer = Fuzzer(target, case_timeout=args.case_timeout, check_every=args.check_every, out=args.out)
+        record = open(args.out / "cases.jsonl", "w") if args.record else None
+        fuzzer = Fuzzer(target, case_timeout=args.case_timeout, check_every=args.check_every, out=args.out,
+                        record=record)
         report = fuzzer.campaign(args.families, args.cases, args.seed, args.time_limit)
         if not report.crashed:
             fuzzer.health_check()
@@ -1312,6 +1342,8 @@ def main(argv=None) -> int:
         if lines:
             fuzzer._fail("log", "end", "traceback", "\n".join(lines), b"")
     finally:
+        if record is not None:
+            record.close()
         if proc is not None:
             stop_server(proc)
             log.close()
