@@ -122,7 +122,8 @@ METHODS: dict[str, tuple[type, Callable[[], object]]] = {
 
 
 METHOD_NAMES = st.sampled_from(tuple(sorted(METHODS)))
-PROTOBUF_METHODS = st.sampled_from(("ModelInfer",) * 6 + ("ModelStreamInfer",) * 3 + tuple(sorted(METHODS)))
+# ModelInfer most: it parses tensors. (xlaserve answers ModelStreamInfer UNIMPLEMENTED.)
+PROTOBUF_METHODS = st.sampled_from(("ModelInfer",) * 12 + tuple(sorted(METHODS)))
 
 
 def valid_infer_request(rows: int) -> pb.ModelInferRequest:
@@ -1001,7 +1002,8 @@ class Failure:
 class Report:
     cases: Counter = field(default_factory=Counter)
     outcomes: dict[str, Counter] = field(default_factory=dict)
-    failures: list[Failure] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)     # the first few of each signature
+    signatures: Counter = field(default_factory=Counter)        # every failure, by signature
     health_checks: int = 0
     seconds: float = 0.0
     crashed: bool = False
@@ -1015,8 +1017,25 @@ class Report:
                 "cases_per_second": round(self.total / self.seconds, 1) if self.seconds else None,
                 "outcomes": {f: dict(sorted(c.items(), key=lambda kv: -kv[1])) for f, c in self.outcomes.items()},
                 "health_checks": self.health_checks,
-                "failures": [{"family": f.family, "case": f.case_id, "outcome": f.outcome, "detail": f.detail[:2000],
-                              "bytes": len(f.data)} for f in self.failures[:200]]}
+                "failure_count": sum(self.signatures.values()),
+                "failure_signatures": dict(self.signatures.most_common()),
+                "failures": [{"family": f.family, "case": f.case_id, "outcome": f.outcome, "detail": f.detail[:3000],
+                              "bytes": len(f.data)} for f in self.failures]}
+
+
+_TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_EXCEPTION_LINE = re.compile(r"^[\s|+]*((?!ExceptionGroup)[A-Za-z_.]*(Error|Exception|Interrupt|Exit)\b.*)$")
+
+
+def signature(outcome: str, detail: str) -> str:
+    """What makes two failures the same bug: for a traceback, its innermost frame and exception."""
+    if outcome != "traceback":
+        return outcome
+    frames = _TRACE_FRAME.findall(detail)
+    exceptions = [m.group(1) for line in detail.splitlines() if (m := _EXCEPTION_LINE.match(line))]
+    where = f"{Path(frames[-1][0]).name}:{frames[-1][1]} in {frames[-1][2]}" if frames else "?"
+    return f"traceback: {where}: {exceptions[-1] if exceptions else detail.splitlines()[-1][:200]}"
+
 
 
 class Fuzzer:
@@ -1033,7 +1052,7 @@ class Fuzzer:
         self.log_offset = target.log_path.stat().st_size if target.log_path else 0
         self.since_check = 0
         self.ping_counter = 0
-        self.previous_case = ""
+        self.previous: tuple[str, str, bytes] = ("", "", b"")    # family, id and bytes of the last case
 
     # -- one case --
     def run_case(self, case: Case, case_id: str) -> None:
@@ -1048,12 +1067,11 @@ class Fuzzer:
         if self.target.process is not None and self.target.process.poll() is not None:
             report.crashed = True
             self._fail(case.family, case_id, "crash", f"server exited with {self.target.process.returncode}; "
-                                                       f"previous case {self.previous_case}", data)
+                                                       f"previous case {self.previous[1]}", data)
         lines = self._new_log_errors()
         if lines:
-            self._fail(case.family, case_id, "traceback", f"after this case (previous: {self.previous_case}):\n"
-                                                          + "\n".join(lines), data)
-        self.previous_case = case_id
+            self._traceback(case.family, case_id, data, lines)
+        self.previous = (case.family, case_id, data)
         self.since_check += 1
         if self.check_every and self.since_check >= self.check_every and not report.crashed:
             self.since_check = 0
@@ -1220,11 +1238,43 @@ class Fuzzer:
         finally:
             client.close()
 
+    def _traceback(self, family: str, case_id: str, data: bytes, lines: list[str]) -> None:
+        """A traceback was logged during this case or just after the previous one (a server may log
+        after it has closed the connection): replay both, alone, to name the one that causes it."""
+        detail = "\n".join(lines)
+        key = signature("traceback", detail)
+        if self.report.signatures[key] >= 3 or self.report.crashed:
+            self._fail(family, case_id, "traceback", detail, data)   # counted; no need to know which
+            return
+        self._drop()
+        for fam, cid, candidate in ((family, case_id, data), self.previous):
+            if not candidate:
+                continue
+            conn = Connection(self.target.port, self.case_timeout)
+            deadline = time.monotonic() + self.case_timeout
+            conn.send(candidate, deadline)
+            conn.wait(lambda: conn.dead, deadline)
+            conn.close()
+            again: list[str] = []
+            settle = time.monotonic() + 2.0   # the server logs after it closes; give it time, bounded
+            while not again and time.monotonic() < settle:
+                time.sleep(0.05)
+                again = self._new_log_errors()
+            if again and signature("traceback", "\n".join(again)) == key:
+                self._fail(fam, cid, "traceback", f"confirmed by replaying this case alone:\n{detail}", candidate)
+                return
+        self._fail(family, case_id, "traceback", f"after this case or {self.previous[1]}; replaying either alone "
+                                                 f"did not repeat it:\n{detail}", data)
+
     def _fail(self, family: str, case_id: str, outcome: str, detail: str, data: bytes) -> None:
-        failure = Failure(family, case_id, outcome, detail, data)
-        self.report.failures.append(failure)
-        self.say(f"FAILURE {family} {case_id}: {outcome}: {detail[:500]}")
-        if self.out is not None and data and len(self.report.failures) <= 200:
+        key = signature(outcome, detail)
+        self.report.signatures[key] += 1
+        if self.report.signatures[key] > 3:      # counted; three reproducers of one bug are enough
+            return
+        self.report.failures.append(Failure(family, case_id, outcome, detail, data))
+        self.say(f"FAILURE {family} {case_id}: {key}" if self.report.signatures[key] > 1
+                 else f"FAILURE {family} {case_id}: {outcome}: {detail[:1500]}")
+        if self.out is not None and data:
             directory = self.out / "failures"
             directory.mkdir(parents=True, exist_ok=True)
             name = case_id.replace("/", "-")
@@ -1256,7 +1306,7 @@ class Fuzzer:
                         return self.report
                 round_ += 1
                 self.say(f"{self.report.total} cases, {time.monotonic() - started:.0f} s, "
-                         f"{len(self.report.failures)} failures")
+                         f"{sum(self.report.signatures.values())} failures")
         finally:
             self._drop()
             self.report.seconds += time.monotonic() - started
