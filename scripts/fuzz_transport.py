@@ -583,6 +583,9 @@ def grpc_case(draw) -> Case:
         parts.append(Frame(DATA, END_STREAM, MAIN, b""))
     elif end == "trailers":
         parts.append(Frame(HEADERS, END_HEADERS | END_STREAM, MAIN, hp_literal("x-trailer", b"1")))
+    if chance(draw, 10):        # the client gives up at once: the server must cancel and stay well
+        parts.append(Frame(RST_STREAM, 0, MAIN, struct.pack(">I", draw(st.sampled_from((8, 0, 1, 2))))))
+        return Case("grpc", tuple(parts), answer_expected=False, fresh=False)
     return Case("grpc", tuple(parts), answer_expected=True, fresh=False)
 
 
@@ -1130,6 +1133,9 @@ class Fuzzer:
         if case.fresh:
             payload, sync = self._synced(payload)
             shutdown = sync is None
+        elif not case.answer_expected:     # well framed, but no answer to wait for: a PING after it
+            self.ping_counter += 1
+            sync = struct.pack(">Q", 0x66757A7A00000000 | self.ping_counter & 0xFFFFFFFF)
         standalone = case.preface + (payload if case.fresh else case.render(1))
         sent = conn.send(payload, deadline) if case.fresh else conn.send_within_windows(case.parts, sid, deadline)
         if not sent:
@@ -1157,11 +1163,13 @@ class Fuzzer:
             answered = late = conn.wait(done, deadline + 2 * self.case_timeout)
         # any INTERNAL on any stream of the connection fails the case
         failed, detail = False, ""
-        for s, reply in conn.streams.items():
+        main = conn.streams.get(sid)
+        for s, reply in list(conn.streams.items()):
             if reply.ended or reply.rst is not None:
                 label, bad = reply_label(reply)
                 if bad:
                     failed, detail = True, f"stream {s}: {label}: {reply.headers}"
+                del conn.streams[s]      # looked at once; a late answer on it makes a new entry
         if conn.goaway and conn.goaway[1] == INTERNAL_ERROR:
             failed, detail = True, f"GOAWAY INTERNAL_ERROR: {conn.goaway[2][:200]!r}"
         if conn.bad_reply:
@@ -1169,22 +1177,21 @@ class Fuzzer:
         if not answered:
             what = f"stream {sid} unanswered" if case.answer_expected else "no PING ack and no close"
             return self._done(("hang", True, f"{what} after {3 * self.case_timeout} s", standalone))
-        main = conn.streams.get(sid)
-        if case.answer_expected and main is not None and (main.ended or main.rst is not None):
+        if (case.answer_expected or not case.fresh) and main is not None and (main.ended or main.rst is not None):
             label, bad = reply_label(main)
+            if not case.answer_expected and not case.fresh:
+                label = "client-rst/" + label         # answered before our RST_STREAM arrived
         elif conn.goaway is not None:
             label, bad = f"goaway-{error_name(conn.goaway[1])}", False
         elif conn.closed is not None:
             label, bad = ("half-closed/" if shutdown else "") + conn.closed, False
         else:
-            label, bad = "ping-ack", False
+            label, bad = "client-rst/ping-ack" if not case.fresh else "ping-ack", False
         if late:
             label = "late/" + label
         outcome = ("internal" if (failed or bad) else label, failed or bad, detail or label, standalone)
         if case.fresh or conn.dead or (case.answer_expected and main is None):
             self._drop()
-        else:
-            conn.streams.pop(sid, None)
         return outcome
 
     def _synced(self, payload: bytes) -> tuple[bytes, bytes | None]:
