@@ -96,3 +96,41 @@ def test_fuzzer_reports_a_server_that_stops_answering(tmp_path):
     assert report.outcomes["protobuf"]["hang"] == 2
     assert [f.outcome for f in report.failures] == ["hang", "hang"]
     assert sorted(p.suffix for p in (tmp_path / "failures").iterdir()) == [".bin", ".bin", ".json", ".json"]
+
+
+def test_reply_labels():
+    """What a finished stream is counted as; only grpc-status 13 on a gRPC response fails."""
+    def reply(*blocks, rst=None):
+        return fuzz.StreamReply(headers=[list(b.items()) for b in blocks], ended=rst is None, rst=rst)
+    assert fuzz.reply_label(reply({":status": "200", "grpc-status": "3"})) == ("grpc-INVALID_ARGUMENT", False)
+    assert fuzz.reply_label(reply({":status": "200", "content-type": "application/grpc"},
+                                  {"grpc-status": "13"})) == ("grpc-INTERNAL", True)
+    assert fuzz.reply_label(reply({":status": "415", "grpc-status": "13"})) == ("http-415/grpc-INTERNAL", False)
+    assert fuzz.reply_label(reply({":status": "200"})) == ("no-grpc-status", True)
+    assert fuzz.reply_label(reply(rst=1)) == ("rst-PROTOCOL_ERROR", False)
+    assert fuzz.reply_label(reply(rst=2)) == ("rst-INTERNAL_ERROR", True)
+
+
+def test_a_lying_length_is_completed_or_half_closed():
+    fuzzer = fuzz.Fuzzer(fuzz.Target(0, None, None), log=lambda line: None)
+    honest = fuzz.frame(fuzz.PING, 0, 0, bytes(8))
+    assert fuzzer._synced(honest)[0] == honest
+    short = fuzz.frame(fuzz.DATA, 0, 1, b"abc", length=100)          # 97 bytes missing: sent as zeros
+    payload, ping = fuzzer._synced(short)
+    assert payload == short + bytes(97) and len(ping) == 8
+    partial = honest + b"\0\0"                                       # a frame header cut short
+    assert fuzzer._synced(partial)[0] == partial + bytes(7)
+    huge = fuzz.frame(fuzz.DATA, 0, 1, b"abc", length=2**24 - 1)     # cannot be completed cheaply
+    assert fuzzer._synced(huge) == (huge, None)
+
+
+def test_tracebacks_are_grouped_by_their_innermost_frame():
+    log = ('2026-11-24 03:03:23,417 ERROR xlaserve.grpc: a gRPC connection failed\n'
+           '  + Exception Group Traceback (most recent call last):\n'
+           '  |   File "/x/xlaserve/frontend/grpc_server.py", line 882, in _connection\n'
+           '  | ExceptionGroup: Exceptions from Trio nursery (1 sub-exception)\n'
+           '    |   File "/x/xlaserve/frontend/grpc_server.py", line 476, in _new_call\n'
+           '    | IndexError: string index out of range\n')
+    assert fuzz.signature("traceback", log) == \
+        "traceback: grpc_server.py:476 in _new_call: IndexError: string index out of range"
+    assert fuzz.signature("hang", "stream 1 unanswered") == "hang"
