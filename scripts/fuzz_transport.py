@@ -70,7 +70,7 @@ from tritonclient.grpc import service_pb2 as pb
 ROOT = Path(__file__).resolve().parent.parent
 # a log record at ERROR or above, as ``xlaserve run`` formats them ("%(asctime)s %(levelname)s ...")
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ ")
-LOG_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ (ERROR|CRITICAL) ")
+LOG_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ (ERROR|CRITICAL) ", re.MULTILINE)
 FAMILIES = ("frames", "hpack", "grpc", "protobuf")
 
 # ---- HTTP/2 wire (RFC 9113) -----------------------------------------------------------------
@@ -1226,19 +1226,24 @@ class Fuzzer:
 
     # -- checks --
     def _new_log_errors(self) -> list[str]:
+        """ERROR records and tracebacks the server logged since the last call, each whole."""
         path = self.target.log_path
         if path is None:
             return []
-        size = path.stat().st_size
-        if size <= self.log_offset:
+        text = self._read_log(path)
+        if not text:
             return []
-        with open(path, "rb") as f:
-            f.seek(self.log_offset)
-            text = f.read(size - self.log_offset)
-        cut = text.rfind(b"\n") + 1       # whole lines only; the rest next time
-        self.log_offset += cut
+        if LOG_ERROR.search(text.decode(errors="replace")) or b"Traceback (most recent call last)" in text:
+            # The server writes a traceback line by line: let it finish (bounded), then read it all.
+            size, settle = path.stat().st_size, time.monotonic() + 1.0
+            while time.monotonic() < settle:
+                time.sleep(0.05)
+                if path.stat().st_size == size:
+                    break
+                size = path.stat().st_size
+            text += self._read_log(path)
         found, keep = [], 0
-        for line in text[:cut].decode(errors="replace").splitlines():
+        for line in text.decode(errors="replace").splitlines():
             if LOG_ERROR.match(line) or "Traceback (most recent call last)" in line:
                 found.append(line)
                 keep = 80                 # the traceback that follows, up to the next record
@@ -1248,6 +1253,18 @@ class Fuzzer:
             else:
                 keep = 0
         return found
+
+    def _read_log(self, path: Path) -> bytes:
+        """The whole lines added to the log since the last read."""
+        size = path.stat().st_size
+        if size <= self.log_offset:
+            return b""
+        with open(path, "rb") as f:
+            f.seek(self.log_offset)
+            text = f.read(size - self.log_offset)
+        text = text[:text.rfind(b"\n") + 1]       # whole lines only; the rest next time
+        self.log_offset += len(text)
+        return text
 
     def health_check(self) -> None:
         """A real inference with the Triton client, answer checked."""
