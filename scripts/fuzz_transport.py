@@ -44,7 +44,6 @@ import base64
 import gzip
 import hashlib
 import json
-import os
 import random
 import re
 import selectors
@@ -56,7 +55,7 @@ import sys
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,7 +148,9 @@ CLIENT_SETUP = (PREFACE + frame(SETTINGS, 0, 0, settings_payload([(2, 0), (4, CL
 
 # ---- HPACK encoding, this client's own (RFC 7541), so that it can also encode wrongly ---------
 _huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
-STATIC_NAMES = {name.decode(): i + 1 for i, (name, _) in reversed(list(enumerate(hpack.table.HeaderTable.STATIC_TABLE)))}
+# a name's lowest static index (the table repeats names: ":method" is 2 and 3)
+STATIC_NAMES = {name.decode(): i + 1
+                for i, (name, _) in reversed(list(enumerate(hpack.table.HeaderTable.STATIC_TABLE)))}
 STATIC_PAIRS = {(n.decode(), v.decode()): i + 1 for i, (n, v) in enumerate(hpack.table.HeaderTable.STATIC_TABLE)}
 
 
@@ -353,7 +354,8 @@ def any_frame(draw) -> list:
         first = draw(st.sampled_from((1, 101, 1001)))
         out = []
         for i in range(n):
-            out += [Frame(HEADERS, END_HEADERS, first + 2 * i, block), Frame(RST_STREAM, 0, first + 2 * i, struct.pack(">I", 8))]
+            sid_i = first + 2 * i
+            out += [Frame(HEADERS, END_HEADERS, sid_i, block), Frame(RST_STREAM, 0, sid_i, struct.pack(">I", 8))]
     elif kind == "continuation":
         out = [Frame(CONTINUATION, flags, sid, blob(draw, 128))]
     elif kind == "unknown":
@@ -569,7 +571,9 @@ def grpc_case(draw) -> Case:
     parts: list = []
     end = draw(st.sampled_from(("data", "data", "empty-data", "trailers", "headers")))
     parts.append(Frame(HEADERS, END_HEADERS | (END_STREAM if end == "headers" else 0), MAIN, block))
-    cuts = sorted(set(draw(st.lists(st.integers(0, len(body)), max_size=3)) + list(range(SAFE_FRAME - 300, len(body), SAFE_FRAME - 300))))
+    # random cuts, plus enough that no DATA frame (padding included) passes the smallest MAX_FRAME_SIZE
+    cuts = sorted(set(draw(st.lists(st.integers(0, len(body)), max_size=3))
+                      + list(range(SAFE_FRAME - 300, len(body), SAFE_FRAME - 300))))
     chunks = [bytes(body[i:j]) for i, j in zip([0, *cuts], [*cuts, len(body)])] if end != "headers" else []
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
@@ -1068,6 +1072,9 @@ def signature(outcome: str, detail: str) -> str:
 
 
 class Fuzzer:
+    """Runs cases against one server and keeps the report: ``run_case`` for one, ``campaign`` for
+    many. It owns at most one connection at a time, reused by the families that allow it."""
+
     def __init__(self, target: Target, *, case_timeout: float = 2.0, check_every: int = 500,
                  out: Path | None = None, log: Callable[[str], None] = print, record=None) -> None:
         self.target = target
@@ -1117,7 +1124,7 @@ class Fuzzer:
                 self.conn = Connection(self.target.port, self.case_timeout)
                 preface = case.preface if case.fresh else CLIENT_SETUP
                 if not self.conn.send(preface, deadline):
-                    return self._hang("the preface was not taken", preface)
+                    return self._done(("hang", True, "the preface was not taken", preface))
                 if not case.fresh and not self.conn.wait(lambda: self.conn.settings_seen,
                                                          deadline + 2 * self.case_timeout):
                     return self._done(("eof", False, "", preface) if self.conn.closed
@@ -1210,10 +1217,6 @@ class Fuzzer:
             payload += bytes(missing)
         self.ping_counter += 1
         return payload, struct.pack(">Q", 0x66757A7A00000000 | self.ping_counter & 0xFFFFFFFF)
-
-    def _hang(self, detail: str, data: bytes) -> tuple[str, bool, str, bytes]:
-        self._drop()
-        return ("hang", True, detail, data)
 
     def _done(self, outcome: tuple[str, bool, str, bytes]) -> tuple[str, bool, str, bytes]:
         self._drop()
