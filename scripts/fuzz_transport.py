@@ -67,7 +67,7 @@ from hypothesis import HealthCheck, Phase, given, seed as hypothesis_seed, setti
 from tritonclient.grpc import service_pb2 as pb
 
 ROOT = Path(__file__).resolve().parent.parent
-# a log record at ERROR or above, as ``xlaserve run`` formats them ("%(asctime)s %(levelname)s ...")
+# a log record as ``xlaserve run`` formats them ("%(asctime)s %(levelname)s ..."), and one at ERROR or above
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ [A-Z]+ ")
 LOG_ERROR = re.compile(r"^\d{4}-\d\d-\d\d [\d:,.]+ (ERROR|CRITICAL) ", re.MULTILINE)
 FAMILIES = ("frames", "hpack", "grpc", "protobuf")
