@@ -239,6 +239,7 @@ class Case:
     answer_expected: bool      # the MAIN stream is half-closed by the client and must be answered
     fresh: bool                # needs a connection of its own
     preface: bytes = CLIENT_SETUP
+    trickle: bool = False      # the client grants flow-control window only as DATA arrives
 
     def render(self, main: int = 1) -> bytes:
         return b"".join(p.render(main) for p in self.parts)
@@ -528,6 +529,8 @@ ENCODINGS = st.sampled_from(("identity", "gzip", "deflate", "br", "snappy", "", 
 
 @st.composite
 def grpc_case(draw) -> Case:
+    if chance(draw, 8):
+        return draw(trickle_case())
     path = draw(ODD_PATHS) if chance(draw, 8) else draw(_GOOD_PATHS)
     method = path.rsplit("/", 1)[-1] if path.startswith(SERVICE) else None
     extra = []
@@ -591,6 +594,23 @@ def grpc_case(draw) -> Case:
         parts.append(Frame(RST_STREAM, 0, MAIN, struct.pack(">I", draw(st.sampled_from((8, 0, 1, 2))))))
         return Case("grpc", tuple(parts), answer_expected=False, fresh=False)
     return Case("grpc", tuple(parts), answer_expected=True, fresh=False)
+
+
+TRICKLE_METHODS = st.sampled_from(("ModelInfer", "ModelMetadata", "ModelConfig", "ServerMetadata",
+                                   "RepositoryIndex", "ModelStatistics"))
+
+
+@st.composite
+def trickle_case(draw) -> Case:
+    """A valid call from a client with a tiny stream window that it reopens only as DATA arrives:
+    the server must send its answer a few bytes at a time and hold the trailers until it is out."""
+    method = draw(TRICKLE_METHODS)
+    window = draw(st.sampled_from((1, 5, 100, 1000)))
+    preface = PREFACE + frame(SETTINGS, 0, 0, settings_payload([(2, 0), (4, window)]))
+    body = grpc_message(METHODS[method][1]().SerializeToString(deterministic=True))
+    parts = (Frame(HEADERS, END_HEADERS, MAIN, request_block(SERVICE + method, how=draw(st.integers(0, 15)))),
+             Frame(DATA, END_STREAM, MAIN, body))
+    return Case("grpc", parts, answer_expected=True, fresh=True, preface=preface, trickle=True)
 
 
 # -- protobuf family --
@@ -757,7 +777,8 @@ class StreamReply:
 class Connection:
     """One loopback connection: writes bytes, reads and parses whatever the server sends back."""
 
-    def __init__(self, port: int, timeout: float) -> None:
+    def __init__(self, port: int, timeout: float, trickle: bool = False) -> None:
+        self.trickle = trickle
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setblocking(False)
@@ -905,7 +926,11 @@ class Connection:
             reply.data += len(payload)
             reply.ended |= bool(flags & END_STREAM)
             self.received += len(payload)
-            if self.received > CLIENT_CONN_WINDOW // 2:
+            if self.trickle and payload:
+                increment = struct.pack(">I", len(payload))
+                self._send_now((b"" if flags & END_STREAM else frame(WINDOW_UPDATE, 0, sid, increment))
+                               + frame(WINDOW_UPDATE, 0, 0, increment))
+            elif self.received > CLIENT_CONN_WINDOW // 2:
                 self._send_now(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self.received)))
                 self.received = 0
         elif ftype in (HEADERS, CONTINUATION):
@@ -1121,7 +1146,7 @@ class Fuzzer:
             self._drop()
         try:
             if self.conn is None:
-                self.conn = Connection(self.target.port, self.case_timeout)
+                self.conn = Connection(self.target.port, self.case_timeout, trickle=case.trickle)
                 preface = case.preface if case.fresh else CLIENT_SETUP
                 if not self.conn.send(preface, deadline):
                     return self._done(("hang", True, "the preface was not taken", preface))
@@ -1194,6 +1219,8 @@ class Fuzzer:
             label, bad = ("half-closed/" if shutdown else "") + conn.closed, False
         else:
             label, bad = "client-rst/ping-ack" if not case.fresh else "ping-ack", False
+        if case.trickle:
+            label = "trickle/" + label
         if late:
             label = "late/" + label
         outcome = ("internal" if (failed or bad) else label, failed or bad, detail or label, standalone)
@@ -1303,7 +1330,7 @@ class Fuzzer:
         for fam, cid, candidate in ((family, case_id, data), self.previous):
             if not candidate:
                 continue
-            conn = Connection(self.target.port, self.case_timeout)
+            conn = Connection(self.target.port, self.case_timeout, trickle=True)   # a case may need it
             deadline = time.monotonic() + self.case_timeout
             conn.send(candidate, deadline)
             conn.wait(lambda: conn.dead, deadline)
@@ -1388,7 +1415,7 @@ def derive_seed(seed: int, family: str, round_: int) -> int:
 def replay(path: Path, port: int, timeout: float) -> None:
     """Send a saved case on a fresh connection and print what comes back."""
     data = path.read_bytes()
-    conn = Connection(port, timeout)
+    conn = Connection(port, timeout, trickle=True)    # window granted as DATA arrives, whatever the case set
     deadline = time.monotonic() + timeout
     conn.send(data, deadline)
     conn.wait(lambda: conn.dead, deadline)
