@@ -1085,6 +1085,18 @@ _TRACE_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _EXCEPTION_LINE = re.compile(r"^[\s|+]*((?!ExceptionGroup)[A-Za-z_.]*(Error|Exception|Interrupt|Exit)\b.*)$")
 
 
+def log_records(lines: list[str]) -> list[list[str]]:
+    """Error lines split into records: each starts at an ERROR line, or at a traceback printed
+    without one (a traceback right after an ERROR line is that record's)."""
+    records: list[list[str]] = []
+    for line in lines:
+        bare_traceback = line.startswith("Traceback") and not (records and LOG_ERROR.match(records[-1][-1]))
+        if not records or LOG_ERROR.match(line) or bare_traceback:
+            records.append([])
+        records[-1].append(line)
+    return records
+
+
 def signature(outcome: str, detail: str) -> str:
     """What makes two failures the same bug: for a traceback, its innermost frame and exception."""
     if outcome != "traceback":
@@ -1129,9 +1141,8 @@ class Fuzzer:
             report.crashed = True
             self._fail(case.family, case_id, "crash", f"server exited with {self.target.process.returncode}; "
                                                        f"previous case {self.previous[1]}", data)
-        lines = self._new_log_errors()
-        if lines:
-            self._traceback(case.family, case_id, data, lines)
+        for record in log_records(self._new_log_errors()):
+            self._traceback(case.family, case_id, data, record)
         self.previous = (case.family, case_id, data)
         self.since_check += 1
         if self.check_every and self.since_check >= self.check_every and not report.crashed:

@@ -135,3 +135,10 @@ def test_tracebacks_are_grouped_by_their_innermost_frame():
     assert fuzz.signature("traceback", log) == \
         "traceback: grpc_server.py:476 in _new_call: IndexError: string index out of range"
     assert fuzz.signature("hang", "stream 1 unanswered") == "hang"
+
+
+def test_each_logged_error_is_its_own_record():
+    lines = ["2026-11-24 03:03:23,417 ERROR a: one", "Traceback (most recent call last):", "ValueError: x",
+             "2026-11-24 03:03:23,418 ERROR b: two", "  + Exception Group Traceback (most recent call last):",
+             "Traceback (most recent call last):", "KeyError: y"]
+    assert [len(r) for r in fuzz.log_records(lines)] == [3, 2, 2]
