@@ -63,9 +63,6 @@ def test_seeded_fuzz_subset(fuzz_server, family):
     assert fuzz_server.process.poll() is None
 
 
-# Strict: it turns red (XPASS) the day the bug is fixed, and this marker must go.
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="an empty header name raises IndexError in grpc_server.Connection._new_call")
 def test_empty_header_name_is_a_protocol_error(fuzz_server):
     """The fuzzer's first find, as bytes: a HEADERS block holding a literal field with an empty
     name. RFC 9113 8.2.1 makes that a malformed request (a stream error, PROTOCOL_ERROR, or a

@@ -485,6 +485,11 @@ class Connection:
         method_name = path = content_type = ""
         metadata: dict[str, str] = {}
         for name, value in headers:
+            if not name:
+                # RFC 9113 8.2.1: a field with an empty name makes the request malformed, a
+                # stream error; nothing of it was registered, so a reset is all there is to do
+                self._write(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                return
             if name[0] == ":":
                 if name == ":path":
                     path = value
