@@ -182,10 +182,11 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
                 tally.note(f"{model.name}: client error {type(exc).__name__}: {exc}")
                 continue
             tally.latencies.append(time.monotonic() - t0)
-            problem = check_answer(model, x, result, serving, weights_of)
+            version = result.get_response().model_version
+            problem = check_answer(model, x, version, result.as_numpy("output"), serving, weights_of)
             if problem is None:
                 tally.ok += 1
-                tally.versions_seen.setdefault(model.name, set()).add(int(result.get_response().model_version))
+                tally.versions_seen.setdefault(model.name, set()).add(int(version))
             elif problem.startswith("stale"):
                 tally.stale += 1
                 tally.note(problem)
@@ -212,17 +213,17 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
     return tally
 
 
-def check_answer(model: ModelSpec, x: np.ndarray, result, serving: int, weights_of) -> str | None:
-    """None for a correct answer; else what is wrong with it (``stale ...`` for an answer of a
-    version older than ``serving``, the version confirmed before the request was sent)."""
-    raw_version = result.get_response().model_version
+def check_answer(model: ModelSpec, x: np.ndarray, raw_version: str, out: np.ndarray | None, serving: int,
+                 weights_of) -> str | None:
+    """None when ``out`` is ``tanh(x @ w)`` for the ``w`` of the version the reply names
+    (``weights_of(model, version)``); else what is wrong with it: ``stale ...`` for a correct
+    answer of a version older than ``serving``, the version confirmed before the request was sent."""
     try:
         version = int(raw_version)
     except ValueError:
         return f"{model.name}: model_version {raw_version!r} is not a number"
     if version < 1:
         return f"{model.name}: model_version {version}"
-    out = result.as_numpy("output")
     if out is None or out.shape != (1, model.width) or out.dtype != np.float32:
         got = None if out is None else (out.shape, out.dtype)
         return f"{model.name} v{version}: output {got}, expected ({(1, model.width)}, float32)"
@@ -256,6 +257,7 @@ class SoakResult:
     server_errors: list[str]
     elapsed_s: float
     server_cpu_s: float
+    client_cpu_s: list[float]                # per client process
     unreported_processes: list[int]
 
     @property
@@ -354,7 +356,7 @@ async def _run_load(args, root, repo, pid, models, processes, confirmed, stop_at
 
     async def reload_loop() -> None:
         k = 1
-        while (due := t0 + k * args.reload_every) < stop_at.value - 1.0:
+        while (due := t0 + k * args.reload_every) < stop_at.value:
             await asyncio.sleep(due - time.monotonic())
             model = models[(k - 1) % len(models)]
             version = confirmed[model.index] + 1
@@ -427,6 +429,7 @@ async def _run_load(args, root, repo, pid, models, processes, confirmed, stop_at
     warm = next((kb for s, kb in rss_samples if s >= warm_from), None)
     end = rss_samples[-1][1] if rss_samples else None
     return SoakResult(total, reloads, rss_samples, warm, end, status_problems, [], elapsed, server_cpu,
+                      [finals[k].cpu_seconds for k in sorted(finals)],
                       [k for k in range(len(processes)) if k not in finals])
 
 
@@ -479,8 +482,14 @@ def summarize(result: SoakResult, args, failed: list[str]) -> str:
         "versions answered: " + ", ".join(f"{m}:{sorted(v)}" for m, v in sorted(t.versions_seen.items())
                                           if len(v) > 1 or max(v) > 1),
         f"CPU: server {result.server_cpu_s / result.elapsed_s:.2f} cores, client processes "
-        f"{t.cpu_seconds / result.elapsed_s:.2f} cores in all (of {os.cpu_count()})",
+        + " + ".join(f"{c / result.elapsed_s:.2f}" for c in result.client_cpu_s)
+        + f" = {t.cpu_seconds / result.elapsed_s:.2f} cores (machine: {os.cpu_count()} cores, "
+        f"load average {os.getloadavg()[0]:.1f})",
     ]
+    unanswered = [f"{r.model} v{r.version}" for r in result.reloads
+                  if r.confirmed_after_s is not None and r.version not in t.versions_seen.get(r.model, ())]
+    if unanswered:
+        lines.append(f"confirmed reloads no answer came from: {', '.join(unanswered)}")
     if result.rss_samples:
         minute = [f"{s:.0f}s {kb / 1024:.0f}" for s, kb in result.rss_samples[:: max(1, int(60 / args.rss_every))]]
         peak = max(kb for _, kb in result.rss_samples)
@@ -559,7 +568,8 @@ def main(argv=None) -> int:
         "reloads": [[r.model, r.version, r.confirmed_after_s] for r in result.reloads],
         "rss_warm_kb": result.rss_warm_kb, "rss_end_kb": result.rss_end_kb,
         "rss_growth_pct": result.rss_growth_pct, "server_cpu_s": round(result.server_cpu_s, 1),
-        "client_cpu_s": round(t.cpu_seconds, 1), "server_error_lines": len(result.server_errors),
+        "client_cpu_s": [round(c, 1) for c in result.client_cpu_s], "server_error_lines": len(result.server_errors),
+        "rss_samples": [[round(s, 1), kb] for s, kb in result.rss_samples],
         "passed": not failed}), flush=True)
     return 1 if failed else 0
 
