@@ -119,22 +119,34 @@ class TallySnapshot:
     final: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """What the soak shares with its client processes: the version of each model confirmed
+    serving (by index), the ``time.monotonic()`` at which clients stop sending, the start signal
+    and the queue of their reports."""
+
+    confirmed: object
+    stop_at: object
+    start: object
+    reports: object
+
+
 # --- client processes ------------------------------------------------------------------------
 
 def client_process(index: int, url: str, clients: int, first_client: int, models: list[ModelSpec],
                    initial_weights: dict[str, np.ndarray], mix: str, zipf_s: float, request_timeout: float,
-                   confirmed, stop_at, start, reports) -> None:
+                   shared: Shared) -> None:
     """Entry point of one client process: ``clients`` closed-loop clients until ``stop_at``
     (a shared ``time.monotonic()`` value, set before ``start``), then a final tally."""
     import tritonclient.grpc.aio  # noqa: F401 - import before saying ready: it takes a second
 
-    reports.put(ClientsReady(index))
-    start.wait()
+    shared.reports.put(ClientsReady(index))
+    shared.start.wait()
     cpu_before = time.process_time()
     tally = asyncio.run(_drive(index, url, clients, first_client, models, initial_weights, mix, zipf_s,
-                               request_timeout, confirmed, stop_at.value, reports))
+                               request_timeout, shared.confirmed, shared.stop_at.value, shared.reports))
     tally.cpu_seconds = time.process_time() - cpu_before
-    reports.put(TallySnapshot(index, tally, final=True))
+    shared.reports.put(TallySnapshot(index, tally, final=True))
 
 
 async def _drive(index, url, clients, first_client, models, initial_weights, mix, zipf_s, request_timeout,
@@ -176,6 +188,8 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
                 status = _status(exc)
                 tally.statuses[status] += 1
                 tally.note(f"{model.name}: {status}: {exc.message()}")
+                if status in ("UNAVAILABLE", "UNKNOWN"):
+                    await asyncio.sleep(0.01)       # the server is gone or restarting: do not spin
                 continue
             except Exception as exc:  # noqa: BLE001 - counted and reported; any one fails the soak
                 tally.client_errors[type(exc).__name__] += 1
@@ -254,7 +268,8 @@ class SoakResult:
     rss_warm_kb: int | None
     rss_end_kb: int | None
     status_problems: list[str]
-    server_errors: list[str]
+    server_errors: list[str]                 # ERROR and Traceback lines of the server's log
+    server_warnings: list[str]
     elapsed_s: float
     server_cpu_s: float
     client_cpu_s: list[float]                # per client process
@@ -284,49 +299,49 @@ async def _watch_versions(host: str, port: int, versions: dict[str, tuple[str, i
     """Keep ``versions`` (model -> (state, version, reason)) from the worker's WatchStatus stream;
     note every model seen not READY or with a reason (a failed reload says so there)."""
     from grpclib.client import Channel
+    from grpclib.exceptions import GRPCError, StreamTerminatedError
 
     from xlaserve._proto import xlaserve_control_pb2 as pb
     from xlaserve._proto.xlaserve_control_grpc import WorkerControlStub
 
-    async with Channel(host, port) as channel:
-        async with WorkerControlStub(channel).WatchStatus.open() as stream:
-            await stream.send_message(pb.WatchStatusRequest(interval_seconds=0.25), end=True)
-            async for status in stream:
-                async with changed:
-                    for m in status.models:
-                        if (m.state != "READY" or m.reason) and len(problems) < 20:
-                            problems.append(f"{m.name} v{m.version} {m.state}: {m.reason}")
-                        versions[m.name] = (m.state, m.version, m.reason)
-                    changed.notify_all()
+    try:
+        async with Channel(host, port) as channel:
+            async with WorkerControlStub(channel).WatchStatus.open() as stream:
+                await stream.send_message(pb.WatchStatusRequest(interval_seconds=0.25), end=True)
+                async for status in stream:
+                    async with changed:
+                        for m in status.models:
+                            if (m.state != "READY" or m.reason) and len(problems) < 20:
+                                problems.append(f"{m.name} v{m.version} {m.state}: {m.reason}")
+                            versions[m.name] = (m.state, m.version, m.reason)
+                        changed.notify_all()
+    except (OSError, GRPCError, StreamTerminatedError) as exc:
+        problems.append(f"the WatchStatus stream failed: {type(exc).__name__}: {exc}")
+    else:
+        problems.append("the WatchStatus stream ended before the soak did")
 
 
 async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelSpec],
                initial_weights: dict[str, np.ndarray]) -> SoakResult:
-    from safetensors.numpy import save_file
-
     ctx = multiprocessing.get_context("spawn")     # the soak process has imported jax: no fork
-    confirmed = ctx.Array("i", [1] * len(models), lock=False)
-    stop_at = ctx.Value("d", 0.0, lock=False)
-    start = ctx.Event()
-    reports = ctx.Queue()
+    shared = Shared(ctx.Array("i", [1] * len(models), lock=False), ctx.Value("d", 0.0, lock=False), ctx.Event(),
+                    ctx.Queue())
     counts = split_clients(args.concurrency, args.client_processes)
     processes = [ctx.Process(target=client_process, name=f"soak-clients-{k}",
                              args=(k, server.grpc, n, sum(counts[:k]), models, initial_weights, args.mix,
-                                   args.zipf_s, args.request_timeout, confirmed, stop_at, start, reports))
+                                   args.zipf_s, args.request_timeout, shared))
                  for k, n in enumerate(counts)]
     for p in processes:
         p.start()
-    pid = server.process.pid
     try:
         ready = 0
         deadline = time.monotonic() + 120
         while ready < len(processes):
-            message = await asyncio.to_thread(reports.get, True, max(0.1, deadline - time.monotonic()))
+            message = await asyncio.to_thread(shared.reports.get, True, max(0.1, deadline - time.monotonic()))
             match message:
                 case ClientsReady():
                     ready += 1
-        return await _run_load(args, root, repo, pid, models, processes, confirmed, stop_at, start, reports,
-                               save_file)
+        return await _run_load(args, server, root, repo, models, len(processes), shared)
     finally:
         for p in processes:
             p.join(10)
@@ -335,15 +350,19 @@ async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelS
                 p.join()
 
 
-async def _run_load(args, root, repo, pid, models, processes, confirmed, stop_at, start, reports,
-                    save_file) -> SoakResult:
-    host, port = "127.0.0.1", int(str(args.url).rsplit(":", 1)[1])
+async def _run_load(args, server: Server, root: Path, repo: Path, models: list[ModelSpec], processes: int,
+                    shared: Shared) -> SoakResult:
+    from safetensors.numpy import save_file
+
+    host, port = server.grpc.rsplit(":", 1)
+    pid = server.process.pid
+    confirmed, stop_at = shared.confirmed, shared.stop_at
     staging = root / "staging"
     staging.mkdir()
     cpu_before = tree_cpu_seconds(pid)
     t0 = time.monotonic()
     stop_at.value = t0 + args.duration
-    start.set()
+    shared.start.set()
 
     versions: dict[str, tuple[str, int, str]] = {}
     changed = asyncio.Condition()
@@ -400,9 +419,9 @@ async def _run_load(args, root, repo, pid, models, processes, confirmed, stop_at
     async def collect() -> None:
         """Tally snapshots until every process sent its final one (or the drain bound passes)."""
         deadline = stop_at.value + args.request_timeout + 30
-        while len(finals) < len(processes) and time.monotonic() < deadline:
+        while len(finals) < processes and time.monotonic() < deadline:
             try:
-                message = await asyncio.to_thread(reports.get, True, 0.5)
+                message = await asyncio.to_thread(shared.reports.get, True, 0.5)
             except queue.Empty:
                 continue
             match message:
@@ -412,7 +431,7 @@ async def _run_load(args, root, repo, pid, models, processes, confirmed, stop_at
                         finals[k] = tally
 
     async with asyncio.TaskGroup() as tasks:
-        watcher = tasks.create_task(_watch_versions(host, port, versions, changed, status_problems))
+        watcher = tasks.create_task(_watch_versions(host, int(port), versions, changed, status_problems))
         tasks.create_task(reload_loop())
         tasks.create_task(rss_loop())
         reporter = tasks.create_task(progress_loop())
@@ -428,9 +447,9 @@ async def _run_load(args, root, repo, pid, models, processes, confirmed, stop_at
     warm_from = first_reload_done[0] - t0 if first_reload_done else 0.0
     warm = next((kb for s, kb in rss_samples if s >= warm_from), None)
     end = rss_samples[-1][1] if rss_samples else None
-    return SoakResult(total, reloads, rss_samples, warm, end, status_problems, [], elapsed, server_cpu,
+    return SoakResult(total, reloads, rss_samples, warm, end, status_problems, [], [], elapsed, server_cpu,
                       [finals[k].cpu_seconds for k in sorted(finals)],
-                      [k for k in range(len(processes)) if k not in finals])
+                      [k for k in range(processes) if k not in finals])
 
 
 def failures(result: SoakResult, max_rss_growth: float) -> list[str]:
@@ -452,6 +471,9 @@ def failures(result: SoakResult, max_rss_growth: float) -> list[str]:
     unconfirmed = [f"{r.model} v{r.version}" for r in result.reloads if r.confirmed_after_s is None]
     if unconfirmed:
         out.append(f"reloads never confirmed: {', '.join(unconfirmed)}")
+    if result.status_problems:
+        out.append(f"WatchStatus: {result.status_problems[0]}"
+                   + (f" (and {len(result.status_problems) - 1} more)" if len(result.status_problems) > 1 else ""))
     if result.server_errors:
         out.append(f"server logged {len(result.server_errors)} ERROR line(s)")
     growth = result.rss_growth_pct
@@ -499,7 +521,7 @@ def summarize(result: SoakResult, args, failed: list[str]) -> str:
                      f"samples: {', '.join(minute)}")
     for problem in result.status_problems[:5]:
         lines.append(f"  WatchStatus: {problem}")
-    for problem in result.server_errors[:5]:
+    for problem in (result.server_errors + result.server_warnings)[:5]:
         lines.append(f"  server log: {problem}")
     for problem in t.examples[:10]:
         lines.append(f"  example: {problem}")
@@ -519,8 +541,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", type=int, default=20, help="bundles (default 20)")
     parser.add_argument("--reload-every", type=float, default=30.0,
                         help="seconds between hot reloads, one model each, in turn (default 30)")
-    parser.add_argument("--client-processes", type=int, default=4,
-                        help="processes the clients are spread over (default 4)")
+    parser.add_argument("--client-processes", type=int, default=2,
+                        help="processes the clients are spread over (default 2)")
     parser.add_argument("--mix", choices=("uniform", "zipf"), default="uniform", help="traffic mix over the models")
     parser.add_argument("--zipf-s", type=float, default=1.0, help="Zipf exponent s (default 1.0)")
     parser.add_argument("--request-timeout", type=float, default=30.0,
@@ -549,7 +571,6 @@ def main(argv=None) -> int:
         try:
             print(f"server ready in {server.wait_ready():.1f}s (pid {server.process.pid}); "
                   f"RSS {read_rss_kb(server.process.pid) / 1024:.0f} MiB before load", file=sys.stderr)
-            args.url = server.grpc
             result = asyncio.run(soak(args, root, repo, server, models, initial))
         finally:
             server.stop()
@@ -557,6 +578,7 @@ def main(argv=None) -> int:
             if args.server_log:
                 args.server_log.write_text(log)
     result.server_errors = [line for line in log.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
+    result.server_warnings = [line for line in log.splitlines() if re.search(r"\bWARNING\b", line)]
     failed = failures(result, args.max_rss_growth)
     print(summarize(result, args, failed), file=sys.stderr)
     t = result.tally
@@ -569,6 +591,7 @@ def main(argv=None) -> int:
         "rss_warm_kb": result.rss_warm_kb, "rss_end_kb": result.rss_end_kb,
         "rss_growth_pct": result.rss_growth_pct, "server_cpu_s": round(result.server_cpu_s, 1),
         "client_cpu_s": [round(c, 1) for c in result.client_cpu_s], "server_error_lines": len(result.server_errors),
+        "server_warning_lines": len(result.server_warnings),
         "rss_samples": [[round(s, 1), kb] for s, kb in result.rss_samples],
         "passed": not failed}), flush=True)
     return 1 if failed else 0
