@@ -275,11 +275,22 @@ class SoakResult:
     client_cpu_s: list[float]                # per client process
     unreported_processes: list[int]
 
+    warm_from_s: float = 0.0
+
     @property
     def rss_growth_pct(self) -> float | None:
         if not self.rss_warm_kb or self.rss_end_kb is None:
             return None
         return 100.0 * (self.rss_end_kb - self.rss_warm_kb) / self.rss_warm_kb
+
+    @property
+    def rss_trend_mib_per_min(self) -> float | None:
+        """Least-squares slope of the RSS samples after warm-up: a leak shows as a steady climb."""
+        after = [(s, kb) for s, kb in self.rss_samples if s >= self.warm_from_s]
+        if len(after) < 3:
+            return None
+        seconds, kb = np.array(after, dtype=np.float64).T
+        return float(np.polyfit(seconds, kb, 1)[0]) * 60 / 1024
 
 
 def read_rss_kb(pid: int) -> int:
@@ -449,7 +460,7 @@ async def _run_load(args, server: Server, root: Path, repo: Path, models: list[M
     end = rss_samples[-1][1] if rss_samples else None
     return SoakResult(total, reloads, rss_samples, warm, end, status_problems, [], [], elapsed, server_cpu,
                       [finals[k].cpu_seconds for k in sorted(finals)],
-                      [k for k in range(processes) if k not in finals])
+                      [k for k in range(processes) if k not in finals], warm_from)
 
 
 def failures(result: SoakResult, max_rss_growth: float) -> list[str]:
@@ -516,8 +527,10 @@ def summarize(result: SoakResult, args, failed: list[str]) -> str:
         minute = [f"{s:.0f}s {kb / 1024:.0f}" for s, kb in result.rss_samples[:: max(1, int(60 / args.rss_every))]]
         peak = max(kb for _, kb in result.rss_samples)
         growth = result.rss_growth_pct
-        lines.append(f"server RSS MiB: warm {_mib(result.rss_warm_kb)}, end {_mib(result.rss_end_kb)}, "
-                     f"growth {'-' if growth is None else f'{growth:+.2f}%'}, peak {peak / 1024:.0f}; "
+        lines.append(f"server RSS MiB: warm {_mib(result.rss_warm_kb)} (first sample from {result.warm_from_s:.0f}s), "
+                     f"end {_mib(result.rss_end_kb)}, "
+                     f"growth {'-' if growth is None else f'{growth:+.2f}%'}, peak {peak / 1024:.0f}, "
+                     f"trend after warm-up {_signed(result.rss_trend_mib_per_min)} MiB/min; "
                      f"samples: {', '.join(minute)}")
     for problem in result.status_problems[:5]:
         lines.append(f"  WatchStatus: {problem}")
@@ -527,6 +540,10 @@ def summarize(result: SoakResult, args, failed: list[str]) -> str:
         lines.append(f"  example: {problem}")
     lines.append("PASS" if not failed else "FAIL: " + "; ".join(failed))
     return "\n".join(lines)
+
+
+def _signed(x: float | None) -> str:
+    return "-" if x is None else f"{x:+.2f}"
 
 
 def _mib(kb: int | None) -> str:
@@ -589,7 +606,8 @@ def main(argv=None) -> int:
         "internal": t.statuses["INTERNAL"], "client_errors": dict(t.client_errors),
         "reloads": [[r.model, r.version, r.confirmed_after_s] for r in result.reloads],
         "rss_warm_kb": result.rss_warm_kb, "rss_end_kb": result.rss_end_kb,
-        "rss_growth_pct": result.rss_growth_pct, "server_cpu_s": round(result.server_cpu_s, 1),
+        "rss_growth_pct": result.rss_growth_pct, "rss_warm_from_s": round(result.warm_from_s, 1),
+        "rss_trend_mib_per_min": result.rss_trend_mib_per_min, "server_cpu_s": round(result.server_cpu_s, 1),
         "client_cpu_s": [round(c, 1) for c in result.client_cpu_s], "server_error_lines": len(result.server_errors),
         "server_warning_lines": len(result.server_warnings),
         "rss_samples": [[round(s, 1), kb] for s, kb in result.rss_samples],
