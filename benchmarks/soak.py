@@ -1,5 +1,5 @@
 """Soak (issue 14): ``python -m benchmarks.soak [--duration 600] [--concurrency 128] [--models 20]
-[--reload-every 30] [--client-processes 4]``.
+[--reload-every 30] [--client-processes 2]``.
 
 Goal: c=128 over 20 models with a hot reload every 30 s for 10 minutes: requests sent ==
 answered, 0 INTERNAL, RSS growth < 5%.
@@ -23,8 +23,9 @@ answered, 0 INTERNAL, RSS growth < 5%.
   warm-up), the end is the last sample taken under load.
 
 The run passes (exit status 0) when every request sent was answered OK with a correct, non-stale
-answer (so: no request lost, no error status, no INTERNAL), every reload was confirmed, the server
-logged no ERROR, and RSS grew less than ``--max-rss-growth`` percent (5). Otherwise it prints
+answer (so: no request lost, no error status, no INTERNAL), every reload was confirmed and no
+model was ever seen other than READY without a reason, the server logged no ERROR, and RSS grew
+less than ``--max-rss-growth`` percent (5). Otherwise it prints
 what failed and exits 1. A summary goes to stderr, and one JSON line with every count to stdout.
 """
 from __future__ import annotations
@@ -144,13 +145,13 @@ def client_process(index: int, url: str, clients: int, first_client: int, models
     shared.start.wait()
     cpu_before = time.process_time()
     tally = asyncio.run(_drive(index, url, clients, first_client, models, initial_weights, mix, zipf_s,
-                               request_timeout, shared.confirmed, shared.stop_at.value, shared.reports))
+                               request_timeout, shared))
     tally.cpu_seconds = time.process_time() - cpu_before
     shared.reports.put(TallySnapshot(index, tally, final=True))
 
 
 async def _drive(index, url, clients, first_client, models, initial_weights, mix, zipf_s, request_timeout,
-                 confirmed, stop_at, reports) -> Tally:
+                 shared: Shared) -> Tally:
     import tritonclient.grpc.aio as aio
     from tritonclient.utils import InferenceServerException
 
@@ -160,6 +161,7 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
     names = [m.name for m in models]
     weights: dict[tuple[str, int], np.ndarray] = {(n, 1): w for n, w in initial_weights.items()}
     tally = Tally()
+    confirmed, stop_at = shared.confirmed, shared.stop_at.value
 
     def weights_of(model: ModelSpec, version: int) -> np.ndarray:
         key = (model.name, version)
@@ -213,7 +215,7 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
             await asyncio.sleep(SNAPSHOT_EVERY)
             running = Tally(tally.sent, tally.ok, tally.wrong, tally.stale, Counter(tally.statuses),
                             Counter(tally.client_errors), examples=list(tally.examples))
-            reports.put(TallySnapshot(index, running, final=False))
+            shared.reports.put(TallySnapshot(index, running, final=False))
 
     channels = [aio.InferenceServerClient(url) for _ in range((clients + CLIENTS_PER_CHANNEL - 1)
                                                              // CLIENTS_PER_CHANNEL)]
