@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,37 +122,44 @@ class TallySnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class Go:
+    """Start sending to ``url``; stop sending at ``stop_at`` (``time.monotonic()``)."""
+
+    url: str
+    stop_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Shared:
     """What the soak shares with its client processes: the version of each model confirmed
-    serving (by index), the ``time.monotonic()`` at which clients stop sending, the start signal
-    and the queue of their reports."""
+    serving (a shared int array, by model index), a queue of one :class:`Go` per process, and the
+    queue of their reports."""
 
     confirmed: object
-    stop_at: object
-    start: object
+    go: object
     reports: object
 
 
 # --- client processes ------------------------------------------------------------------------
 
-def client_process(index: int, url: str, clients: int, first_client: int, models: list[ModelSpec],
+def client_process(index: int, clients: int, first_client: int, models: list[ModelSpec],
                    initial_weights: dict[str, np.ndarray], mix: str, zipf_s: float, request_timeout: float,
                    shared: Shared) -> None:
-    """Entry point of one client process: ``clients`` closed-loop clients until ``stop_at``
-    (a shared ``time.monotonic()`` value, set before ``start``), then a final tally."""
+    """Entry point of one client process: says it is ready, waits for its :class:`Go`, runs
+    ``clients`` closed-loop clients until then and sends its final tally."""
     import tritonclient.grpc.aio  # noqa: F401 - import before saying ready: it takes a second
 
     shared.reports.put(ClientsReady(index))
-    shared.start.wait()
+    go = shared.go.get()
     cpu_before = time.process_time()
-    tally = asyncio.run(_drive(index, url, clients, first_client, models, initial_weights, mix, zipf_s,
+    tally = asyncio.run(_drive(index, go, clients, first_client, models, initial_weights, mix, zipf_s,
                                request_timeout, shared))
     tally.cpu_seconds = time.process_time() - cpu_before
     shared.reports.put(TallySnapshot(index, tally, final=True))
 
 
-async def _drive(index, url, clients, first_client, models, initial_weights, mix, zipf_s, request_timeout,
-                 shared: Shared) -> Tally:
+async def _drive(index: int, go: Go, clients, first_client, models, initial_weights, mix, zipf_s,
+                 request_timeout, shared: Shared) -> Tally:
     import tritonclient.grpc.aio as aio
     from tritonclient.utils import InferenceServerException
 
@@ -161,7 +169,7 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
     names = [m.name for m in models]
     weights: dict[tuple[str, int], np.ndarray] = {(n, 1): w for n, w in initial_weights.items()}
     tally = Tally()
-    confirmed, stop_at = shared.confirmed, shared.stop_at.value
+    confirmed, stop_at = shared.confirmed, go.stop_at
 
     def weights_of(model: ModelSpec, version: int) -> np.ndarray:
         key = (model.name, version)
@@ -217,7 +225,7 @@ async def _drive(index, url, clients, first_client, models, initial_weights, mix
                             Counter(tally.client_errors), examples=list(tally.examples))
             shared.reports.put(TallySnapshot(index, running, final=False))
 
-    channels = [aio.InferenceServerClient(url) for _ in range((clients + CLIENTS_PER_CHANNEL - 1)
+    channels = [aio.InferenceServerClient(go.url) for _ in range((clients + CLIENTS_PER_CHANNEL - 1)
                                                              // CLIENTS_PER_CHANNEL)]
     reporter = asyncio.ensure_future(snapshots())
     try:
@@ -334,48 +342,52 @@ async def _watch_versions(host: str, port: int, versions: dict[str, tuple[str, i
         problems.append("the WatchStatus stream ended before the soak did")
 
 
-async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelSpec],
-               initial_weights: dict[str, np.ndarray]) -> SoakResult:
+@contextmanager
+def client_processes(args, models: list[ModelSpec], initial_weights: dict[str, np.ndarray]):
+    """Start ``--client-processes`` processes (they import while the server starts); yields
+    (their count, :class:`Shared`). On the way out they get 10 s to exit before they are killed."""
     ctx = multiprocessing.get_context("spawn")     # the soak process has imported jax: no fork
-    shared = Shared(ctx.Array("i", [1] * len(models), lock=False), ctx.Value("d", 0.0, lock=False), ctx.Event(),
-                    ctx.Queue())
+    shared = Shared(ctx.Array("i", [1] * len(models), lock=False), ctx.Queue(), ctx.Queue())
     counts = split_clients(args.concurrency, args.client_processes)
     processes = [ctx.Process(target=client_process, name=f"soak-clients-{k}",
-                             args=(k, server.grpc, n, sum(counts[:k]), models, initial_weights, args.mix,
-                                   args.zipf_s, args.request_timeout, shared))
+                             args=(k, n, sum(counts[:k]), models, initial_weights, args.mix, args.zipf_s,
+                                   args.request_timeout, shared))
                  for k, n in enumerate(counts)]
     for p in processes:
         p.start()
     try:
-        ready = 0
-        deadline = time.monotonic() + 120
-        while ready < len(processes):
-            message = await asyncio.to_thread(shared.reports.get, True, max(0.1, deadline - time.monotonic()))
-            match message:
-                case ClientsReady():
-                    ready += 1
-        return await _run_load(args, server, root, repo, models, len(processes), shared)
+        yield len(processes), shared
     finally:
+        deadline = time.monotonic() + 10
         for p in processes:
-            p.join(10)
+            p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
                 p.join()
 
 
-async def _run_load(args, server: Server, root: Path, repo: Path, models: list[ModelSpec], processes: int,
-                    shared: Shared) -> SoakResult:
+async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelSpec], processes: int,
+               shared: Shared) -> SoakResult:
+    """Wait for the client processes, let them go, reload and sample until they are done."""
     from safetensors.numpy import save_file
 
+    ready = 0
+    deadline = time.monotonic() + 120
+    while ready < processes:
+        message = await asyncio.to_thread(shared.reports.get, True, max(0.1, deadline - time.monotonic()))
+        match message:
+            case ClientsReady():
+                ready += 1
     host, port = server.grpc.rsplit(":", 1)
     pid = server.process.pid
-    confirmed, stop_at = shared.confirmed, shared.stop_at
+    confirmed = shared.confirmed
     staging = root / "staging"
     staging.mkdir()
     cpu_before = tree_cpu_seconds(pid)
     t0 = time.monotonic()
-    stop_at.value = t0 + args.duration
-    shared.start.set()
+    stop_at = t0 + args.duration
+    for _ in range(processes):
+        shared.go.put(Go(server.grpc, stop_at))
 
     versions: dict[str, tuple[str, int, str]] = {}
     changed = asyncio.Condition()
@@ -388,7 +400,7 @@ async def _run_load(args, server: Server, root: Path, repo: Path, models: list[M
 
     async def reload_loop() -> None:
         k = 1
-        while (due := t0 + k * args.reload_every) < stop_at.value:
+        while (due := t0 + k * args.reload_every) < stop_at:
             await asyncio.sleep(due - time.monotonic())
             model = models[(k - 1) % len(models)]
             version = confirmed[model.index] + 1
@@ -412,12 +424,12 @@ async def _run_load(args, server: Server, root: Path, repo: Path, models: list[M
             k += 1
 
     async def rss_loop() -> None:
-        while (now := time.monotonic()) < stop_at.value:
+        while (now := time.monotonic()) < stop_at:
             rss_samples.append((now - t0, read_rss_kb(pid)))
-            await asyncio.sleep(min(args.rss_every, stop_at.value - now))
+            await asyncio.sleep(min(args.rss_every, stop_at - now))
 
     async def progress_loop() -> None:
-        while time.monotonic() < stop_at.value:
+        while time.monotonic() < stop_at:
             await asyncio.sleep(args.progress_every)
             total = Tally()
             for t in latest.values():
@@ -431,7 +443,7 @@ async def _run_load(args, server: Server, root: Path, repo: Path, models: list[M
 
     async def collect() -> None:
         """Tally snapshots until every process sent its final one (or the drain bound passes)."""
-        deadline = stop_at.value + args.request_timeout + 30
+        deadline = stop_at + args.request_timeout + 30
         while len(finals) < processes and time.monotonic() < deadline:
             try:
                 message = await asyncio.to_thread(shared.reports.get, True, 0.5)
@@ -586,16 +598,18 @@ def main(argv=None) -> int:
         initial = {m.name: load_file(str(repo / m.name / "weights.safetensors"))["w"] for m in models}
         assert all(initial[m.name].shape == (m.width, m.width) for m in models)
         print(f"exported {args.models} bundles in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-        server = Server(root / "server", repo, {"model_control_mode": "dynamic", "cache_dir": str(root / "cache")})
-        try:
-            print(f"server ready in {server.wait_ready():.1f}s (pid {server.process.pid}); "
-                  f"RSS {read_rss_kb(server.process.pid) / 1024:.0f} MiB before load", file=sys.stderr)
-            result = asyncio.run(soak(args, root, repo, server, models, initial))
-        finally:
-            server.stop()
-            log = server.log()
-            if args.server_log:
-                args.server_log.write_text(log)
+        with client_processes(args, models, initial) as (processes, shared):
+            server = Server(root / "server", repo, {"model_control_mode": "dynamic",
+                                                    "cache_dir": str(root / "cache")})
+            try:
+                print(f"server ready in {server.wait_ready():.1f}s (pid {server.process.pid}); "
+                      f"RSS {read_rss_kb(server.process.pid) / 1024:.0f} MiB before load", file=sys.stderr)
+                result = asyncio.run(soak(args, root, repo, server, models, processes, shared))
+            finally:
+                server.stop()
+                log = server.log()
+                if args.server_log:
+                    args.server_log.write_text(log)
     result.server_errors = [line for line in log.splitlines() if re.search(r"\bERROR\b|Traceback", line)]
     result.server_warnings = [line for line in log.splitlines() if re.search(r"\bWARNING\b", line)]
     failed = failures(result, args.max_rss_growth)

@@ -30,9 +30,9 @@ def test_the_answer_check_holds_each_reply_to_the_version_it_names():
 
 
 def test_a_short_soak_answers_every_request_and_confirms_every_reload():
-    out = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--duration", "5", "--concurrency", "8",
-                          "--models", "3", "--reload-every", "2", "--client-processes", "2",
-                          # RSS still grows while a 5 s run warms up; the 10-minute run judges it
+    out = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--duration", "3", "--concurrency", "8",
+                          "--models", "2", "--reload-every", "1", "--client-processes", "2",
+                          # RSS still grows while a 3 s run warms up; the 10-minute run judges it
                           "--max-rss-growth", "50"],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
