@@ -281,7 +281,7 @@ class SoakResult:
     server_errors: list[str]                 # ERROR and Traceback lines of the server's log
     server_warnings: list[str]
     elapsed_s: float
-    server_cpu_s: float
+    server_cores: float                      # the server's CPU seconds per second of load
     client_cpu_s: list[float]                # per client process
     unreported_processes: list[int]
 
@@ -303,11 +303,13 @@ class SoakResult:
         return float(np.polyfit(seconds, kb, 1)[0]) * 60 / 1024
 
 
-def read_rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+def read_rss_kb(pid: int) -> int | None:
+    """VmRSS of ``pid`` in kB; None once the process has exited (a zombie has no VmRSS)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
 
 
 def split_clients(concurrency: int, processes: int) -> list[int]:
@@ -394,6 +396,7 @@ async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelS
     status_problems: list[str] = []
     reloads: list[Reload] = []
     rss_samples: list[tuple[float, int]] = []
+    server_cpu = [0.0, 0.0]   # CPU seconds, over seconds of load, at the last sample (the server may die)
     first_reload_done: list[float] = []
     latest: dict[int, Tally] = {}
     finals: dict[int, Tally] = {}
@@ -425,7 +428,12 @@ async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelS
 
     async def rss_loop() -> None:
         while (now := time.monotonic()) < stop_at:
-            rss_samples.append((now - t0, read_rss_kb(pid)))
+            kb = read_rss_kb(pid)
+            if kb is None:
+                status_problems.append(f"the server exited during the soak (status {server.process.poll()})")
+                return
+            rss_samples.append((now - t0, kb))
+            server_cpu[:] = [tree_cpu_seconds(pid) - cpu_before, now - t0]
             await asyncio.sleep(min(args.rss_every, stop_at - now))
 
     async def progress_loop() -> None:
@@ -464,7 +472,6 @@ async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelS
         watcher.cancel()
         reporter.cancel()
     elapsed = time.monotonic() - t0
-    server_cpu = tree_cpu_seconds(pid) - cpu_before
 
     total = Tally()
     for t in finals.values():
@@ -472,7 +479,8 @@ async def soak(args, root: Path, repo: Path, server: Server, models: list[ModelS
     warm_from = first_reload_done[0] - t0 if first_reload_done else 0.0
     warm = next((kb for s, kb in rss_samples if s >= warm_from), None)
     end = rss_samples[-1][1] if rss_samples else None
-    return SoakResult(total, reloads, rss_samples, warm, end, status_problems, [], [], elapsed, server_cpu,
+    return SoakResult(total, reloads, rss_samples, warm, end, status_problems, [], [], elapsed,
+                      server_cpu[0] / max(server_cpu[1], 1e-9),
                       [finals[k].cpu_seconds for k in sorted(finals)],
                       [k for k in range(processes) if k not in finals], warm_from)
 
@@ -528,7 +536,7 @@ def summarize(result: SoakResult, args, failed: list[str]) -> str:
                     for r in result.reloads) + ")",
         "versions answered: " + ", ".join(f"{m}:{sorted(v)}" for m, v in sorted(t.versions_seen.items())
                                           if len(v) > 1 or max(v) > 1),
-        f"CPU: server {result.server_cpu_s / result.elapsed_s:.2f} cores, client processes "
+        f"CPU: server {result.server_cores:.2f} cores, client processes "
         + " + ".join(f"{c / result.elapsed_s:.2f}" for c in result.client_cpu_s)
         + f" = {t.cpu_seconds / result.elapsed_s:.2f} cores (machine: {os.cpu_count()} cores, "
         f"load average {os.getloadavg()[0]:.1f})",
@@ -623,7 +631,7 @@ def main(argv=None) -> int:
         "reloads": [[r.model, r.version, r.confirmed_after_s] for r in result.reloads],
         "rss_warm_kb": result.rss_warm_kb, "rss_end_kb": result.rss_end_kb,
         "rss_growth_pct": result.rss_growth_pct, "rss_warm_from_s": round(result.warm_from_s, 1),
-        "rss_trend_mib_per_min": result.rss_trend_mib_per_min, "server_cpu_s": round(result.server_cpu_s, 1),
+        "rss_trend_mib_per_min": result.rss_trend_mib_per_min, "server_cores": round(result.server_cores, 2),
         "client_cpu_s": [round(c, 1) for c in result.client_cpu_s], "server_error_lines": len(result.server_errors),
         "server_warning_lines": len(result.server_warnings),
         "rss_samples": [[round(s, 1), kb] for s, kb in result.rss_samples],
