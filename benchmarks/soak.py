@@ -12,7 +12,9 @@ answered, 0 INTERNAL, RSS growth < 5%.
   picks its model from the traffic mix (``uniform`` by default, or ``zipf``), sends one row that
   belongs to that client and model, and checks the answer against NumPy: ``tanh(x @ w)`` with the
   ``w`` of the version the reply names in ``model_version``. An answer from a version older than
-  the one the soak had already seen serving when the request was sent is *stale*.
+  the one the soak had already seen serving when the request was sent is *stale*. Requests carry
+  no deadline to the server; one it never answers ends, client-side, as DEADLINE_EXCEEDED after
+  ``--request-timeout`` seconds (30).
 - Every ``--reload-every`` seconds one model (in turn) gets new weights: a new
   ``weights.safetensors`` is written outside the repository and renamed over the old one. Version
   ``v >= 2`` of model ``i`` holds weights drawn from ``default_rng([i, v])``, so every reply can
