@@ -27,8 +27,8 @@ answered, 0 INTERNAL, RSS growth < 5%.
 The run passes (exit status 0) when every request sent was answered OK with a correct, non-stale
 answer (so: no request lost, no error status, no INTERNAL), every reload was confirmed and no
 model was ever seen other than READY without a reason, the server logged no ERROR, and RSS grew
-less than ``--max-rss-growth`` percent (5). Otherwise it prints
-what failed and exits 1. A summary goes to stderr, and one JSON line with every count to stdout.
+less than ``--max-rss-growth`` percent (5). Otherwise it prints what failed and exits 1. A
+summary goes to stderr, and one JSON line with every count to stdout.
 """
 from __future__ import annotations
 
@@ -589,7 +589,7 @@ def main(argv=None) -> int:
     parser.add_argument("--request-timeout", type=float, default=30.0,
                         help="client-side deadline per request, in seconds (default 30)")
     parser.add_argument("--rss-every", type=float, default=2.0, help="seconds between RSS samples (default 2)")
-    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines (default 10)")
     parser.add_argument("--max-rss-growth", type=float, default=5.0, help="RSS growth limit, percent (default 5)")
     parser.add_argument("--server-log", type=Path, help="copy the server's log here at the end")
     args = parser.parse_args(argv)
