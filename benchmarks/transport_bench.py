@@ -3,6 +3,7 @@ its task-free ModelInfer path and its task-per-call path), grpclib (asyncio, h2)
 asyncio server (C HTTP/2), each answering every ModelInfer with a canned ``mlp``-sized response.
 
     python -m benchmarks.transport_bench [--rounds 2] [--duration 4] [--concurrency 1,32]
+        [--transports xlaserve,xlaserve-baseline --baseline TREE]
 
 The servers run as subprocesses of this script; rounds alternate the order. This is the
 measurement behind "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md.
@@ -11,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from benchmarks._servers import ROOT, free_port, stop, wait_ready
+from benchmarks._servers import ROOT, free_port, stop, tree_cpu_seconds, wait_ready
 from xlaserve.bench import loadgen
 
 CANNED = np.zeros((1, 512), np.float32).tobytes()
@@ -110,6 +113,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--concurrency", default="1,32")
+    p.add_argument("--transports", default=",".join(SERVERS),
+                   help=f"comma-separated, from {', '.join(SERVERS)} and xlaserve-baseline")
+    p.add_argument("--baseline", type=Path, metavar="TREE",
+                   help="an earlier xlaserve source tree (git worktree add TREE COMMIT): transport "
+                        "xlaserve-baseline is its task-free path, served from there")
     p.add_argument("--serve", nargs=2, metavar=("TRANSPORT", "PORT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
@@ -119,23 +127,34 @@ def main() -> None:
             asyncio.run(ASYNCIO_SERVERS[args.serve[0]](int(args.serve[1])))
         return
     inputs = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
-    print(f"{'round':>5} {'transport':<13} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'round':>5} {'transport':<13} {'c':>3} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10}")
     for round_ in range(args.rounds):
-        order = list(SERVERS) if round_ % 2 == 0 else list(reversed(SERVERS))
+        chosen = args.transports.split(",")
+        order = chosen if round_ % 2 == 0 else list(reversed(chosen))
         for name in order:
             port = free_port()
+            tree, env = ROOT, None
+            if name == "xlaserve-baseline":
+                if args.baseline is None:
+                    raise SystemExit("xlaserve-baseline needs --baseline TREE")
+                tree, env, name = args.baseline, {**os.environ, "PYTHONPATH": str(args.baseline)}, "xlaserve"
             proc = subprocess.Popen([sys.executable, "-m", "benchmarks.transport_bench", "--serve", name,
-                                     str(port)], cwd=ROOT)
+                                     str(port)], cwd=tree, env=env)
+            if tree != ROOT:
+                name = "xlaserve-baseline"
             try:
                 url = f"127.0.0.1:{port}"
                 wait_ready(url, time.monotonic() + 60, proc, models=("mlp",))
                 for conc in (int(c) for c in args.concurrency.split(",")):
                     plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(conc)]
+                    cpu0 = tree_cpu_seconds(proc.pid)
                     result = asyncio.run(loadgen.run_level(url, plans, inputs, duration=args.duration,
                                                            warmup=1.0))
+                    cpu = tree_cpu_seconds(proc.pid) - cpu0
                     row = result.rows()[0]
                     print(f"{round_:>5} {name:<13} {conc:>3} {row['throughput_rps']:>9.1f} "
-                          f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}", flush=True)
+                          f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+                          f"{1e3 * cpu / max(1, result.answered):>10.3f}", flush=True)
             finally:
                 stop(proc)
 

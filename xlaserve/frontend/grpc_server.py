@@ -1,24 +1,25 @@
-"""gRPC over HTTP/2 (RFC 9113), served from Trio by xlaserve itself.
+"""gRPC over HTTP/2 (RFC 9113), served from Trio by xlaserve itself, HTTP/2 by libnghttp2.
 
 Why not grpclib: per request, grpclib's HTTP/2 stack (h2, hpack, its stream objects, one asyncio
 task each) and the asyncio <-> Trio guest-run hand-offs cost about two thirds of the worker's
-CPU; see "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md for the numbers. This module
-does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
+CPU; see "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md for the numbers. The
+protocol engine is libnghttp2 (the engine behind curl, Apache httpd and Node.js) through the
+sans-IO ``ngh2`` binding: framing, HPACK, flow control both ways, stream states and the
+protocol's validation are its, including its limits on floods (PING/SETTINGS acks queued,
+CONTINUATION frames, RST_STREAM and "glitch" rates). The gRPC layer above it (paths,
+``grpc-timeout``, message framing, compression, status trailers) is
+:mod:`xlaserve.frontend.grpc_protocol`. This module is the Trio driver between them:
 
-- A connection is two Trio tasks: a reader that parses frames as they arrive and a writer that
-  sends whatever accumulated since its last send in one ``send_all`` (a batch of 32 replies is
-  one write). Control frames (SETTINGS, PING, WINDOW_UPDATE acks) go out the same way.
+- A connection is two Trio tasks: a reader that feeds what arrives to the engine and handles
+  the events it reports, and a writer that sends whatever the engine has ready in one
+  ``send_all`` (a batch of 32 replies is one write).
 - A call gets one Trio task once its request is complete (unary input) or its headers arrive
   (streaming input). The handler sees a grpclib-shaped stream: ``recv_message``,
   ``send_message``, ``deadline``, ``metadata``; a :class:`grpclib.exceptions.GRPCError` it
   raises becomes the call's status. Services are grpclib-generated bases, routed through their
-  ``__mapping__``.
-- Header blocks are decoded by :mod:`xlaserve.frontend.hpack` (which caches the repeated blocks
-  gRPC clients send); responses use fixed, stateless header encodings.
-- Flow control both ways: the peer's windows and frame size are honoured (a reply larger than
-  the window waits for WINDOW_UPDATE); our receive windows are replenished as data is consumed.
+  ``__mapping__``. Methods in a service's ``__fast_unary__`` get no task at all.
 - RST_STREAM from the client cancels the call's task. :meth:`GrpcServer.close` stops accepting
-  connections and sends GOAWAY; calls already started finish, new streams are refused.
+  connections and sends GOAWAY; calls already started finish, new streams are not processed.
 - Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
 
 Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
@@ -27,40 +28,26 @@ from __future__ import annotations
 
 import logging
 import socket
-import struct
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import ngh2
 import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
+from grpclib.metadata import Deadline
+from ngh2 import (ConnectionClosed, DataReceived, GoAwayReceived, RequestReceived, Setting, StreamClosed,
+                  StreamReset, TrailersReceived)
 
-from xlaserve.errors import internal_message
-from xlaserve.frontend.hpack import Decoder, HPACKError, encode
+from xlaserve.frontend.grpc_protocol import (
+    OK_TRAILERS, RESPONSE_HEADERS, Refusal, check_head, cut_messages, framed, read_head, status_of, trailers,
+)
 
 log = logging.getLogger("xlaserve.grpc")
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-# frame types and flags (RFC 9113 section 6)
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-
-# error codes (section 7)
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
-
-# settings identifiers
-HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, \
-    MAX_HEADER_LIST_SIZE = range(1, 7)
-
-MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65535
-DEFAULT_FRAME = 16384
+NO_ERROR, PROTOCOL_ERROR, ENHANCE_YOUR_CALM = 0x0, 0x1, 0xB
 
 # what we advertise
 OUR_STREAMS = 4096
@@ -68,44 +55,31 @@ OUR_STREAM_WINDOW = 4 * 1024 * 1024
 OUR_CONN_WINDOW = 16 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024
 OUR_HEADER_LIST = 65536
-RECV_BYTES = 256 * 1024
-READ_BUFFER = 4 * OUR_MAX_FRAME               # a connection's receive buffer
+RECV_BYTES = 256 * 1024                    # one read, at most
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 
-_FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
-_U32 = struct.Struct(">I")
-_MESSAGE_PREFIX = struct.Struct(">BI")     # gRPC length-prefixed message: compressed flag, length
-
-_RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/grpc")])
-_OK_TRAILERS = encode([("grpc-status", "0")])
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return _FRAME_HEADER.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
+SETTINGS = {Setting.MAX_CONCURRENT_STREAMS: OUR_STREAMS, Setting.INITIAL_WINDOW_SIZE: OUR_STREAM_WINDOW,
+            Setting.MAX_FRAME_SIZE: OUR_MAX_FRAME, Setting.MAX_HEADER_LIST_SIZE: OUR_HEADER_LIST}
+# libnghttp2's own limits keep their defaults (ngh2 0.3.0's Configuration); the decoded header list
+# is held to what we advertise.
+ENGINE = ngh2.Configuration(max_inbound_header_list_size=OUR_HEADER_LIST)
 
 
-def parse_timeout(value: str) -> float:
-    """Seconds in a ``grpc-timeout`` header value (``<up to 8 digits><unit>``)."""
-    try:
-        return decode_timeout(value)
-    except ValueError:
-        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n") from None
-
-
-class ConnectionError_(Exception):
-    """A connection error (RFC 9113 5.4.1): answered with GOAWAY, then the connection closes."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+def goaway_bytes(code: int, message: str, last_stream: int) -> bytes:
+    """A server preface and GOAWAY, for a connection whose engine has already failed (a bad
+    client preface, a flood): made by a fresh engine, so even this frame is not hand-written."""
+    engine = ngh2.Connection(ngh2.Role.SERVER, ENGINE)
+    engine.initiate_connection()
+    engine.send_goaway(code, last_stream_id=last_stream, debug_data=message.encode()[:256])
+    return engine.data_to_send()
 
 
 class Call:
     """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
 
     __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
-                 "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
-                 "unacked", "arrived", "scope", "drained", "fast")
+                 "remote_closed", "started", "headers_sent", "finished", "reset", "arrived", "scope",
+                 "drained", "fast")
 
     def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
                  deadline: Deadline | None, encoding: str) -> None:
@@ -115,16 +89,13 @@ class Call:
         self.metadata = metadata
         self.deadline = deadline
         self.encoding = encoding
-        self.body = bytearray()         # request bytes not yet cut into messages
+        self.body: bytes | bytearray = b""   # request bytes not yet cut into messages
         self.messages: deque = deque()  # decoded-later request payloads (bytes)
         self.remote_closed = False
         self.started = False
         self.headers_sent = False
         self.finished = False           # trailers queued; nothing more may be sent
         self.reset = False              # the client reset the stream
-        self.send_window = conn.peer_initial_window
-        self.pending: deque = deque()   # flow-controlled output waiting for window: bytes or trailers
-        self.unacked = 0                # received bytes not yet returned by WINDOW_UPDATE
         self.arrived: trio.Event | None = None
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
@@ -133,9 +104,10 @@ class Call:
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
         self.reset = self.finished = True
-        self.pending.clear()
         if self.scope is not None:
             self.scope.cancel()
+        if self.drained is not None:
+            self.drained.set()
 
     def complete(self, outcome) -> None:
         """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
@@ -143,19 +115,13 @@ class Call:
         exception: INTERNAL). Ignored once the call has ended (client reset, connection gone)."""
         if self.finished:
             return
-        conn = self.conn
         if isinstance(outcome, BaseException):
-            status = getattr(outcome, "status", None)
-            if isinstance(outcome, GRPCError):
-                conn._finish(self, outcome.status, outcome.message)
-            elif isinstance(status, Status):
-                conn._finish(self, status, str(outcome))
-            else:
-                conn._finish(self, Status.INTERNAL, internal_message(outcome))
+            status, message, _ = status_of(outcome)
+            self.conn._finish(self, status, message)
             return
-        conn.reply_unary(self, outcome.SerializeToString())
+        self.conn.reply_unary(self, outcome.SerializeToString())
 
-    def parse(self, payload: bytes) -> Any:
+    def parse(self, payload) -> Any:
         try:
             return self.method.request_type.FromString(payload)
         except Exception as exc:
@@ -173,9 +139,12 @@ class Call:
         return self.parse(self.messages.popleft())
 
     async def send_message(self, message) -> None:
-        self.conn.send_message(self, message.SerializeToString())
-        if self.pending:   # back-pressure for streaming replies: wait until the window takes them
+        conn = self.conn
+        conn.send_message(self, message.SerializeToString())
+        # back-pressure for streaming replies: wait until the engine has framed this one
+        if not self.finished and conn.queued(self):
             self.drained = trio.Event()
+            conn.draining[self.id] = self
             await self.drained.wait()
 
 
@@ -183,27 +152,25 @@ class Connection:
     def __init__(self, server: "GrpcServer", stream: trio.SocketStream) -> None:
         self.server = server
         self.sock = stream
-        self.decoder = Decoder(max_header_list_size=OUR_HEADER_LIST)
+        self.h2 = ngh2.Connection(ngh2.Role.SERVER, ENGINE)
         self.calls: dict[int, Call] = {}
         self.last_stream = 0
-        self.peer_initial_window = DEFAULT_WINDOW
-        self.peer_max_frame = DEFAULT_FRAME
-        self.send_window = DEFAULT_WINDOW
-        self.recv_unacked = 0
         # Request bytes held for calls (unfinished messages, messages a handler has not read)
         # are at most held_bound; the exact sum is taken only when the bound nears the limit.
         self.held_bound = 0
-        self.out = bytearray()
+        self.out = bytearray()                      # taken from the engine, not yet sent
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
         # The same socket (same file descriptor, detached before Trio closes it), for flush():
         # a non-blocking send from whichever task replied. Never used once stopping is set.
         self.raw = socket.socket(fileno=stream.socket.fileno())
         self.going_away = False
-        self.stopping = False                       # no more output is queued once set
+        self.opened = False                         # the engine has taken the client's first bytes
+        self.closed = False                         # the engine ended the connection (or failed)
+        self.stopping = False                       # no more output is taken once set
         self.read_scope = trio.CancelScope()
-        self.blocked: dict[int, Call] = {}          # calls with output waiting for window
-        self.continuation: tuple[int, int, bytearray] | None = None
+        self.draining: dict[int, Call] = {}         # streaming handlers waiting for their replies to go
+        self.early: list[int] = []                  # answered before the request ended: reset once sent
         self.nursery: trio.Nursery | None = None
 
     # ---- tasks ---------------------------------------------------------------------------
@@ -215,10 +182,19 @@ class Connection:
                 with self.read_scope:
                     try:
                         await self._read_loop()
-                    except ConnectionError_ as exc:
-                        log.info("closing a gRPC connection: %s", exc)
-                        self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(exc.code)
-                                          + str(exc).encode()[:256]))
+                    except ngh2.ConnectionStateError:
+                        pass                        # the engine had already ended the connection
+                    except ngh2.NGH2Error as exc:
+                        # the engine failed (a bad preface, a flood): it can send nothing more
+                        code = ENHANCE_YOUR_CALM if isinstance(exc, ngh2.DenialOfServiceError) else PROTOCOL_ERROR
+                        message = str(exc)
+                        if not self.opened and type(exc) is ngh2.ConnectionProtocolError:
+                            message = ("the client did not open with the HTTP/2 connection preface (xlaserve "
+                                       "serves gRPC over cleartext HTTP/2 only)")
+                        log.info("closing a gRPC connection: %s", message)
+                        self.closed = True
+                        self.out += goaway_bytes(code, message, self.last_stream)
+                        self.out_ready.set()
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         pass
                 # The peer is gone, misbehaved, or a graceful close found no call open: cancel
@@ -226,6 +202,7 @@ class Connection:
                 for call in list(self.calls.values()):
                     call.cancel()
                 self.calls.clear()
+                self._take()
                 self.stopping = True
                 self.out_ready.set()
                 nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
@@ -235,9 +212,55 @@ class Connection:
             with trio.CancelScope(shield=True):
                 await self.sock.aclose()
 
+    def _take(self) -> None:
+        """Move what the engine has ready into ``out``; then what sending it changed."""
+        if self.stopping:
+            return
+        try:
+            data = self.h2.data_to_send()
+        except ngh2.NGH2Error:      # the engine has failed; run() queued the last GOAWAY itself
+            return
+        if data:
+            self.out += data
+            if not self.h2.want_read:      # GOAWAY both ways and no stream left, or a connection error
+                self.closed = True
+                self.read_scope.cancel()
+        if self.early or self.draining:
+            self._after_send()
+
+    def _after_send(self) -> None:
+        h2 = self.h2
+        if self.early:
+            early, self.early = self.early, []
+            for sid in early:
+                if self._queued(sid):
+                    self.early.append(sid)
+                    continue
+                try:
+                    h2.reset_stream(sid, NO_ERROR)   # the client need not send the rest
+                except ngh2.NGH2Error:
+                    pass
+            self.out += h2.data_to_send()
+        for sid, call in list(self.draining.items()):
+            if call.finished or not self._queued(sid):
+                del self.draining[sid]
+                call.drained.set()
+
+    def _queued(self, sid: int) -> int:
+        try:
+            return self.h2.queued_body_size(sid)
+        except ngh2.NGH2Error:
+            return 0
+
+    def queued(self, call: Call) -> int:
+        """Reply bytes of ``call`` the engine has not framed yet."""
+        return self._queued(call.id)
+
     async def _write_loop(self) -> None:
         sock = self.sock
         while True:
+            if not self.out:
+                self._take()
             if not self.out:
                 if self.stopping:
                     return
@@ -255,10 +278,8 @@ class Connection:
             finally:
                 self.sending = False
 
-    def _write(self, data: bytes) -> None:
-        if self.stopping:
-            return
-        self.out += data
+    def _wrote(self) -> None:
+        """The engine has something to send."""
         server = self.server
         if server.holding:
             server.dirty[self] = None       # sent when the write batch ends
@@ -266,288 +287,124 @@ class Connection:
             self.out_ready.set()
 
     def flush(self) -> None:
-        """Send what is queued now, with one non-blocking send; whatever the socket does not
-        take (or anything queued while the writer task is mid-send) is left to the writer."""
+        """Send what is ready now, with one non-blocking send; whatever the socket does not
+        take (or anything ready while the writer task is mid-send) is left to the writer."""
+        if self.sending or self.stopping:
+            self.out_ready.set()
+            return
+        self._take()
         if not self.out:
             return
-        if not (self.sending or self.stopping):
-            try:
-                sent = self.raw.send(self.out)
-            except OSError:             # would block, or a broken socket: the writer finds out
-                sent = 0
-            if sent == len(self.out):
-                self.out.clear()
-                return
-            del self.out[:sent]
+        try:
+            sent = self.raw.send(self.out)
+        except OSError:             # would block, or a broken socket: the writer finds out
+            sent = 0
+        if sent == len(self.out):
+            self.out.clear()
+            return
+        del self.out[:sent]
         self.out_ready.set()
 
     async def _read_loop(self) -> None:
-        sock = self.sock
-        buf = bytearray()
-        while len(buf) < len(PREFACE):
-            chunk = await sock.receive_some(RECV_BYTES)
-            if not chunk:
-                return
-            buf += chunk
-        if buf[:len(PREFACE)] != PREFACE:
-            raise ConnectionError_(PROTOCOL_ERROR, "the client did not open with the HTTP/2 connection preface "
-                                                   "(xlaserve serves gRPC over cleartext HTTP/2 only)")
-        del buf[:len(PREFACE)]
-        self._write(frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in (
-            (MAX_CONCURRENT_STREAMS, OUR_STREAMS), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
-            (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, OUR_HEADER_LIST))))
-                    + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
-        # One fixed buffer per connection, filled with recv_into: no allocation per read. DATA
-        # payloads are handed on as views into it (copied once, into their call's body); other
-        # frames as bytes.
-        buffer = bytearray(READ_BUFFER)
+        h2 = self.h2
+        h2.initiate_connection(SETTINGS)
+        h2.set_local_window_size(OUR_CONN_WINDOW)
+        self._wrote()
+        buffer = bytearray(RECV_BYTES)
         view = memoryview(buffer)
-        start, end = 0, len(buf)
-        buffer[:end] = buf
-        recv_into = sock.socket.recv_into
-        unpack = _FRAME_HEADER.unpack_from
-        handle = self._frame
+        recv_into = self.sock.socket.recv_into
+        receive = h2.receive_data
+        events = h2.events
+        handle = self._events
         batch = self.server.write_batch
         while True:
-            pos = start
-            with batch():       # replies, acks and window updates of one read go out in one send
-                while end - pos >= 9:
-                    lt, flags, stream_id = unpack(buffer, pos)
-                    length = lt >> 8
-                    stop = pos + 9 + length
-                    if length > OUR_MAX_FRAME:
-                        raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes exceeds the "
-                                                                 f"{OUR_MAX_FRAME} this server advertised")
-                    if stop > end:
-                        break
-                    ftype = lt & 0xFF
-                    handle(ftype, flags, stream_id & 0x7FFFFFFF,
-                           view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
-                    pos = stop
-            start = pos
-            if self.going_away and not self.calls:
-                return
-            if start == end:
-                start = end = 0
-            elif READ_BUFFER - end < OUR_MAX_FRAME + 9:   # make room for a whole frame
-                buffer[:end - start] = bytes(view[start:end])
-                start, end = 0, end - start
-            n = await recv_into(view[end:])
+            n = await recv_into(buffer)
             if not n:
                 return
-            end += n
-
-    # ---- incoming frames -------------------------------------------------------------------
-    def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
-        if self.continuation is not None and ftype != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "a header block was interrupted by another frame")
-        if ftype == DATA:
-            self._on_data(flags, sid, payload)
-        elif ftype == HEADERS:
-            self._on_headers(flags, sid, payload)
-        elif ftype == WINDOW_UPDATE:
-            self._on_window_update(sid, payload)
-        elif ftype == PING:
-            if sid != 0 or len(payload) != 8:
-                raise ConnectionError_(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING frame")
-            if not flags & ACK:
-                self._write(frame(PING, ACK, 0, payload))
-        elif ftype == SETTINGS:
-            self._on_settings(flags, sid, payload)
-        elif ftype == RST_STREAM:
-            if sid == 0 or len(payload) != 4:
-                raise ConnectionError_(PROTOCOL_ERROR, "malformed RST_STREAM frame")
-            if sid > self.last_stream:
-                raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
-            call = self.calls.get(sid)
-            if call is not None:
-                call.cancel()
-                self._forget(call)
-        elif ftype == CONTINUATION:
-            if self.continuation is None or self.continuation[0] != sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
-            self.continuation[2].extend(payload)
-            if flags & END_HEADERS:
-                sid, first_flags, block = self.continuation
-                self.continuation = None
-                self._on_header_block(first_flags, sid, bytes(block))
-        elif ftype == GOAWAY:
-            self.going_away = True
-        elif ftype == PRIORITY:
-            if len(payload) != 5:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY frame is not 5 bytes")
-        elif ftype == PUSH_PROMISE:
-            raise ConnectionError_(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
-        # unknown frame types are ignored (section 4.1)
-
-    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid != 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & ACK:
-            if payload:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
-            return
-        if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
-        for i in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, i)
-            if key == INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {value} is above 2^31-1")
-                delta = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for call in self.calls.values():
-                    call.send_window += delta
-            elif key == MAX_FRAME_SIZE:
-                if not DEFAULT_FRAME <= value <= 2**24 - 1:
-                    raise ConnectionError_(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
-                self.peer_max_frame = value
-            elif key == ENABLE_PUSH and value > 1:
-                raise ConnectionError_(PROTOCOL_ERROR, f"ENABLE_PUSH {value} is not 0 or 1")
-            # HEADER_TABLE_SIZE: our encoder never uses the dynamic table; the rest are advisory
-        self._write(frame(SETTINGS, ACK, 0))
-        self._flush_blocked()
-
-    def _on_window_update(self, sid: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
-        increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
-        if sid == 0:
-            if increment == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
-            self.send_window += increment
-            if self.send_window > MAX_WINDOW:
-                raise ConnectionError_(FLOW_CONTROL_ERROR, "the connection's send window exceeds 2^31-1")
-        else:
-            call = self.calls.get(sid)
-            if call is None:
+            with batch():       # replies, acks and window updates of one read go out in one send
+                receive(view[:n])
+                self.opened = True
+                handle(events())
+                self._wrote()
+            if self.closed or self.going_away and not self.calls:
                 return
-            if increment == 0:
-                self._reset(call, PROTOCOL_ERROR)
+
+    # ---- what the engine reports -----------------------------------------------------------
+    def _events(self, events: list) -> None:
+        calls = self.calls
+        for event in events:
+            kind = type(event)
+            if kind is DataReceived:
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    self._on_data(call, event.data, event.end_stream)
+            elif kind is RequestReceived:
+                self._on_request(event.stream_id, event.headers, event.end_stream)
+            elif kind is StreamClosed or kind is StreamReset:
+                call = calls.pop(event.stream_id, None)
+                if call is not None:
+                    if not call.finished:
+                        call.cancel()
+                    self._forget(call)
+            elif kind is TrailersReceived:
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    self._end_of_request(call)
+            elif kind is GoAwayReceived:
+                self.going_away = True
+            elif kind is ConnectionClosed:
+                if event.error_code:
+                    log.info("closing a gRPC connection: HTTP/2 error %d: %s", event.error_code,
+                             event.debug_data.decode("utf-8", "replace"))
+                self.closed = True
                 return
-            call.send_window += increment
-        self._flush_blocked()
+        if self.draining:
+            self._after_send()
 
-    def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
-        start, stop = 0, len(payload)
-        if flags & PADDED:
-            pad = payload[0] if payload else 256
-            start, stop = 1, stop - pad
-        if flags & PRIORITY_FLAG:
-            start += 5
-        if stop < start:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
-        block = payload[start:stop]
-        if flags & END_HEADERS:
-            self._on_header_block(flags, sid, block)
-        else:
-            self.continuation = (sid, flags, bytearray(block))
-
-    def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
-        try:
-            headers = self.decoder.decode(block)
-        except HPACKError as exc:
-            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        if not sid & 1:
-            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
-        call = self.calls.get(sid)
-        if call is not None:                                 # trailers from the client
-            if not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
-            self._end_of_request(call)
-            return
-        if sid <= self.last_stream:
-            if flags & END_STREAM:
-                return                    # trailers of a call we already answered and reset
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {sid} after stream {self.last_stream}; "
-                                                   "stream ids must increase")
+    def _on_request(self, sid: int, fields, end_stream: bool) -> None:
         self.last_stream = sid
-        if self.going_away or len(self.calls) >= OUR_STREAMS:
-            self._write(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
-            return
-        self._new_call(flags, sid, headers)
-
-    def _new_call(self, flags: int, sid: int, headers: Iterable[tuple[str, str]]) -> None:
-        method_name = path = content_type = ""
-        metadata: dict[str, str] = {}
-        for name, value in headers:
-            if name[0] == ":":
-                if name == ":path":
-                    path = value
-                elif name == ":method":
-                    method_name = value
-            elif name == "content-type":
-                content_type = value
-            else:
-                metadata[name] = value
-        method = self.server.methods.get(path)
-        call = Call(self, sid, method, metadata, None, metadata.get("grpc-encoding", "identity"))
-        call.fast = self.server.fast.get(path)
-        self.calls[sid] = call
-        if flags & END_STREAM:
+        head = read_head(fields)
+        server = self.server
+        method = server.methods.get(head.path)
+        call = Call(self, sid, method, head.metadata, None, head.encoding)
+        if end_stream:
             call.remote_closed = True
-        if method_name != "POST":
-            self._http_error(call, "405", f"gRPC calls are POST requests, not {method_name or 'missing'}")
+        self.calls[sid] = call
+        checked = check_head(head, method is not None, server.service_names)
+        if checked.__class__ is Refusal:
+            self._refuse(call, checked)
             return
-        if not content_type.startswith("application/grpc"):
-            self._http_error(call, "415", f"content-type {content_type!r} is not application/grpc")
-            return
-        if method is None:
-            self._fail(call, Status.UNIMPLEMENTED, f"unknown method {path!r}; this server serves "
-                                                   f"{', '.join(self.server.service_names)}")
-            return
-        if call.encoding not in ("identity", "gzip", "deflate"):
-            self._fail(call, Status.UNIMPLEMENTED, f"grpc-encoding {call.encoding!r} is not supported; use "
-                                                   "identity, gzip or deflate")
-            return
-        timeout = metadata.get("grpc-timeout")
-        if timeout is not None:
-            try:
-                call.deadline = Deadline.from_timeout(parse_timeout(timeout))
-            except ValueError as exc:
-                self._fail(call, Status.INVALID_ARGUMENT, str(exc))
-                return
+        if checked is not None:
+            call.deadline = Deadline.from_timeout(checked)
+        call.fast = server.fast.get(head.path)
         if call.remote_closed:
             self._end_of_request(call)      # no request message at all
         elif method.cardinality.value.client_streaming:
             self._start(call)
 
-    def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
-        length = len(payload)
-        self.recv_unacked += length
-        if self.recv_unacked >= OUR_CONN_WINDOW // 2:
-            self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
-            self.recv_unacked = 0
-        call = self.calls.get(sid)
-        if call is None:
-            if sid > self.last_stream:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
-            return                      # a stream we already answered or reset
-        if call.remote_closed:
-            self._reset(call, STREAM_CLOSED)
-            return
-        if flags & PADDED:
-            pad = payload[0] if payload else 256
-            if pad >= length:
-                raise ConnectionError_(PROTOCOL_ERROR, "DATA padding exceeds the frame")
-            payload = payload[1:length - pad]
+    def _on_data(self, call: Call, data: bytes, end_stream: bool) -> None:
         if not call.finished:
+            length = len(data)
             self.held_bound += length
             if self.held_bound > self.server.max_held_bytes and not self._may_hold(call, length):
                 return
-            call.body += payload
-            self._cut_messages(call)
-        if flags & END_STREAM:
+            server = self.server
+            if call.body:
+                call.body += data                 # a bytearray: grows in place
+                data = call.body
+            try:
+                messages, call.body = cut_messages(data, call.encoding, server.max_recv_bytes,
+                                                   server.too_large_request)
+            except GRPCError as exc:
+                call.body = b""
+                self._fail(call, exc.status, exc.message)
+                return
+            if messages:
+                call.messages.extend(messages)
+                if call.arrived is not None:
+                    call.arrived.set()
+        if end_stream:
             self._end_of_request(call)
-        else:
-            call.unacked += length
-            if call.unacked >= OUR_STREAM_WINDOW // 2:
-                self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
-                call.unacked = 0
 
     def _may_hold(self, call: Call, length: int) -> bool:
         """Whether ``length`` more request bytes for ``call`` stay within the server's
@@ -561,62 +418,14 @@ class Connection:
             return True
         self.held_bound = held - len(call.body) - sum(map(len, call.messages))
         unfinished = sum(1 for c in self.calls.values() if c.body or c.messages or c is call)
-        call.body = bytearray()
+        call.body = b""
         call.messages.clear()
         self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_much_held(held + length, limit, unfinished))
         return False
 
-    def _cut_messages(self, call: Call) -> None:
-        """Move complete length-prefixed messages from the call's body to its message queue."""
-        body = call.body
-        while len(body) >= 5:
-            compressed, size = _MESSAGE_PREFIX.unpack_from(body, 0)
-            limit = self.server.max_recv_bytes
-            if size > limit:
-                self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_large_request(size, limit))
-                call.body = bytearray()
-                return
-            if len(body) < 5 + size:
-                return
-            if len(body) == 5 + size:           # the usual case: the body is exactly one message
-                payload = memoryview(body)[5:]
-                call.body = body = bytearray()
-            else:
-                payload = bytes(memoryview(body)[5:5 + size])
-                del body[:5 + size]
-            if compressed:
-                try:
-                    payload = self._decompress(call, payload, limit)
-                except ValueError as exc:
-                    self._fail(call, Status.INVALID_ARGUMENT, str(exc))
-                    call.body = bytearray()
-                    return
-                self.held_bound += len(payload) - size     # it may have grown
-                if len(payload) > limit:
-                    self._fail(call, Status.RESOURCE_EXHAUSTED, "decompressed, " + self.server.too_large_request(
-                        f"more than {limit}", limit))
-                    call.body = bytearray()
-                    return
-            call.messages.append(payload)
-            if call.arrived is not None:
-                call.arrived.set()
-
-    @staticmethod
-    def _decompress(call: Call, payload: bytes, limit: int) -> bytes:
-        if call.encoding == "identity":
-            raise ValueError("a message is flagged compressed but the call declared no grpc-encoding")
-        wbits = 31 if call.encoding == "gzip" else 15
-        try:
-            d = zlib.decompressobj(wbits)
-            out = d.decompress(payload, limit + 1)
-        except zlib.error as exc:
-            raise ValueError(f"the request message is not valid {call.encoding} data: {exc}") from None
-        return out   # at most limit + 1 bytes: the caller refuses anything longer
-
     def _end_of_request(self, call: Call) -> None:
         call.remote_closed = True
         if call.finished:
-            self._forget(call)
             return
         if call.body:
             self._fail(call, Status.INVALID_ARGUMENT, f"the request ends inside a message ({len(call.body)} "
@@ -639,11 +448,11 @@ class Connection:
             return
         try:
             call.fast(call, call.parse(call.messages.popleft()))
-        except GRPCError as exc:
-            self._finish(call, exc.status, exc.message)
         except Exception as exc:
-            log.exception("gRPC handler %s failed", call.fast.__qualname__)
-            self._finish(call, Status.INTERNAL, internal_message(exc))
+            status, message, expected = status_of(exc)
+            if not expected:
+                log.exception("gRPC handler %s failed", call.fast.__qualname__)
+            self._finish(call, status, message)
 
     async def _run_call(self, call: Call) -> None:
         status, message = Status.OK, None
@@ -657,7 +466,7 @@ class Connection:
                 status, message = exc.status, exc.message
             except Exception as exc:
                 log.exception("gRPC handler %s failed", call.method.func.__qualname__)
-                status, message = Status.INTERNAL, internal_message(exc)
+                status, message = Status.INTERNAL, status_of(exc)[1]
         if scope.cancelled_caught or call.reset or self.stopping:
             return
         self._finish(call, status, message)
@@ -669,28 +478,22 @@ class Connection:
         limit = self.server.max_send_bytes
         if len(data) > limit:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, self.server.too_large_response(len(data), limit))
-        message = _MESSAGE_PREFIX.pack(0, len(data)) + data
-        head = b""
-        if not call.headers_sent:
-            call.headers_sent = True
-            head = frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS)
-        n = len(message)
-        if not call.pending and n <= call.send_window and n <= self.send_window and n <= self.peer_max_frame:
-            call.send_window -= n
-            self.send_window -= n
-            self._write(head + frame(DATA, 0, call.id, message))
+        h2 = self.h2
+        try:
+            if not call.headers_sent:
+                call.headers_sent = True
+                h2.send_response(call.id, RESPONSE_HEADERS)
+            h2.send_data(call.id, framed(data))
+        except ngh2.NGH2Error:      # the stream or the connection is gone
+            call.cancel()
             return
-        if head:
-            self._write(head)
-        call.pending.append(message)
-        self._flush_call(call)
+        self._wrote()
 
     def reply_unary(self, call: Call, data: bytes) -> None:
-        """The whole answer of a unary call: HEADERS, the message, OK trailers; one write when
-        the windows allow (the common case)."""
-        n = len(data) + 5
-        if (call.headers_sent or call.pending or n > call.send_window or n > self.send_window
-                or n > self.peer_max_frame or len(data) > self.server.max_send_bytes):
+        """The whole answer of a unary call: HEADERS, the message, OK trailers."""
+        if call.finished:
+            return
+        if call.headers_sent or len(data) > self.server.max_send_bytes:
             try:
                 self.send_message(call, data)
             except GRPCError as exc:
@@ -699,73 +502,60 @@ class Connection:
             self._finish(call, Status.OK, None)
             return
         call.headers_sent = call.finished = True
-        call.send_window -= n
-        self.send_window -= n
+        h2 = self.h2
         sid = call.id
-        pack = _FRAME_HEADER.pack
-        self._write(b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
-                              pack(n << 8 | DATA, 0, sid), _MESSAGE_PREFIX.pack(0, len(data)), data,
-                              pack(len(_OK_TRAILERS) << 8 | HEADERS, END_HEADERS | END_STREAM, sid), _OK_TRAILERS)))
-        if not call.remote_closed:
-            self._write(frame(RST_STREAM, 0, sid, _U32.pack(NO_ERROR)))
-        self._forget(call)
+        try:
+            h2.send_response(sid, RESPONSE_HEADERS)
+            h2.send_data(sid, framed(data))
+            h2.send_trailers(sid, OK_TRAILERS)
+        except ngh2.NGH2Error:
+            call.cancel()
+            return
+        self._ended(call)
 
     def _finish(self, call: Call, status: Status, message: str | None) -> None:
         """End the call: trailers (or a trailers-only response) with its status."""
         if call.finished:
             return
         call.finished = True
-        if status is Status.OK and message is None:
-            block = _OK_TRAILERS
-        else:
-            fields = [("grpc-status", str(status.value))]
-            if message:
-                fields.append(("grpc-message", encode_grpc_message(message)))
-            block = encode(fields)
-        if not call.headers_sent:
-            call.headers_sent = True
-            block = _RESPONSE_HEADERS + block
-        if call.pending:
-            call.pending.append(("trailers", block))
-            self._flush_call(call)
-        else:
-            self._send_trailers(call, block)
+        fields = trailers(status, message)
+        h2 = self.h2
+        try:
+            if call.headers_sent:
+                h2.send_trailers(call.id, fields)
+            else:
+                call.headers_sent = True
+                h2.send_response(call.id, RESPONSE_HEADERS + fields, end_stream=True)
+        except ngh2.NGH2Error:
+            call.cancel()
+            return
+        self._ended(call)
+
+    def _refuse(self, call: Call, refusal: Refusal) -> None:
+        call.finished = call.headers_sent = True
+        try:
+            self.h2.send_response(call.id, refusal.fields(), end_stream=True)
+        except ngh2.NGH2Error:
+            call.cancel()
+            return
+        self._ended(call)
 
     def _fail(self, call: Call, status: Status, message: str) -> None:
         if call.scope is not None:
             call.scope.cancel()
         self._finish(call, status, message)
 
-    def _http_error(self, call: Call, http_status: str, message: str) -> None:
-        call.finished = call.headers_sent = True
-        self._send_trailers(call, encode([(":status", http_status), ("content-type", "text/plain"),
-                                          ("grpc-status", str(Status.INTERNAL.value)),
-                                          ("grpc-message", encode_grpc_message(message))]))
-
-    def _send_trailers(self, call: Call, block: bytes) -> None:
-        self._write(self._header_frames(call.id, block, END_STREAM))
-        if not call.remote_closed:   # answered early: the client need not send the rest
-            self._write(frame(RST_STREAM, 0, call.id, _U32.pack(NO_ERROR)))
-        self._forget(call)
-
-    def _header_frames(self, sid: int, block: bytes, flags: int) -> bytes:
-        size = self.peer_max_frame
-        if len(block) <= size:
-            return frame(HEADERS, flags | END_HEADERS, sid, block)
-        parts = [frame(HEADERS, flags, sid, block[:size])]
-        for i in range(size, len(block), size):
-            last = i + size >= len(block)
-            parts.append(frame(CONTINUATION, END_HEADERS if last else 0, sid, block[i:i + size]))
-        return b"".join(parts)
-
-    def _reset(self, call: Call, code: int) -> None:
-        self._write(frame(RST_STREAM, 0, call.id, _U32.pack(code)))
-        call.cancel()
-        self._forget(call)
+    def _ended(self, call: Call) -> None:
+        """``call``'s answer is queued in full."""
+        if call.remote_closed:
+            self.calls.pop(call.id, None)
+            self._forget(call)
+        else:
+            self.early.append(call.id)
+        self._wrote()
 
     def _forget(self, call: Call) -> None:
-        self.calls.pop(call.id, None)
-        self.blocked.pop(call.id, None)
+        self.draining.pop(call.id, None)
         if call.drained is not None:
             call.drained.set()
         self._maybe_idle()
@@ -775,42 +565,15 @@ class Connection:
         if self.going_away and not self.calls:
             self.read_scope.cancel()
 
-    def _flush_call(self, call: Call) -> None:
-        """Send as much of ``call``'s waiting output as the windows allow."""
-        pending = call.pending
-        while pending:
-            item = pending[0]
-            if isinstance(item, tuple):
-                pending.popleft()
-                self._send_trailers(call, item[1])
-                return
-            room = min(call.send_window, self.send_window, self.peer_max_frame)
-            if room <= 0:
-                self.blocked[call.id] = call
-                return
-            chunk = item[:room]
-            call.send_window -= len(chunk)
-            self.send_window -= len(chunk)
-            self._write(frame(DATA, 0, call.id, chunk))
-            if len(chunk) == len(item):
-                pending.popleft()
-            else:
-                pending[0] = item[len(chunk):]
-        self.blocked.pop(call.id, None)
-        if call.drained is not None:
-            call.drained.set()
-
-    def _flush_blocked(self) -> None:
-        for call in list(self.blocked.values()):
-            if self.send_window <= 0:
-                return
-            self._flush_call(call)
-
     def go_away(self) -> None:
         """Graceful close: refuse new streams, finish the open ones, then close."""
         if not self.going_away:
             self.going_away = True
-            self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(NO_ERROR)))
+            try:
+                self.h2.send_goaway(NO_ERROR, last_stream_id=self.last_stream)
+            except ngh2.NGH2Error:
+                pass
+            self._wrote()
         self._maybe_idle()
 
 
