@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -39,22 +39,30 @@ def parse_timeout(value: str) -> float:
 
 @dataclass(slots=True)
 class RequestHead:
-    """What a request's header block says, for gRPC."""
+    """What a request's header block says, for gRPC. ``fields`` are kept as they came; the
+    metadata is decoded from them only if asked for (ModelInfer never asks)."""
 
+    fields: tuple = ()
     method: str = ""                   # the HTTP method
     path: str = ""
     content_type: str = ""
-    metadata: dict[str, str] = field(default_factory=dict)   # every field but pseudo-headers and content-type
+    encoding: str = "identity"         # grpc-encoding
+    timeout: str | None = None         # grpc-timeout, as sent
 
     @property
-    def encoding(self) -> str:
-        return self.metadata.get("grpc-encoding", "identity")
+    def metadata(self) -> dict[str, str]:
+        """Every field but pseudo-headers and content-type, as text."""
+        return metadata_of(self.fields)
 
 
-def read_head(fields: Iterable[tuple[bytes, bytes]]) -> RequestHead:
+def metadata_of(fields: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in fields
+            if name[0] != 58 and name != b"content-type"}          # 58: b":"
+
+
+def read_head(fields: tuple[tuple[bytes, bytes], ...]) -> RequestHead:
     """The request head from decoded header fields (HTTP/2 has validated them)."""
-    head = RequestHead()
-    metadata = head.metadata
+    head = RequestHead(fields)
     for name, value in fields:
         if name[0] == 58:                  # b":"
             if name == b":path":
@@ -63,8 +71,10 @@ def read_head(fields: Iterable[tuple[bytes, bytes]]) -> RequestHead:
                 head.method = value.decode("latin-1")
         elif name == b"content-type":
             head.content_type = value.decode("latin-1")
-        else:
-            metadata[name.decode("latin-1")] = value.decode("latin-1")
+        elif name == b"grpc-encoding":
+            head.encoding = value.decode("latin-1")
+        elif name == b"grpc-timeout":
+            head.timeout = value.decode("latin-1")
     return head
 
 
@@ -99,11 +109,10 @@ def check_head(head: RequestHead, known: bool, service_names: Iterable[str]) -> 
     if head.encoding not in ENCODINGS:
         return Refusal(Status.UNIMPLEMENTED, f"grpc-encoding {head.encoding!r} is not supported; use "
                                              "identity, gzip or deflate")
-    timeout = head.metadata.get("grpc-timeout")
-    if timeout is None:
+    if head.timeout is None:
         return None
     try:
-        return parse_timeout(timeout)
+        return parse_timeout(head.timeout)
     except ValueError as exc:
         return Refusal(Status.INVALID_ARGUMENT, str(exc))
 
@@ -136,7 +145,7 @@ def status_of(exc: BaseException) -> tuple[Status, str, bool]:
 
 
 def cut_messages(body: bytes | bytearray, encoding: str, limit: int,
-                 too_large: Callable[[int | str, int], str]) -> tuple[list, bytearray]:
+                 too_large: Callable[[int | str, int], str]) -> tuple[list, bytes | bytearray]:
     """The complete length-prefixed messages at the start of ``body`` (decompressed), and what
     is left of it. Raises GRPCError: RESOURCE_EXHAUSTED for a message over ``limit`` bytes
     (known from its prefix, before its bytes arrive, and again once decompressed),
@@ -157,9 +166,11 @@ def cut_messages(body: bytes | bytearray, encoding: str, limit: int,
                 raise GRPCError(Status.RESOURCE_EXHAUSTED, "decompressed, " + too_large(f"more than {limit}", limit))
         messages.append(payload)
         pos = stop
+    if pos == end:
+        return messages, b""
     if pos == 0:            # nothing complete yet: keep the body (growing it in place from now on)
         return messages, body if isinstance(body, bytearray) else bytearray(body)
-    return messages, bytearray(memoryview(body)[pos:]) if pos < end else bytearray()
+    return messages, bytearray(memoryview(body)[pos:])
 
 
 def decompress(payload, encoding: str, limit: int) -> bytes:

@@ -42,7 +42,8 @@ from ngh2 import (ConnectionClosed, DataReceived, GoAwayReceived, RequestReceive
                   StreamReset, TrailersReceived)
 
 from xlaserve.frontend.grpc_protocol import (
-    OK_TRAILERS, RESPONSE_HEADERS, Refusal, check_head, cut_messages, framed, read_head, status_of, trailers,
+    OK_TRAILERS, RESPONSE_HEADERS, Refusal, check_head, cut_messages, framed, metadata_of, read_head, status_of,
+    trailers,
 )
 
 log = logging.getLogger("xlaserve.grpc")
@@ -77,16 +78,17 @@ def goaway_bytes(code: int, message: str, last_stream: int) -> bytes:
 class Call:
     """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
 
-    __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
+    __slots__ = ("conn", "id", "method", "fields", "_metadata", "deadline", "encoding", "body", "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "arrived", "scope",
                  "drained", "fast")
 
-    def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
+    def __init__(self, conn: "Connection", stream_id: int, method, fields: tuple,
                  deadline: Deadline | None, encoding: str) -> None:
         self.conn = conn
         self.id = stream_id
         self.method = method            # grpclib.const.Handler
-        self.metadata = metadata
+        self.fields = fields            # the request's header fields, as received
+        self._metadata: dict[str, str] | None = None
         self.deadline = deadline
         self.encoding = encoding
         self.body: bytes | bytearray = b""   # request bytes not yet cut into messages
@@ -100,6 +102,13 @@ class Call:
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
         self.fast = None                # the method's task-free entry point, if it has one
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The request's header fields but pseudo-headers and content-type (decoded when first asked)."""
+        if self._metadata is None:
+            self._metadata = metadata_of(self.fields)
+        return self._metadata
 
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
@@ -366,7 +375,7 @@ class Connection:
         head = read_head(fields)
         server = self.server
         method = server.methods.get(head.path)
-        call = Call(self, sid, method, head.metadata, None, head.encoding)
+        call = Call(self, sid, method, fields, None, head.encoding)
         if end_stream:
             call.remote_closed = True
         self.calls[sid] = call
