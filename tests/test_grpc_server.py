@@ -1252,6 +1252,73 @@ def test_client_goaway_lets_open_calls_finish(server):
     client.expect_eof()
 
 
+# --- hostile clients: libnghttp2's limits --------------------------------------------------------
+
+def _still_serves(server) -> None:
+    assert server.connect().call(1, "/test.Echo/Unary", request("after")).replies()[0].id == "after"
+
+
+def test_continuation_flood_is_enhance_your_calm(server):
+    """CONTINUATION flood: a header block that never ends, spread over empty CONTINUATION frames.
+    libnghttp2 accepts 8 (ngh2's max_continuations) after the HEADERS frame."""
+    client = server.connect()
+    block = client.encoder.encode(request_headers("/test.Echo/Unary"))
+    client.send(frame(HEADERS, 0, 1, block[:2]), *(frame(CONTINUATION, 0, 1, b"") for _ in range(9)))
+    goaway = client.goaway()
+    assert goaway.code == ENHANCE_YOUR_CALM and b"CONTINUATION" in goaway.debug
+    client.expect_eof()
+    _still_serves(server)
+
+
+def test_a_header_list_over_the_advertised_size_closes_the_connection(server):
+    """A header list past the 64 KiB the server advertises (SETTINGS_MAX_HEADER_LIST_SIZE); HPACK
+    Huffman strings count decoded."""
+    client = server.connect()
+    block = client.encoder.encode(request_headers("/test.Echo/Unary", extra=(("x-big", "a" * 70_000),)))
+    client.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, block), frame(PING, 0, 0, b"probe!!!"))
+    goaway = client.goaway()
+    assert goaway.code == ENHANCE_YOUR_CALM and b"header list" in goaway.debug
+    client.expect_eof()
+    _still_serves(server)
+
+
+def test_rapid_reset_closes_the_connection(server):
+    """Rapid reset (CVE-2023-44487): streams opened and reset at once, faster than libnghttp2's
+    RST_STREAM rate limit (a burst of 1000, then 33 a second)."""
+    client = server.connect()
+    client.send(*(client.headers_frame(sid, request_headers("/test.Echo/Slow")) +
+                  frame(RST_STREAM, 0, sid, struct.pack(">I", CANCEL)) for sid in range(1, 4003, 2)))
+    goaway = client.goaway()
+    assert goaway.code == INTERNAL_ERROR and goaway.last_stream < 4001     # libnghttp2's choice of code
+    client.expect_eof()
+    assert not server.service.slow_started.is_set()     # never a request message: no handler ran
+    _still_serves(server)
+
+
+def test_ping_flood_from_a_client_that_does_not_read(server, caplog):
+    """PING flood: the client never reads its PING ACKs. Once the socket holds no more, the
+    writer waits in send_all, the ACKs stay in libnghttp2's queue, and past 1000 queued
+    (ngh2's max_outbound_ack) the connection is closed: the server's memory for it stays bounded."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(TIMEOUT)
+    sock.connect(("127.0.0.1", server.port))
+    pings = frame(PING, 0, 0, b"flooding") * 10_000
+    sock.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(SETTINGS, ACK, 0))
+    closed = False
+    with caplog.at_level(logging.INFO, logger="xlaserve.grpc"):
+        try:
+            for _ in range(200):                    # up to 34 MB of PING frames
+                sock.sendall(pings)
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+        finally:
+            sock.close()
+    assert closed, "the server read 2 million PINGs without closing the connection"
+    _still_serves(server)
+    assert any("Flooding was detected" in r.getMessage() for r in caplog.records if r.name == "xlaserve.grpc")
+
+
 # --- task-free unary methods (__fast_unary__) ---------------------------------------------------
 
 def test_fast_unary_round_trip(server):
