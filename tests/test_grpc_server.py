@@ -1295,6 +1295,25 @@ def test_rapid_reset_closes_the_connection(server):
     _still_serves(server)
 
 
+def test_empty_data_flood_is_enhance_your_calm(server):
+    """Frames that break no rule but cost work ("glitches", here empty DATA frames on an open
+    stream) beyond libnghttp2's glitch rate limit (a burst of 10000, then 330 a second)."""
+    client = server.connect()
+    client.send(client.headers_frame(1, request_headers("/test.Echo/Collect")),
+                frame(DATA, 0, 1, b"") * 12_000)
+    assert client.goaway().code == ENHANCE_YOUR_CALM
+    client.expect_eof()
+    _still_serves(server)
+
+
+def test_too_many_settings_entries_is_enhance_your_calm(server):
+    client = server.connect()
+    client.send(frame(SETTINGS, 0, 0, settings_payload({HEADER_TABLE_SIZE: 4096}) * 33))
+    goaway = client.goaway()
+    assert goaway.code == ENHANCE_YOUR_CALM and b"too many setting entries" in goaway.debug
+    client.expect_eof()
+
+
 def test_ping_flood_from_a_client_that_does_not_read(server, caplog):
     """PING flood: the client never reads its PING ACKs. Once the socket holds no more, the
     writer waits in send_all, the ACKs stay in libnghttp2's queue, and past 1000 queued
