@@ -115,8 +115,6 @@ class Call:
         self.reset = self.finished = True
         if self.scope is not None:
             self.scope.cancel()
-        if self.drained is not None:
-            self.drained.set()
 
     def complete(self, outcome) -> None:
         """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
