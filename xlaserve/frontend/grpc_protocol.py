@@ -144,8 +144,8 @@ def status_of(exc: BaseException) -> tuple[Status, str, bool]:
     return Status.INTERNAL, internal_message(exc), False
 
 
-def cut_messages(body: bytes | bytearray, encoding: str, limit: int,
-                 too_large: Callable[[int | str, int], str]) -> tuple[list, bytes | bytearray]:
+def cut_messages(body: bytes, encoding: str, limit: int,
+                 too_large: Callable[[int | str, int], str]) -> tuple[list, bytes]:
     """The complete length-prefixed messages at the start of ``body`` (decompressed), and what
     is left of it. Raises GRPCError: RESOURCE_EXHAUSTED for a message over ``limit`` bytes
     (known from its prefix, before its bytes arrive, and again once decompressed),
@@ -168,9 +168,15 @@ def cut_messages(body: bytes | bytearray, encoding: str, limit: int,
         pos = stop
     if pos == end:
         return messages, b""
-    if pos == 0:            # nothing complete yet: keep the body (growing it in place from now on)
-        return messages, body if isinstance(body, bytearray) else bytearray(body)
-    return messages, bytearray(memoryview(body)[pos:])
+    return messages, body if pos == 0 else body[pos:]
+
+
+def message_end(body: bytes) -> int:
+    """How many bytes ``body`` must reach before its first message is complete (5 while its
+    prefix is incomplete)."""
+    if len(body) < 5:
+        return 5
+    return 5 + MESSAGE_PREFIX.unpack_from(body, 0)[1]
 
 
 def decompress(payload, encoding: str, limit: int) -> bytes:
