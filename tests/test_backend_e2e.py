@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from examples.export_examples import export_simple
 from tests.conftest import ROOT, serve, write_node
 
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
@@ -30,7 +31,7 @@ def test_unusable_cuda_fails_start_up_in_one_line_with_status_2(tmp_path, comman
 
 
 def test_cuda_with_fallback_serves_on_cpu_and_says_why_once(tmp_path):
-    (tmp_path / "models").mkdir()
+    export_simple(tmp_path / "models", (1,))   # a worker is ready once a model is
     runtime = {"backend": "cuda", "allow_cpu_fallback": True, "mem_fraction": 0.5}
     with serve(tmp_path / "srv", tmp_path / "models", {"runtime": runtime}, env=NO_GPU) as server:
         assert server.get("/readyz")[0] == 200

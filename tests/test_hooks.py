@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import threading
 import time
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
@@ -12,14 +13,15 @@ from types import MappingProxyType, SimpleNamespace
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from examples import reference
 from xlaserve._hooks import NamedTensor, conform
 from xlaserve.bundle import ModelVersion, import_hooks
-from xlaserve.errors import BundleError, InternalError, XlaserveError
+from xlaserve.errors import BundleError, Cancelled, InternalError, XlaserveError
 from xlaserve.manifest import parse_manifest
 from xlaserve.worker.inference import ClientRequest, InferenceService, SubCallError, call_hook
-from xlaserve.worker.messages import InferRequest, InferResult
+from xlaserve.worker.messages import CancelRequest, InferRequest, InferResult
 from xlaserve.worker.registry import ModelEntry, ModelState, ModelTable
 
 HOOKS = Path(__file__).resolve().parent.parent / "examples" / "hooks"
@@ -276,3 +278,115 @@ def test_a_spent_deadline_fails_the_sub_call_with_deadline_exceeded():
     (out,) = outcomes.values()
     assert not seen and out.status.name == "DEADLINE_EXCEEDED"
     assert "ctx.infer('double')" in str(out)
+
+
+# ---- cancellation stops a hooks or meta request at its next stage boundary ----------------
+async def _serve_cancelled(model: ModelVersion, *, cancel_on_enqueue: bool, before_cancel=None,
+                           after_cancel=None):
+    """Submit one request of ``model`` under a ticket and cancel it: when its first request
+    reaches the stand-in scheduler (``cancel_on_enqueue``), else once ``before_cancel`` (a
+    blocking callable, run in a thread) returns; then ``after_cancel()``. The stand-in holds requests until a CancelRequest names them
+    (answered CANCELLED, as the scheduler does) or, if the request was cancelled on arrival,
+    answers it as executed. Returns the scheduler's messages, the one outcome, the service."""
+    table = ModelTable()
+    table.publish(ModelEntry("double", ModelState.READY, serving=_version(_manifest("double"))))
+    seen: list = []
+    outcomes: list = []
+    replied = trio.Event()
+    to_scheduler, inbox = trio.open_memory_channel(100)
+    queued: dict = {}
+
+    async def scheduler():
+        async for message in inbox:
+            seen.append(message)
+            if isinstance(message, CancelRequest):
+                request = queued.pop(message.ticket, None)
+                if request is not None:
+                    request.reply(Cancelled("cancelled in the queue"))
+            elif cancel_on_enqueue and model.is_meta:
+                queued[message.ticket] = message
+                service.cancel("ticket")
+            elif cancel_on_enqueue:              # the client goes away while it executes
+                service.cancel("ticket")
+                message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+            else:
+                message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+    def reply(outcome):
+        outcomes.append(outcome)
+        replied.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler)
+        service = InferenceService(to_scheduler, nursery, table)
+        service.submit(ClientRequest(model, {"x": np.ones((1, 4), np.float32)}, 1, "r", None, reply,
+                                     time.perf_counter_ns(), "ticket"))
+        if before_cancel is not None:
+            await trio.to_thread.run_sync(before_cancel)
+            service.cancel("ticket")
+            after_cancel()
+        with trio.move_on_after(5):     # a request that is never answered fails the test, not hangs it
+            await replied.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    return seen, outcomes, service
+
+
+def test_a_meta_request_cancelled_takes_back_its_queued_sub_call_and_makes_no_more():
+    calls = []
+
+    def run(tensors, ctx):
+        for _ in range(2):
+            try:
+                ctx.infer("double", tensors)
+            except SubCallError as exc:
+                calls.append(exc.status.name)
+        return [NamedTensor("y", tensors[0].data)]
+
+    seen, outcomes, service = trio.run(functools.partial(_serve_cancelled, _meta(run), cancel_on_enqueue=True))
+    sub, cancel = seen
+    assert isinstance(sub, InferRequest) and cancel == CancelRequest(sub.ticket)
+    assert calls == ["CANCELLED", "CANCELLED"]      # the second sub-call never reached the scheduler
+    (outcome,) = outcomes
+    assert isinstance(outcome, Cancelled) and "model 'meta': the client cancelled request 'r'" in str(outcome)
+    assert service._tasks == {}
+
+
+def _hooked(preprocess=None, postprocess=None) -> ModelVersion:
+    from xlaserve._hooks import Registration
+    return _version(_manifest("h"), Registration("h", preprocess=preprocess, postprocess=postprocess))
+
+
+@pytest.mark.parametrize("with_preprocess", [True, False], ids=["pre+post (a task)", "post only (task-free)"])
+def test_a_request_cancelled_while_it_executes_skips_its_postprocess(with_preprocess):
+    ran = []
+
+    def post(tensors):
+        ran.append("post")
+        return tensors
+
+    model = _hooked(preprocess=(lambda tensors: tensors) if with_preprocess else None, postprocess=post)
+    seen, outcomes, service = trio.run(functools.partial(_serve_cancelled, model, cancel_on_enqueue=True))
+    assert [type(m) for m in seen] == [InferRequest, CancelRequest]
+    (outcome,) = outcomes
+    assert isinstance(outcome, Cancelled) and ran == []
+    assert service._tasks == {}
+
+
+def test_a_request_cancelled_during_its_preprocess_is_never_queued():
+    entered, go = threading.Event(), threading.Event()
+
+    def pre(tensors):
+        entered.set()
+        go.wait(5)
+        return tensors
+
+    def in_preprocess():
+        assert entered.wait(5)
+
+    seen, outcomes, service = trio.run(functools.partial(
+        _serve_cancelled, _hooked(preprocess=pre, postprocess=None), cancel_on_enqueue=False,
+        before_cancel=in_preprocess, after_cancel=go.set))
+    (outcome,) = outcomes
+    assert seen == [] and isinstance(outcome, Cancelled)
+    assert service._tasks == {}

@@ -8,6 +8,7 @@ import asyncio
 import os
 import re
 import shutil
+import signal
 import threading
 import time
 from pathlib import Path
@@ -161,18 +162,23 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
             entry = _wait(lambda: (m := _index(client)["mlp"]).reason and m, "a failed reload")
             assert entry.state == "READY" and entry.version == "2"
             assert "reload failed, still serving version 2" in entry.reason and "weights.safetensors" in entry.reason
-            (repo / "mlp" / "weights.safetensors").write_bytes(good)
+            # Break the manifest before restoring the weights: a rescan between the two writes
+            # must not find a good bundle (it would serve version 3 before the fix below).
             manifest = repo / "mlp" / "manifest.yaml"
             text = manifest.read_text()
             manifest.write_text(text.replace("dims: {f: 512}", "dims: {f: 513}"))
+            (repo / "mlp" / "weights.safetensors").write_bytes(good)
             _wait(lambda: "513" in _index(client)["mlp"].reason, "the manifest error in the index")
             x = np.ones((1, reference.MLP_HIDDEN), np.float32)
             version, y = _mlp(client, x)
             assert version == "2"
             np.testing.assert_allclose(y, np.tanh(x @ w2), rtol=1e-4, atol=1e-5)
             manifest.write_text(text)
-            _wait(lambda: (m := _index(client)["mlp"]).reason == "" and m.version not in ("1", "2"),
+            # The failed reloads used no version numbers: the fix is version 3.
+            _wait(lambda: (m := _index(client)["mlp"]).reason == "" and m.version != "2",
                   "a good reload after the fix")
+            assert _index(client)["mlp"].version == "3"
+            assert "mlp version 3 ready" in server.log() and "mlp version 4" not in server.log()
         assert load.errors == []
         assert _metric(server, "xlaserve_model_loads_total", model="mlp", outcome="failed") >= failed_before + 2
         assert "still serving version 2" in server.log()
@@ -242,14 +248,21 @@ def test_explicit_static_and_executable_cache(tmp_path):
     expected = 2 * np.arange(16).reshape(1, 16)
 
     # explicit: nothing until asked; load, serve, unload.
-    with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)}) as server:
+    # Served but not ready until a model is loaded.
+    with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)},
+               wait_ready=False) as server:
         client = grpcclient.InferenceServerClient(server.url)
         assert _index(client) == {}
+        _wait(lambda: server.get("/readyz")[1] != "loading models\n", "the (empty) start-up set")
+        assert server.get("/readyz") == (503, "no model is loaded (model_control_mode is explicit: load one "
+                                              "with RepositoryModelLoad)\n")
+        assert not client.is_server_ready()
         with pytest.raises(InferenceServerException, match=r"^\[StatusCode.NOT_FOUND\] Request for unknown model: "
                                                            "'nope' is not found; model 'nope' is not in the repository"):
             client.load_model("nope")
         client.load_model("simple")
-        assert client.is_model_ready("simple")
+        assert client.is_model_ready("simple") and client.is_server_ready()
+        assert server.get("/readyz") == (200, "ready READY=1\n")
         np.testing.assert_array_equal(_simple(client), expected)
         assert "simple version 1 ready" in server.log() and "0 of 2 module(s) from the executable cache" in server.log()
         client.unload_model("simple")
@@ -297,3 +310,26 @@ def test_plan_rescan_compares_fingerprints():
     plan = plan_rescan({"a": "1", "b": "2", "gone": "3"}, {"a": "1", "b": "9", "new": "4"})
     assert plan == RescanPlan(added=("new",), changed=("b",), removed=("gone",))
     assert not plan_rescan({"a": "1"}, {"a": "1"})
+
+
+def test_sigterm_ends_an_open_status_stream_with_ok_instead_of_waiting_out_the_drain(tmp_path, repo):
+    # grpcio, not grpclib: grpclib's client drops every open stream when a GOAWAY arrives, even
+    # a graceful one, so it cannot see a stream end with OK during a drain.
+    import grpc
+    with serve(tmp_path / "srv", repo, {"cache_dir": None}) as server:
+        with grpc.insecure_channel(server.url) as channel:
+            watch = channel.unary_stream("/xlaserve.control.WorkerControl/WatchStatus",
+                                         request_serializer=cpb.WatchStatusRequest.SerializeToString,
+                                         response_deserializer=cpb.ModelControlStatusResponse.FromString)
+            # a long interval: only the drain can end the stream before the test gives up
+            stream = watch(cpb.WatchStatusRequest(interval_seconds=3600), timeout=25)
+            snapshots = []
+            for snapshot in stream:
+                snapshots.append(snapshot)
+                if len(snapshots) == 1:
+                    server.process.send_signal(signal.SIGTERM)
+            assert stream.code() == grpc.StatusCode.OK, stream.details()
+        assert len(snapshots) == 1 and {m.name for m in snapshots[0].models} == {"mlp", "simple"}
+        assert server.process.wait(20) == 0
+    log = server.log()
+    assert "draining: no new calls" in log and "drain timed out" not in log

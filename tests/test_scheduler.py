@@ -11,9 +11,10 @@ import trio
 from trio.testing import MockClock
 
 from xlaserve.config import ModelSchedConfig, SchedulerConfig
-from xlaserve.errors import DeadlineExceeded, InternalError, QueueFull, Unavailable
+from xlaserve.errors import Cancelled, DeadlineExceeded, InternalError, ModelNotReady, QueueFull, Unavailable
+from xlaserve.metrics import Metrics
 from xlaserve.worker.executor import BatchResult
-from xlaserve.worker.messages import DropModel, InferRequest, InferResult
+from xlaserve.worker.messages import CancelRequest, DropModel, InferRequest, InferResult
 from xlaserve.worker.policy import Candidate, CostModel, DeficitRoundRobin, EdfPolicy, FifoPolicy
 from xlaserve.worker.scheduler import Scheduler
 from xlaserve.worker.stats import StatsBook
@@ -64,7 +65,8 @@ class Harness:
     def __init__(self, cfg: SchedulerConfig, cost: dict, nursery: trio.Nursery) -> None:
         self.device = FakeDevice(cost)
         self.stats = StatsBook()
-        self.scheduler = Scheduler(cfg, self.device, FakeWeights(), self.stats)
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(cfg, self.device, FakeWeights(), self.stats, self.metrics)
         self.send, self._inbox = trio.open_memory_channel(1000)
         self.models: dict[str, FakeModel] = {}
         self.nursery = nursery
@@ -75,18 +77,28 @@ class Harness:
     def model(self, name: str, sizes=(1, 2, 4, 8)) -> FakeModel:
         return self.models.setdefault(name, FakeModel(name, tuple(sizes)))
 
-    async def infer(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0):
-        send, receive = trio.open_memory_channel(1)
+    def request(self, name: str, reply, rows: int = 1, timeout: float | None = None, tag: int = 0,
+                ticket=None) -> InferRequest:
         x = np.full((rows, 1), tag, dtype=np.int64)
         now = trio.current_time()
         deadline = math.inf if timeout is None else now + timeout
-        await self.send.send(InferRequest(self.model(name), {"x": x}, rows, str(tag), deadline,
-                                          send.send_nowait, 0, now))
+        return InferRequest(self.model(name), {"x": x}, rows, str(tag), deadline, reply, 0, now, ticket)
+
+    async def infer(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, ticket=None):
+        send, receive = trio.open_memory_channel(1)
+        await self.send.send(self.request(name, send.send_nowait, rows, timeout, tag, ticket))
         return await receive.receive()
 
-    def submit(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, into=None):
+    def rejections(self, name: str, reason: str) -> float:
+        return self.metrics.registry.get_sample_value("xlaserve_rejections_total",
+                                                      {"model": name, "reason": reason}) or 0.0
+
+    def queue_depth(self, name: str) -> float:
+        return self.metrics.registry.get_sample_value("xlaserve_queue_depth", {"model": name})
+
+    def submit(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, into=None, ticket=None):
         async def one():
-            outcome = await self.infer(name, rows, timeout, tag)
+            outcome = await self.infer(name, rows, timeout, tag, ticket)
             if into is not None:
                 into.append((trio.current_time(), name, tag, outcome))
         self.nursery.start_soon(one)
@@ -298,6 +310,144 @@ def test_drop_model_answers_its_queue():
         assert len(errors) == 2 and len(h.device.log) == 1
 
     run(test, config(), {"m": per_batch(0.1)})
+
+
+# ---- cancellation ------------------------------------------------------------------------
+
+def _ran(h: Harness) -> list[int]:
+    """The tags of every request the fake device executed, in order."""
+    return [tag for _, _, _, rows in h.device.log for tag in rows]
+
+
+class TaggingDevice(FakeDevice):
+    """Logs the tags of the requests in each execution (its ``rows`` slot) instead of their rows."""
+
+    async def run(self, model, size, weights, inputs, rows):
+        self.log.append((trio.current_time(), model.name, size, tuple(int(r["x"][0, 0]) for r in inputs)))
+        await trio.sleep(self.cost[model.name](size))
+        return BatchResult(tuple({"x": r["x"]} for r in inputs), 0, 0, 0)
+
+
+def run_tagged(test, cfg: SchedulerConfig, cost: dict):
+    async def main():
+        async with trio.open_nursery() as nursery:
+            h = Harness(cfg, cost, nursery)
+            h.device = h.scheduler._executor = TaggingDevice(cost)
+            await h.start()
+            await test(h)
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+def test_a_queued_request_cancelled_before_dispatch_never_runs_and_is_counted_once():
+    """Request 1 runs for 1 s; 2 and 3 queue behind it. 2 is cancelled at 0.5 s: it is answered
+    CANCELLED then, leaves the queue (depth 1), and the next batch is 3 alone. Its deadline
+    passing later answers nothing more."""
+    results = []
+
+    async def test(h: Harness):
+        h.submit("m", tag=1, into=results)
+        await trio.sleep(0.001)
+        h.submit("m", tag=2, timeout=3.0, ticket="two", into=results)
+        h.submit("m", tag=3, into=results)
+        await trio.sleep(0.499)
+        assert h.queue_depth("m") == 2
+        await h.send.send(CancelRequest("two"))
+        await trio.sleep(0.001)
+        (when, _, _, outcome), = [r for r in results if r[2] == 2]
+        assert isinstance(outcome, Cancelled) and when == pytest.approx(0.5)
+        assert "request '2'" in str(outcome) and "it was not run" in str(outcome)
+        assert h.queue_depth("m") == 1
+        await trio.sleep(5)
+        assert _ran(h) == [1, 3]
+        assert sorted(tag for _, _, tag, _ in results) == [1, 2, 3]      # one answer each
+        assert h.rejections("m", "cancelled") == 1
+        assert h.rejections("m", "deadline_expired") == 0
+        assert h.stats.get("m").fail.count == 1 and h.stats.get("m").inference_count == 2
+
+    run_tagged(test, config(discipline="fifo"), {"m": per_batch(1.0)})
+
+
+def test_cancelling_a_dispatched_or_unknown_request_changes_nothing():
+    results = []
+
+    async def test(h: Harness):
+        h.submit("m", tag=1, ticket="one", into=results)
+        await trio.sleep(0.5)                       # 1 is on the device
+        await h.send.send(CancelRequest("one"))
+        await h.send.send(CancelRequest("never-sent"))
+        await trio.sleep(1)
+        (_, _, _, outcome), = results
+        assert isinstance(outcome, InferResult)
+        assert _ran(h) == [1] and h.rejections("m", "cancelled") == 0
+
+    run_tagged(test, config(), {"m": per_batch(1.0)})
+
+
+def test_a_cancelled_request_frees_its_queue_slot_in_the_same_burst():
+    """max_queue_depth 2, both slots taken: a cancel and a new request that arrive together
+    (one inbox burst) admit the new one; the cancelled one is answered once, never run."""
+    results = []
+
+    async def test(h: Harness):
+        h.submit("m", tag=1, into=results)
+        await trio.sleep(0.001)
+        h.submit("m", tag=2, ticket="two", into=results)
+        h.submit("m", tag=3, into=results)
+        await trio.sleep(0.1)
+        send, receive = trio.open_memory_channel(1)
+        h.send.send_nowait(CancelRequest("two"))
+        h.send.send_nowait(h.request("m", send.send_nowait, tag=4))
+        assert isinstance(await receive.receive(), InferResult)
+        await trio.sleep(5)
+        assert [type(o) for _, _, _, o in sorted(results, key=lambda r: r[2])] == [InferResult, Cancelled,
+                                                                                   InferResult]
+        assert _ran(h) == [1, 3, 4] and h.rejections("m", "queue_full") == 0
+
+    run_tagged(test, config(max_queue_depth=2, discipline="fifo"), {"m": per_batch(1.0)})
+
+
+def test_a_held_batch_forms_without_the_cancelled_request():
+    """batch_delay_seconds holds m until 4 rows are queued: 1, 2, 3 queue, 2 is cancelled, so
+    the hold ends only when 4 and 5 arrive, and the one execution carries 1, 3, 4, 5."""
+    results = []
+
+    async def test(h: Harness):
+        for tag in (1, 2, 3):
+            h.submit("m", tag=tag, ticket=tag, into=results)
+            await trio.sleep(0.01)
+        await h.send.send(CancelRequest(2))
+        h.submit("m", tag=4, into=results)
+        await trio.sleep(0.01)
+        assert h.device.log == []                  # 3 rows: still held
+        h.submit("m", tag=5, into=results)
+        await trio.sleep(1)
+        assert _ran(h) == [1, 3, 4, 5] and round(h.device.log[0][0], 4) == 0.04
+        assert h.rejections("m", "cancelled") == 1 and len(results) == 5
+
+    run_tagged(test, config(models={"m": {"batch_delay_seconds": 5.0, "batch_target_rows": 4}}),
+               {"m": per_batch(0.1)})
+
+
+def test_a_request_cancelled_and_dropped_in_one_burst_is_answered_once():
+    results = []
+
+    async def test(h: Harness):
+        h.submit("busy", tag=1, into=results)
+        await trio.sleep(0.001)
+        h.submit("m", tag=2, ticket="two", into=results)
+        h.submit("m", tag=3, ticket="three", into=results)
+        await trio.sleep(0.1)
+        h.send.send_nowait(CancelRequest("two"))
+        h.send.send_nowait(DropModel("m", ModelNotReady("model 'm' was unloaded")))
+        h.send.send_nowait(CancelRequest("three"))       # already answered by the drop: nothing
+        await trio.sleep(5)
+        outcomes = {tag: type(o) for _, _, tag, o in results}
+        assert outcomes == {1: InferResult, 2: Cancelled, 3: ModelNotReady} and len(results) == 3
+        assert h.rejections("m", "cancelled") == 1 and h.rejections("m", "model_dropped") == 1
+        assert _ran(h) == [1]
+
+    run_tagged(test, config(discipline="fifo"), {"busy": per_batch(1.0), "m": per_batch(0.1)})
 
 
 # ---- fair: deficit round robin -----------------------------------------------------------

@@ -100,7 +100,7 @@ def test_all_resident_catalog_that_does_not_fit_fails_start_up_with_sizes(tmp_pa
     runtime = {"backend": "cpu", "device_memory_bytes": 4 * MB, "weight_cache_fraction": 0.0,
                "weight_cache_wiggle_fraction": 0.25}
     with serve(tmp_path, catalog, {"runtime": runtime}, wait_ready=False) as server:
-        assert server.process.wait(60) == 2
+        assert server.process.wait(60) == 2   # a start-up error: one line, exit status 2
         log = server.log()
     assert "cannot start: weight_cache_fraction is 0" in log and "Traceback" not in log
     assert "3.0 MiB (3145728 bytes)" in log and "resident already" in log

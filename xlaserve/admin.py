@@ -15,7 +15,10 @@ _MAX_HEADER = 16 * 1024
 
 
 async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
+                      listeners: list[trio.SocketListener] | None = None,
                       task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Answer ``routes`` on ``host:port``, or on ``listeners`` already open. Reports the port
+    served."""
     async def handle(stream: trio.SocketStream) -> None:
         async with stream:
             try:
@@ -24,10 +27,9 @@ async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
 
-    listeners = await trio.open_tcp_listeners(port, host=host or None)
-    bound = listeners[0].socket.getsockname()[1]
-    log.info("admin HTTP on %s:%d (/healthz /readyz /metrics)", host, bound)
-    task_status.started(bound)
+    if listeners is None:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+    task_status.started(listeners[0].socket.getsockname()[1])
     await trio.serve_listeners(handle, listeners)
 
 

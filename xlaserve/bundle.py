@@ -379,7 +379,9 @@ Compile = Callable[[Path, bytes], tuple[object, bool]]
 def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
                 progress: Callable[[str], None] | None = None, fingerprint: str | None = None) -> ModelVersion:
     """Read, validate and compile one bundle. ``compile_module(path, module_bytes)`` returns
-    ``(executable, cache_hit)``; by default it compiles with ``device`` directly. ``fingerprint``:
+    ``(executable, cache_hit)``; by default it compiles with ``device`` directly. ``progress``
+    hears one line per module XLA compiled (the slow part; executable-cache hits are left to the
+    caller's summary). ``fingerprint``:
     the bundle's :func:`bundle_fingerprint` when the caller has just taken it (else taken here)."""
     fingerprint = fingerprint or bundle_fingerprint(path)
     manifest = read_manifest(path)
@@ -412,9 +414,8 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
         except Exception as exc:
             raise BundleError(manifest.bundle, f"{file.name}: XLA could not compile it: {_oneline(exc)}") from None
         modules[size] = CompiledModule(size, file, executable, device.compiled_memory(executable), hit)
-        if progress:
-            progress(f"{manifest.bundle}: {file.name} {'cache hit' if hit else 'compiled'} "
-                     f"in {time.perf_counter() - started:.2f}s")
+        if progress and not hit:
+            progress(f"{manifest.bundle}: {file.name} compiled in {time.perf_counter() - started:.2f}s")
     return ModelVersion(manifest.bundle, version, path, manifest, fingerprint, weights,
                         weights.nbytes if weights else 0, MappingProxyType(modules), hooks, time.time())
 

@@ -1,4 +1,5 @@
-"""The ``xlaserve`` command."""
+"""The ``xlaserve`` command: ``run`` and ``worker`` serve a node file, ``bench`` loads any KServe V2
+server. ``--help`` says what xlaserve is and where its manual is."""
 from __future__ import annotations
 
 import argparse
@@ -9,13 +10,24 @@ import sys
 from xlaserve.config import ConfigError, load_node_config, resolve_worker
 
 
+# Libraries whose INFO lines are not news to an operator: JAX probing for platforms it will not
+# use ("Unable to initialize backend 'tpu'"), watchfiles announcing every file change (the
+# lifecycle logs what a change did). They log at WARNING and above unless --log-level debug.
+_QUIET_BELOW_DEBUG = ("jax", "watchfiles")
+
+
 def _logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    chosen = getattr(logging, level.upper())
+    logging.basicConfig(level=chosen, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if chosen > logging.DEBUG:
+        for name in _QUIET_BELOW_DEBUG:
+            logging.getLogger(name).setLevel(max(chosen, logging.WARNING))
 
 
 def _serving(run) -> int:
-    """Run a server; a start-up error is one clear line, not a traceback, and exit status 2."""
+    """Run a server; a start-up error is one line on stderr (``xlaserve: cannot start: ...``)
+    and exit status 2, like a mistake in the node file, never a traceback. After a clean stop
+    the process exits at once (``os._exit``), with its logs flushed."""
     from xlaserve.errors import find_startup_error
     try:
         result = run()
@@ -23,9 +35,16 @@ def _serving(run) -> int:
         startup = find_startup_error(exc)
         if startup is None:
             raise
-        logging.getLogger("xlaserve").error("cannot start: %s", startup)
+        print(f"xlaserve: cannot start: {startup}", file=sys.stderr)
         return 2
-    return result if isinstance(result, int) else 0
+    code = result if isinstance(result, int) else 0
+    # The server has stopped: its sockets are closed, its files written. What remains is the
+    # interpreter tearing down JAX and XLA module by module (0.2-0.4 s measured), which frees
+    # nothing the OS does not free at exit; skip it so a SIGTERM ends the process promptly.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -57,11 +76,33 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
+DESCRIPTION = ("xlaserve serves XLA-compiled models (bundles of StableHLO modules and safetensors weights) over "
+               "the KServe V2 gRPC protocol, so Triton and KServe clients work unchanged. Try `xlaserve run "
+               "examples/node.yaml` after `python examples/export_examples.py`.")
+EPILOG = ("The manual: README.md and docs/ in the xlaserve source tree; start with docs/getting-started.md, "
+          "and docs/node-config.md for every key of a node file.")
+
+
+def version_line() -> str:
+    """``xlaserve X.Y.Z (jax A.B.C, jaxlib A.B.C)``, from installed package metadata (JAX is not
+    imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+    return f"xlaserve {of('xlaserve')} (jax {of('jax')}, jaxlib {of('jaxlib')})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="xlaserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="xlaserve", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the xlaserve, jax and jaxlib versions and exit")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="serve a node file (the supervisor)")
+    p = sub.add_parser("run", help="serve a node file (one worker; multi-worker nodes are refused for now)")
     p.add_argument("node", help="path of the node YAML file")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving (for tests, scripts)")
     p.set_defaults(func=cmd_run)

@@ -60,6 +60,12 @@ class DeadlineExceeded(XlaserveError):
     status = Status.DEADLINE_EXCEEDED
 
 
+class Cancelled(XlaserveError):
+    """The caller went away (it reset the stream, or its connection closed) before the request ran."""
+
+    status = Status.CANCELLED
+
+
 class Unimplemented(XlaserveError):
     status = Status.UNIMPLEMENTED
 

@@ -35,7 +35,7 @@ class Metrics:
         self.rejections = Counter("xlaserve_rejections",
                                   "Requests the scheduler answered without running them, by reason "
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
-                                  "model_dropped, weights_unavailable, execution_failed)",
+                                  "model_dropped, weights_unavailable, execution_failed, cancelled)",
                                   ["model", "reason"], registry=r)
         # read when scraped (set_function by the frontend): no cost per request
         self.held_request_bytes = Gauge("xlaserve_held_request_bytes",

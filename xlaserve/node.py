@@ -81,26 +81,36 @@ def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
     """Serve a one-worker node in this process until it is stopped; 2 (after logging why) for a
     node of more workers."""
     plan = plan_workers(node, *detect_gpus(node))
-    if plan.note:
-        log.info("%s", plan.note)
     problem = refusal(node, plan)
     if problem:
+        if plan.note:
+            log.info("%s", plan.note)
         log.error("%s", problem)
         return 2
-    run_worker(resolve_worker(node, 0), ready_file)
+    run_worker(resolve_worker(node, 0), ready_file, note=plan.note)
     return 0
 
 
-def run_worker(config: WorkerConfig, ready_file: str | None = None) -> None:
+def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = "") -> None:
     """Run one worker in this process until it is stopped; with ``ready_file``, its bound
-    ports are written there (atomically) once gRPC listens.
+    ports are written there (atomically) once gRPC listens. ``note`` (what ``gpus: auto``
+    decided) is logged once the addresses are claimed, so a start-up failure stays one line.
 
-    The backend is decided and its PJRT client configured first (:func:`open_backend`), so an
-    unusable ``cuda`` fails here, before anything else starts, with a StartupError."""
-    from xlaserve.runtime.backend import open_backend
-    config = dataclasses.replace(config, runtime=open_backend(config.runtime))
-    from xlaserve.worker.server import serve
-    trio.run(functools.partial(serve, config, ready_callback=_ready_writer(ready_file)))
+    The model repository is checked and both addresses are bound first, before the runtime
+    (JAX) is imported (:func:`~xlaserve.worker.preflight.claim`); then the backend is decided and
+    its PJRT client configured (:func:`open_backend`). Each fails start-up with a StartupError
+    before anything else starts: an address in use, a missing repository, an unusable ``cuda``."""
+    from xlaserve.worker.preflight import claim
+    claimed = claim(config)
+    if note:
+        log.info("%s", note)
+    try:
+        from xlaserve.runtime.backend import open_backend
+        config = dataclasses.replace(config, runtime=open_backend(config.runtime))
+        from xlaserve.worker.server import serve
+        trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=_ready_writer(ready_file)))
+    finally:
+        claimed.close()
 
 
 def _ready_writer(path: str | None):

@@ -148,11 +148,13 @@ class WorkerControlService(WorkerControlBase):
         request = await stream.recv_message()
         interval = request.interval_seconds if request.interval_seconds > 0 else DEFAULT_WATCH_INTERVAL
         interval = max(interval, MIN_WATCH_INTERVAL)
-        # Ends when the client cancels or the worker stops (the call's task is cancelled). A
-        # drain waits for it like any open call, up to DRAIN_SECONDS.
-        while True:
+        # Ends when the client cancels, or with OK when the worker starts draining: a status
+        # stream is not work in flight, so a drain does not wait for it.
+        draining = self._worker.draining
+        while not draining.is_set():
             await stream.send_message(status_snapshot(self._worker))
-            await trio.sleep(interval)
+            with trio.move_on_after(interval):
+                await draining.wait()
 
 
 UNCAPPED_ROWS = 2**31 - 1

@@ -18,8 +18,10 @@ CONTINUATION frames, RST_STREAM and "glitch" rates). The gRPC layer above it (pa
   ``send_message``, ``deadline``, ``metadata``; a :class:`grpclib.exceptions.GRPCError` it
   raises becomes the call's status. Services are grpclib-generated bases, routed through their
   ``__mapping__``. Methods in a service's ``__fast_unary__`` get no task at all.
-- RST_STREAM from the client cancels the call's task. :meth:`GrpcServer.close` stops accepting
-  connections and sends GOAWAY; calls already started finish, new streams are not processed.
+- RST_STREAM from the client cancels the call's task (a task-free call runs its ``on_cancel``;
+  so does every call of a connection that closes or breaks). :meth:`GrpcServer.close` stops
+  accepting connections and sends GOAWAY; calls already started finish, new streams are not
+  processed.
 - Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
 
 Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
@@ -83,7 +85,7 @@ class Call:
     __slots__ = ("conn", "id", "method", "fields", "_metadata", "deadline", "encoding", "body", "held", "need",
                  "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "arrived", "scope",
-                 "drained", "fast")
+                 "drained", "fast", "on_cancel")
 
     def __init__(self, conn: "Connection", stream_id: int, method, fields: tuple,
                  deadline: Deadline | None, encoding: str) -> None:
@@ -110,6 +112,10 @@ class Call:
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
         self.fast = None                # the method's task-free entry point, if it has one
+        #: Called once (Trio thread), with no arguments, when the call is cancelled: the client
+        #: reset the stream, the server reset it, or the connection closed or broke. A task-free
+        #: handler sets it to take back work it handed on; it is not called once the call ended.
+        self.on_cancel: Callable[[], None] | None = None
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -120,9 +126,16 @@ class Call:
 
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
+        was_finished = self.finished
         self.reset = self.finished = True
         if self.scope is not None:
             self.scope.cancel()
+        on_cancel, self.on_cancel = self.on_cancel, None
+        if on_cancel is not None and not was_finished:
+            try:
+                on_cancel()
+            except Exception:   # a bug in the layer above must not take the connection down
+                log.exception("gRPC on_cancel callback failed")
 
     def complete(self, outcome) -> None:
         """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
@@ -658,9 +671,12 @@ class GrpcServer:
         self.holding = 0                                   # write_batch() depth
         self.dirty: dict[Connection, None] = {}           # connections written to while holding
 
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Listen and serve until :meth:`close` and every connection has ended."""
-        listeners = await trio.open_tcp_listeners(port, host=host)
+    async def serve(self, host: str = "", port: int = 0, *, listeners: list[trio.SocketListener] | None = None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``host:port``, or serve ``listeners`` already open, until :meth:`close`
+        and every connection has ended. Reports the port served."""
+        if listeners is None:
+            listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             with self._listen_scope:

@@ -21,8 +21,8 @@ from xlaserve._proto import model_config_pb2 as mc
 from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output, int_parameter
-from xlaserve.errors import (FailedPrecondition, InternalError, InvalidArgument, ModelNotFound, ModelNotReady,
-                             NotFound, Unimplemented, XlaserveError, internal_message)
+from xlaserve.errors import (Cancelled, FailedPrecondition, InternalError, InvalidArgument, ModelNotFound,
+                             ModelNotReady, NotFound, Unimplemented, XlaserveError, internal_message)
 from xlaserve.frontend.admission import Admission, output_bytes_per_row
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
@@ -251,7 +251,7 @@ class KServeService(GRPCInferenceServiceBase):
         return {"/inference.GRPCInferenceService/ModelInfer": self.infer_now}
 
     def infer_now(self, call, request: pb.ModelInferRequest) -> None:
-        self._start_infer(request, call, call.complete)
+        self._start_infer(request, call, call.complete, cancellable=True)
 
     @rpc
     async def ModelInfer(self, stream) -> None:
@@ -260,18 +260,33 @@ class KServeService(GRPCInferenceServiceBase):
         response = await self._worker.bridge.call(lambda done: self._start_infer(request, stream, done))
         await stream.send_message(response)
 
-    def _start_infer(self, request: pb.ModelInferRequest, stream, done) -> None:
+    def _start_infer(self, request: pb.ModelInferRequest, stream, done, cancellable: bool = False) -> None:
         """Validate and decode ``request``, hand it to the actors, and call ``done`` exactly once,
-        on the Trio thread, with the ModelInferResponse or the XlaserveError that ends the call."""
+        on the Trio thread, with the ModelInferResponse or the XlaserveError that ends the call.
+
+        ``cancellable``: ``stream`` is a task-free :class:`~xlaserve.frontend.grpc_server.Call`;
+        when it is cancelled, the request leaves its queue if it is still queued, and a result
+        that comes anyway is not encoded (the call is gone)."""
         received_ns = time.perf_counter_ns()
         worker = self._worker
         admission = self.admission
         model = wanted = None
         held = 0
+        cancelled = False
+
+        def cancel() -> None:
+            nonlocal cancelled
+            cancelled = True
+            worker.service.cancel(stream)
 
         def finish(outcome) -> None:
             admission.leave(held)
-            if isinstance(outcome, InferResult):
+            if cancellable:
+                stream.on_cancel = None
+            if isinstance(outcome, InferResult) and cancelled:
+                outcome = Cancelled(f"model '{request.model_name}': the client cancelled the request while it ran; "
+                                    "its result was dropped")
+            elif isinstance(outcome, InferResult):
                 try:
                     outcome = self._response(request, model, outcome.outputs, wanted)
                 except XlaserveError as exc:
@@ -304,8 +319,11 @@ class KServeService(GRPCInferenceServiceBase):
             finish(exc)
             return
         on_trio = worker.bridge.on_trio
+        if cancellable:
+            stream.on_cancel = cancel
         worker.service.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
-                                            lambda outcome: on_trio(finish, outcome), received_ns))
+                                            lambda outcome: on_trio(finish, outcome), received_ns,
+                                            stream if cancellable else None))
 
     def _held_bytes(self, model: ModelVersion, arrays: Mapping[str, np.ndarray], rows: int) -> int:
         """What holding a decoded request costs until it is answered: its input tensors and the

@@ -106,6 +106,7 @@ class WeightCache:
         self._limiter = limiter
         self._transfer_limiter = trio.CapacityLimiter(1)
         self._budget = budget or Budget(1 << 62, 1.0, 0)
+        self._budget_logged = False
         self._book = ResidencyBook(self._budget.bytes)
         self._residency = residency
         self._overrides: dict[str, Floor] = {}
@@ -189,12 +190,19 @@ class WeightCache:
     def _read_host(self, model: ModelVersion) -> tuple:
         return self._device.host_store(model.weights.read())
 
+    def log_budget(self) -> None:
+        """Log the budget (at INFO, once the start-up set is admitted, so the headroom reflects
+        its largest executable); from then on each change to it is logged as it happens."""
+        log.info("weight cache: %s", self._budget.explain())
+        self._budget_logged = True
+
     def _grow_headroom(self, activations: int) -> None:
         if activations <= self._budget.activations:
             return
         self._budget = Budget(self._budget.arena, self._budget.fraction, self._budget.wiggle, activations)
         self._book.set_budget(self._budget.bytes)
-        log.info("weight cache: %s", self._budget.explain())
+        # Start-up loads grow the headroom model by model; log_budget() reports the outcome once.
+        log.log(logging.INFO if self._budget_logged else logging.DEBUG, "weight cache: %s", self._budget.explain())
         # A smaller budget: evict what no longer fits (idle, unpinned models only).
         while self._book.free_bytes() < 0:
             victim = next(self._book.evictable((self._current,)), None)

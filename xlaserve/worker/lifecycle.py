@@ -138,6 +138,7 @@ class Lifecycle:
             else:
                 log.info("model_control_mode is explicit: no model loads until RepositoryModelLoad asks")
             self._table.startup_done.set()
+            self._weights.log_budget()
             if mode == "dynamic":
                 rescans_send, rescans = trio.open_memory_channel[None](1)
                 rescans_send.send_nowait(None)   # catch what changed while the start-up set loaded
@@ -161,18 +162,25 @@ class Lifecycle:
                     await self.rescan()
 
     async def _watch(self, rescans: trio.MemorySendChannel[None]) -> None:
-        """File events from watchfiles, each group one rescan request (requests coalesce)."""
+        """File events from watchfiles, each group one rescan request (requests coalesce).
+
+        watchfiles waits for events in a thread that Trio cannot interrupt, so a cancel alone
+        would wait up to its 5 s timeout; the stop event, set the moment this task is
+        cancelled, ends that wait within one ``WATCH_STEP_MS`` instead."""
         import watchfiles
-        async with rescans:
+        stop = trio.Event()   # watchfiles' thread only reads is_set()
+        async with rescans, trio.open_nursery() as nursery:
+            nursery.start_soon(_set_when_cancelled, stop)
             try:
                 async for changes in watchfiles.awatch(self.repo, debounce=WATCH_DEBOUNCE_MS, step=WATCH_STEP_MS,
-                                                       recursive=True):
+                                                       recursive=True, stop_event=stop):
                     log.debug("repository events: %d file change(s)", len(changes))
                     _request_rescan(rescans)
             except (OSError, RuntimeError) as exc:
                 log.warning("cannot watch %s for file events (%s: %s); rescanning every %gs "
                             "(model_poll_seconds) instead", self.repo, type(exc).__name__, exc,
                             self._config.model_poll_seconds)
+            nursery.cancel_scope.cancel()   # the watch has ended: _set_when_cancelled is done too
 
     async def _poll(self, rescans: trio.MemorySendChannel[None]) -> None:
         """The fallback: one rescan every ``model_poll_seconds``."""
@@ -248,8 +256,9 @@ class Lifecycle:
         current = self._table.snapshot.get(name)
         if current is None:
             self._table.publish(ModelEntry(name, ModelState.LOADING))
+        # The number is taken only when the version is published: a failed attempt uses none,
+        # so served versions count up without gaps.
         version = self._versions.get(name, 0) + 1
-        self._versions[name] = version
         started = time.perf_counter()
         try:
             model: ModelVersion = await trio.to_thread.run_sync(
@@ -262,6 +271,7 @@ class Lifecycle:
         seconds = time.perf_counter() - started
         old = self._table.snapshot.get(name)
         entry = ModelEntry(name, ModelState.READY, "", model)
+        self._versions[name] = version
         self._table.publish(entry)
         hits = sum(m.cache_hit for m in model.modules.values())
         log.info("%s version %d ready in %.2fs (%d of %d module(s) from the executable cache)", name, version,
@@ -318,3 +328,10 @@ def _request_rescan(rescans: trio.MemorySendChannel[None]) -> None:
         rescans.send_nowait(None)
     except trio.WouldBlock:
         pass   # a rescan is already pending; it will see this change too
+
+
+async def _set_when_cancelled(event: trio.Event) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        event.set()

@@ -39,6 +39,16 @@ class InferRequest:
     reply: Reply
     received_ns: int               # time.perf_counter_ns() when the frontend received it
     enqueued_at: float             # trio.current_time() when it was handed to the scheduler
+    ticket: object = None          # what a CancelRequest names it by (hashable); None: not cancellable
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequest:
+    """The caller of the request queued with ``ticket`` went away. If it is still queued it is
+    taken out and answered CANCELLED, and never runs; if it was dispatched (or already answered)
+    nothing changes."""
+
+    ticket: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,4 +59,4 @@ class DropModel:
     error: XlaserveError
 
 
-SchedulerMessage = InferRequest | DropModel
+SchedulerMessage = InferRequest | CancelRequest | DropModel

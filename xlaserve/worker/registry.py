@@ -36,6 +36,13 @@ class ModelTable:
         self.snapshot: Mapping[str, ModelEntry] = MappingProxyType({})
         self.startup_done = trio.Event()
 
+    def ready(self) -> bool:
+        """The worker's readiness (``/readyz``, KServe ``ServerReady``): the start-up set has
+        finished loading (each bundle ready or failed) and at least one model can be served. An
+        empty repository, or one whose every bundle failed, is not ready."""
+        return self.startup_done.is_set() and any(
+            e.state is ModelState.READY for e in self.snapshot.values())
+
     def publish(self, entry: ModelEntry) -> None:
         table = dict(self.snapshot)
         table[entry.name] = entry

@@ -15,6 +15,10 @@ Every queued request is due for dispatch by ``min(its deadline, hand-over +
 dispatch_timeout_seconds)`` (both on the Trio clock, from when the frontend handed it over); the expiry task answers DEADLINE_EXCEEDED for any request still
 queued at that moment, so it never runs. Under ``edf`` a request that cannot finish in time
 given the learned execution cost is shed early, at admission or when its batch is formed.
+
+A request handed over with a ``ticket`` can be cancelled (:class:`CancelRequest`: its client reset
+the stream or closed the connection). If it is still queued it is taken out of its queue and
+answered CANCELLED at once, so it never runs; once dispatched it runs to completion.
 """
 from __future__ import annotations
 
@@ -32,11 +36,11 @@ import trio
 
 from xlaserve.bundle import ModelVersion
 from xlaserve.config import SchedulerConfig
-from xlaserve.errors import DeadlineExceeded, InternalError, QueueFull, XlaserveError
+from xlaserve.errors import Cancelled, DeadlineExceeded, InternalError, QueueFull, XlaserveError
 from xlaserve.runtime.weights import WeightCache
 from xlaserve.worker.batching import BatchPlan, plan_batch, smallest_holding
 from xlaserve.worker.executor import Executor
-from xlaserve.worker.messages import DropModel, InferRequest, InferResult, SchedulerMessage
+from xlaserve.worker.messages import CancelRequest, DropModel, InferRequest, InferResult, SchedulerMessage
 from xlaserve.worker.policy import Candidate, CostModel, CostSnapshot, Policy, make_policy
 from xlaserve.worker.stats import StatsBook
 
@@ -50,6 +54,7 @@ DISPATCH_TIMEOUT = "dispatch_timeout"     # waited scheduler.dispatch_timeout_se
 MODEL_DROPPED = "model_dropped"
 EXECUTION_FAILED = "execution_failed"
 WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make the model resident
+CANCELLED = "cancelled"                   # its client went away (stream reset, connection closed) while queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +97,8 @@ class Scheduler:
         self._edf = config.discipline == "edf" and policy is None
         self._queues: dict[str, deque[Queued]] = {}
         self._queued: set[int] = set()                          # seqs still waiting
+        self._tickets: dict[object, Queued] = {}                # the cancellable ones among them
+        self._cancelled: dict[str, set[int]] = {}               # answered CANCELLED, still in a queue
         self._expiry: list[tuple[float, int, str]] = []         # heap of (dispatch_by, seq, model)
         self._seq = itertools.count()
         self._wakeup = trio.Event()
@@ -188,21 +195,24 @@ class Scheduler:
         match message:
             case InferRequest():
                 self._admit(message)
+            case CancelRequest(ticket=ticket):
+                self._cancel(ticket)
             case DropModel(name=name, error=error):
                 self._drop(name, error)
 
     def _drain_inbox(self) -> None:
         """Take every message already waiting, without yielding: a burst of requests that
-        arrived while the device was busy is admitted whole before the next batch is formed."""
+        arrived while the device was busy is admitted whole before the next batch is formed.
+        Cancelled requests leave their queues here, before any batch is planned."""
         inbox = self._inbox
-        if inbox is None:
-            return
-        while True:
+        while inbox is not None:
             try:
                 message = inbox.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                return
+                break
             self._handle(message)
+        if self._cancelled:
+            self._remove_cancelled()
 
     def _admit(self, request: InferRequest) -> None:
         name = request.model.name
@@ -211,6 +221,9 @@ class Scheduler:
         if queue is None:
             queue = self._queues[name] = deque()
         limit = self._config.max_queue_depth
+        if len(queue) >= limit and name in self._cancelled:   # cancelled ones hold no slot
+            self._remove_cancelled()
+            queue = self._queues[name]
         if len(queue) >= limit:
             self._reject(request, QUEUE_FULL, QueueFull(
                 f"model '{name}' has {len(queue)} requests queued, the limit (scheduler.max_queue_depth) "
@@ -229,8 +242,11 @@ class Scheduler:
         # counted from when the frontend handed it over, like the deadline
         dispatch_by = min(deadline, request.enqueued_at + self._config.dispatch_timeout_seconds)
         seq = next(self._seq)
-        queue.append(Queued(request, seq, dispatch_by))
+        queued = Queued(request, seq, dispatch_by)
+        queue.append(queued)
         self._queued.add(seq)
+        if request.ticket is not None:
+            self._tickets[request.ticket] = queued
         heapq.heappush(self._expiry, (dispatch_by, seq, name))
         if dispatch_by < self._armed_at:
             self._expiry_changed.set()
@@ -247,12 +263,47 @@ class Scheduler:
 
     def _drop(self, name: str, error: XlaserveError) -> None:
         for queued in self._queues.pop(name, ()):
-            self._queued.discard(queued.seq)
-            self._reject(queued.request, MODEL_DROPPED, error)
+            if queued.seq in self._queued:          # not cancelled meanwhile
+                self._unqueue(queued)
+                self._reject(queued.request, MODEL_DROPPED, error)
+        self._cancelled.pop(name, None)
         self._costs.forget(name)
         self._wakeup.set()           # a hold on this model ends with its queue
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, 0)
+
+    def _unqueue(self, queued: Queued) -> None:
+        """``queued`` no longer waits (dispatched or answered); its queue is the caller's to mend."""
+        self._queued.discard(queued.seq)
+        ticket = queued.request.ticket
+        if ticket is not None:
+            self._tickets.pop(ticket, None)
+
+    def _cancel(self, ticket: object) -> None:
+        """Answer the queued request of ``ticket`` CANCELLED; it leaves its queue before the next
+        batch is planned (:meth:`_remove_cancelled`). Not queued (dispatched, answered): nothing."""
+        queued = self._tickets.pop(ticket, None)
+        if queued is None:
+            return
+        self._queued.discard(queued.seq)
+        request = queued.request
+        name = request.model.name
+        self._cancelled.setdefault(name, set()).add(queued.seq)
+        waited = trio.current_time() - request.enqueued_at
+        self._reject(request, CANCELLED, Cancelled(
+            f"model '{name}': the client cancelled request '{request.request_id}' (it reset the stream or "
+            f"closed the connection) after {waited * 1e3:.1f} ms in the queue; it was not run"))
+
+    def _remove_cancelled(self) -> None:
+        cancelled, self._cancelled = self._cancelled, {}
+        for name, seqs in cancelled.items():
+            queue = self._queues.get(name)
+            if queue is None:
+                continue
+            self._queues[name] = kept = deque(q for q in queue if q.seq not in seqs)
+            if self._metrics is not None:
+                self._metrics.set_queue_depth(name, len(kept))
+        self._wakeup.set()          # a hold is judged again without them
 
     def _reject_all(self, batch: Sequence[Queued], reason: str, error: XlaserveError) -> None:
         for q in batch:
@@ -296,6 +347,7 @@ class Scheduler:
                 if queued.seq not in seqs:
                     kept.append(queued)
                     continue
+                self._unqueue(queued)
                 waited = now - queued.request.enqueued_at
                 if queued.request.deadline <= queued.dispatch_by:
                     self._reject(queued.request, DEADLINE_EXPIRED, DeadlineExceeded(
@@ -414,7 +466,7 @@ class Scheduler:
         """Remove ``batch`` from the model's queue."""
         queue = self._queues[name]
         for q in batch:
-            self._queued.discard(q.seq)
+            self._unqueue(q)
         if all(queue[i] is q for i, q in enumerate(batch)):
             for _ in batch:
                 queue.popleft()

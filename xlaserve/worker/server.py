@@ -1,12 +1,16 @@
 """A worker process: one Trio run holding the actors and the gRPC frontend.
 
-Boot order, in one place: open the device; start the weight cache, the scheduler, the admin
-HTTP port and the lifecycle actor (which loads the repository); then the gRPC frontend. SIGTERM
-or SIGINT drains: the gRPC server stops taking calls (GOAWAY), in-flight calls finish (for at
-most ``DRAIN_SECONDS``), then the actors are cancelled.
+Boot order, in one place: check the model repository and bind both addresses (before JAX is
+imported, see :mod:`xlaserve.worker.preflight`); log the effective configuration with the ports
+bound; open the device; start the weight cache, the scheduler, the admin HTTP port and the
+lifecycle actor (which loads the repository); then the gRPC frontend. SIGTERM or SIGINT drains:
+the gRPC server stops taking calls (GOAWAY), in-flight calls finish (for at most
+``DRAIN_SECONDS``), then the actors are cancelled.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ from xlaserve.runtime.weights import WeightCache, budget_for
 from xlaserve.worker.inference import InferenceService
 from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LifecycleMetrics, LoadModel, UnloadModel
 from xlaserve.worker.registry import ModelState, ModelTable
+from xlaserve.worker.preflight import Claimed, claim
 from xlaserve.worker.scheduler import Scheduler
 from xlaserve.worker.stats import StatsBook
 
@@ -53,9 +58,12 @@ class WorkerHandles:
     bridge: Bridge | None = None
     shared_memory: Any = None
     services: list = field(default_factory=list)   # gRPC services served beside KServe
+    # Set when SIGTERM/SIGINT starts the drain: calls that would otherwise never end on their
+    # own (a WatchStatus stream) finish then, so the drain waits only for real work.
+    draining: trio.Event = field(default_factory=trio.Event)
 
     def ready(self) -> bool:
-        return self.table.startup_done.is_set()
+        return self.table.ready()
 
     async def control_load(self, name: str) -> None:
         await self._control("load", LoadModel, name)
@@ -83,13 +91,22 @@ def _health(handles: WorkerHandles):
         return 200, "text/plain", b"ok\n"
 
     def readyz():
+        states = {}
+        for e in handles.table.snapshot.values():
+            states[e.state.value] = states.get(e.state.value, 0) + 1
+        counts = " ".join(f"{k}={v}" for k, v in sorted(states.items()))
         if handles.ready():
-            states = {}
-            for e in handles.table.snapshot.values():
-                states[e.state.value] = states.get(e.state.value, 0) + 1
-            body = "ready " + " ".join(f"{k}={v}" for k, v in sorted(states.items())) + "\n"
-            return 200, "text/plain", body.encode()
-        return 503, "text/plain", b"loading models\n"
+            return 200, "text/plain", f"ready {counts}\n".encode()
+        if not handles.table.startup_done.is_set():
+            why = "loading models"
+        elif states:
+            why = f"no model is ready ({counts}; RepositoryIndex gives each reason)"
+        elif handles.config.model_control_mode == "explicit":
+            why = "no model is loaded (model_control_mode is explicit: load one with RepositoryModelLoad)"
+        else:
+            named = " named in models_include" if handles.config.models_include else ""
+            why = f"no model is ready: model_repo {handles.config.model_repo} holds no bundle{named}"
+        return 503, "text/plain", f"{why}\n".encode()
 
     def metrics():
         counts = {s.value: 0 for s in ModelState}
@@ -102,11 +119,14 @@ def _health(handles: WorkerHandles):
     return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
 
 
-async def run_actors(config: WorkerConfig, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketListener] | None = None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The worker's actors. Reports their handles once they are up (models may still be
-    loading) and runs until cancelled."""
+    loading) and runs until cancelled. The admin HTTP port serves ``admin_listeners`` when
+    given, else binds ``config.http_host:http_port``."""
     device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
-    log.info("device: %s (%s), jax PJRT %s", device.backend, device.kind, device.platform_version)
+    log.info("device: %s (%s), jax PJRT %s; host copies of weights in %s memory", device.backend, device.kind,
+             device.platform_version, device.host_memory_kind)
     device_limiter = trio.CapacityLimiter(1)
     table = ModelTable()
     stats = StatsBook()
@@ -115,7 +135,6 @@ async def run_actors(config: WorkerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                           residency=lambda name: config.scheduler.for_model(name).residency,
                           metrics=WeightCacheMetrics(metrics.registry),
                           compaction_interval=config.scheduler.compaction_interval)
-    log.info("weight cache: %s; host copies in %s memory", weights.budget.explain(), device.host_memory_kind)
     from xlaserve.worker.executor import Executor
     scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
     to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
@@ -132,19 +151,26 @@ async def run_actors(config: WorkerConfig, *, task_status=trio.TASK_STATUS_IGNOR
                               excache.compile_module if excache else None, lifecycle_metrics)
         handles = WorkerHandles(config, device, table, stats, metrics, scheduler, service, to_lifecycle,
                                 weights, nursery.cancel_scope, trio.lowlevel.current_trio_token())
-        handles.http_port = await nursery.start(serve_admin, config.http_host, config.http_port, _health(handles))
+        handles.http_port = await nursery.start(functools.partial(
+            serve_admin, config.http_host, config.http_port, _health(handles), listeners=admin_listeners))
         from xlaserve.frontend.control import WorkerControlService
         handles.services.append(WorkerControlService(handles, nursery))
         await nursery.start(lifecycle.run, lifecycle_inbox)
         task_status.started(handles)
 
 
-async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
-    """Run one worker until SIGTERM/SIGINT. ``ready_callback(grpc_port, http_port)`` is for tests."""
+async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_callback=None) -> None:
+    """Run one worker until SIGTERM/SIGINT. ``claimed`` holds its addresses already bound (see
+    :mod:`xlaserve.worker.preflight`); without it they are claimed here. ``ready_callback(grpc_port,
+    http_port)`` is for tests and scripts."""
+    if claimed is None:
+        claimed = claim(config)
+    config = dataclasses.replace(config, grpc_port=claimed.grpc.port, http_port=claimed.http.port)
     log.info("effective configuration of worker %s:\n%s", config.name, "\n".join(effective_config_lines(config)))
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            handles: WorkerHandles = await nursery.start(run_actors, config)
+            handles: WorkerHandles = await nursery.start(functools.partial(
+                run_actors, config, admin_listeners=claimed.http.trio_listeners()))
             handles.bridge = Bridge(handles.token)
             if config.endpoints.allow_client_shm:
                 from xlaserve.frontend.shm import SharedMemoryRegistry
@@ -159,13 +185,15 @@ async def serve(config: WorkerConfig, *, ready_callback=None) -> None:
                                 max_held_bytes=endpoints.max_connection_buffer_bytes,
                                 too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
-            grpc_port = await nursery.start(server.serve, config.grpc_host, config.grpc_port)
-            log.info("KServe V2 gRPC on %s:%d", config.grpc_host, grpc_port)
+            await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners()))
+            log.info("serving: KServe V2 gRPC on %s, HTTP on %s (/healthz /readyz /metrics)",
+                     claimed.grpc.address, claimed.http.address)
             if ready_callback is not None:
-                ready_callback(grpc_port, handles.http_port)
+                ready_callback(claimed.grpc.port, claimed.http.port)
             async for _ in signals:
                 break
             log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
+            handles.draining.set()
             server.close()
             with trio.move_on_after(DRAIN_SECONDS) as drain:
                 await server.wait_closed()
