@@ -61,21 +61,14 @@ def metadata_of(fields: Iterable[tuple[bytes, bytes]]) -> dict[str, str]:
 
 
 def read_head(fields: tuple[tuple[bytes, bytes], ...]) -> RequestHead:
-    """The request head from decoded header fields (HTTP/2 has validated them)."""
-    head = RequestHead(fields)
-    for name, value in fields:
-        if name[0] == 58:                  # b":"
-            if name == b":path":
-                head.path = value.decode("latin-1")
-            elif name == b":method":
-                head.method = value.decode("latin-1")
-        elif name == b"content-type":
-            head.content_type = value.decode("latin-1")
-        elif name == b"grpc-encoding":
-            head.encoding = value.decode("latin-1")
-        elif name == b"grpc-timeout":
-            head.timeout = value.decode("latin-1")
-    return head
+    """The request head from decoded header fields (HTTP/2 has validated them). A field sent
+    more than once counts with its last value."""
+    get = dict(fields).get
+    timeout = get(b"grpc-timeout")
+    return RequestHead(fields, get(b":method", b"").decode("latin-1"), get(b":path", b"").decode("latin-1"),
+                       get(b"content-type", b"").decode("latin-1"),
+                       get(b"grpc-encoding", b"identity").decode("latin-1"),
+                       None if timeout is None else timeout.decode("latin-1"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ngh2
@@ -41,7 +42,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline
 from ngh2 import (ConnectionClosed, DataReceived, GoAwayReceived, RequestReceived, Setting, StreamClosed,
-                  StreamReset, TrailersReceived)
+                  StreamReset, TrailersReceived, WindowUpdated)
 
 from xlaserve.frontend.grpc_protocol import (
     OK_TRAILERS, RESPONSE_HEADERS, Refusal, check_head, cut_messages, framed, message_end, metadata_of, read_head, status_of,
@@ -79,22 +80,35 @@ def goaway_bytes(code: int, message: str, last_stream: int) -> bytes:
     return engine.data_to_send()
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What serves one path, looked up once per request."""
+
+    method: Any = None                  # grpclib.const.Handler; None for a path nobody serves
+    fast: Callable[["Call", Any], None] | None = None    # its task-free entry point, if it has one
+    streaming_input: bool = False       # client streaming: the handler starts with the headers
+
+
+NO_ROUTE = Route()
+
+
 class Call:
     """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
 
     __slots__ = ("conn", "id", "method", "fields", "_metadata", "deadline", "encoding", "body", "held", "need",
                  "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "arrived", "scope",
-                 "drained", "fast", "on_cancel")
+                 "drained", "fast", "streaming_input", "on_cancel")
 
-    def __init__(self, conn: "Connection", stream_id: int, method, fields: tuple,
-                 deadline: Deadline | None, encoding: str) -> None:
+    def __init__(self, conn: "Connection", stream_id: int, route: Route, fields: tuple, encoding: str) -> None:
         self.conn = conn
         self.id = stream_id
-        self.method = method            # grpclib.const.Handler
+        self.method = route.method      # grpclib.const.Handler
+        self.fast = route.fast          # the method's task-free entry point, if it has one
+        self.streaming_input = route.streaming_input
         self.fields = fields            # the request's header fields, as received
         self._metadata: dict[str, str] | None = None
-        self.deadline = deadline
+        self.deadline: Deadline | None = None
         self.encoding = encoding
         # The start of a request message not complete yet, as it arrived: joined once, when the
         # ``need`` bytes its prefix announces are all here (a 150 kB message in 16 kB DATA frames
@@ -111,7 +125,6 @@ class Call:
         self.arrived: trio.Event | None = None
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
-        self.fast = None                # the method's task-free entry point, if it has one
         #: Called once (Trio thread), with no arguments, when the call is cancelled: the client
         #: reset the stream, the server reset it, or the connection closed or broke. A task-free
         #: handler sets it to take back work it handed on; it is not called once the call ended.
@@ -356,16 +369,21 @@ class Connection:
         receive = h2.receive_data
         events = h2.events
         handle = self._events
-        batch = self.server.write_batch
+        server = self.server
         while True:
             n = await recv_into(buffer)
             if not n:
                 return
-            with batch():       # replies, acks and window updates of one read go out in one send
+            # One write batch per read (server.write_batch(), spelled out: this runs per request
+            # at c=1): its replies, acks and window updates go out in one send.
+            server.holding += 1
+            try:
                 receive(view[:n])
                 self.opened = True
                 handle(events())
                 self._wrote()
+            finally:
+                server.end_batch()
             if self.closed or self.going_away and not self.calls:
                 return
 
@@ -377,9 +395,14 @@ class Connection:
             if kind is DataReceived:
                 call = calls.get(event.stream_id)
                 if call is not None:
-                    self._on_data(call, event.data, event.end_stream)
+                    if not call.finished:
+                        self._take_data(call, event.data)
+                    if event.end_stream:
+                        self._end_of_request(call)
             elif kind is RequestReceived:
                 self._on_request(event.stream_id, event.headers, event.end_stream)
+            elif kind is WindowUpdated:
+                pass                            # the engine sends what the window now allows
             elif kind is StreamClosed or kind is StreamReset:
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
@@ -407,28 +430,21 @@ class Connection:
         self.last_stream = sid
         head = read_head(fields)
         server = self.server
-        method = server.methods.get(head.path)
-        call = Call(self, sid, method, fields, None, head.encoding)
+        route = server.routes.get(head.path, NO_ROUTE)
+        call = Call(self, sid, route, fields, head.encoding)
         if end_stream:
             call.remote_closed = True
         self.calls[sid] = call
-        checked = check_head(head, method is not None, server.service_names)
+        checked = check_head(head, route.method is not None, server.service_names)
         if checked.__class__ is Refusal:
             self._refuse(call, checked)
             return
         if checked is not None:
             call.deadline = Deadline.from_timeout(checked)
-        call.fast = server.fast.get(head.path)
         if call.remote_closed:
             self._end_of_request(call)      # no request message at all
-        elif method.cardinality.value.client_streaming:
+        elif route.streaming_input:
             self._start(call)
-
-    def _on_data(self, call: Call, data: bytes, end_stream: bool) -> None:
-        if not call.finished:
-            self._take_data(call, data)
-        if end_stream:
-            self._end_of_request(call)
 
     def _take_data(self, call: Call, data: bytes) -> None:
         """Add ``data`` to ``call``'s request: complete messages go to its queue; a request over
@@ -485,7 +501,7 @@ class Connection:
         if call.arrived is not None:
             call.arrived.set()
         if not call.started:
-            if not call.method.cardinality.value.client_streaming and len(call.messages) != 1:
+            if not call.streaming_input and len(call.messages) != 1:
                 self._fail(call, Status.INVALID_ARGUMENT, f"a unary call carries exactly one request message; "
                                                           f"got {len(call.messages)}")
                 return
@@ -642,14 +658,17 @@ class GrpcServer:
                  too_large_response: Callable[[int, int], str] | None = None,
                  max_held_bytes: int = 2**30,
                  too_much_held: Callable[[int, int, int], str] | None = None) -> None:
-        self.methods: dict[str, Any] = {}
-        self.fast: dict[str, Callable[[Call, Any], None]] = {}
+        methods: dict[str, Any] = {}
+        fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
-            self.methods.update(service.__mapping__())
-            fast = getattr(service, "__fast_unary__", None)
-            if fast is not None:
-                self.fast.update(fast())
-        self.service_names = sorted({path.split("/")[1] for path in self.methods})
+            methods.update(service.__mapping__())
+            offered = getattr(service, "__fast_unary__", None)
+            if offered is not None:
+                fast.update(offered())
+        self.routes: dict[str, Route] = {
+            path: Route(method, fast.get(path), method.cardinality.value.client_streaming)
+            for path, method in methods.items()}
+        self.service_names = sorted({path.split("/")[1] for path in methods})
         self.max_recv_bytes = max_recv_bytes
         self.max_send_bytes = max_send_bytes
         self.too_large_request = too_large_request or (
@@ -708,11 +727,15 @@ class GrpcServer:
         try:
             yield
         finally:
-            self.holding -= 1
-            if not self.holding and self.dirty:
-                dirty, self.dirty = self.dirty, {}
-                for conn in dirty:
-                    conn.flush()
+            self.end_batch()
+
+    def end_batch(self) -> None:
+        """Leave one write batch (``holding`` was raised to enter it); the outermost sends."""
+        self.holding -= 1
+        if not self.holding and self.dirty:
+            dirty, self.dirty = self.dirty, {}
+            for conn in dirty:
+                conn.flush()
 
     def close(self) -> None:
         """Stop accepting connections; GOAWAY to every connection (open calls finish)."""
