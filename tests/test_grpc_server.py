@@ -1381,3 +1381,24 @@ def test_nested_write_batches_send_once_at_the_outermost_end(server, monkeypatch
     assert server.call(nested) == 0
     assert len(flushes) == 1 and flushes[0][1] == 0
     assert [client.response(sid).replies()[0].id for sid in (1, 3)] == ["p", "q"]
+
+
+def test_a_connection_past_max_connections_gets_goaway_and_the_open_ones_go_on(make_server, caplog):
+    server = make_server(max_connections=2)
+    first, second = server.connect(), server.connect()
+    # each is registered by the server once it has answered a call on it
+    assert first.call(1, "/test.Echo/Unary", request("a")).replies()[0].id == "a"
+    assert second.call(1, "/test.Echo/Unary", request("b")).replies()[0].id == "b"
+    with caplog.at_level(logging.WARNING, logger="xlaserve.grpc"):
+        third = server.connect()
+        goaway = third.goaway()
+        assert goaway.code == 0xB and b"at most 2 connections at once (endpoints.max_connections)" in goaway.debug
+        third.expect_eof()
+        fourth = server.connect()
+        assert fourth.goaway().code == 0xB
+        fourth.expect_eof()
+    # one log line for the flood, not one per connection refused
+    assert [r.getMessage() for r in caplog.records if "refusing gRPC connections" in r.getMessage()] == [
+        "refusing gRPC connections: this server serves at most 2 connections at once (endpoints.max_connections)"]
+    assert first.call(3, "/test.Echo/Unary", request("c")).replies()[0].id == "c"
+    assert second.call(3, "/test.Echo/Unary", request("d")).replies()[0].id == "d"

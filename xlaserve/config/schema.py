@@ -211,6 +211,9 @@ class EndpointsConfig:
             is answered RESOURCE_EXHAUSTED at once; the others go on. Default 2 GiB (8 largest
             messages at the default ``max_recv_msg_bytes``; far above what a queue of small
             requests needs, small beside the host RAM the weight cache's host copies use).
+        max_connections: client connections the worker serves at once, >= 1. One more is
+            sent GOAWAY (ENHANCE_YOUR_CALM, naming this key) and closed at once; the open ones go
+            on. Default 1024 (each open connection holds a read buffer of up to 4 MiB).
     """
 
     host: str = _key("0.0.0.0")
@@ -221,6 +224,7 @@ class EndpointsConfig:
     max_send_msg_bytes: int = _key(256 * _MIB, low=1)
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
     max_held_request_bytes: int = _key(2048 * _MIB, low=1)
+    max_connections: int = _key(1024, low=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 # error codes (section 7)
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+ENHANCE_YOUR_CALM = 0xB
 
 # settings identifiers
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, \
@@ -72,6 +73,7 @@ OUR_HEADER_LIST = 65536
 RECV_BYTES = 256 * 1024
 READ_BUFFER = 4 * OUR_MAX_FRAME               # a connection's receive buffer
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
+DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
@@ -844,7 +846,8 @@ class GrpcServer:
                  too_large_request: Callable[[int | str, int], str] | None = None,
                  too_large_response: Callable[[int, int], str] | None = None,
                  max_held_bytes: int = 2**30,
-                 too_much_held: Callable[[int, int, int], str] | None = None) -> None:
+                 too_much_held: Callable[[int, int, int], str] | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -866,6 +869,10 @@ class GrpcServer:
         self.too_much_held = too_much_held or (
             lambda held, limit, calls: f"this connection would hold {held} bytes of request data not yet handled "
                                        f"({calls} calls with unfinished messages); the limit is {limit}")
+        #: open connections served at once; one more is sent SETTINGS and GOAWAY
+        #: (ENHANCE_YOUR_CALM) and closed, while the open ones go on (each costs a read buffer)
+        self.max_connections = max_connections
+        self._refusals_logged_at: float | None = None
         self._connections: set[Connection] = set()
         self._listen_scope = trio.CancelScope()
         self._closing = False
@@ -893,6 +900,9 @@ class GrpcServer:
         if self._closing:
             await stream.aclose()
             return
+        if len(self._connections) >= self.max_connections:
+            await self._refuse(stream)
+            return
         conn = Connection(self, stream)
         self._connections.add(conn)
         try:
@@ -901,6 +911,23 @@ class GrpcServer:
             log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
             self._connections.discard(conn)
+
+    async def _refuse(self, stream: trio.SocketStream) -> None:
+        """One connection too many: our preface (SETTINGS), then GOAWAY naming the limit, then
+        close. Logged at most once a minute, since a flood of connections is when it happens."""
+        message = f"this server serves at most {self.max_connections} connections at once (endpoints.max_connections)"
+        now = trio.current_time()
+        if self._refusals_logged_at is None or now - self._refusals_logged_at >= 60:
+            self._refusals_logged_at = now
+            log.warning("refusing gRPC connections: %s", message)
+        with trio.move_on_after(FLUSH_SECONDS):
+            try:
+                await stream.send_all(frame(SETTINGS, 0, 0) + frame(
+                    GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(ENHANCE_YOUR_CALM) + message.encode()))
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
 
     @contextmanager
     def write_batch(self) -> Iterator[None]:
