@@ -40,8 +40,14 @@ class ModelTable:
         """The worker's readiness (``/readyz``, KServe ``ServerReady``): the start-up set has
         finished loading (each bundle ready or failed) and at least one model can be served. An
         empty repository, or one whose every bundle failed, is not ready."""
-        return self.startup_done.is_set() and any(
-            e.state is ModelState.READY for e in self.snapshot.values())
+        return self.startup_done.is_set() and self.state_counts()[ModelState.READY.value] > 0
+
+    def state_counts(self) -> dict[str, int]:
+        """How many models are in each state, every state listed (0 for none), by state name."""
+        counts = {state.value: 0 for state in ModelState}
+        for entry in self.snapshot.values():
+            counts[entry.state.value] += 1
+        return counts
 
     def publish(self, entry: ModelEntry) -> None:
         table = dict(self.snapshot)

@@ -29,7 +29,7 @@ from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.weights import WeightCache, budget_for
 from xlaserve.worker.inference import InferenceService
 from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LifecycleMetrics, LoadModel, UnloadModel
-from xlaserve.worker.registry import ModelState, ModelTable
+from xlaserve.worker.registry import ModelTable
 from xlaserve.worker.preflight import Claimed, claim
 from xlaserve.worker.scheduler import Scheduler
 from xlaserve.worker.stats import StatsBook
@@ -91,9 +91,7 @@ def _health(handles: WorkerHandles):
         return 200, "text/plain", b"ok\n"
 
     def readyz():
-        states = {}
-        for e in handles.table.snapshot.values():
-            states[e.state.value] = states.get(e.state.value, 0) + 1
+        states = {state: n for state, n in handles.table.state_counts().items() if n}
         counts = " ".join(f"{k}={v}" for k, v in sorted(states.items()))
         if handles.ready():
             return 200, "text/plain", f"ready {counts}\n".encode()
@@ -109,10 +107,7 @@ def _health(handles: WorkerHandles):
         return 503, "text/plain", f"{why}\n".encode()
 
     def metrics():
-        counts = {s.value: 0 for s in ModelState}
-        for e in handles.table.snapshot.values():
-            counts[e.state.value] += 1
-        for state, n in counts.items():
+        for state, n in handles.table.state_counts().items():
             handles.metrics.models.labels(state).set(n)
         return 200, "text/plain; version=0.0.4; charset=utf-8", handles.metrics.exposition()
 
