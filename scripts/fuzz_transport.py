@@ -156,15 +156,8 @@ STATIC_PAIRS = {(n.decode(), v.decode()): i + 1 for i, (n, v) in enumerate(hpack
 
 def hp_int(value: int, prefix: int, first: int) -> bytes:
     """``value`` as an HPACK integer with a ``prefix``-bit prefix; ``first`` holds the high bits."""
-    top = (1 << prefix) - 1
-    if value < top:
-        return bytes([first | value])
-    out = bytearray([first | top])
-    value -= top
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
+    out = hpack.hpack.encode_integer(value, prefix)
+    out[0] |= first
     return bytes(out)
 
 

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from hpack.hpack import encode_integer
+
 # ---- the issue's goals ---------------------------------------------------------------------------
 RSS_BUDGET_MB = 64.0        # the server's RSS may grow by at most this during an attack...
 RSS_RETURN_MB = 16.0        # ...and must be back within this of where it started soon after
@@ -103,15 +105,9 @@ def data_frames(stream_id: int, body: bytes, max_frame: int, end_stream: bool = 
 
 # ---- HPACK (RFC 7541), the client's side: literals only, never indexed ---------------------------
 def hpack_int(value: int, prefix_bits: int, flags: int = 0) -> bytes:
-    top = (1 << prefix_bits) - 1
-    if value < top:
-        return bytes([flags | value])
-    out = bytearray([flags | top])
-    value -= top
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
+    """``value`` as an HPACK integer with a ``prefix_bits`` prefix, ``flags`` in the high bits."""
+    out = encode_integer(value, prefix_bits)
+    out[0] |= flags
     return bytes(out)
 
 
