@@ -9,7 +9,7 @@ import pytest
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from xlaserve.frontend.hpack import STATIC_TABLE, Decoder, HPACKError, encode
+from xlaserve.frontend.hpack import STATIC_TABLE, Decoder, HeaderListTooLarge, HPACKError, encode
 from xlaserve.frontend import hpack as ours
 
 ref_huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
@@ -385,9 +385,9 @@ def test_size_update_limit_follows_constructor():
 def test_header_list_size_limit():
     dec = Decoder(max_header_list_size=100)
     assert dec.decode(b"\x00" + plain(b"a") + plain(bytes(67))) == (("a", "\x00" * 67),)  # 100
-    with pytest.raises(HPACKError, match="max_header_list_size 100"):
+    with pytest.raises(HeaderListTooLarge, match="more than 100 bytes"):
         dec.decode(b"\x00" + plain(b"a") + plain(bytes(68)))
-    with pytest.raises(HPACKError, match="max_header_list_size 100"):
+    with pytest.raises(HeaderListTooLarge, match="more than 100 bytes"):
         dec.decode(b"\x82" * 4)  # 4 * (7 + 3 + 32)
 
 

@@ -213,7 +213,37 @@ class EndpointsConfig:
             requests needs, small beside the host RAM the weight cache's host copies use).
         max_connections: client connections the worker serves at once, >= 1. One more is
             sent GOAWAY (ENHANCE_YOUR_CALM, naming this key) and closed at once; the open ones go
-            on. Default 1024 (each open connection holds a read buffer of up to 4 MiB).
+            on. Default 1024 (an idle connection holds a 64 KiB read buffer, a busy one up to 2 MiB).
+
+    The HTTP/2 limits of one client connection (docs/security.md says what each stops). A
+    connection past one is sent GOAWAY (ENHANCE_YOUR_CALM) naming the key and closed; the
+    others go on:
+
+        max_concurrent_streams: calls open at once (advertised in SETTINGS); a call reset while
+            its request is queued or running counts until that work is over. One more stream is
+            refused (REFUSED_STREAM). Default 1024.
+        max_header_list_bytes: one request's decoded header fields (name + value + 32 each),
+            advertised as SETTINGS_MAX_HEADER_LIST_SIZE. Default 64 KiB.
+        max_header_block_bytes: one request's encoded header block (HEADERS and CONTINUATION
+            payloads), checked before any of it is decoded. Default 64 KiB.
+        max_continuation_frames: CONTINUATION frames in one header block. Default 16.
+        max_settings_entries: entries in one SETTINGS frame (there are six settings). Default 32.
+        max_queued_control_frames: PING and SETTINGS acknowledgements and RST_STREAMs queued for a
+            client that does not read them. Default 10000.
+        glitch_burst, glitches_per_second: a token bucket of the work a client may waste:
+            streams it resets, streams refused past max_concurrent_streams, DATA on closed
+            streams, empty DATA and CONTINUATION frames, SETTINGS frames after the first. Default a
+            burst of 1000 refilled at 33 per second (nghttp2's stream-reset defaults).
+        handshake_timeout_seconds: from connecting to the client's first SETTINGS frame. Default 5.
+        idle_timeout_seconds: a connection with no call open this long gets GOAWAY (NO_ERROR) and
+            is closed; 0 never. Default 300.
+        keepalive_interval_seconds: nothing received this long: the server sends a PING; 0 never.
+            Default 60.
+        keepalive_timeout_seconds: no frame this long after that PING: closed. Default 20.
+        max_queued_reply_bytes: output queued for one connection past which the server stops
+            reading that client's requests until half of it has gone out. Default 16 MiB.
+        write_timeout_seconds: a write that makes no progress this long (the client stopped
+            reading) closes the connection. Default 60.
     """
 
     host: str = _key("0.0.0.0")
@@ -225,6 +255,20 @@ class EndpointsConfig:
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
     max_held_request_bytes: int = _key(2048 * _MIB, low=1)
     max_connections: int = _key(1024, low=1)
+    max_concurrent_streams: int = _key(1024, low=1, high=2**31 - 1)
+    max_header_list_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
+    max_header_block_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
+    max_continuation_frames: int = _key(16, low=0)
+    max_settings_entries: int = _key(32, low=6)
+    max_queued_control_frames: int = _key(10000, low=1)
+    glitch_burst: int = _key(1000, low=1)
+    glitches_per_second: float = _key(33.0, low=0.0)
+    handshake_timeout_seconds: float = _key(5.0, low=0.0, low_open=True)
+    idle_timeout_seconds: float = _key(300.0, low=0.0)
+    keepalive_interval_seconds: float = _key(60.0, low=0.0)
+    keepalive_timeout_seconds: float = _key(20.0, low=0.0, low_open=True)
+    max_queued_reply_bytes: int = _key(16 * _MIB, low=64 * 1024)
+    write_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)

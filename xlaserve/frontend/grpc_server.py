@@ -33,6 +33,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -41,7 +42,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 
 from xlaserve.errors import internal_message
-from xlaserve.frontend.hpack import Decoder, HPACKError, encode
+from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, encode
 
 log = logging.getLogger("xlaserve.grpc")
 
@@ -55,6 +56,8 @@ END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
 STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
 ENHANCE_YOUR_CALM = 0xB
+_ERROR_NAMES = {0x0: "NO_ERROR", 0x1: "PROTOCOL_ERROR", 0x2: "INTERNAL_ERROR", 0x3: "FLOW_CONTROL_ERROR",
+                0x6: "FRAME_SIZE_ERROR", 0x9: "COMPRESSION_ERROR", 0xB: "ENHANCE_YOUR_CALM"}
 
 # settings identifiers
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, \
@@ -64,16 +67,40 @@ MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384
 
-# what we advertise
-OUR_STREAMS = 4096
+# what we advertise (stream limits and header list size come from H2Limits)
 OUR_STREAM_WINDOW = 4 * 1024 * 1024
 OUR_CONN_WINDOW = 16 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024
-OUR_HEADER_LIST = 65536
-RECV_BYTES = 256 * 1024
-READ_BUFFER = 4 * OUR_MAX_FRAME               # a connection's receive buffer
+READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
+READ_BUFFER_MAX = 2 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames up to this
+WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
+CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
+KEEPALIVE_PING = b"xlkeepal"
+
+
+@dataclass(frozen=True, slots=True)
+class H2Limits:
+    """What one client connection may do; the node file's ``endpoints:`` keys of the same names
+    (docs/node-config.md and docs/security.md say why each default). A connection that crosses
+    one gets GOAWAY (ENHANCE_YOUR_CALM unless the protocol names a code) naming the key, and is
+    closed; the others go on."""
+
+    max_concurrent_streams: int = 1024      # advertised; a stream reset while its work is queued counts
+    max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
+    max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
+    max_continuation_frames: int = 16       # CONTINUATION frames in one header block
+    max_settings_entries: int = 32          # entries in one SETTINGS frame
+    max_queued_control_frames: int = 10000  # PING/SETTINGS acks and RST_STREAMs the client has not read
+    glitch_burst: int = 1000                # resets, refused streams and other waste, in a burst...
+    glitches_per_second: float = 33.0       # ...refilled at this rate
+    handshake_timeout_seconds: float = 5.0  # connect to the client's first SETTINGS frame
+    idle_timeout_seconds: float = 300.0     # no call open this long: GOAWAY NO_ERROR (0: never)
+    keepalive_interval_seconds: float = 60.0  # nothing received this long: PING (0: never)
+    keepalive_timeout_seconds: float = 20.0   # ...and no frame after it this long: closed
+    max_queued_reply_bytes: int = 16 * 1024 * 1024  # queued output past which the client is not read
+    write_timeout_seconds: float = 60.0     # a write that makes no progress this long: closed
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
@@ -103,12 +130,18 @@ class ConnectionError_(Exception):
         self.code = code
 
 
+def calm(what: str, key: str, limit) -> ConnectionError_:
+    """The connection error for a client past one of :class:`H2Limits`: ENHANCE_YOUR_CALM, with
+    a message naming the node-file key."""
+    return ConnectionError_(ENHANCE_YOUR_CALM, f"{what}; the limit is {limit} (endpoints.{key})")
+
+
 class Call:
     """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
 
     __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
-                 "unacked", "arrived", "scope", "drained", "fast", "on_cancel")
+                 "unacked", "arrived", "scope", "drained", "fast", "on_cancel", "zombie")
 
     def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
                  deadline: Deadline | None, encoding: str) -> None:
@@ -136,6 +169,9 @@ class Call:
         #: reset the stream, the server reset it, or the connection closed or broke. A task-free
         #: handler sets it to take back work it handed on; it is not called once the call ended.
         self.on_cancel: Callable[[], None] | None = None
+        #: reset while work it handed on (``on_cancel``) is queued or running: it still counts
+        #: against the connection's stream limit until ``complete`` says that work is over
+        self.zombie = False
 
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
@@ -146,6 +182,8 @@ class Call:
             self.scope.cancel()
         on_cancel, self.on_cancel = self.on_cancel, None
         if on_cancel is not None and not was_finished:
+            self.zombie = True
+            self.conn.zombies += 1
             try:
                 on_cancel()
             except Exception:   # a bug in the layer above must not take the connection down
@@ -156,6 +194,9 @@ class Call:
         exception that fails the call (anything with ``status`` and a message, or any other
         exception: INTERNAL). Ignored once the call has ended (client reset, connection gone)."""
         if self.finished:
+            if self.zombie:     # the work of a reset call is over: its stream slot is free
+                self.zombie = False
+                self.conn.zombies -= 1
             return
         conn = self.conn
         if isinstance(outcome, BaseException):
@@ -196,9 +237,11 @@ class Call:
 class Connection:
     def __init__(self, server: "GrpcServer", stream: trio.SocketStream) -> None:
         self.server = server
+        self.limits = limits = server.limits
         self.sock = stream
-        self.decoder = Decoder(max_header_list_size=OUR_HEADER_LIST)
+        self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes)
         self.calls: dict[int, Call] = {}
+        self.zombies = 0                            # reset calls whose work is not over (Call.zombie)
         self.last_stream = 0
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = DEFAULT_FRAME
@@ -210,15 +253,28 @@ class Connection:
         self.out = bytearray()
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
+        self.in_flight = 0                          # bytes the writer task has yet to hand the socket
+        self.write_progress_at = 0.0                # when the writer's current chunk began
+        self.control_queued = 0                     # control replies in ``out`` (not yet sent)
+        self.writable: trio.Event | None = None     # the reader waits on it while too much is queued
         # The same socket (same file descriptor, detached before Trio closes it), for flush():
         # a non-blocking send from whichever task replied. Never used once stopping is set.
         self.raw = socket.socket(fileno=stream.socket.fileno())
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
+        self.watch_scope = trio.CancelScope()
+        self.closing: ConnectionError_ | None = None   # why the watchdog ended the connection
         self.blocked: dict[int, Call] = {}          # calls with output waiting for window
-        self.continuation: tuple[int, int, bytearray] | None = None
+        # a header block in progress: stream id, its HEADERS flags, the block, CONTINUATIONs so far
+        self.continuation: tuple[int, int, bytearray, int] | None = None
         self.nursery: trio.Nursery | None = None
+        self.settled = False                        # the client's first SETTINGS frame arrived
+        self.received_at = trio.current_time()      # the last read (keep-alive)
+        self.reads = 0
+        self.calls_opened = 0                       # (idle timeout)
+        self.glitch_tokens = float(limits.glitch_burst)
+        self.glitch_at = self.received_at
 
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -226,15 +282,23 @@ class Connection:
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self._write_loop)
+                nursery.start_soon(self._watch)
+                flush = FLUSH_SECONDS
                 with self.read_scope:
                     try:
                         await self._read_loop()
                     except ConnectionError_ as exc:
-                        log.info("closing a gRPC connection: %s", exc)
-                        self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(exc.code)
-                                          + str(exc).encode()[:256]))
+                        self.closing = exc
                     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         pass
+                self.watch_scope.cancel()
+                if self.closing is not None:
+                    # The client broke a rule or a limit: say which, and do not wait long for it to read.
+                    exc = self.closing
+                    self.server.log_closing(self, exc)
+                    self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(exc.code)
+                                      + str(exc).encode()[:256]))
+                    flush = CALM_FLUSH_SECONDS
                 # The peer is gone, misbehaved, or a graceful close found no call open: cancel
                 # what is left, let the writer send what is queued (bounded), then close.
                 for call in list(self.calls.values()):
@@ -242,7 +306,7 @@ class Connection:
                 self.calls.clear()
                 self.stopping = True
                 self.out_ready.set()
-                nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
+                nursery.cancel_scope.deadline = trio.current_time() + flush
         finally:
             self.stopping = True
             self.raw.detach()
@@ -259,15 +323,33 @@ class Connection:
                 await self.out_ready.wait()
                 continue
             data, self.out = self.out, bytearray()
+            self.control_queued = 0
             self.sending = True
+            self.in_flight = len(data)
             try:
-                await sock.send_all(data)
+                if len(data) <= WRITE_CHUNK:
+                    self.write_progress_at = trio.current_time()
+                    await sock.send_all(data)
+                else:       # in chunks, so that the watchdog sees progress (write_timeout_seconds)
+                    view = memoryview(data)
+                    for i in range(0, len(data), WRITE_CHUNK):
+                        self.write_progress_at = trio.current_time()
+                        await sock.send_all(view[i:i + WRITE_CHUNK])
+                        self.in_flight -= len(view[i:i + WRITE_CHUNK])
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 self.stopping = True
                 self.read_scope.cancel()
                 return
             finally:
                 self.sending = False
+                self.in_flight = 0
+            self._maybe_writable()
+
+    def _maybe_writable(self) -> None:
+        """Wake the reader waiting for queued output to go out (``max_queued_reply_bytes``)."""
+        if self.writable is not None and len(self.out) + self.in_flight <= self.limits.max_queued_reply_bytes // 2:
+            self.writable.set()
+            self.writable = None
 
     def _write(self, data: bytes) -> None:
         if self.stopping:
@@ -278,6 +360,32 @@ class Connection:
             server.dirty[self] = None       # sent when the write batch ends
         else:
             self.out_ready.set()
+
+    def _control(self, data: bytes) -> None:
+        """Queue a control reply the client's frame asked for (reader only): PING and SETTINGS
+        acks, RST_STREAM. A client that sends such frames and never reads is cut off."""
+        self.control_queued += 1
+        if self.control_queued > self.limits.max_queued_control_frames:
+            raise calm(f"more than {self.limits.max_queued_control_frames} control frames (PING and SETTINGS "
+                       "acknowledgements, RST_STREAM) are queued for a client that does not read them",
+                       "max_queued_control_frames", self.limits.max_queued_control_frames)
+        self._write(data)
+
+    def _glitch(self, what: str) -> None:
+        """Count one wasted piece of work the client caused (a reset stream, a refused stream, a
+        frame on a closed stream, ...) against a token bucket: a burst of ``glitch_burst``,
+        refilled at ``glitches_per_second``. Emptying it ends the connection (rapid reset and kin)."""
+        limits = self.limits
+        now = trio.current_time()
+        tokens = min(float(limits.glitch_burst),
+                     self.glitch_tokens + (now - self.glitch_at) * limits.glitches_per_second) - 1.0
+        self.glitch_at = now
+        self.glitch_tokens = tokens
+        if tokens < 0:
+            raise ConnectionError_(ENHANCE_YOUR_CALM, (
+                f"too many stream resets, refused streams and wasted frames (the last: {what}); the limit is a "
+                f"burst of {limits.glitch_burst} refilled at {limits.glitches_per_second:g}/s "
+                "(endpoints.glitch_burst, endpoints.glitches_per_second)"))
 
     def flush(self) -> None:
         """Send what is queued now, with one non-blocking send; whatever the socket does not
@@ -291,15 +399,77 @@ class Connection:
                 sent = 0
             if sent == len(self.out):
                 self.out.clear()
+                self.control_queued = 0
+                if self.writable is not None:
+                    self._maybe_writable()
                 return
             del self.out[:sent]
         self.out_ready.set()
+
+    async def _watch(self) -> None:
+        """The connection's clocks: the handshake, the writer's progress, keep-alive, idle. Each
+        ends the connection when it runs out (``closing``, then the reader is stopped)."""
+        limits = self.limits
+        with self.watch_scope:
+            await trio.sleep(limits.handshake_timeout_seconds)
+            if not self.settled:
+                self._end(calm(f"the client sent no connection preface and SETTINGS frame within "
+                               f"{limits.handshake_timeout_seconds:g} s of connecting", "handshake_timeout_seconds",
+                               f"{limits.handshake_timeout_seconds:g} s"))
+                return
+            interval, answer = limits.keepalive_interval_seconds, limits.keepalive_timeout_seconds
+            idle, write = limits.idle_timeout_seconds, limits.write_timeout_seconds
+            ping_at: float | None = None
+            reads_at_ping = 0
+            idle_since, idle_count = trio.current_time(), -1
+            while True:
+                now = trio.current_time()
+                wake = now + write / 2          # how often the writer's progress is looked at
+                if self.sending and now - self.write_progress_at >= write:
+                    log.info("closing a gRPC connection: a write made no progress for %g s "
+                             "(endpoints.write_timeout_seconds): the client does not read", write)
+                    self.stopping = True
+                    self.nursery.cancel_scope.cancel()
+                    return
+                if interval > 0 and self.writable is None:     # not while the reader waits on the writer
+                    if ping_at is not None and self.reads != reads_at_ping:
+                        ping_at = None                          # something arrived: the client is there
+                    if ping_at is None:
+                        due = self.received_at + interval
+                        if now >= due:
+                            ping_at, reads_at_ping = now, self.reads
+                            self._write(frame(PING, 0, 0, KEEPALIVE_PING))
+                            self.flush()
+                            wake = min(wake, now + answer)
+                        else:
+                            wake = min(wake, due)
+                    elif now >= ping_at + answer:
+                        self._end(calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
+                                       "keepalive_timeout_seconds", f"{answer:g} s"))
+                        return
+                    else:
+                        wake = min(wake, ping_at + answer)
+                if idle > 0:
+                    if self.calls or self.zombies or self.calls_opened != idle_count:
+                        idle_since, idle_count = now, self.calls_opened
+                    elif now - idle_since >= idle:
+                        log.debug("closing a gRPC connection idle for %g s (endpoints.idle_timeout_seconds)", idle)
+                        self.go_away()
+                        return
+                    wake = min(wake, idle_since + idle)
+                await trio.sleep_until(wake)
+
+    def _end(self, exc: ConnectionError_) -> None:
+        """End the connection from outside the reader: GOAWAY with ``exc``, then close."""
+        if self.closing is None:
+            self.closing = exc
+        self.read_scope.cancel()
 
     async def _read_loop(self) -> None:
         sock = self.sock
         buf = bytearray()
         while len(buf) < len(PREFACE):
-            chunk = await sock.receive_some(RECV_BYTES)
+            chunk = await sock.receive_some(READ_BUFFER_START)
             if not chunk:
                 return
             buf += chunk
@@ -307,21 +477,26 @@ class Connection:
             raise ConnectionError_(PROTOCOL_ERROR, "the client did not open with the HTTP/2 connection preface "
                                                    "(xlaserve serves gRPC over cleartext HTTP/2 only)")
         del buf[:len(PREFACE)]
+        limits = self.limits
         self._write(frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in (
-            (MAX_CONCURRENT_STREAMS, OUR_STREAMS), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
-            (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, OUR_HEADER_LIST))))
+            (MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
+            (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes))))
                     + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
-        # One fixed buffer per connection, filled with recv_into: no allocation per read. DATA
-        # payloads are handed on as views into it (copied once, into their call's body); other
-        # frames as bytes.
-        buffer = bytearray(READ_BUFFER)
+        # One buffer per connection, filled with recv_into: no allocation per read. It starts
+        # small, doubles when a frame does not fit or a read fills it (up to READ_BUFFER_MAX) and
+        # goes back to small when it is empty and no call is open. DATA payloads are handed on as
+        # views into it (copied once, into their call's body); other frames as bytes.
+        size = max(READ_BUFFER_START, len(buf))
+        buffer = bytearray(size)
         view = memoryview(buffer)
         start, end = 0, len(buf)
         buffer[:end] = buf
+        filled = False                      # the last read filled the buffer
         recv_into = sock.socket.recv_into
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         batch = self.server.write_batch
+        queued_limit = limits.max_queued_reply_bytes
         while True:
             pos = start
             with batch():       # replies, acks and window updates of one read go out in one send
@@ -343,18 +518,48 @@ class Connection:
                 return
             if start == end:
                 start = end = 0
-            elif READ_BUFFER - end < OUR_MAX_FRAME + 9:   # make room for a whole frame
-                buffer[:end - start] = bytes(view[start:end])
-                start, end = 0, end - start
+                if filled and size < READ_BUFFER_MAX:
+                    size *= 2
+                elif size > READ_BUFFER_START and not self.calls:
+                    size = READ_BUFFER_START
+                if size != len(buffer):
+                    buffer = bytearray(size)
+                    view = memoryview(buffer)
+            else:
+                need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
+                want = size * 2 if filled and size < READ_BUFFER_MAX else size
+                if need > want:
+                    want = need
+                if want > size:     # grow: the frame does not fit, or reads are filling the buffer
+                    grown = bytearray(want)
+                    grown[:end - start] = view[start:end]
+                    size, buffer = want, grown
+                    view = memoryview(buffer)
+                    start, end = 0, end - start
+                elif size - end < max(need - (end - start), READ_BUFFER_START // 4):   # make room
+                    buffer[:end - start] = bytes(view[start:end])
+                    start, end = 0, end - start
+            if len(self.out) + self.in_flight > queued_limit:
+                # The client is not reading what it asked for: stop reading its requests until
+                # the writer has handed half of it to the socket (back-pressure, not buffering).
+                self.writable = trio.Event()
+                self.out_ready.set()
+                await self.writable.wait()
             n = await recv_into(view[end:])
             if not n:
                 return
+            filled = end + n == size
             end += n
+            self.reads += 1
+            self.received_at = trio.current_time()
 
     # ---- incoming frames -------------------------------------------------------------------
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if self.continuation is not None and ftype != CONTINUATION:
             raise ConnectionError_(PROTOCOL_ERROR, "a header block was interrupted by another frame")
+        if not self.settled and (ftype != SETTINGS or flags & ACK):
+            raise ConnectionError_(PROTOCOL_ERROR, "the first frame after the connection preface must be "
+                                                   "SETTINGS (RFC 9113 3.4)")
         if ftype == DATA:
             self._on_data(flags, sid, payload)
         elif ftype == HEADERS:
@@ -365,7 +570,7 @@ class Connection:
             if sid != 0 or len(payload) != 8:
                 raise ConnectionError_(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING frame")
             if not flags & ACK:
-                self._write(frame(PING, ACK, 0, payload))
+                self._control(frame(PING, ACK, 0, payload))
         elif ftype == SETTINGS:
             self._on_settings(flags, sid, payload)
         elif ftype == RST_STREAM:
@@ -373,6 +578,7 @@ class Connection:
                 raise ConnectionError_(PROTOCOL_ERROR, "malformed RST_STREAM frame")
             if sid > self.last_stream:
                 raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
+            self._glitch(f"RST_STREAM on stream {sid}")
             call = self.calls.get(sid)
             if call is not None:
                 call.cancel()
@@ -380,11 +586,20 @@ class Connection:
         elif ftype == CONTINUATION:
             if self.continuation is None or self.continuation[0] != sid:
                 raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
-            self.continuation[2].extend(payload)
+            sid, first_flags, block, count = self.continuation
+            limits = self.limits
+            if count >= limits.max_continuation_frames:
+                raise calm(f"a header block spans more than {limits.max_continuation_frames} CONTINUATION frames",
+                           "max_continuation_frames", limits.max_continuation_frames)
+            self._check_block(len(block) + len(payload))
+            block.extend(payload)
             if flags & END_HEADERS:
-                sid, first_flags, block = self.continuation
                 self.continuation = None
                 self._on_header_block(first_flags, sid, bytes(block))
+            else:
+                if not payload:
+                    self._glitch("an empty CONTINUATION frame")
+                self.continuation = (sid, first_flags, block, count + 1)
         elif ftype == GOAWAY:
             self.going_away = True
         elif ftype == PRIORITY:
@@ -403,15 +618,20 @@ class Connection:
             return
         if len(payload) % 6:
             raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
+        entries = len(payload) // 6
+        limit = self.limits.max_settings_entries
+        if entries > limit:
+            raise calm(f"a SETTINGS frame of {entries} entries", "max_settings_entries", limit)
+        if self.settled:
+            self._glitch("a SETTINGS frame after the first")   # clients send one or two in all
+        self.settled = True
+        window = self.peer_initial_window
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)
             if key == INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {value} is above 2^31-1")
-                delta = value - self.peer_initial_window
-                self.peer_initial_window = value
-                for call in self.calls.values():
-                    call.send_window += delta
+                window = value      # applied once below: the last value is the one that counts
             elif key == MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= 2**24 - 1:
                     raise ConnectionError_(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
@@ -419,7 +639,12 @@ class Connection:
             elif key == ENABLE_PUSH and value > 1:
                 raise ConnectionError_(PROTOCOL_ERROR, f"ENABLE_PUSH {value} is not 0 or 1")
             # HEADER_TABLE_SIZE: our encoder never uses the dynamic table; the rest are advisory
-        self._write(frame(SETTINGS, ACK, 0))
+        delta = window - self.peer_initial_window
+        if delta:
+            self.peer_initial_window = window
+            for call in self.calls.values():
+                call.send_window += delta
+        self._control(frame(SETTINGS, ACK, 0))
         self._flush_blocked()
 
     def _on_window_update(self, sid: int, payload: bytes) -> None:
@@ -454,14 +679,22 @@ class Connection:
         if stop < start:
             raise ConnectionError_(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
         block = payload[start:stop]
+        self._check_block(len(block))
         if flags & END_HEADERS:
             self._on_header_block(flags, sid, block)
         else:
-            self.continuation = (sid, flags, bytearray(block))
+            self.continuation = (sid, flags, bytearray(block), 0)
+
+    def _check_block(self, size: int) -> None:
+        limit = self.limits.max_header_block_bytes
+        if size > limit:
+            raise calm(f"a header block of more than {limit} bytes", "max_header_block_bytes", f"{limit} bytes")
 
     def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
         try:
             headers = self.decoder.decode(block)
+        except HeaderListTooLarge as exc:
+            raise calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
         if not sid & 1:
@@ -478,9 +711,14 @@ class Connection:
             raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {sid} after stream {self.last_stream}; "
                                                    "stream ids must increase")
         self.last_stream = sid
-        if self.going_away or len(self.calls) >= OUR_STREAMS:
-            self._write(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+        if self.going_away:
+            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
+        if len(self.calls) + self.zombies >= self.limits.max_concurrent_streams:
+            self._glitch(f"stream {sid} past max_concurrent_streams")
+            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            return
+        self.calls_opened += 1
         self._new_call(flags, sid, headers)
 
     def _new_call(self, flags: int, sid: int, headers: Iterable[tuple[str, str]]) -> None:
@@ -490,7 +728,7 @@ class Connection:
             if not name:
                 # RFC 9113 8.2.1: a field with an empty name makes the request malformed, a
                 # stream error; nothing of it was registered, so a reset is all there is to do
-                self._write(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                self._control(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
                 return
             if name[0] == ":":
                 if name == ":path":
@@ -545,6 +783,7 @@ class Connection:
         if call is None:
             if sid > self.last_stream:
                 raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
+            self._glitch(f"DATA on closed stream {sid}")
             return                      # a stream we already answered or reset
         if call.remote_closed:
             self._reset(call, STREAM_CLOSED)
@@ -563,6 +802,8 @@ class Connection:
         if flags & END_STREAM:
             self._end_of_request(call)
         else:
+            if not length:
+                self._glitch("an empty DATA frame")
             call.unacked += length
             if call.unacked >= OUR_STREAM_WINDOW // 2:
                 self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
@@ -778,7 +1019,7 @@ class Connection:
         return b"".join(parts)
 
     def _reset(self, call: Call, code: int) -> None:
-        self._write(frame(RST_STREAM, 0, call.id, _U32.pack(code)))
+        self._control(frame(RST_STREAM, 0, call.id, _U32.pack(code)))
         call.cancel()
         self._forget(call)
 
@@ -847,7 +1088,7 @@ class GrpcServer:
                  too_large_response: Callable[[int, int], str] | None = None,
                  max_held_bytes: int = 2**30,
                  too_much_held: Callable[[int, int, int], str] | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, limits: H2Limits = H2Limits()) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -872,7 +1113,10 @@ class GrpcServer:
         #: open connections served at once; one more is sent SETTINGS and GOAWAY
         #: (ENHANCE_YOUR_CALM) and closed, while the open ones go on (each costs a read buffer)
         self.max_connections = max_connections
+        self.limits = limits
         self._refusals_logged_at: float | None = None
+        self._closings_logged_at = -60.0
+        self._closings_unlogged = 0
         self._connections: set[Connection] = set()
         self._listen_scope = trio.CancelScope()
         self._closing = False
@@ -911,6 +1155,22 @@ class GrpcServer:
             log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
             self._connections.discard(conn)
+
+    def log_closing(self, conn: Connection, exc: ConnectionError_) -> None:
+        """Log why a connection is being ended: at most one line a second, since a flood of
+        offending connections is when it happens (the next line counts those not logged)."""
+        now = trio.current_time()
+        if now - self._closings_logged_at < 1.0:
+            self._closings_unlogged += 1
+            return
+        more = f" ({self._closings_unlogged} more since the last line)" if self._closings_unlogged else ""
+        self._closings_logged_at, self._closings_unlogged = now, 0
+        try:
+            peer = "%s:%s" % conn.sock.socket.getpeername()[:2]
+        except OSError:
+            peer = "a client"
+        log.info("closing the gRPC connection from %s: GOAWAY %s: %s%s", peer, _ERROR_NAMES.get(exc.code, exc.code),
+                 exc, more)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """One connection too many: our preface (SETTINGS), then GOAWAY naming the limit, then

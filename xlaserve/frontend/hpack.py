@@ -13,7 +13,9 @@ the first request, grpc C-core's block is nothing but indexed references into th
 so the same bytes decode to the same headers for as long as the table stays as it was. The decoder
 therefore remembers ``block bytes -> result`` for blocks that did not change the table (no
 insertion, no size update) and answers a repeated block with one dict lookup. Any change to the
-table empties the cache, so a cached answer is never read against a table it was not decoded with.
+table empties the cache, so a cached answer is never read against a table it was not decoded with. Only
+blocks of at most 1 KiB are remembered, at most 64 of them, so what the cache holds stays small
+whatever a client sends.
 
 Huffman strings are decoded by a state machine over 4-bit nibbles, built once at import from the
 code table; a per-byte table (two nibble steps fused) is filled in from it lazily.
@@ -22,11 +24,15 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["HPACKError", "Decoder", "encode", "STATIC_TABLE"]
+__all__ = ["HPACKError", "HeaderListTooLarge", "Decoder", "encode", "STATIC_TABLE"]
 
 
 class HPACKError(ValueError):
     """A header block is malformed, or breaks a limit this end set (HTTP/2 COMPRESSION_ERROR)."""
+
+
+class HeaderListTooLarge(HPACKError):
+    """A header block decodes to more than the ``max_header_list_size`` this end advertised."""
 
 
 # RFC 7541 Appendix A. Index 1 is at position 0.
@@ -308,7 +314,10 @@ def _read_str(data: bytes, pos: int) -> tuple[str, int]:
 
 # --- decoder -----------------------------------------------------------------------------------
 
-_CACHE_LIMIT = 512
+# Repeated gRPC blocks are tens of bytes; a bound in count and size keeps a connection that sends
+# a stream of distinct large blocks from making the cache hold them (at most 64 KiB of keys).
+_CACHE_LIMIT = 64
+_CACHE_BLOCK_MAX = 1024
 
 
 class Decoder:
@@ -346,7 +355,7 @@ class Decoder:
         if cached is not None:
             return cached
         headers, modified = self._parse(data)
-        if not modified:
+        if not modified and len(data) <= _CACHE_BLOCK_MAX:
             cache = self._cache
             if len(cache) >= _CACHE_LIMIT:
                 cache.clear()
@@ -401,6 +410,7 @@ class Decoder:
         list_limit = self._max_list
         list_size = 0
         modified = False
+        updates = 0
         pos = 0
         end = len(data)
         while pos < end:
@@ -419,6 +429,9 @@ class Decoder:
             elif first & 0xE0 == 0x20:  # 6.3 dynamic table size update
                 if headers:
                     raise HPACKError("dynamic table size update after a header field")
+                updates += 1
+                if updates > 2:     # RFC 7541 4.2: one to signal a reduction, one for the new size
+                    raise HPACKError("more than two dynamic table size updates at the start of a header block")
                 size = first & 0x1F
                 if size == 0x1F:
                     size, pos = _read_int(data, pos, size)
@@ -445,8 +458,8 @@ class Decoder:
                     self._insert(header)
             list_size += len(header[0]) + len(header[1]) + 32
             if list_size > list_limit:
-                raise HPACKError(
-                    f"decoded header list exceeds max_header_list_size {list_limit}")
+                raise HeaderListTooLarge(f"a header block decodes to more than {list_limit} bytes "
+                                         "(RFC 9113 field sizes: name, value and 32 per field)")
             append(header)
         return tuple(headers), modified
 

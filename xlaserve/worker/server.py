@@ -22,7 +22,7 @@ from xlaserve.admin import serve_admin
 from xlaserve.config import WorkerConfig, effective_config_lines
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
-from xlaserve.frontend.grpc_server import GrpcServer
+from xlaserve.frontend.grpc_server import GrpcServer, H2Limits
 from xlaserve.metrics import Metrics, WeightCacheMetrics
 from xlaserve.runtime.excache import open_executable_cache
 from xlaserve.runtime.pjrt import Device
@@ -179,6 +179,8 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                                 too_large_request=request_too_large, too_large_response=response_too_large,
                                 max_held_bytes=endpoints.max_connection_buffer_bytes,
                                 max_connections=endpoints.max_connections,
+                                limits=H2Limits(**{f.name: getattr(endpoints, f.name)
+                                                   for f in dataclasses.fields(H2Limits)}),
                                 too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
             await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners()))
