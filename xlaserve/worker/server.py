@@ -170,6 +170,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
             if config.endpoints.allow_client_shm:
                 from xlaserve.frontend.shm import SharedMemoryRegistry
                 handles.shared_memory = SharedMemoryRegistry()
+            from xlaserve.frontend.access import AccessPolicy
             from xlaserve.frontend.kserve import (KServeService, connection_buffer_full, request_too_large,
                                                   response_too_large)
             endpoints = config.endpoints
@@ -179,6 +180,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                                 too_large_request=request_too_large, too_large_response=response_too_large,
                                 max_held_bytes=endpoints.max_connection_buffer_bytes,
                                 max_connections=endpoints.max_connections,
+                                access=AccessPolicy.from_config(endpoints.restricted),
                                 too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
             await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners()))
