@@ -306,11 +306,8 @@ class KServeService(GRPCInferenceServiceBase):
             model = self._ready(request.model_name, request.model_version)
             max_rows = None if model.is_meta else model.manifest.max_batch_size
             shm = worker.shared_memory
-            read_shm = None
-            if shm is not None:
-                def read_shm(tensor_name, parameters):
-                    self._check_shm_peer("ModelInfer", stream)   # only a request that uses shm pays for it
-                    return shm.read_input(tensor_name, parameters)
+            # the peer is checked only when an input names a region: other requests pay nothing
+            read_shm = None if shm is None else functools.partial(self._read_shm_input, stream, shm)
             decoded = decode_inputs(request, model.manifest.client_inputs, max_rows, read_shm)
             wanted = self._requested_outputs(request, model)
             for decl, requested in wanted:
@@ -389,6 +386,10 @@ class KServeService(GRPCInferenceServiceBase):
             raise shm_disabled(rpc_name)
         self._check_shm_peer(rpc_name, stream)
         return shm
+
+    def _read_shm_input(self, stream, shm, tensor_name: str, parameters):
+        self._check_shm_peer("ModelInfer", stream)
+        return shm.read_input(tensor_name, parameters)
 
     def _check_shm_peer(self, rpc_name: str, stream) -> None:
         """PERMISSION_DENIED unless the call's peer is in ``endpoints.client_shm_peers``: a
