@@ -74,6 +74,13 @@ class FailedPrecondition(XlaserveError):
     status = Status.FAILED_PRECONDITION
 
 
+class PermissionDenied(XlaserveError):
+    """The caller may not do this (a restricted API group, client shared memory from a peer
+    outside ``endpoints.client_shm_peers``)."""
+
+    status = Status.PERMISSION_DENIED
+
+
 class InternalError(XlaserveError):
     """An expected internal failure whose message is safe to show (a hook raised, say)."""
 

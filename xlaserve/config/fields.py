@@ -30,7 +30,15 @@ class ConfigError(Exception):
 # --- validation rules, attached to dataclass fields ----------------------------------------------
 
 class _Invalid(Exception):
-    """Raised by a custom field parser; the generic code turns it into a ConfigError."""
+    """Raised by a custom field parser; the generic code turns it into a ConfigError.
+
+    Without arguments the error says what the field expects (its ``describe``); with ``detail``
+    it says that instead, after the key path extended by ``where`` (``[1].header``)."""
+
+    def __init__(self, detail: str = "", where: str = "") -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.where = where
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +153,9 @@ def _convert(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | Non
     if rule.parse is not None:
         try:
             return rule.parse(value)
-        except _Invalid:
+        except _Invalid as exc:
+            if exc.detail:
+                raise ConfigError(f"{path}{exc.where}: {exc.detail}") from None
             raise fail() from None
     if hint is bool:
         if isinstance(value, bool):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -471,12 +472,13 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
 def to_plain(obj: Any) -> Any:
     """A config value as plain YAML/JSON data (dicts, lists, strings, numbers, null)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_plain(getattr(obj, f.name)) for f in fields(obj)}
+        return {f.name: "<redacted>" if f.metadata.get("secret") else to_plain(getattr(obj, f.name))
+                for f in fields(obj)}
     if isinstance(obj, Mapping):
         return {str(key): to_plain(value) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [to_plain(value) for value in obj]
-    if isinstance(obj, Path):
+    if isinstance(obj, (Path, ipaddress.IPv4Network, ipaddress.IPv6Network)):
         return str(obj)
     return obj
 

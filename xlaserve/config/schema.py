@@ -15,6 +15,8 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from xlaserve.config.fields import ConfigError, _Invalid, _join, _key, _show
+from xlaserve.frontend.access import (GROUPS, LOOPBACK_NETWORKS, IPNetwork, header_name_problem,
+                                      header_value_problem, parse_network)
 
 MAX_PORT = 65535
 _MIB = 1024 * 1024
@@ -66,6 +68,78 @@ def _parse_gpus(value: Any) -> str | int | tuple[int, ...]:
             return ordinals
     raise _Invalid
 
+
+@dataclass(frozen=True, slots=True)
+class RestrictedApi:
+    """One entry of ``endpoints.restricted``: API groups a call may use only when it carries the
+    header ``header`` with the value ``value`` (never logged: the effective configuration shows
+    it as ``<redacted>``)."""
+
+    groups: tuple[str, ...]
+    header: str
+    value: str = field(repr=False, metadata={"secret": True})
+
+
+_RESTRICTED_KEYS = ("groups", "header", "value")
+
+
+def _parse_restricted(value: Any) -> tuple[RestrictedApi, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _Invalid
+    entries: list[RestrictedApi] = []
+    seen: dict[str, int] = {}
+    for i, raw in enumerate(value):
+        where = f"[{i}]"
+        if not isinstance(raw, Mapping):
+            raise _Invalid(f"expected a mapping with keys {', '.join(_RESTRICTED_KEYS)}, got {_show(raw)}", where)
+        for key in raw:
+            if key not in _RESTRICTED_KEYS:
+                raise _Invalid(f"unknown key (known: {', '.join(_RESTRICTED_KEYS)})", f"{where}.{key}")
+        for key in _RESTRICTED_KEYS:
+            if key not in raw:
+                raise _Invalid(f"required (an entry sets {', '.join(_RESTRICTED_KEYS)})", f"{where}.{key}")
+        groups = raw["groups"]
+        if not isinstance(groups, (list, tuple)) or not groups:
+            raise _Invalid(f"expected a non-empty list of API groups ({', '.join(GROUPS)}), got {_show(groups)}",
+                           f"{where}.groups")
+        for group in groups:
+            if group not in GROUPS:
+                raise _Invalid(f"unknown API group {_show(group)} (valid: {', '.join(GROUPS)})", f"{where}.groups")
+            if group in seen:
+                also = "earlier in this entry" if seen[group] == i else f"also in entry [{seen[group]}]"
+                raise _Invalid(f"API group '{group}' is restricted twice ({also}); a group has one header",
+                               f"{where}.groups")
+            seen[group] = i
+        header = raw["header"]
+        if not isinstance(header, str):
+            raise _Invalid(f"expected a header name (a string), got {_show(header)}", f"{where}.header")
+        problem = header_name_problem(header)
+        if problem:
+            raise _Invalid(problem, f"{where}.header")
+        secret = raw["value"]
+        if not isinstance(secret, str):
+            # the value itself is not shown: it is meant to be a secret
+            raise _Invalid("expected a string (quote it if YAML reads it as a number or boolean)", f"{where}.value")
+        problem = header_value_problem(secret)
+        if problem:
+            raise _Invalid(problem, f"{where}.value")
+        entries.append(RestrictedApi(tuple(groups), header, secret))
+    return tuple(entries)
+
+
+def _parse_networks(value: Any) -> tuple[IPNetwork, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise _Invalid
+    networks = []
+    for i, text in enumerate(value):
+        if not isinstance(text, str):
+            raise _Invalid(f"expected a network in CIDR notation such as '127.0.0.0/8', got {_show(text)}",
+                           f"[{i}]")
+        try:
+            networks.append(parse_network(text))
+        except ValueError as exc:
+            raise _Invalid(str(exc), f"[{i}]") from None
+    return tuple(networks)
 
 
 # --- the value objects ---------------------------------------------------------------------------
@@ -244,6 +318,20 @@ class EndpointsConfig:
             reading that client's requests until half of it has gone out. Default 16 MiB.
         write_timeout_seconds: a write that makes no progress this long (the client stopped
             reading) closes the connection. Default 60.
+        restricted: API groups that need a header (:class:`RestrictedApi` entries ``{groups,
+            header, value}``), as Triton's ``--grpc-restricted-protocol``. Groups: ``health``,
+            ``metadata``, ``inference``, ``shared-memory``, ``model-config``,
+            ``model-repository``, ``statistics``, ``trace``, ``logging`` and ``control`` (the
+            WorkerControl service); each at most once. A call in a restricted group without the
+            header, or with another value, is answered PERMISSION_DENIED naming the group and the
+            header. The header is a lower-case HTTP/2 field name, not ``grpc-*``, ``*-bin`` nor one
+            the transport owns. Default empty: nothing restricted. Not settable from the
+            environment.
+        client_shm_peers: the networks (CIDR strings) whose clients may use client shared
+            memory when ``allow_client_shm`` is true: the system shared-memory RPCs and
+            ModelInfer with shared-memory parameters from any other peer are answered
+            PERMISSION_DENIED naming the peer. Default ``[127.0.0.0/8, ::1/128]``: loopback only.
+            Not settable from the environment.
     """
 
     host: str = _key("0.0.0.0")
@@ -269,6 +357,11 @@ class EndpointsConfig:
     keepalive_timeout_seconds: float = _key(20.0, low=0.0, low_open=True)
     max_queued_reply_bytes: int = _key(16 * _MIB, low=64 * 1024)
     write_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
+    restricted: tuple[RestrictedApi, ...] = _key(
+        (), parse=_parse_restricted, env=False, describe="a list of {groups, header, value} entries")
+    client_shm_peers: tuple[IPNetwork, ...] = _key(
+        tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=_parse_networks, env=False,
+        describe="a list of networks in CIDR notation")
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 
 from xlaserve.errors import internal_message
+from xlaserve.frontend.access import AccessPolicy, peer_address
 from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, encode
 
 log = logging.getLogger("xlaserve.grpc")
@@ -173,6 +174,11 @@ class Call:
         #: against the connection's stream limit until ``complete`` says that work is over
         self.zombie = False
 
+    @property
+    def peer(self):
+        """The client's IP address (``ipaddress`` object; None if not IP), from its connection."""
+        return self.conn.peer
+
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
         was_finished = self.finished
@@ -239,6 +245,7 @@ class Connection:
         self.server = server
         self.limits = limits = server.limits
         self.sock = stream
+        self.peer = peer_address(stream.socket.getpeername())   # for endpoints.client_shm_peers
         self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes)
         self.calls: dict[int, Call] = {}
         self.zombies = 0                            # reset calls whose work is not over (Call.zombie)
@@ -755,6 +762,10 @@ class Connection:
             self._fail(call, Status.UNIMPLEMENTED, f"unknown method {path!r}; this server serves "
                                                    f"{', '.join(self.server.service_names)}")
             return
+        rule = self.server.restricted.get(path)     # endpoints.restricted: before any handler runs
+        if rule is not None and (denial := rule.denial(metadata)) is not None:
+            self._fail(call, Status.PERMISSION_DENIED, denial)
+            return
         if call.encoding not in ("identity", "gzip", "deflate"):
             self._fail(call, Status.UNIMPLEMENTED, f"grpc-encoding {call.encoding!r} is not supported; use "
                                                    "identity, gzip or deflate")
@@ -1088,7 +1099,8 @@ class GrpcServer:
                  too_large_response: Callable[[int, int], str] | None = None,
                  max_held_bytes: int = 2**30,
                  too_much_held: Callable[[int, int, int], str] | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, limits: H2Limits = H2Limits()) -> None:
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, limits: H2Limits = H2Limits(),
+                 access: AccessPolicy | None = None) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -1097,6 +1109,9 @@ class GrpcServer:
             if fast is not None:
                 self.fast.update(fast())
         self.service_names = sorted({path.split("/")[1] for path in self.methods})
+        #: path -> the endpoints.restricted rule a call must pass; with ``access`` given, every
+        #: served method must be in an API group (ValueError otherwise)
+        self.restricted = access.for_methods(self.methods) if access is not None else {}
         self.max_recv_bytes = max_recv_bytes
         self.max_send_bytes = max_send_bytes
         self.too_large_request = too_large_request or (

@@ -22,7 +22,9 @@ from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output, int_parameter
 from xlaserve.errors import (Cancelled, FailedPrecondition, InternalError, InvalidArgument, ModelNotFound,
-                             ModelNotReady, NotFound, Unimplemented, XlaserveError, internal_message)
+                             ModelNotReady, NotFound, PermissionDenied, Unimplemented, XlaserveError,
+                             internal_message)
+from xlaserve.frontend.access import shm_peer_denial
 from xlaserve.frontend.admission import Admission, output_bytes_per_row
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
@@ -108,6 +110,7 @@ class KServeService(GRPCInferenceServiceBase):
         self._worker = worker
         endpoints = worker.config.endpoints
         self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
+        self._shm_peers = endpoints.client_shm_peers
         # model name -> (the version number it was computed for, its output bytes per row and
         # fixed); numbers, not the ModelVersion, so a retired version's weights are not kept alive
         self._reply_sizes: dict[str, tuple[int, tuple[int, int]]] = {}
@@ -303,8 +306,9 @@ class KServeService(GRPCInferenceServiceBase):
             model = self._ready(request.model_name, request.model_version)
             max_rows = None if model.is_meta else model.manifest.max_batch_size
             shm = worker.shared_memory
-            decoded = decode_inputs(request, model.manifest.client_inputs, max_rows,
-                                    shm.read_input if shm is not None else None)
+            # the peer is checked only when an input names a region: other requests pay nothing
+            read_shm = None if shm is None else functools.partial(self._read_shm_input, stream, shm)
+            decoded = decode_inputs(request, model.manifest.client_inputs, max_rows, read_shm)
             wanted = self._requested_outputs(request, model)
             for decl, requested in wanted:
                 if requested is not None and "shared_memory_region" in requested.parameters:
@@ -312,6 +316,7 @@ class KServeService(GRPCInferenceServiceBase):
                         raise InvalidArgument(f"output '{decl.name}' names a shared-memory region, but client "
                                               "shared memory is not enabled on this server "
                                               "(endpoints.allow_client_shm)")
+                    self._check_shm_peer("ModelInfer", stream)
                     shm.check_output(decl.name, requested.parameters)
             timeout = _request_timeout(request, stream)
             held = admission.hold(self._held_bytes(model, decoded.arrays, decoded.rows))
@@ -375,16 +380,28 @@ class KServeService(GRPCInferenceServiceBase):
         raise GRPCError(Status.UNIMPLEMENTED, "ModelStreamInfer (decoupled streaming) is not supported by "
                                               "xlaserve; use ModelInfer")
 
-    def _shm_registry(self, rpc_name: str):
+    def _shm_registry(self, rpc_name: str, stream):
         shm = self._worker.shared_memory
         if shm is None:
             raise shm_disabled(rpc_name)
+        self._check_shm_peer(rpc_name, stream)
         return shm
+
+    def _read_shm_input(self, stream, shm, tensor_name: str, parameters):
+        self._check_shm_peer("ModelInfer", stream)
+        return shm.read_input(tensor_name, parameters)
+
+    def _check_shm_peer(self, rpc_name: str, stream) -> None:
+        """PERMISSION_DENIED unless the call's peer is in ``endpoints.client_shm_peers``: a
+        client elsewhere must not name (or learn of) a /dev/shm object on this host."""
+        denial = shm_peer_denial(rpc_name, stream.peer, self._shm_peers)
+        if denial is not None:
+            raise PermissionDenied(denial)
 
     @rpc
     async def SystemSharedMemoryStatus(self, stream) -> None:
         request = await stream.recv_message()
-        regions = self._shm_registry("SystemSharedMemoryStatus").status(request.name)
+        regions = self._shm_registry("SystemSharedMemoryStatus", stream).status(request.name)
         status = pb.SystemSharedMemoryStatusResponse.RegionStatus
         await stream.send_message(pb.SystemSharedMemoryStatusResponse(regions={
             r.name: status(name=r.name, key=r.key, offset=r.offset, byte_size=r.byte_size) for r in regions}))
@@ -392,14 +409,14 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def SystemSharedMemoryRegister(self, stream) -> None:
         request = await stream.recv_message()
-        self._shm_registry("SystemSharedMemoryRegister").register(request.name, request.key, request.offset,
-                                                                  request.byte_size)
+        shm = self._shm_registry("SystemSharedMemoryRegister", stream)
+        shm.register(request.name, request.key, request.offset, request.byte_size)
         await stream.send_message(pb.SystemSharedMemoryRegisterResponse())
 
     @rpc
     async def SystemSharedMemoryUnregister(self, stream) -> None:
         request = await stream.recv_message()
-        self._shm_registry("SystemSharedMemoryUnregister").unregister(request.name)
+        self._shm_registry("SystemSharedMemoryUnregister", stream).unregister(request.name)
         await stream.send_message(pb.SystemSharedMemoryUnregisterResponse())
 
     # Triton's clients call CUDA Status and Unregister-all before using system shared memory, so

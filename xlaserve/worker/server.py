@@ -170,6 +170,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
             if config.endpoints.allow_client_shm:
                 from xlaserve.frontend.shm import SharedMemoryRegistry
                 handles.shared_memory = SharedMemoryRegistry()
+            from xlaserve.frontend.access import AccessPolicy
             from xlaserve.frontend.kserve import (KServeService, connection_buffer_full, request_too_large,
                                                   response_too_large)
             endpoints = config.endpoints
@@ -181,6 +182,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                                 max_connections=endpoints.max_connections,
                                 limits=H2Limits(**{f.name: getattr(endpoints, f.name)
                                                    for f in dataclasses.fields(H2Limits)}),
+                                access=AccessPolicy.from_config(endpoints.restricted),
                                 too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
             await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners()))
