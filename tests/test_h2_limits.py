@@ -216,6 +216,23 @@ def test_the_glitch_bucket_refills(limited):
     assert client.call(41, "/test.Echo/Unary", request("after")).replies()[0].id == "after"
 
 
+def test_replies_waiting_for_window_past_the_limit_refuse_new_streams(limited):
+    server = limited(max_queued_reply_bytes=256 * 1024)
+    client = server.connect({INITIAL_WINDOW_SIZE: 0})
+    client.ping_barrier()
+    for i in range(2):      # 2 x 128 KiB of replies the client grants no window for: past 256 KiB
+        client.start_call(2 * i + 1, "/test.Echo/Unary", grpc_body(request(str(i), reply_bytes=128 * 1024)))
+        client.ping_barrier(b"%08d" % i)
+    client.start_call(5, "/test.Echo/Unary", grpc_body(request("refused")))
+    assert client.response(5).reset == REFUSED_STREAM
+    # the client grants window: the replies go out, and new streams are taken again
+    client.send(frame(SETTINGS, 0, 0, settings_payload({INITIAL_WINDOW_SIZE: 1 << 20})),
+                frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20)))
+    for i in range(2):
+        assert client.response(2 * i + 1).replies()[0].id == str(i)
+    assert client.call(7, "/test.Echo/Unary", request("taken")).replies()[0].id == "taken"
+
+
 def test_streams_past_max_concurrent_streams_are_refused(limited):
     server = limited(max_concurrent_streams=2)
     client = server.connect()

@@ -315,7 +315,9 @@ class EndpointsConfig:
             Default 60.
         keepalive_timeout_seconds: no frame this long after that PING: closed. Default 20.
         max_queued_reply_bytes: output queued for one connection past which the server stops
-            reading that client's requests until half of it has gone out. Default 16 MiB.
+            reading that client's requests until half of it has gone out; and reply bytes
+            waiting for flow-control window past which its new streams are refused
+            (REFUSED_STREAM) until they have gone. Default 4 MiB.
         write_timeout_seconds: a write that makes no progress this long (the client stopped
             reading) closes the connection. Default 60.
         restricted: API groups that need a header (:class:`RestrictedApi` entries ``{groups,
@@ -355,7 +357,7 @@ class EndpointsConfig:
     idle_timeout_seconds: float = _key(300.0, low=0.0)
     keepalive_interval_seconds: float = _key(60.0, low=0.0)
     keepalive_timeout_seconds: float = _key(20.0, low=0.0, low_open=True)
-    max_queued_reply_bytes: int = _key(16 * _MIB, low=64 * 1024)
+    max_queued_reply_bytes: int = _key(4 * _MIB, low=64 * 1024)
     write_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
     restricted: tuple[RestrictedApi, ...] = _key(
         (), parse=_parse_restricted, env=False, describe="a list of {groups, header, value} entries")

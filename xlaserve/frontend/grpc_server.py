@@ -100,7 +100,7 @@ class H2Limits:
     idle_timeout_seconds: float = 300.0     # no call open this long: GOAWAY NO_ERROR (0: never)
     keepalive_interval_seconds: float = 60.0  # nothing received this long: PING (0: never)
     keepalive_timeout_seconds: float = 20.0   # ...and no frame after it this long: closed
-    max_queued_reply_bytes: int = 16 * 1024 * 1024  # queued output past which the client is not read
+    max_queued_reply_bytes: int = 4 * 1024 * 1024   # queued output past which the client is not read
     write_timeout_seconds: float = 60.0     # a write that makes no progress this long: closed
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
@@ -183,7 +183,9 @@ class Call:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
         was_finished = self.finished
         self.reset = self.finished = True
-        self.pending.clear()
+        if self.pending:
+            self.conn.waiting_bytes -= sum(len(item) for item in self.pending if not isinstance(item, tuple))
+            self.pending.clear()
         if self.scope is not None:
             self.scope.cancel()
         on_cancel, self.on_cancel = self.on_cancel, None
@@ -261,6 +263,7 @@ class Connection:
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
         self.in_flight = 0                          # bytes the writer task has yet to hand the socket
+        self.waiting_bytes = 0                      # reply bytes waiting for flow-control window
         self.write_progress_at = 0.0                # when the writer's current chunk began
         self.control_queued = 0                     # control replies in ``out`` (not yet sent)
         self.writable: trio.Event | None = None     # the reader waits on it while too much is queued
@@ -725,6 +728,12 @@ class Connection:
             self._glitch(f"stream {sid} past max_concurrent_streams")
             self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
             return
+        if self.waiting_bytes > self.limits.max_queued_reply_bytes:
+            # Replies wait for window the client does not grant: take no new work until they
+            # have gone (the client may retry a refused stream; reading goes on, so its
+            # WINDOW_UPDATEs still arrive).
+            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
+            return
         self.calls_opened += 1
         self._new_call(flags, sid, headers)
 
@@ -954,6 +963,7 @@ class Connection:
         if head:
             self._write(head)
         call.pending.append(message)
+        self.waiting_bytes += len(message)
         self._flush_call(call)
 
     def reply_unary(self, call: Call, data: bytes) -> None:
@@ -1062,6 +1072,7 @@ class Connection:
             chunk = item[:room]
             call.send_window -= len(chunk)
             self.send_window -= len(chunk)
+            self.waiting_bytes -= len(chunk)
             self._write(frame(DATA, 0, call.id, chunk))
             if len(chunk) == len(item):
                 pending.popleft()
