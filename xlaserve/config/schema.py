@@ -184,6 +184,27 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS on a worker's gRPC endpoint (YAML ``endpoints.tls:``; null, the default, serves
+    cleartext HTTP/2). Each file is read and checked at start-up; a problem stops the worker
+    with one line naming the key and the file. Relative paths resolve against the node file's
+    directory.
+
+    Attributes:
+        cert_file: the server's certificate chain, PEM: its certificate first, then any
+            intermediates. Required.
+        key_file: the private key of that certificate, PEM, not encrypted. Required.
+        client_ca_file: CA certificates, PEM, that sign the certificates clients must present:
+            given, a client without a certificate signed by one of them is refused during the
+            handshake (mutual TLS). Default null: clients are not asked for a certificate.
+    """
+
+    cert_file: Path = _key()
+    key_file: Path = _key()
+    client_ca_file: Path | None = _key(None)
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointsConfig:
     """A worker's gRPC endpoint (YAML block ``endpoints:``).
 
@@ -214,6 +235,9 @@ class EndpointsConfig:
         max_connections: client connections the worker serves at once, >= 1. One more is
             sent GOAWAY (ENHANCE_YOUR_CALM, naming this key) and closed at once; the open ones go
             on. Default 1024 (each open connection holds a read buffer of up to 4 MiB).
+        tls: serve gRPC over TLS 1.2 or later with ALPN ``h2`` (:class:`TlsConfig`: ``cert_file``,
+            ``key_file``, optional ``client_ca_file`` for mutual TLS). Default null: cleartext
+            HTTP/2 (h2c with prior knowledge). Not settable from the environment.
     """
 
     host: str = _key("0.0.0.0")
@@ -225,6 +249,7 @@ class EndpointsConfig:
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
     max_held_request_bytes: int = _key(2048 * _MIB, low=1)
     max_connections: int = _key(1024, low=1)
+    tls: TlsConfig | None = _key(None, env=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,18 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
   connections and sends GOAWAY; calls already started finish, new streams are refused.
 - Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
 
-Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
+- TLS (``GrpcServer.serve(ssl_context=...)``): a connection's stream is a ``trio.SSLStream``
+  whose handshake (bounded in time, ALPN ``h2`` required) is :mod:`xlaserve.frontend.tls`'s. The
+  cleartext fast path (``recv_into`` a fixed buffer, a non-blocking ``send`` from ``flush``)
+  needs the raw socket; over TLS the reader uses ``receive_some`` and ``flush`` wakes the writer.
+
+Not supported: HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import zlib
 from collections import deque
@@ -42,6 +48,7 @@ from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 
 from xlaserve.errors import internal_message
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
+from xlaserve.frontend.tls import handshake as tls_handshake
 
 log = logging.getLogger("xlaserve.grpc")
 
@@ -194,9 +201,11 @@ class Call:
 
 
 class Connection:
-    def __init__(self, server: "GrpcServer", stream: trio.SocketStream) -> None:
+    def __init__(self, server: "GrpcServer", stream: trio.SocketStream | trio.SSLStream, *,
+                 tls: bool = False) -> None:
         self.server = server
         self.sock = stream
+        self.tls = tls          # stream is a trio.SSLStream: no raw-socket fast paths
         self.decoder = Decoder(max_header_list_size=OUR_HEADER_LIST)
         self.calls: dict[int, Call] = {}
         self.last_stream = 0
@@ -212,7 +221,8 @@ class Connection:
         self.sending = False                        # the writer task is inside send_all
         # The same socket (same file descriptor, detached before Trio closes it), for flush():
         # a non-blocking send from whichever task replied. Never used once stopping is set.
-        self.raw = socket.socket(fileno=stream.socket.fileno())
+        # None over TLS, where bytes reach the socket only through the SSLStream.
+        self.raw = None if tls else socket.socket(fileno=stream.socket.fileno())
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
@@ -223,6 +233,8 @@ class Connection:
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
         try:
+            if self.tls and not await tls_handshake(self.sock):
+                return
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self._write_loop)
@@ -245,7 +257,8 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + FLUSH_SECONDS
         finally:
             self.stopping = True
-            self.raw.detach()
+            if self.raw is not None:
+                self.raw.detach()
             with trio.CancelScope(shield=True):
                 await self.sock.aclose()
 
@@ -284,7 +297,7 @@ class Connection:
         take (or anything queued while the writer task is mid-send) is left to the writer."""
         if not self.out:
             return
-        if not (self.sending or self.stopping):
+        if not (self.sending or self.stopping or self.tls):
             try:
                 sent = self.raw.send(self.out)
             except OSError:             # would block, or a broken socket: the writer finds out
@@ -305,7 +318,7 @@ class Connection:
             buf += chunk
         if buf[:len(PREFACE)] != PREFACE:
             raise ConnectionError_(PROTOCOL_ERROR, "the client did not open with the HTTP/2 connection preface "
-                                                   "(xlaserve serves gRPC over cleartext HTTP/2 only)")
+                                                   "(xlaserve serves gRPC over HTTP/2 with prior knowledge)")
         del buf[:len(PREFACE)]
         self._write(frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in (
             (MAX_CONCURRENT_STREAMS, OUR_STREAMS), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
@@ -318,7 +331,7 @@ class Connection:
         view = memoryview(buffer)
         start, end = 0, len(buf)
         buffer[:end] = buf
-        recv_into = sock.socket.recv_into
+        recv_into = self._tls_recv_into if self.tls else sock.socket.recv_into
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         batch = self.server.write_batch
@@ -350,6 +363,12 @@ class Connection:
             if not n:
                 return
             end += n
+
+    async def _tls_recv_into(self, view: memoryview) -> int:
+        """``recv_into`` for a TLS stream: decrypted bytes come as a new bytes object."""
+        data = await self.sock.receive_some(len(view))
+        view[:len(data)] = data
+        return len(data)
 
     # ---- incoming frames -------------------------------------------------------------------
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
@@ -874,6 +893,7 @@ class GrpcServer:
         self.max_connections = max_connections
         self._refusals_logged_at: float | None = None
         self._connections: set[Connection] = set()
+        self.ssl_context: ssl.SSLContext | None = None     # set by serve()
         self._listen_scope = trio.CancelScope()
         self._closing = False
         self._all_closed = trio.Event()
@@ -882,9 +902,12 @@ class GrpcServer:
         self.dirty: dict[Connection, None] = {}           # connections written to while holding
 
     async def serve(self, host: str = "", port: int = 0, *, listeners: list[trio.SocketListener] | None = None,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    ssl_context: ssl.SSLContext | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port``, or serve ``listeners`` already open, until :meth:`close`
-        and every connection has ended. Reports the port served."""
+        and every connection has ended. Reports the port served. With ``ssl_context``
+        (:func:`xlaserve.frontend.tls.server_context`) every connection is TLS: a client gets
+        ``TLS_HANDSHAKE_SECONDS`` to complete its handshake and must negotiate ALPN ``h2``."""
+        self.ssl_context = ssl_context
         if listeners is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
@@ -900,10 +923,14 @@ class GrpcServer:
         if self._closing:
             await stream.aclose()
             return
+        if self.ssl_context is not None:
+            # https_compatible: close without waiting on the peer's close_notify (HTTP/2's own
+            # framing tells a complete exchange from a cut one)
+            stream = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
         if len(self._connections) >= self.max_connections:
             await self._refuse(stream)
             return
-        conn = Connection(self, stream)
+        conn = Connection(self, stream, tls=self.ssl_context is not None)
         self._connections.add(conn)
         try:
             await conn.run()
