@@ -12,6 +12,7 @@ import datetime
 import ipaddress
 import logging
 import ssl
+import struct
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,7 +33,8 @@ from examples import reference
 from tests.conftest import ROOT, infer_input, serve, write_node
 from xlaserve.config import ConfigError, TlsConfig, parse_node_config, resolve_worker
 from xlaserve.errors import StartupError
-from xlaserve.frontend.grpc_server import ACK, PING, PREFACE, SETTINGS, GrpcServer, frame
+from xlaserve.frontend.grpc_server import (ACK, ENHANCE_YOUR_CALM, GOAWAY, PING, PREFACE, SETTINGS, GrpcServer,
+                                           frame)
 from xlaserve.frontend.tls import TLS_HANDSHAKE_SECONDS, server_context
 
 TIMEOUT = 30.0
@@ -260,12 +262,12 @@ def test_a_bad_tls_file_stops_start_up_with_exit_2(certs, tmp_path):
 
 # --- the handshake, in-process on loopback (MockClock: timeouts are exact) ------------------------
 
-def _run_with_server(certs: Certs, client, *, client_ca: Path | None = None) -> None:
+def _run_with_server(certs: Certs, client, *, client_ca: Path | None = None, **limits) -> None:
     """Serve (no services) over TLS on loopback and run ``client(port)`` against it."""
     context = server_context(TlsConfig(certs.server, certs.server_key, client_ca))
 
     async def main() -> None:
-        server = GrpcServer([])
+        server = GrpcServer([], **limits)
         async with trio.open_nursery() as nursery:
             port = await nursery.start(lambda task_status: server.serve(
                 "127.0.0.1", 0, ssl_context=context, task_status=task_status))
@@ -362,6 +364,27 @@ def test_a_cleartext_http2_client_is_closed_during_the_handshake(certs, caplog):
     with caplog.at_level(logging.INFO, logger="xlaserve.grpc"):
         _run_with_server(certs, client)
     assert "the TLS handshake failed" in caplog.text
+
+
+def test_a_connection_past_max_connections_gets_goaway_over_tls(certs):
+    async def client(port: int) -> None:
+        first = await _tls_client(port, client_context(certs))
+        await first.send_all(PREFACE + frame(SETTINGS, 0, 0))
+        buffer = bytearray()
+        assert (await _read_frame(first, buffer))[0] == SETTINGS      # served: the slot is taken
+        second = await _tls_client(port, client_context(certs))
+        refusal = await _read_until_closed(second)
+        assert refusal[3] == SETTINGS and refusal[12] == GOAWAY, refusal
+        assert struct.unpack(">I", refusal[22:26])[0] == ENHANCE_YOUR_CALM
+        assert b"endpoints.max_connections" in refusal
+        # the first connection goes on
+        await first.send_all(frame(PING, 0, 0, b"still on"))
+        while await _read_frame(first, buffer) != (PING, ACK, b"still on"):
+            pass
+        await first.aclose()
+        await second.aclose()
+
+    _run_with_server(certs, client, max_connections=1)
 
 
 def test_mutual_tls_refuses_clients_without_a_certificate_from_the_ca(certs, caplog):
