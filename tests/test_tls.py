@@ -197,6 +197,7 @@ def test_server_context_is_tls12_or_later_with_alpn_h2(certs):
     assert context.verify_mode == ssl.CERT_NONE
     ciphers = {c["name"] for c in context.get_ciphers() if c["protocol"] == "TLSv1.2"}
     assert ciphers and all("GCM" in name or "CHACHA20" in name for name in ciphers), ciphers
+    assert context.options & ssl.OP_NO_RENEGOTIATION
     mutual = server_context(TlsConfig(certs.server, certs.server_key, certs.ca))
     assert mutual.verify_mode == ssl.CERT_REQUIRED
 

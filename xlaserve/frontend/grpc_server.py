@@ -924,8 +924,9 @@ class GrpcServer:
             await stream.aclose()
             return
         if self.ssl_context is not None:
-            # https_compatible: close without waiting on the peer's close_notify (HTTP/2's own
-            # framing tells a complete exchange from a cut one)
+            # https_compatible: aclose() just closes (the default would first finish a handshake
+            # that may never have happened, under the shield in Connection.run), and an EOF
+            # without close_notify reads as EOF: HTTP/2's framing tells a cut exchange anyway
             stream = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
         if len(self._connections) >= self.max_connections:
             await self._refuse(stream)

@@ -2,10 +2,10 @@
 handshake each connection goes through before its first HTTP/2 byte.
 
 The context offers TLS 1.2 and 1.3 only, with the cipher suites HTTP/2 allows over TLS 1.2
-(ephemeral key exchange, AEAD: RFC 9113 section 9.2.2), and ALPN ``h2`` as the one protocol: a
-client that does not negotiate ``h2`` is closed after the handshake with one log line. With
-``client_ca_file`` every client must present a certificate signed by one of its CAs (mutual
-TLS); OpenSSL refuses the others during the handshake.
+(ephemeral key exchange, AEAD: RFC 9113 section 9.2.2) and no renegotiation (section 9.2.1),
+and ALPN ``h2`` as the one protocol: a client that does not negotiate ``h2`` is closed after the
+handshake with one log line. With ``client_ca_file`` every client must present a certificate
+signed by one of its CAs (mutual TLS); OpenSSL refuses the others during the handshake.
 
 :func:`server_context` runs before JAX is imported (:mod:`xlaserve.worker.preflight`), so a bad
 file costs a fraction of a second and is reported as one line naming the node-file key and the
@@ -72,6 +72,9 @@ def server_context(tls: TlsConfig, key: str = "endpoints.tls") -> ssl.SSLContext
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.set_ciphers(_TLS12_CIPHERS)
+    # HTTP/2 over TLS 1.2 must not renegotiate (RFC 9113 9.2.1); a client that could would also
+    # have a way to make the server spend a handshake's CPU again and again on one connection
+    context.options |= ssl.OP_NO_RENEGOTIATION
     context.set_alpn_protocols(["h2"])
 
     def no_password() -> str:
