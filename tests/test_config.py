@@ -16,6 +16,7 @@ from xlaserve.config import (
     NodeConfig,
     RuntimeConfig,
     SchedulerConfig,
+    TlsConfig,
     WorkerConfig,
     effective_config_lines,
     environment_variables,
@@ -255,7 +256,7 @@ def test_annotated_example_in_the_docs_is_a_valid_node_file():
 
 def test_every_documented_key_is_in_the_docs():
     text = DOCS.read_text()
-    for cls in (RuntimeConfig, SchedulerConfig, ModelSchedConfig, EndpointsConfig, ListenConfig):
+    for cls in (RuntimeConfig, SchedulerConfig, ModelSchedConfig, EndpointsConfig, TlsConfig, ListenConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in text, f"{cls.__name__}.{f.name} is not documented"
     for var in environment_variables():

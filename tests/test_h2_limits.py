@@ -199,7 +199,7 @@ def test_resets_past_the_glitch_burst_close_the_connection(limited, caplog):
         client.send(frame(RST_STREAM, 0, 21, CANCEL))
         debug = calm(client, "glitch_burst").debug
     assert b"too many stream resets" in debug and b"RST_STREAM on stream 21" in debug
-    assert any("closing the gRPC connection from 127.0.0.1" in r.getMessage() and "ENHANCE_YOUR_CALM" in
+    assert any("closing the gRPC connection from 127.0.0.1:" in r.getMessage() and "ENHANCE_YOUR_CALM" in
                r.getMessage() for r in caplog.records)
     still_serves(server)
 

@@ -21,8 +21,8 @@ from xlaserve.config.resolve import (ENV_PREFIX, effective_config_lines, environ
                                      load_node_config, parse_node_config, resolve_worker,
                                      to_plain, worker_count)
 from xlaserve.config.schema import (EndpointsConfig, ListenConfig, ModelSchedConfig, NodeConfig,
-                                    RuntimeConfig, SchedulerConfig, WorkerConfig, WorkerEntry,
-                                    split_address)
+                                    RuntimeConfig, SchedulerConfig, TlsConfig, WorkerConfig,
+                                    WorkerEntry, split_address)
 
 __all__ = [
     "ENV_PREFIX",
@@ -33,6 +33,7 @@ __all__ = [
     "NodeConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "TlsConfig",
     "WorkerConfig",
     "WorkerEntry",
     "effective_config_lines",

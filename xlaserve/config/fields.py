@@ -112,6 +112,8 @@ def _expected(hint: Any, rule: _Rule) -> str:
         return "a list of names"
     if get_origin(hint) is Mapping:
         return "a mapping of model name to settings"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
     return "a non-empty string"
 
 
@@ -188,6 +190,15 @@ def _convert(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | Non
                     raise ConfigError(f"{path}: keys must be model names, got {_show(name)}")
                 out[name] = _parse_partial(nested, sub, f"{path}.{name}", base_dir)
             return MappingProxyType(out)
+    elif dataclasses.is_dataclass(hint):
+        # a nested block (endpoints.tls): set as a whole, never merged key by key
+        if isinstance(value, Mapping):
+            keys = _parse_partial(hint, value, path, base_dir)
+            for name, (_, _, required) in _field_specs(hint).items():
+                if required and name not in keys:
+                    needed = " and ".join(n for n, spec in _field_specs(hint).items() if spec[2])
+                    raise ConfigError(f"{_join(path, name)}: required ({path} needs {needed})")
+            return hint(**keys)
     else:  # pragma: no cover - a field type this parser does not know is a bug here
         raise TypeError(f"no parser for {hint!r}")
     raise fail()

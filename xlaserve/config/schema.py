@@ -258,6 +258,27 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TlsConfig:
+    """TLS on a worker's gRPC endpoint (YAML ``endpoints.tls:``; null, the default, serves
+    cleartext HTTP/2). Each file is read and checked at start-up; a problem stops the worker
+    with one line naming the key and the file. Relative paths resolve against the node file's
+    directory.
+
+    Attributes:
+        cert_file: the server's certificate chain, PEM: its certificate first, then any
+            intermediates. Required.
+        key_file: the private key of that certificate, PEM, not encrypted. Required.
+        client_ca_file: CA certificates, PEM, that sign the certificates clients must present:
+            given, a client without a certificate signed by one of them is refused during the
+            handshake (mutual TLS). Default null: clients are not asked for a certificate.
+    """
+
+    cert_file: Path = _key()
+    key_file: Path = _key()
+    client_ca_file: Path | None = _key(None)
+
+
+@dataclass(frozen=True, slots=True)
 class EndpointsConfig:
     """A worker's gRPC endpoint (YAML block ``endpoints:``).
 
@@ -334,6 +355,9 @@ class EndpointsConfig:
             ModelInfer with shared-memory parameters from any other peer are answered
             PERMISSION_DENIED naming the peer. Default ``[127.0.0.0/8, ::1/128]``: loopback only.
             Not settable from the environment.
+        tls: serve gRPC over TLS 1.2 or later with ALPN ``h2`` (:class:`TlsConfig`: ``cert_file``,
+            ``key_file``, optional ``client_ca_file`` for mutual TLS). Default null: cleartext
+            HTTP/2 (h2c with prior knowledge). Not settable from the environment.
     """
 
     host: str = _key("0.0.0.0")
@@ -364,6 +388,7 @@ class EndpointsConfig:
     client_shm_peers: tuple[IPNetwork, ...] = _key(
         tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=_parse_networks, env=False,
         describe="a list of networks in CIDR notation")
+    tls: TlsConfig | None = _key(None, env=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,12 +22,18 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
   connections and sends GOAWAY; calls already started finish, new streams are refused.
 - Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
 
-Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
+- TLS (``GrpcServer.serve(ssl_context=...)``): a connection's stream is a ``trio.SSLStream``
+  whose handshake (bounded in time, ALPN ``h2`` required) is :mod:`xlaserve.frontend.tls`'s. The
+  cleartext fast path (``recv_into`` a fixed buffer, a non-blocking ``send`` from ``flush``)
+  needs the raw socket; over TLS the reader uses ``receive_some`` and ``flush`` wakes the writer.
+
+Not supported: HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
 """
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import zlib
 from collections import deque
@@ -44,6 +50,7 @@ from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 from xlaserve.errors import internal_message
 from xlaserve.frontend.access import AccessPolicy, peer_address
 from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, encode
+from xlaserve.frontend.tls import handshake as tls_handshake
 
 log = logging.getLogger("xlaserve.grpc")
 
@@ -243,11 +250,14 @@ class Call:
 
 
 class Connection:
-    def __init__(self, server: "GrpcServer", stream: trio.SocketStream) -> None:
+    def __init__(self, server: "GrpcServer", stream: trio.SocketStream | trio.SSLStream, *,
+                 tls: bool = False) -> None:
         self.server = server
         self.limits = limits = server.limits
         self.sock = stream
-        self.peer = peer_address(stream.socket.getpeername())   # for endpoints.client_shm_peers
+        self.tls = tls          # stream is a trio.SSLStream: no raw-socket fast paths
+        tcp = stream.transport_stream.socket if tls else stream.socket
+        self.peer = peer_address(tcp.getpeername())   # for endpoints.client_shm_peers
         self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes)
         self.calls: dict[int, Call] = {}
         self.zombies = 0                            # reset calls whose work is not over (Call.zombie)
@@ -269,7 +279,8 @@ class Connection:
         self.writable: trio.Event | None = None     # the reader waits on it while too much is queued
         # The same socket (same file descriptor, detached before Trio closes it), for flush():
         # a non-blocking send from whichever task replied. Never used once stopping is set.
-        self.raw = socket.socket(fileno=stream.socket.fileno())
+        # None over TLS, where bytes reach the socket only through the SSLStream.
+        self.raw = None if tls else socket.socket(fileno=tcp.fileno())
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
@@ -289,6 +300,8 @@ class Connection:
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
         try:
+            if self.tls and not await tls_handshake(self.sock):
+                return
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
                 nursery.start_soon(self._write_loop)
@@ -319,7 +332,8 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + flush
         finally:
             self.stopping = True
-            self.raw.detach()
+            if self.raw is not None:
+                self.raw.detach()
             with trio.CancelScope(shield=True):
                 await self.sock.aclose()
 
@@ -402,7 +416,7 @@ class Connection:
         take (or anything queued while the writer task is mid-send) is left to the writer."""
         if not self.out:
             return
-        if not (self.sending or self.stopping):
+        if not (self.sending or self.stopping or self.tls):
             try:
                 sent = self.raw.send(self.out)
             except OSError:             # would block, or a broken socket: the writer finds out
@@ -485,7 +499,7 @@ class Connection:
             buf += chunk
         if buf[:len(PREFACE)] != PREFACE:
             raise ConnectionError_(PROTOCOL_ERROR, "the client did not open with the HTTP/2 connection preface "
-                                                   "(xlaserve serves gRPC over cleartext HTTP/2 only)")
+                                                   "(xlaserve serves gRPC over HTTP/2 with prior knowledge)")
         del buf[:len(PREFACE)]
         limits = self.limits
         self._write(frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in (
@@ -502,7 +516,7 @@ class Connection:
         start, end = 0, len(buf)
         buffer[:end] = buf
         filled = False                      # the last read filled the buffer
-        recv_into = sock.socket.recv_into
+        recv_into = self._tls_recv_into if self.tls else sock.socket.recv_into
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         batch = self.server.write_batch
@@ -562,6 +576,12 @@ class Connection:
             end += n
             self.reads += 1
             self.received_at = trio.current_time()
+
+    async def _tls_recv_into(self, view: memoryview) -> int:
+        """``recv_into`` for a TLS stream: decrypted bytes come as a new bytes object."""
+        data = await self.sock.receive_some(len(view))
+        view[:len(data)] = data
+        return len(data)
 
     # ---- incoming frames -------------------------------------------------------------------
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
@@ -1144,6 +1164,7 @@ class GrpcServer:
         self._closings_logged_at = -60.0
         self._closings_unlogged = 0
         self._connections: set[Connection] = set()
+        self.ssl_context: ssl.SSLContext | None = None     # set by serve()
         self._listen_scope = trio.CancelScope()
         self._closing = False
         self._all_closed = trio.Event()
@@ -1152,9 +1173,12 @@ class GrpcServer:
         self.dirty: dict[Connection, None] = {}           # connections written to while holding
 
     async def serve(self, host: str = "", port: int = 0, *, listeners: list[trio.SocketListener] | None = None,
-                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+                    ssl_context: ssl.SSLContext | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``host:port``, or serve ``listeners`` already open, until :meth:`close`
-        and every connection has ended. Reports the port served."""
+        and every connection has ended. Reports the port served. With ``ssl_context``
+        (:func:`xlaserve.frontend.tls.server_context`) every connection is TLS: a client gets
+        ``TLS_HANDSHAKE_SECONDS`` to complete its handshake and must negotiate ALPN ``h2``."""
+        self.ssl_context = ssl_context
         if listeners is None:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
@@ -1170,10 +1194,15 @@ class GrpcServer:
         if self._closing:
             await stream.aclose()
             return
+        if self.ssl_context is not None:
+            # https_compatible: aclose() just closes (the default would first finish a handshake
+            # that may never have happened, under the shield in Connection.run), and an EOF
+            # without close_notify reads as EOF: HTTP/2's framing tells a cut exchange anyway
+            stream = trio.SSLStream(stream, self.ssl_context, server_side=True, https_compatible=True)
         if len(self._connections) >= self.max_connections:
             await self._refuse(stream)
             return
-        conn = Connection(self, stream)
+        conn = Connection(self, stream, tls=self.ssl_context is not None)
         self._connections.add(conn)
         try:
             await conn.run()
@@ -1191,12 +1220,8 @@ class GrpcServer:
             return
         more = f" ({self._closings_unlogged} more since the last line)" if self._closings_unlogged else ""
         self._closings_logged_at, self._closings_unlogged = now, 0
-        try:
-            peer = "%s:%s" % conn.sock.socket.getpeername()[:2]
-        except OSError:
-            peer = "a client"
-        log.info("closing the gRPC connection from %s: GOAWAY %s: %s%s", peer, _ERROR_NAMES.get(exc.code, exc.code),
-                 exc, more)
+        log.info("closing the gRPC connection from %s: GOAWAY %s: %s%s", conn.peer or "a client",
+                 _ERROR_NAMES.get(exc.code, exc.code), exc, more)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """One connection too many: our preface (SETTINGS), then GOAWAY naming the limit, then

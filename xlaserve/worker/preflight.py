@@ -1,5 +1,6 @@
 """What a worker checks and claims before it opens its device: the model repository is a
-directory, and both of its addresses are bound and listening.
+directory, the TLS files (``endpoints.tls``) load into a server context, and both of its
+addresses are bound and listening.
 
 Both run before JAX is imported and before anything is logged, so a mistake costs a fraction
 of a second and is reported as one line naming the node-file key, its value and the cause
@@ -11,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,10 +49,12 @@ class BoundAddress:
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """The worker's two bound addresses: KServe gRPC and the admin HTTP port."""
+    """The worker's two bound addresses: KServe gRPC and the admin HTTP port; and the SSL
+    context of the gRPC endpoint when ``endpoints.tls`` is set (the HTTP port stays cleartext)."""
 
     grpc: BoundAddress
     http: BoundAddress
+    ssl_context: ssl.SSLContext | None = None
 
     def close(self) -> None:
         self.grpc.close()
@@ -82,9 +86,13 @@ def check_model_repo(path: Path) -> None:
 
 
 def claim(config: WorkerConfig) -> Claimed:
-    """Check ``model_repo`` and bind the worker's gRPC and HTTP addresses. Raises
-    :class:`StartupError` (with nothing left open) when either cannot be done."""
+    """Check ``model_repo``, load ``endpoints.tls``'s files, and bind the worker's gRPC and HTTP
+    addresses. Raises :class:`StartupError` (with nothing left open) when one cannot be done."""
     check_model_repo(Path(config.model_repo))
+    ssl_context = None
+    if config.endpoints.tls is not None:
+        from xlaserve.frontend.tls import server_context
+        ssl_context = server_context(config.endpoints.tls)
     grpc_key, http_key = address_keys(config)
     grpc = bind(grpc_key, config.grpc_host, config.grpc_port)
     try:
@@ -92,7 +100,7 @@ def claim(config: WorkerConfig) -> Claimed:
     except BaseException:
         grpc.close()
         raise
-    return Claimed(grpc, http)
+    return Claimed(grpc, http, ssl_context)
 
 
 def bind(key: str, host: str, port: int) -> BoundAddress:

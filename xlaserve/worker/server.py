@@ -23,6 +23,7 @@ from xlaserve.config import WorkerConfig, effective_config_lines
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.grpc_server import GrpcServer, H2Limits
+from xlaserve.frontend.tls import describe as describe_tls
 from xlaserve.metrics import Metrics, WeightCacheMetrics
 from xlaserve.runtime.excache import open_executable_cache
 from xlaserve.runtime.pjrt import Device
@@ -185,9 +186,10 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                                 access=AccessPolicy.from_config(endpoints.restricted),
                                 too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
-            await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners()))
-            log.info("serving: KServe V2 gRPC on %s, HTTP on %s (/healthz /readyz /metrics)",
-                     claimed.grpc.address, claimed.http.address)
+            await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners(),
+                                                  ssl_context=claimed.ssl_context))
+            log.info("serving: KServe V2 gRPC on %s, HTTP on %s (/healthz /readyz /metrics); %s",
+                     claimed.grpc.address, claimed.http.address, describe_tls(endpoints.tls))
             if ready_callback is not None:
                 ready_callback(claimed.grpc.port, claimed.http.port)
             async for _ in signals:
