@@ -95,7 +95,7 @@ class H2Limits:
     one gets GOAWAY (ENHANCE_YOUR_CALM unless the protocol names a code) naming the key, and is
     closed; the others go on."""
 
-    max_concurrent_streams: int = 1024      # advertised; a stream reset while its work is queued counts
+    max_concurrent_streams: int = 256       # advertised; a stream reset while its work is queued counts
     max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
     max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
     max_continuation_frames: int = 16       # CONTINUATION frames in one header block
