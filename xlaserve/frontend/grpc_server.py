@@ -396,8 +396,8 @@ class Connection:
         self._write(data)
 
     def _glitch(self, what: str) -> None:
-        """Count one wasted piece of work the client caused (a reset stream, a refused stream, a
-        frame on a closed stream, ...) against a token bucket: a burst of ``glitch_burst``,
+        """Count one wasted piece of work the client caused (a reset stream, a refused stream, an
+        empty frame, ...) against a token bucket: a burst of ``glitch_burst``,
         refilled at ``glitches_per_second``. Emptying it ends the connection (rapid reset and kin)."""
         limits = self.limits
         now = trio.current_time()
@@ -450,10 +450,9 @@ class Connection:
                 now = trio.current_time()
                 wake = now + write / 2          # how often the writer's progress is looked at
                 if self.sending and now - self.write_progress_at >= write:
-                    log.info("closing a gRPC connection: a write made no progress for %g s "
-                             "(endpoints.write_timeout_seconds): the client does not read", write)
-                    self.stopping = True
-                    self.nursery.cancel_scope.cancel()
+                    # the writer stays stuck in its send until the close's short flush ends it
+                    self._end(calm(f"a write to the client made no progress for {write:g} s (it does not read)",
+                                   "write_timeout_seconds", f"{write:g} s"))
                     return
                 if interval > 0 and self.writable is None:     # not while the reader waits on the writer
                     if ping_at is not None and self.reads != reads_at_ping:
@@ -823,7 +822,6 @@ class Connection:
         if call is None:
             if sid > self.last_stream:
                 raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
-            self._glitch(f"DATA on closed stream {sid}")
             return                      # a stream we already answered or reset
         if call.remote_closed:
             self._reset(call, STREAM_CLOSED)
