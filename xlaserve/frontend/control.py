@@ -13,17 +13,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-from typing import TYPE_CHECKING
 
 import trio
 
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
 from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError, internal_message
-from xlaserve.frontend.kserve import rpc
-
-if TYPE_CHECKING:
-    from xlaserve.worker.server import WorkerHandles
+from xlaserve.frontend.port import WorkerPort
+from xlaserve.frontend.statuses import rpc
 
 log = logging.getLogger("xlaserve.control")
 
@@ -31,9 +28,9 @@ DEFAULT_WATCH_INTERVAL = 1.0
 MIN_WATCH_INTERVAL = 0.05
 
 
-def status_snapshot(worker: "WorkerHandles") -> pb.ModelControlStatusResponse:
+def status_snapshot(worker: WorkerPort) -> pb.ModelControlStatusResponse:
     """One consistent snapshot of every model the worker knows (no awaits while it is built)."""
-    scheduler = worker.scheduler
+    scheduler = worker.scheduling
     weights = worker.weights
     cache = weights.snapshot()
     resident: dict[str, int] = {}
@@ -43,9 +40,9 @@ def status_snapshot(worker: "WorkerHandles") -> pb.ModelControlStatusResponse:
     for c in scheduler.costs():
         costs.setdefault(c.model, {})[c.size] = c.seconds
     models = []
-    for entry in worker.table.snapshot.values():
+    for entry in worker.models.snapshot.values():
         policy = scheduler.policy(entry.name)
-        stats = worker.stats.get(entry.name)
+        stats = worker.statistics(entry.name)
         models.append(pb.ModelControl(
             name=entry.name, state=entry.state.value, version=entry.version or 0, reason=entry.reason,
             residency=weights.floor_of(entry.name).value, resident_bytes=resident.get(entry.name, 0),
@@ -54,17 +51,18 @@ def status_snapshot(worker: "WorkerHandles") -> pb.ModelControlStatusResponse:
             weight=policy.weight, max_batch_size=_cap(policy.max_batch_size),
             batch_delay_seconds=policy.batch_delay_seconds, batch_target_rows=policy.batch_target_rows or 0,
             requests=stats.inference_count, executions=stats.execution_count))
-    return pb.ModelControlStatusResponse(models=models, worker=worker.config.name, backend=worker.device.backend,
+    return pb.ModelControlStatusResponse(models=models, worker=worker.worker_name, backend=worker.backend,
                                          budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes)
 
 
 class WorkerControlService(WorkerControlBase):
-    def __init__(self, worker: "WorkerHandles", nursery: trio.Nursery) -> None:
+    """The ``WorkerControl`` service of one worker, reached through ``worker``."""
+
+    def __init__(self, worker: WorkerPort) -> None:
         self._worker = worker
-        self._nursery = nursery
 
     def _known(self, name: str) -> None:
-        table = self._worker.table.snapshot
+        table = self._worker.models.snapshot
         if name not in table:
             raise ModelNotFound(name, list(table))
 
@@ -91,7 +89,7 @@ class WorkerControlService(WorkerControlBase):
                 except Exception as exc:
                     log.exception("control call failed")
                     reply(InternalError(internal_message(exc)))
-            self._nursery.start_soon(task)
+            self._worker.spawn(task)
         return await self._worker.bridge.call(start)
 
     @rpc
@@ -124,7 +122,7 @@ class WorkerControlService(WorkerControlBase):
             raise InvalidArgument(f"batch_delay_seconds must be >= 0 (0 turns the hold off); got {delay}")
         if target is not None and target < 0:
             raise InvalidArgument(f"batch_target_rows must be >= 1, or 0 for the default; got {target}")
-        scheduler = self._worker.scheduler
+        scheduler = self._worker.scheduling
 
         # 0 uncaps. Scheduler.set_policy reads None as "unchanged", so uncapped is a cap no
         # request can reach; status reports it as 0 again.

@@ -47,10 +47,10 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
 
-from xlaserve.errors import internal_message
 from xlaserve.frontend.access import AccessPolicy, peer_address
 from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, encode
 from xlaserve.frontend.tls import handshake as tls_handshake
+from xlaserve.frontend.statuses import status_of
 
 log = logging.getLogger("xlaserve.grpc")
 
@@ -206,24 +206,17 @@ class Call:
 
     def complete(self, outcome) -> None:
         """End a task-free call (Trio thread only): ``outcome`` is the reply message or the
-        exception that fails the call (anything with ``status`` and a message, or any other
-        exception: INTERNAL). Ignored once the call has ended (client reset, connection gone)."""
+        exception that fails the call (answered with the status and message
+        :func:`~xlaserve.frontend.statuses.status_of` gives). Ignored once the call has ended (client reset, connection gone)."""
         if self.finished:
             if self.zombie:     # the work of a reset call is over: its stream slot is free
                 self.zombie = False
                 self.conn.zombies -= 1
             return
-        conn = self.conn
         if isinstance(outcome, BaseException):
-            status = getattr(outcome, "status", None)
-            if isinstance(outcome, GRPCError):
-                conn._finish(self, outcome.status, outcome.message)
-            elif isinstance(status, Status):
-                conn._finish(self, status, str(outcome))
-            else:
-                conn._finish(self, Status.INTERNAL, internal_message(outcome))
+            self.conn._finish(self, *status_of(outcome))
             return
-        conn.reply_unary(self, outcome.SerializeToString())
+        self.conn.reply_unary(self, outcome.SerializeToString())
 
     def parse(self, payload: bytes) -> Any:
         try:
@@ -937,11 +930,8 @@ class Connection:
             return
         try:
             call.fast(call, call.parse(call.messages.popleft()))
-        except GRPCError as exc:
-            self._finish(call, exc.status, exc.message)
         except Exception as exc:
-            log.exception("gRPC handler %s failed", call.fast.__qualname__)
-            self._finish(call, Status.INTERNAL, internal_message(exc))
+            self._finish(call, *status_of(exc, call.fast.__qualname__))
 
     async def _run_call(self, call: Call) -> None:
         status, message = Status.OK, None
@@ -951,11 +941,8 @@ class Connection:
                 return
             try:
                 await call.method.func(call)
-            except GRPCError as exc:
-                status, message = exc.status, exc.message
             except Exception as exc:
-                log.exception("gRPC handler %s failed", call.method.func.__qualname__)
-                status, message = Status.INTERNAL, internal_message(exc)
+                status, message = status_of(exc, call.method.func.__qualname__)
         if scope.cancelled_caught or call.reset or self.stopping:
             return
         self._finish(call, status, message)

@@ -9,11 +9,8 @@ import functools
 import logging
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
-from grpclib.const import Status
-from grpclib.exceptions import GRPCError
 
 from xlaserve import __version__
 from xlaserve._proto import grpc_service_pb2 as pb
@@ -21,21 +18,20 @@ from xlaserve._proto import model_config_pb2 as mc
 from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceBase
 from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output, int_parameter
+from xlaserve.config import EndpointsConfig
 from xlaserve.errors import (Cancelled, FailedPrecondition, InternalError, InvalidArgument, ModelNotFound,
-                             ModelNotReady, NotFound, PermissionDenied, Unimplemented, XlaserveError,
-                             internal_message)
+                             ModelNotReady, NotFound, PermissionDenied, Unimplemented, XlaserveError)
 from xlaserve.frontend.access import shm_peer_denial
 from xlaserve.frontend.admission import Admission, output_bytes_per_row
+from xlaserve.frontend.port import WorkerPort
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
+from xlaserve.frontend.statuses import rpc
 from xlaserve.manifest import TensorDecl
 from xlaserve.worker.inference import ClientRequest
 from xlaserve.worker.messages import InferResult
 from xlaserve.worker.registry import ModelEntry, ModelState
 from xlaserve.worker.stats import Duration
-
-if TYPE_CHECKING:
-    from xlaserve.worker.server import WorkerHandles
 
 log = logging.getLogger("xlaserve.frontend")
 
@@ -43,23 +39,6 @@ SERVER_NAME = "xlaserve"
 EXTENSIONS = ("model_repository", "model_configuration", "statistics", "system_shared_memory",
               "binary_tensor_data", "schedule_policy")
 PLATFORM = "xla_stablehlo"
-
-
-def rpc(method):
-    """Map expected failures to their gRPC status; log anything else once and answer INTERNAL."""
-    @functools.wraps(method)
-    async def wrapper(self, stream):
-        try:
-            await method(self, stream)
-        except GRPCError:
-            raise
-        except XlaserveError as exc:
-            raise GRPCError(exc.status, str(exc)) from None
-        except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            raise GRPCError(Status.INTERNAL, internal_message(exc, method.__name__)) \
-                from None
-    return wrapper
 
 
 def request_too_large(size: int | str, limit: int) -> str:
@@ -106,21 +85,20 @@ def _request_timeout(request, stream) -> float | None:
 
 
 class KServeService(GRPCInferenceServiceBase):
-    def __init__(self, worker: "WorkerHandles") -> None:
+    """The KServe V2 service of one worker, reached through ``worker``; ``endpoints`` gives the
+    admission limits. :attr:`admission` is public so that its counts can be exported as gauges."""
+
+    def __init__(self, worker: WorkerPort, endpoints: EndpointsConfig) -> None:
         self._worker = worker
-        endpoints = worker.config.endpoints
         self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
         self._shm_peers = endpoints.client_shm_peers
         # model name -> (the version number it was computed for, its output bytes per row and
         # fixed); numbers, not the ModelVersion, so a retired version's weights are not kept alive
         self._reply_sizes: dict[str, tuple[int, tuple[int, int]]] = {}
-        metrics = worker.metrics
-        metrics.held_request_bytes.set_function(lambda: self.admission.held_bytes)
-        metrics.requests_in_flight.set_function(lambda: self.admission.in_flight)
 
     # ---- model lookup --------------------------------------------------------------------
     def _entry(self, name: str, version: str = "") -> ModelEntry:
-        table = self._worker.table.snapshot
+        table = self._worker.models.snapshot
         entry = table.get(name)
         if entry is None:
             raise ModelNotFound(name, list(table))
@@ -145,12 +123,12 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def ServerReady(self, stream) -> None:
         await stream.recv_message()
-        await stream.send_message(pb.ServerReadyResponse(ready=self._worker.ready()))
+        await stream.send_message(pb.ServerReadyResponse(ready=self._worker.models.ready()))
 
     @rpc
     async def ModelReady(self, stream) -> None:
         request = await stream.recv_message()
-        entry = self._worker.table.snapshot.get(request.name)
+        entry = self._worker.models.snapshot.get(request.name)
         ready = (entry is not None and entry.state is ModelState.READY and
                  (not request.version or (entry.serving is not None and request.version == str(entry.version))))
         await stream.send_message(pb.ModelReadyResponse(ready=ready))
@@ -196,16 +174,16 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def ModelStatistics(self, stream) -> None:
         request = await stream.recv_message()
-        table = self._worker.table.snapshot
+        table = self._worker.models.snapshot
         if request.name:
             entry = self._entry(request.name, request.version)
             entries = [entry]
         else:
             entries = list(table.values())
-        book = self._worker.stats
+        statistics = self._worker.statistics
         out = []
         for entry in entries:
-            s = book.get(entry.name)
+            s = statistics(entry.name)
             out.append(pb.ModelStatistics(
                 name=entry.name, version=str(entry.version or ""), last_inference=s.last_inference_ms,
                 inference_count=s.inference_count, execution_count=s.execution_count,
@@ -227,7 +205,7 @@ class KServeService(GRPCInferenceServiceBase):
             raise NotFound(f"repository '{request.repository_name}' is unknown; this worker serves one "
                            "repository (leave repository_name empty)")
         models = []
-        for entry in self._worker.table.snapshot.values():
+        for entry in self._worker.models.snapshot.values():
             if request.ready and entry.state is not ModelState.READY:
                 continue
             models.append(pb.RepositoryIndexResponse.ModelIndex(
@@ -237,13 +215,13 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def RepositoryModelLoad(self, stream) -> None:
         request = await stream.recv_message()
-        await self._worker.control_load(request.model_name)
+        await self._worker.load_model(request.model_name)
         await stream.send_message(pb.RepositoryModelLoadResponse())
 
     @rpc
     async def RepositoryModelUnload(self, stream) -> None:
         request = await stream.recv_message()
-        await self._worker.control_unload(request.model_name)
+        await self._worker.unload_model(request.model_name)
         await stream.send_message(pb.RepositoryModelUnloadResponse())
 
     # ---- inference ---------------------------------------------------------------------
@@ -280,7 +258,7 @@ class KServeService(GRPCInferenceServiceBase):
         def cancel() -> None:
             nonlocal cancelled
             cancelled = True
-            worker.service.cancel(stream)
+            worker.cancel(stream)
 
         def finish(outcome) -> None:
             admission.leave(held)
@@ -298,7 +276,7 @@ class KServeService(GRPCInferenceServiceBase):
                     log.exception("encoding the response of model %s failed", request.model_name)
                     outcome = InternalError(f"encoding the response failed: {type(exc).__name__}: {exc}")
             status = outcome.status.name if isinstance(outcome, XlaserveError) else "OK"
-            worker.metrics.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+            worker.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
             done(outcome)
 
         try:
@@ -326,7 +304,7 @@ class KServeService(GRPCInferenceServiceBase):
         on_trio = worker.bridge.on_trio
         if cancellable:
             stream.on_cancel = cancel
-        worker.service.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
+        worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
                                             lambda outcome: on_trio(finish, outcome), received_ns,
                                             stream if cancellable else None))
 
@@ -376,9 +354,9 @@ class KServeService(GRPCInferenceServiceBase):
         return response
 
     # ---- extensions ---------------------------------------------------------------------
+    @rpc
     async def ModelStreamInfer(self, stream) -> None:
-        raise GRPCError(Status.UNIMPLEMENTED, "ModelStreamInfer (decoupled streaming) is not supported by "
-                                              "xlaserve; use ModelInfer")
+        raise Unimplemented("ModelStreamInfer (decoupled streaming) is not supported by xlaserve; use ModelInfer")
 
     def _shm_registry(self, rpc_name: str, stream):
         shm = self._worker.shared_memory

@@ -1,0 +1,352 @@
+"""One composition root: the frontend reaches the worker through a frozen port only, no
+frontend module imports the worker's wiring, the package's imports have no cycle, and the
+services work from a port filled with stand-ins (no device, no actors, no sockets)."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+from types import MappingProxyType
+
+import pytest
+import trio
+import trio.testing
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+import xlaserve
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve._proto import xlaserve_control_pb2 as cpb
+from xlaserve.config import EndpointsConfig
+from xlaserve.errors import FailedPrecondition, Unavailable
+from xlaserve.frontend.bridge import Bridge
+from xlaserve.frontend.control import WorkerControlService
+from xlaserve.frontend.kserve import KServeService
+from xlaserve.frontend.port import WorkerPort
+from xlaserve.runtime.residency import Floor
+from xlaserve.runtime.weights import CacheSnapshot, ModelResidency
+from xlaserve.worker.compose import _ModelControl
+from xlaserve.worker.lifecycle import LoadModel, UnloadModel
+from xlaserve.worker.policy import CostSnapshot
+from xlaserve.worker.registry import ModelEntry, ModelState
+from xlaserve.worker.scheduler import ModelPolicy
+from xlaserve.worker.stats import Duration, ModelStats
+
+PACKAGE = Path(xlaserve.__file__).parent
+
+
+# ---- the import graph ------------------------------------------------------------------------
+def _module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The xlaserve modules ``name`` imports anywhere: at the top, inside functions, and under
+    ``TYPE_CHECKING`` (a cycle there is still a cycle for a reader and a type checker)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    modules = _module_names()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, as the modules along it, or None."""
+    state: dict[str, int] = {}       # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (found := visit(dep)):
+                return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (found := visit(module)):
+            return found
+    return None
+
+
+def test_the_import_graph_is_read_as_python_reads_it(graph):
+    """The checks below are only as good as the graph: it sees function-level, TYPE_CHECKING and
+    package-relative imports."""
+    assert "xlaserve.worker.compose" in graph["xlaserve.worker.server"]
+    assert "xlaserve.frontend.port" in graph["xlaserve.frontend.kserve"]
+    assert "xlaserve.worker.scheduler" in graph["xlaserve.frontend.port"]            # under TYPE_CHECKING
+    assert "xlaserve.worker.executor" in graph["xlaserve.worker.compose"]            # inside run_actors
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+
+
+def test_the_package_has_no_import_cycle(graph):
+    assert _cycle(graph) is None
+
+
+def test_no_frontend_module_imports_the_worker_wiring(graph):
+    for module, deps in graph.items():
+        if module.startswith("xlaserve.frontend"):
+            assert not deps & {"xlaserve.worker.server", "xlaserve.worker.compose"}, module
+
+
+def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
+    outside = {module for module, deps in graph.items() if not module.startswith("xlaserve.frontend")
+               and any(dep.startswith("xlaserve.frontend") for dep in deps)}
+    # Two more modules read frontend tables that are pure standard library, each for a reason:
+    # the node file is validated against the API groups and header rules the frontend enforces
+    # (one table, not two), and the TLS files are loaded at start-up before jax is imported.
+    assert outside == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.worker.preflight"}
+    assert graph["xlaserve.config.schema"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
+        "xlaserve.frontend.access"}
+    assert graph["xlaserve.worker.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
+        "xlaserve.frontend.tls"}
+    assert {module for module, deps in graph.items() if "xlaserve.worker.compose" in deps} == {"xlaserve.worker.server"}
+    assert "xlaserve.frontend.kserve" not in graph["xlaserve.frontend.control"]
+
+
+# ---- the services, served from a port of stand-ins -------------------------------------------
+class _Table:
+    def __init__(self, *entries: ModelEntry, ready: bool = True) -> None:
+        self.snapshot = MappingProxyType({e.name: e for e in entries})
+        self.is_ready = ready
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+
+class _Scheduling:
+    def __init__(self) -> None:
+        self.policies = {"mlp": ModelPolicy("mlp", 1.0, 8), "cnn": ModelPolicy("cnn", 2.0, None)}
+        self.depths = {"mlp": 3}
+
+    def policy(self, model: str) -> ModelPolicy:
+        return self.policies[model]
+
+    def depth(self, model: str) -> int:
+        return self.depths.get(model, 0)
+
+    def costs(self) -> tuple[CostSnapshot, ...]:
+        return (CostSnapshot("mlp", 8, 0.002, 5),)
+
+    def set_policy(self, model, weight=None, max_batch_size=None, batch_delay_seconds=None, batch_target_rows=None):
+        if weight is not None:
+            self.policies[model] = dataclasses.replace(self.policies[model], weight=weight)
+        return self.policies[model]
+
+
+class _Weights:
+    def __init__(self) -> None:
+        self.floors = {"mlp": Floor.DEVICE}
+
+    def snapshot(self) -> CacheSnapshot:
+        return CacheSnapshot(1000, 400, 400, 2000, 100, True, "pinned_host",
+                             (ModelResidency("mlp", 1, "device", 400, 400, 400, 1, 9, 0),))
+
+    def floor_of(self, name: str) -> Floor:
+        return self.floors.get(name, Floor.SYSTEM)
+
+    def set_residency(self, model_name: str, floor: str) -> None:
+        self.floors[model_name] = Floor.parse(floor)
+
+    async def compact(self) -> tuple[str, int]:
+        await trio.lowlevel.checkpoint()
+        return "2 buffers moved", 300
+
+
+class _Stream:
+    """A grpclib-shaped stream in memory: one request in, the replies collected."""
+
+    deadline = None
+    metadata: dict[str, str] = {}
+
+    def __init__(self, request) -> None:
+        self._requests = [request]
+        self.sent: list = []
+
+    async def recv_message(self):
+        return self._requests.pop(0) if self._requests else None
+
+    async def send_message(self, message) -> None:
+        self.sent.append(message)
+
+
+async def _call(method, request):
+    stream = _Stream(request)
+    await method(stream)
+    (reply,) = stream.sent
+    return reply
+
+
+def _port(nursery: trio.Nursery, **fields) -> WorkerPort:
+    """A port on stand-ins; must be built on the Trio thread (the bridge remembers it)."""
+    async def nothing(name: str) -> None:
+        pass
+    defaults = dict(
+        worker_name="w0", backend="cpu",
+        models=_Table(ModelEntry("cnn", ModelState.UNAVAILABLE, "weights.safetensors is missing"),
+                      ModelEntry("mlp", ModelState.READY)),
+        statistics=lambda name: ModelStats(success=Duration(4, 4000), inference_count=4 if name == "mlp" else 0),
+        scheduling=_Scheduling(), weights=_Weights(),
+        submit=lambda request: None, cancel=lambda ticket: None,
+        bridge=Bridge(trio.lowlevel.current_trio_token()), load_model=nothing, unload_model=nothing,
+        observe_request=lambda model, status, seconds: None, spawn=nursery.start_soon, draining=trio.Event())
+    defaults.update(fields)
+    return WorkerPort(**defaults)
+
+
+def test_the_port_is_frozen():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery)
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                port.submit = print
+            with pytest.raises((AttributeError, TypeError)):    # slotted: no attribute can be added
+                port.scheduler = object()
+    trio.run(main)
+
+
+def test_kserve_reads_the_worker_through_the_port():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            table = _Table(ModelEntry("mlp", ModelState.READY), ready=False)
+            kserve = KServeService(_port(nursery, models=table), EndpointsConfig())
+            assert not (await _call(kserve.ServerReady, pb.ServerReadyRequest())).ready
+            table.is_ready = True
+            assert (await _call(kserve.ServerReady, pb.ServerReadyRequest())).ready
+
+            kserve = KServeService(_port(nursery), EndpointsConfig())
+            index = await _call(kserve.RepositoryIndex, pb.RepositoryIndexRequest())
+            assert [(m.name, m.state, m.reason) for m in index.models] == [
+                ("cnn", "UNAVAILABLE", "weights.safetensors is missing"), ("mlp", "READY", "")]
+            stats = await _call(kserve.ModelStatistics, pb.ModelStatisticsRequest(name="mlp"))
+            (mlp,) = stats.model_stats
+            assert (mlp.name, mlp.inference_count, mlp.inference_stats.success.ns) == ("mlp", 4, 4000)
+            with pytest.raises(GRPCError) as missing:
+                await _call(kserve.ModelStatistics, pb.ModelStatisticsRequest(name="mpl"))
+            assert missing.value.status is Status.NOT_FOUND and "known models: cnn, mlp" in missing.value.message
+    trio.run(main)
+
+
+def test_repository_load_and_unload_go_through_the_port():
+    asked: list[tuple[str, str]] = []
+
+    async def load(name: str) -> None:
+        asked.append(("load", name))
+        raise FailedPrecondition(f"cannot load '{name}': model_control_mode is static")
+
+    async def unload(name: str) -> None:
+        asked.append(("unload", name))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            kserve = KServeService(_port(nursery, load_model=load, unload_model=unload), EndpointsConfig())
+            with pytest.raises(GRPCError) as refused:
+                await _call(kserve.RepositoryModelLoad, pb.RepositoryModelLoadRequest(model_name="mlp"))
+            assert (refused.value.status, refused.value.message) == (
+                Status.FAILED_PRECONDITION, "cannot load 'mlp': model_control_mode is static")
+            await _call(kserve.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="cnn"))
+    trio.run(main)
+    assert asked == [("load", "mlp"), ("unload", "cnn")]
+
+
+def test_worker_control_reads_and_changes_the_worker_through_the_port():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery)
+            control = WorkerControlService(port)
+            status = await _call(control.ModelControlStatus, cpb.ModelControlStatusRequest())
+            assert (status.worker, status.backend, status.budget_bytes, status.resident_bytes) == ("w0", "cpu", 1000, 400)
+            mlp = {m.name: m for m in status.models}["mlp"]
+            assert (mlp.residency, mlp.resident_bytes, mlp.queue_depth, mlp.max_batch_size, mlp.requests) == \
+                ("device", 400, 3, 8, 4)
+            assert dict(mlp.learned_cost_seconds) == {8: 0.002}
+
+            await _call(control.SetModelPolicy, cpb.SetModelPolicyRequest(model="cnn", weight=5.0))
+            assert port.scheduling.policy("cnn").weight == 5.0
+            await _call(control.SetModelResidency, cpb.SetModelResidencyRequest(model="cnn", residency="unpinned"))
+            assert port.weights.floor_of("cnn") is Floor.UNPINNED
+            with pytest.raises(GRPCError) as bad:
+                await _call(control.SetModelResidency, cpb.SetModelResidencyRequest(model="cnn", residency="disk"))
+            assert bad.value.status is Status.INVALID_ARGUMENT
+            compacted = await _call(control.CompactMemory, cpb.CompactMemoryRequest())
+            assert (compacted.message, compacted.freed_bytes) == ("2 buffers moved", 300)
+    trio.run(main)
+
+
+def test_watch_status_ends_when_the_worker_drains():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery)
+            stream = _Stream(cpb.WatchStatusRequest(interval_seconds=1.0))
+            ended = trio.Event()
+
+            async def watch():
+                await WorkerControlService(port).WatchStatus(stream)
+                ended.set()
+            nursery.start_soon(watch)
+            await trio.sleep(2.5)           # snapshots at 0, 1 and 2 s
+            assert len(stream.sent) == 3 and not ended.is_set()
+            port.draining.set()
+            with trio.fail_after(0.1):
+                await ended.wait()          # at once, not at the next interval
+            assert len(stream.sent) == 3
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# ---- load and unload, as the composition root sends them to the lifecycle actor --------------
+def test_model_control_asks_the_lifecycle_actor_and_raises_its_answer():
+    async def main():
+        bridge = Bridge(trio.lowlevel.current_trio_token())
+        to_lifecycle, inbox = trio.open_memory_channel(4)
+        control = _ModelControl("explicit", to_lifecycle, bridge)
+        async with trio.open_nursery() as nursery:
+            async def lifecycle():
+                async for message in inbox:
+                    seen.append(message)
+                    message.reply(Unavailable("'cnn' failed to load") if message.name == "cnn" else None)
+            seen: list = []
+            nursery.start_soon(lifecycle)
+            await control.load("mlp")
+            with pytest.raises(Unavailable, match="'cnn' failed to load"):
+                await control.load("cnn")
+            await control.unload("mlp")
+            assert [(type(m), m.name) for m in seen] == [(LoadModel, "mlp"), (LoadModel, "cnn"), (UnloadModel, "mlp")]
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_model_control_refuses_in_static_mode_and_when_the_actor_is_busy():
+    async def main():
+        bridge = Bridge(trio.lowlevel.current_trio_token())
+        to_lifecycle, inbox = trio.open_memory_channel(0)     # nobody receives: always busy
+        with pytest.raises(FailedPrecondition, match="model_control_mode is static"):
+            await _ModelControl("static", to_lifecycle, bridge).load("mlp")
+        with pytest.raises(Unavailable, match="lifecycle actor is busy"):
+            await _ModelControl("explicit", to_lifecycle, bridge).unload("mlp")
+        with pytest.raises(trio.WouldBlock):
+            inbox.receive_nowait()                              # the static refusal sent nothing
+    trio.run(main)

@@ -1,0 +1,198 @@
+"""The composition root: the one module that knows both the worker's actors and the frontend.
+
+:func:`run_actors` starts the actors (device, weight cache, scheduler, admin HTTP port,
+lifecycle) and reports them as :class:`Actors`; :func:`compose_frontend` fills the frontend's
+:class:`~xlaserve.frontend.port.WorkerPort` from them and builds the gRPC services and the
+:class:`~xlaserve.frontend.grpc_server.GrpcServer` that serves them. The frontend holds the
+port only, so it never imports the worker's wiring, and the actors never see the frontend
+except through the reply callables and the scheduler's ``reply_batch``, set here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from xlaserve.admin import serve_admin
+from xlaserve.config import WorkerConfig
+from xlaserve.errors import FailedPrecondition, Unavailable
+from xlaserve.frontend.bridge import Bridge
+from xlaserve.frontend.control import WorkerControlService
+from xlaserve.frontend.access import AccessPolicy
+from xlaserve.frontend.grpc_server import GrpcServer, H2Limits
+from xlaserve.frontend.kserve import KServeService, connection_buffer_full, request_too_large, response_too_large
+from xlaserve.frontend.port import WorkerPort
+from xlaserve.frontend.shm import SharedMemoryRegistry
+from xlaserve.frontend.tls import describe as describe_tls
+from xlaserve.metrics import Metrics, WeightCacheMetrics
+from xlaserve.runtime.excache import open_executable_cache
+from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.weights import WeightCache, budget_for
+from xlaserve.worker.inference import InferenceService
+from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LifecycleMetrics, LoadModel, UnloadModel
+from xlaserve.worker.registry import ModelTable
+from xlaserve.worker.scheduler import Scheduler
+from xlaserve.worker.stats import StatsBook
+
+log = logging.getLogger("xlaserve.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class Actors:
+    """The worker's actors once started; the composition root's view, never the frontend's."""
+
+    config: WorkerConfig
+    device: Device
+    table: ModelTable
+    stats: StatsBook
+    metrics: Metrics
+    scheduler: Scheduler
+    service: InferenceService
+    weights: WeightCache
+    lifecycle: trio.MemorySendChannel[LifecycleMessage]   #: the lifecycle actor's inbox
+    nursery: trio.Nursery                                 #: where the actors run
+    http_port: int                                        #: the admin HTTP port bound
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelControl:
+    """Load and unload requests to the lifecycle actor, for ``RepositoryModelLoad``/``Unload``."""
+
+    model_control_mode: str
+    lifecycle: trio.MemorySendChannel[LifecycleMessage]
+    bridge: Bridge
+
+    async def load(self, name: str) -> None:
+        await self._ask("load", LoadModel, name)
+
+    async def unload(self, name: str) -> None:
+        await self._ask("unload", UnloadModel, name)
+
+    async def _ask(self, verb: str, message, name: str) -> None:
+        if self.model_control_mode == "static":
+            raise FailedPrecondition(f"cannot {verb} '{name}': model_control_mode is static, so the model set is "
+                                     f"fixed at start-up (use dynamic or explicit to {verb} models at run time)")
+        error = await self.bridge.call(lambda reply: self._send(message(name, reply), reply))
+        if error is not None:
+            raise error
+
+    def _send(self, message: LifecycleMessage, reply) -> None:
+        try:
+            self.lifecycle.send_nowait(message)
+        except trio.WouldBlock:
+            reply(Unavailable("the model lifecycle actor is busy; retry shortly"))
+
+
+def _health(config: WorkerConfig, table: ModelTable, metrics: Metrics):
+    """The admin HTTP port's pages: ``/healthz``, ``/readyz`` (saying why not ready) and ``/metrics``."""
+    def healthz():
+        return 200, "text/plain", b"ok\n"
+
+    def readyz():
+        states = {state: n for state, n in table.state_counts().items() if n}
+        counts = " ".join(f"{k}={v}" for k, v in sorted(states.items()))
+        if table.ready():
+            return 200, "text/plain", f"ready {counts}\n".encode()
+        if not table.startup_done.is_set():
+            why = "loading models"
+        elif states:
+            why = f"no model is ready ({counts}; RepositoryIndex gives each reason)"
+        elif config.model_control_mode == "explicit":
+            why = "no model is loaded (model_control_mode is explicit: load one with RepositoryModelLoad)"
+        else:
+            named = " named in models_include" if config.models_include else ""
+            why = f"no model is ready: model_repo {config.model_repo} holds no bundle{named}"
+        return 503, "text/plain", f"{why}\n".encode()
+
+    def metrics_page():
+        for state, n in table.state_counts().items():
+            metrics.models.labels(state).set(n)
+        return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.exposition()
+
+    return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics_page}
+
+
+async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketListener] | None = None,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """The worker's actors. Reports them as :class:`Actors` once they are up (models may still
+    be loading) and runs until cancelled. The admin HTTP port serves ``admin_listeners`` when
+    given, else binds ``config.http_host:http_port``."""
+    device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
+    log.info("device: %s (%s), jax PJRT %s; host copies of weights in %s memory", device.backend, device.kind,
+             device.platform_version, device.host_memory_kind)
+    device_limiter = trio.CapacityLimiter(1)
+    table = ModelTable()
+    stats = StatsBook()
+    metrics = Metrics()
+    weights = WeightCache(device, device_limiter, budget_for(config.runtime, device),
+                          residency=lambda name: config.scheduler.for_model(name).residency,
+                          metrics=WeightCacheMetrics(metrics.registry),
+                          compaction_interval=config.scheduler.compaction_interval)
+    from xlaserve.worker.executor import Executor
+    scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
+    to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
+    to_lifecycle, lifecycle_inbox = trio.open_memory_channel(64)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(weights.run)
+        await nursery.start(scheduler.run, scheduler_inbox)
+        service = InferenceService(to_scheduler, nursery, table, stats)
+        lifecycle_metrics = LifecycleMetrics(metrics.registry)
+        excache = await trio.to_thread.run_sync(
+            open_executable_cache, config.cache_dir, device,
+            lambda result: lifecycle_metrics.executable_cache.labels(result).inc())
+        lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights,
+                              excache.compile_module if excache else None, lifecycle_metrics)
+        http_port = await nursery.start(functools.partial(
+            serve_admin, config.http_host, config.http_port, _health(config, table, metrics),
+            listeners=admin_listeners))
+        await nursery.start(lifecycle.run, lifecycle_inbox)
+        task_status.started(Actors(config, device, table, stats, metrics, scheduler, service, weights,
+                                   to_lifecycle, nursery, http_port))
+
+
+def worker_port(actors: Actors, bridge: Bridge, *, draining: trio.Event,
+                shared_memory: SharedMemoryRegistry | None) -> WorkerPort:
+    """The frontend's port onto ``actors``: each field is the one operation or read-only view
+    behind it (bound methods and the actors themselves, seen through the port's protocols)."""
+    control = _ModelControl(actors.config.model_control_mode, actors.lifecycle, bridge)
+    return WorkerPort(
+        worker_name=actors.config.name, backend=actors.device.backend, models=actors.table,
+        statistics=actors.stats.get, scheduling=actors.scheduler, weights=actors.weights,
+        submit=actors.service.submit, cancel=actors.service.cancel, bridge=bridge,
+        load_model=control.load, unload_model=control.unload, observe_request=actors.metrics.observe_request,
+        spawn=actors.nursery.start_soon, draining=draining, shared_memory=shared_memory)
+
+
+def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
+    """The gRPC server of a worker whose ``actors`` run: the port, the KServe and WorkerControl
+    services on it, the admission gauges, and the scheduler's replies batched per execution.
+    Call on the Trio thread (the bridge remembers it). ``draining`` is set by whoever starts the
+    drain; the frontend only waits on it."""
+    config = actors.config
+    endpoints = config.endpoints
+    shared_memory = SharedMemoryRegistry() if endpoints.allow_client_shm else None
+    port = worker_port(actors, Bridge(trio.lowlevel.current_trio_token()), draining=draining,
+                       shared_memory=shared_memory)
+    kserve = KServeService(port, endpoints)
+    admission = kserve.admission
+    actors.metrics.held_request_bytes.set_function(lambda: admission.held_bytes)
+    actors.metrics.requests_in_flight.set_function(lambda: admission.in_flight)
+    server = GrpcServer([kserve, WorkerControlService(port)],
+                        max_recv_bytes=endpoints.max_recv_msg_bytes,
+                        max_send_bytes=endpoints.max_send_msg_bytes,
+                        too_large_request=request_too_large, too_large_response=response_too_large,
+                        max_held_bytes=endpoints.max_connection_buffer_bytes,
+                        max_connections=endpoints.max_connections,
+                        limits=H2Limits(**{f.name: getattr(endpoints, f.name) for f in dataclasses.fields(H2Limits)}),
+                        access=AccessPolicy.from_config(endpoints.restricted),
+                        too_much_held=connection_buffer_full)
+    actors.scheduler.reply_batch = server.write_batch
+    return server
+
+
+def describe_endpoint(config: WorkerConfig) -> str:
+    """How the gRPC endpoint is served (TLS or not), for the worker's "serving:" log line."""
+    return describe_tls(config.endpoints.tls)
