@@ -82,6 +82,7 @@ OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
 READ_BUFFER_MAX = 2 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames up to this
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
+WORK_PER_TURN = 128                        # frames (+1 per 4 KiB) a reader handles before it yields
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
@@ -280,6 +281,7 @@ class Connection:
         self.watch_scope = trio.CancelScope()
         self.closing: ConnectionError_ | None = None   # why the watchdog ended the connection
         self.blocked: dict[int, Call] = {}          # calls with output waiting for window
+        self.starting: list[Call] = []              # task-free calls to start when the turn ends
         # a header block in progress: stream id, its HEADERS flags, the block, CONTINUATIONs so far
         self.continuation: tuple[int, int, bytearray, int] | None = None
         self.nursery: trio.Nursery | None = None
@@ -515,6 +517,7 @@ class Connection:
         queued_limit = limits.max_queued_reply_bytes
         while True:
             pos = start
+            work = WORK_PER_TURN
             with batch():       # replies, acks and window updates of one read go out in one send
                 while end - pos >= 9:
                     lt, flags, stream_id = unpack(buffer, pos)
@@ -529,9 +532,19 @@ class Connection:
                     handle(ftype, flags, stream_id & 0x7FFFFFFF,
                            view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                     pos = stop
+                    work -= 1 + (length >> 12)
+                    if work <= 0:
+                        break
+                if self.starting:
+                    self._start_fast()
             start = pos
             if self.going_away and not self.calls:
                 return
+            if work <= 0 and end - start >= 9:
+                # More frames are here already, but this connection has had its turn: let the
+                # other connections and the dispatch loop run before handling them.
+                await trio.lowlevel.checkpoint()
+                continue
             if start == end:
                 start = end = 0
                 if filled and size < READ_BUFFER_MAX:
@@ -927,11 +940,21 @@ class Connection:
         call.started = True
         if call.fast is None:
             self.nursery.start_soon(self._run_call, call)
-            return
-        try:
-            call.fast(call, call.parse(call.messages.popleft()))
-        except Exception as exc:
-            self._finish(call, *status_of(exc, call.fast.__qualname__))
+        else:
+            self.starting.append(call)      # at the end of the reader's turn: _start_fast
+
+    def _start_fast(self) -> None:
+        """Hand the task-free calls whose requests completed in this turn's frames to their
+        entry points, skipping those the client reset in the same frames: a rapid reset costs
+        frame parsing, not request decoding."""
+        starting, self.starting = self.starting, []
+        for call in starting:
+            if call.finished:
+                continue
+            try:
+                call.fast(call, call.parse(call.messages.popleft()))
+            except Exception as exc:
+                self._finish(call, *status_of(exc, call.fast.__qualname__))
 
     async def _run_call(self, call: Call) -> None:
         status, message = Status.OK, None
