@@ -96,6 +96,20 @@ def settings(*pairs: tuple[int, int]) -> bytes:
 CLIENT_START = PREFACE + settings((2, 0)) + frame(SETTINGS, ACK, 0)
 
 
+def complete_last_frame(data: bytes) -> bytes:
+    """``data`` with its last frame completed by zero bytes, if its length field promised more than
+    came (up to the largest frame we advertise; a larger one is refused from its header alone), and a
+    frame header cut short dropped. libnghttp2 checks a frame's header and decodes HPACK as bytes
+    arrive, xlaserve once a frame is whole: neither order is wrong, so the oracle compares whole frames."""
+    pos = len(PREFACE) if data.startswith(PREFACE) else len(data)
+    while len(data) - pos >= 9:
+        length = int.from_bytes(data[pos:pos + 3], "big")
+        if len(data) - pos - 9 < length:
+            return data + bytes(pos + 9 + length - len(data)) if length <= OUR_MAX_FRAME else data
+        pos += 9 + length
+    return data[:pos]
+
+
 def split_grpc(body: bytes) -> bytes | None:
     """The one uncompressed gRPC message ``body`` holds, or None if it holds anything else."""
     if len(body) < 5:
@@ -320,8 +334,8 @@ def _exchange(port: int, data: bytes, client_reads: bool) -> bytes:
         sock.setblocking(False)
         selector.register(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if data else 0))
         view = memoryview(data)
-        closed = False
-        while view and not closed:
+        closed = refused = False        # the server closed; a send failed (it closed after a GOAWAY)
+        while view and not (closed or refused):
             if time.monotonic() > deadline:
                 raise AssertionError(f"xlaserve did not take {len(view)} of {len(data)} bytes in {TIMEOUT}s")
             for _, mask in selector.select(deadline - time.monotonic()):
@@ -330,16 +344,16 @@ def _exchange(port: int, data: bytes, client_reads: bool) -> bytes:
                         view = view[sock.send(view):]
                     except BlockingIOError:
                         pass
-                    except OSError:         # the server closed on us (after a GOAWAY)
-                        closed = True
+                    except OSError:
+                        refused = True
                 if mask & selectors.EVENT_READ and client_reads:
                     closed = _read(sock, received) or closed
             if not client_reads:
                 selector.modify(sock, selectors.EVENT_WRITE)
-        if not closed:
+        if not (closed or refused):
             try:
                 sock.shutdown(socket.SHUT_WR)
-            except OSError:
+            except OSError:             # the server has already reset the connection
                 pass
         selector.modify(sock, selectors.EVENT_READ)
         while not closed:       # what the server sends until it closes (after a GOAWAY: what it sent before)
@@ -401,8 +415,10 @@ def disagreement(ours: Verdict, oracle: Verdict, allowance: Allowance | None = N
         return None
     if ours.goaway != oracle.goaway:
         return f"connection error: xlaserve {error_name(ours.goaway)}, ngh2 {error_name(oracle.goaway)}"
-    if ours.resets != oracle.resets:
-        return f"stream resets differ"
+    # both ended the connection with the same code: every stream ends with it, so a stream reset
+    # one engine sent on its way there (libnghttp2 checks fields as it decodes them) is moot
+    if ours.goaway is None and ours.resets != oracle.resets:
+        return "stream resets differ"
     complete = ours.complete - ours.answered_early
     theirs = oracle.complete - ours.answered_early
     if complete != theirs:
@@ -424,14 +440,12 @@ class Row:
     """One scenario: the bytes after :data:`CLIENT_START` and how both servers must answer them.
 
     ``expect`` is what ngh2 answers (asserted, so the row says what the oracle does): a
-    ``"GOAWAY <CODE>"``, ``"RST <CODE>"``, or ``"accept"``. ``allowance`` is an explicit RFC
-    latitude (see :class:`Allowance`). ``config`` sets ngh2's limits for the row; ``client_reads``
+    ``"GOAWAY <CODE>"``, ``"RST <CODE>"``, or ``"accept"``. ``config`` sets ngh2's limits for the row; ``client_reads``
     False makes a client that reads nothing until it has sent everything."""
 
     name: str
     data: bytes
     expect: str
-    allowance: Allowance | None = None
     config: ngh2.Configuration = ENGINE
     client_reads: bool = True
     note: str = ""

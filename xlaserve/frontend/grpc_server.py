@@ -27,6 +27,7 @@ Not supported: TLS, HTTP/1.1 upgrade (h2c with prior knowledge only), server pus
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import struct
 import zlib
@@ -81,6 +82,41 @@ _MESSAGE_PREFIX = struct.Struct(">BI")     # gRPC length-prefixed message: compr
 
 _RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/grpc")])
 _OK_TRAILERS = encode([("grpc-status", "0")])
+
+
+# What makes a request's header fields malformed (RFC 9113 8.2, 8.3): names of lowercase token
+# characters, values without NUL, CR, LF or surrounding whitespace, no connection-specific fields,
+# ``te`` only as "trailers", the request pseudo-headers each at most once and before the others.
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+_BAD_VALUE = re.compile(r"[\0\r\n]|\A[ \t]|[ \t]\Z")
+_CONNECTION_SPECIFIC = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"))
+_REQUEST_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
+_REQUIRED_PSEUDO = frozenset((":method", ":scheme", ":path"))
+
+
+def malformed(headers: Iterable[tuple[str, str]]) -> str | None:
+    """Why these request header fields make the request malformed (a stream error of type
+    PROTOCOL_ERROR, RFC 9113 8.1.1), or None if they do not."""
+    pseudo: set[str] = set()
+    regular = False
+    for name, value in headers:
+        if name[:1] == ":":
+            if regular:
+                return f"pseudo-header {name} after a regular header field"
+            if name not in _REQUEST_PSEUDO or name in pseudo:
+                return f"{name} is not a request pseudo-header, or appears twice"
+            pseudo.add(name)
+        else:
+            regular = True
+            if not _FIELD_NAME.match(name):
+                return f"header name {name[:40]!r} is not lowercase token characters"
+            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+                return f"connection-specific header field {name}"
+        if _BAD_VALUE.search(value):
+            return f"the value of {name} holds NUL, CR, LF or surrounding whitespace"
+    if not _REQUIRED_PSEUDO <= pseudo:
+        return "a request needs :method, :scheme and :path"
+    return None
 
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -218,6 +254,7 @@ class Connection:
         self.read_scope = trio.CancelScope()
         self.blocked: dict[int, Call] = {}          # calls with output waiting for window
         self.continuation: tuple[int, int, bytearray] | None = None
+        self.valid_headers: tuple | None = None     # the last request header fields found well-formed
         self.nursery: trio.Nursery | None = None
 
     # ---- tasks ---------------------------------------------------------------------------
@@ -369,8 +406,10 @@ class Connection:
         elif ftype == SETTINGS:
             self._on_settings(flags, sid, payload)
         elif ftype == RST_STREAM:
-            if sid == 0 or len(payload) != 4:
-                raise ConnectionError_(PROTOCOL_ERROR, "malformed RST_STREAM frame")
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if len(payload) != 4:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"RST_STREAM of {len(payload)} bytes; it is 4")
             if sid > self.last_stream:
                 raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             call = self.calls.get(sid)
@@ -386,8 +425,14 @@ class Connection:
                 self.continuation = None
                 self._on_header_block(first_flags, sid, bytes(block))
         elif ftype == GOAWAY:
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
+            if len(payload) < 8:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"GOAWAY of {len(payload)} bytes; it is at least 8")
             self.going_away = True
         elif ftype == PRIORITY:
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY frame is not 5 bytes")
         elif ftype == PUSH_PROMISE:
@@ -412,6 +457,9 @@ class Connection:
                 self.peer_initial_window = value
                 for call in self.calls.values():
                     call.send_window += delta
+                    if call.send_window > MAX_WINDOW:     # RFC 9113 6.9.2
+                        raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {value} takes stream "
+                                                                   f"{call.id}'s send window above 2^31-1")
             elif key == MAX_FRAME_SIZE:
                 if not DEFAULT_FRAME <= value <= 2**24 - 1:
                     raise ConnectionError_(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
@@ -435,11 +483,16 @@ class Connection:
         else:
             call = self.calls.get(sid)
             if call is None:
+                if sid > self.last_stream:
+                    raise ConnectionError_(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
                 return
             if increment == 0:
                 self._reset(call, PROTOCOL_ERROR)
                 return
             call.send_window += increment
+            if call.send_window > MAX_WINDOW:             # RFC 9113 6.9.1: a stream error
+                self._reset(call, FLOW_CONTROL_ERROR)
+                return
         self._flush_blocked()
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
@@ -484,14 +537,15 @@ class Connection:
         self._new_call(flags, sid, headers)
 
     def _new_call(self, flags: int, sid: int, headers: Iterable[tuple[str, str]]) -> None:
+        if headers is not self.valid_headers:   # a repeated block decodes to the very same tuple
+            if malformed(headers) is not None:
+                # a stream error; nothing of the call was registered, so a reset is all there is to do
+                self._write(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                return
+            self.valid_headers = headers
         method_name = path = content_type = ""
         metadata: dict[str, str] = {}
         for name, value in headers:
-            if not name:
-                # RFC 9113 8.2.1: a field with an empty name makes the request malformed, a
-                # stream error; nothing of it was registered, so a reset is all there is to do
-                self._write(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
-                return
             if name[0] == ":":
                 if name == ":path":
                     path = value
