@@ -14,9 +14,9 @@ and libnghttp2 applies its advertised settings when they are acknowledged.
 
 How each side is observed:
 
-- ``ngh2``: the bytes are fed in :data:`CHUNK`-byte pieces, taking what the engine has to send
-  after each piece (a client that reads its replies; a scenario with ``client_reads=False`` feeds
-  everything before taking anything). The RST_STREAM and GOAWAY frames in its output, and its
+- ``ngh2``: the bytes are fed a frame at a time (the preface first), taking what the engine has
+  to send after each (a client that reads its replies, and the order of its refusals exact; a
+  scenario with ``client_reads=False`` feeds everything before taking anything). The RST_STREAM and GOAWAY frames in its output, and its
   request events, make the verdict. When the engine refuses to go on (``receive_data`` raises),
   the verdict is the GOAWAY the ``ngh2`` branch's driver sent in that case (d9ed43d:
   ``DenialOfServiceError`` -> ENHANCE_YOUR_CALM, any other connection error -> PROTOCOL_ERROR),
@@ -63,7 +63,6 @@ SERVER_SETTINGS = {ngh2.Setting.MAX_CONCURRENT_STREAMS: OUR_STREAMS,
                    ngh2.Setting.MAX_HEADER_LIST_SIZE: OUR_HEADER_LIST}
 #: libnghttp2's limits at ngh2 0.3.0's defaults, but the decoded header list held to what we advertise
 ENGINE = ngh2.Configuration(max_inbound_header_list_size=OUR_HEADER_LIST)
-CHUNK = 4096            # bytes fed to ngh2 between two takes of its output (a client that reads)
 TIMEOUT = 10.0          # seconds one sequence may take on loopback before the harness gives up
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -110,6 +109,30 @@ def complete_last_frame(data: bytes) -> bytes:
     return data[:pos]
 
 
+def _pieces(data: bytes) -> list[bytes]:
+    """``data`` cut as a server reads it: the preface, then one frame at a time (by their length
+    fields), then whatever is left."""
+    if not data.startswith(PREFACE):
+        return [data]
+    pieces, pos = [PREFACE], len(PREFACE)
+    while len(data) - pos >= 9:
+        end = pos + 9 + int.from_bytes(data[pos:pos + 3], "big")
+        pieces.append(data[pos:end])
+        pos = end
+    if pos < len(data):
+        pieces.append(data[pos:])
+    return pieces
+
+
+def ends_inside_a_header_block(data: bytes) -> bool:
+    """Whether the client's last header block in ``data`` never ends (no END_HEADERS)."""
+    inside = False
+    for piece in _pieces(data)[1:]:
+        if len(piece) >= 9 and piece[3] in (HEADERS, CONTINUATION):
+            inside = not piece[4] & END_HEADERS
+    return inside
+
+
 def split_grpc(body: bytes) -> bytes | None:
     """The one uncompressed gRPC message ``body`` holds, or None if it holds anything else."""
     if len(body) < 5:
@@ -139,6 +162,9 @@ class Verdict:
     requests: tuple[tuple[int, Request], ...] = ()  # their contents, where the server shows them
     answered_early: frozenset[int] = frozenset()  # xlaserve: answered and reset (NO_ERROR) before the request ended
     detail: str = ""                            # the engine's own words (ngh2's exception, GOAWAY debug data)
+    first: tuple[str, int] | None = None        # the first refusal sent: ("stream" or "connection", code)
+    #: ngh2: the bytes read before the client's GOAWAY made it stop reading (no stream left open)
+    stopped_reading_at: int | None = None
 
     @property
     def rejected(self) -> bool:
@@ -164,18 +190,22 @@ def _server_frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
     return out
 
 
-def _judge_output(frames) -> tuple[int | None, dict[int, int], set[int], str]:
-    """GOAWAY code, RST_STREAM codes (NO_ERROR left out), streams given a response HEADERS."""
-    goaway, resets, answered, detail = None, {}, set(), ""
+def _judge_output(frames) -> tuple[int | None, dict[int, int], set[int], str, tuple[str, int] | None]:
+    """GOAWAY code, RST_STREAM codes, streams given a response HEADERS, GOAWAY debug data, the
+    first refusal (a GOAWAY, or a RST_STREAM other than NO_ERROR)."""
+    goaway, resets, answered, detail, first = None, {}, set(), "", None
     for ftype, _flags, sid, payload in frames:
         if ftype == GOAWAY and len(payload) >= 8 and goaway is None:
             goaway = struct.unpack_from(">I", payload, 4)[0]
             detail = payload[8:].decode("utf-8", "replace")
+            first = first or ("connection", goaway)
         elif ftype == RST_STREAM and len(payload) == 4:
-            resets.setdefault(sid, struct.unpack(">I", payload)[0])
+            code = resets.setdefault(sid, struct.unpack(">I", payload)[0])
+            if code != NO_ERROR:
+                first = first or ("stream", code)
         elif ftype == HEADERS:
             answered.add(sid)
-    return goaway, resets, answered, detail
+    return goaway, resets, answered, detail, first
 
 
 def ngh2_verdict(data: bytes, config: ngh2.Configuration = ENGINE, *, client_reads: bool = True) -> Verdict:
@@ -187,21 +217,26 @@ def ngh2_verdict(data: bytes, config: ngh2.Configuration = ENGINE, *, client_rea
     out = bytearray()
     events: list = []
     failure: ngh2.NGH2Error | None = None
-    step = CHUNK if client_reads else max(1, len(data))
-    for i in range(0, len(data), step):
+    read = 0
+    stopped_reading_at = None
+    for piece in (_pieces(data) if client_reads else [data]):
         try:
-            h2.receive_data(data[i:i + step])
+            h2.receive_data(piece)
         except ngh2.NGH2Error as exc:
             failure = exc
             break
+        read += len(piece)
         events += h2.events()
         out += h2.data_to_send()
         events += h2.events()
         if not h2.want_read:                # the engine has closed the connection
+            if any(type(e) is ngh2.GoAwayReceived for e in events):
+                stopped_reading_at = read
             break
-    goaway, resets, _, detail = _judge_output(_server_frames(bytes(out)))
+    goaway, resets, _, detail, first = _judge_output(_server_frames(bytes(out)))
     if failure is not None and goaway is None:
         goaway = ENHANCE_YOUR_CALM if isinstance(failure, ngh2.DenialOfServiceError) else PROTOCOL_ERROR
+        first = first or ("connection", goaway)
     if failure is not None:
         detail = f"{type(failure).__name__}: {failure}"
     complete: set[int] = set()
@@ -229,7 +264,8 @@ def ngh2_verdict(data: bytes, config: ngh2.Configuration = ENGINE, *, client_rea
             if not name.startswith(":") and name != "content-type":
                 metadata[name] = value.decode("latin-1")
         requests.append((sid, Request(tuple(sorted(metadata.items())), split_grpc(bytes(bodies[sid])))))
-    return Verdict(goaway, tuple(sorted(resets.items())), frozenset(complete), tuple(requests), frozenset(), detail)
+    return Verdict(goaway, tuple(sorted(resets.items())), frozenset(complete), tuple(requests), frozenset(), detail,
+                   first, stopped_reading_at if goaway is None else None)
 
 
 # ---- xlaserve on loopback ------------------------------------------------------------------------
@@ -315,13 +351,13 @@ class XlaserveOracleServer:
         One connection at a time (the recording is per server)."""
         self.service.records.clear()
         received = _exchange(self.port, data, client_reads)
-        goaway, resets, answered, detail = _judge_output(_server_frames(received))
+        goaway, resets, answered, detail, first = _judge_output(_server_frames(received))
         records = dict(self.service.records)
         early = {sid for sid in answered if resets.get(sid) == NO_ERROR}
         complete = set(records) | (answered - early)
         resets = {sid: code for sid, code in resets.items() if code != NO_ERROR}
         return Verdict(goaway, tuple(sorted(resets.items())), frozenset(complete), tuple(sorted(records.items())),
-                       frozenset(early), detail)
+                       frozenset(early), detail, first)
 
 
 def _exchange(port: int, data: bytes, client_reads: bool) -> bytes:
@@ -377,6 +413,17 @@ def _read(sock: socket.socket, into: bytearray) -> bool:
     return not chunk
 
 
+def both_verdicts(server: XlaserveOracleServer, data: bytes, config: ngh2.Configuration = ENGINE, *,
+                  client_reads: bool = True) -> tuple[Verdict, Verdict]:
+    """xlaserve's and ngh2's verdicts on ``data``. Where the client's GOAWAY made libnghttp2 stop
+    reading (it had no stream open), xlaserve gets the bytes up to there: it stops too, but only at
+    the end of what it has read in one go, and what follows a client's goodbye is not compared."""
+    oracle = ngh2_verdict(data, config, client_reads=client_reads)
+    if oracle.stopped_reading_at is not None:
+        data = data[:oracle.stopped_reading_at]
+    return server.verdict(data, client_reads=client_reads), oracle
+
+
 # ---- comparing ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Allowance:
@@ -391,21 +438,13 @@ class Allowance:
     why: str = ""
 
 
-def _refusal(v: Verdict) -> tuple[str, int] | None:
-    if v.goaway is not None:
-        return "connection", v.goaway
-    if v.resets:
-        return "stream", v.resets[0][1]
-    return None
-
-
 def disagreement(ours: Verdict, oracle: Verdict, allowance: Allowance | None = None) -> str | None:
     """Why ``ours`` (xlaserve) and ``oracle`` (ngh2) disagree, or None if they agree: the same
     connection error, or none; the same streams reset with the same codes; the same requests
     complete, with the same metadata and message where both show them. With ``allowance``, a
     refusal of an allowed kind and code by both is agreement, whatever else each did."""
     if allowance is not None:
-        mine, theirs = _refusal(ours), _refusal(oracle)
+        mine, theirs = ours.first, oracle.first
         for who, refusal in (("xlaserve", mine), ("ngh2", theirs)):
             if refusal is None:
                 return f"{who} did not refuse ({allowance.section} requires a refusal)"

@@ -94,14 +94,14 @@ _REQUEST_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
 _REQUIRED_PSEUDO = frozenset((":method", ":scheme", ":path"))
 
 
-def malformed(headers: Iterable[tuple[str, str]]) -> str | None:
-    """Why these request header fields make the request malformed (a stream error of type
-    PROTOCOL_ERROR, RFC 9113 8.1.1), or None if they do not."""
+def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str | None:
+    """Why these request header fields (or ``trailers``, which hold no pseudo-header) make the request
+    malformed (a stream error of type PROTOCOL_ERROR, RFC 9113 8.1.1), or None if they do not."""
     pseudo: set[str] = set()
     regular = False
     for name, value in headers:
         if name[:1] == ":":
-            if regular:
+            if regular or trailers:
                 return f"pseudo-header {name} after a regular header field"
             if name not in _REQUEST_PSEUDO or name in pseudo:
                 return f"{name} is not a request pseudo-header, or appears twice"
@@ -114,7 +114,7 @@ def malformed(headers: Iterable[tuple[str, str]]) -> str | None:
                 return f"connection-specific header field {name}"
         if _BAD_VALUE.search(value):
             return f"the value of {name} holds NUL, CR, LF or surrounding whitespace"
-    if not _REQUIRED_PSEUDO <= pseudo:
+    if not trailers and not _REQUIRED_PSEUDO <= pseudo:
         return "a request needs :method, :scheme and :path"
     return None
 
@@ -399,8 +399,10 @@ class Connection:
         elif ftype == WINDOW_UPDATE:
             self._on_window_update(sid, payload)
         elif ftype == PING:
-            if sid != 0 or len(payload) != 8:
-                raise ConnectionError_(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING frame")
+            if len(payload) != 8:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"PING of {len(payload)} bytes; it is 8")
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
             if not flags & ACK:
                 self._write(frame(PING, ACK, 0, payload))
         elif ftype == SETTINGS:
@@ -425,10 +427,10 @@ class Connection:
                 self.continuation = None
                 self._on_header_block(first_flags, sid, bytes(block))
         elif ftype == GOAWAY:
-            if sid != 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
             if len(payload) < 8:
                 raise ConnectionError_(FRAME_SIZE_ERROR, f"GOAWAY of {len(payload)} bytes; it is at least 8")
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
             self.going_away = True
         elif ftype == PRIORITY:
             if sid == 0:
@@ -440,14 +442,15 @@ class Connection:
         # unknown frame types are ignored (section 4.1)
 
     def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
+        # sizes first, then the stream: the order libnghttp2 checks them in
+        if flags & ACK and payload:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
         if sid != 0:
             raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
-            if payload:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
             return
-        if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
         for i in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, i)
             if key == INITIAL_WINDOW_SIZE:
@@ -496,8 +499,8 @@ class Connection:
         self._flush_blocked()
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+        if not sid & 1:     # checked on the frame, not once its header block ends
+            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
         start, stop = 0, len(payload)
         if flags & PADDED:
             pad = payload[0] if payload else 256
@@ -517,12 +520,13 @@ class Connection:
             headers = self.decoder.decode(block)
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        if not sid & 1:
-            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
         call = self.calls.get(sid)
         if call is not None:                                 # trailers from the client
             if not flags & END_STREAM:
                 raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
+            if malformed(headers, trailers=True) is not None:
+                self._reset(call, PROTOCOL_ERROR)
+                return
             self._end_of_request(call)
             return
         if sid <= self.last_stream:
