@@ -84,14 +84,21 @@ _RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/gr
 _OK_TRAILERS = encode([("grpc-status", "0")])
 
 
-# What makes a request's header fields malformed (RFC 9113 8.2, 8.3): names of lowercase token
-# characters, values without NUL, CR, LF or surrounding whitespace, no connection-specific fields,
-# ``te`` only as "trailers", the request pseudo-headers each at most once and before the others.
+# What makes a request's header fields malformed (RFC 9113 8.2, 8.3), as libnghttp2 reads it: names
+# of lowercase token characters; values of visible characters, spaces and tabs (RFC 9110 5.5), none
+# at either end; no connection-specific fields, ``te`` only as "trailers"; the request pseudo-headers
+# each at most once, before the others, well-formed (RFC 3986's scheme and authority characters, a
+# path of visible characters starting with "/"), :method, :scheme, :path and :authority (or host) all
+# present.
 _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
-_BAD_VALUE = re.compile(r"[\0\r\n]|\A[ \t]|[ \t]\Z")
+_BAD_VALUE = re.compile(r"[^\t\x20-\x7e\x80-\xff]|\A[ \t]|[ \t]\Z")
+_PSEUDO_VALUE = {":method": re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z"),
+                 ":scheme": re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*\Z"),
+                 ":path": re.compile(r"/[\x21-\x7e\x80-\xff]*\Z"),
+                 ":authority": re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=:@\[\]]+\Z")}
 _CONNECTION_SPECIFIC = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"))
 _REQUEST_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
-_REQUIRED_PSEUDO = frozenset((":method", ":scheme", ":path"))
+_REQUIRED_PSEUDO = _REQUEST_PSEUDO
 
 
 def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str | None:
@@ -105,6 +112,8 @@ def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str
                 return f"pseudo-header {name} after a regular header field"
             if name not in _REQUEST_PSEUDO or name in pseudo:
                 return f"{name} is not a request pseudo-header, or appears twice"
+            if not _PSEUDO_VALUE[name].match(value):
+                return f"{name} {value[:40]!r} is not well-formed"
             pseudo.add(name)
         else:
             regular = True
@@ -112,10 +121,12 @@ def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str
                 return f"header name {name[:40]!r} is not lowercase token characters"
             if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
                 return f"connection-specific header field {name}"
+            if name == "host":
+                pseudo.add(":authority")
         if _BAD_VALUE.search(value):
-            return f"the value of {name} holds NUL, CR, LF or surrounding whitespace"
+            return f"the value of {name} holds a control character, or whitespace at an end"
     if not trailers and not _REQUIRED_PSEUDO <= pseudo:
-        return "a request needs :method, :scheme and :path"
+        return "a request needs :method, :scheme, :path and :authority (or host)"
     return None
 
 
@@ -408,10 +419,10 @@ class Connection:
         elif ftype == SETTINGS:
             self._on_settings(flags, sid, payload)
         elif ftype == RST_STREAM:
-            if sid == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
             if len(payload) != 4:
                 raise ConnectionError_(FRAME_SIZE_ERROR, f"RST_STREAM of {len(payload)} bytes; it is 4")
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
             if sid > self.last_stream:
                 raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             call = self.calls.get(sid)
