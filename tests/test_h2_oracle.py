@@ -100,6 +100,9 @@ ROWS = [
     Row("padded-headers-and-data",
         frame(HEADERS, END_HEADERS | PADDED, 1, b"\x03" + BLOCK + b"\0" * 3)
         + frame(DATA, END_STREAM | PADDED, 1, b"\x07" + MESSAGE + b"\0" * 7), "accept"),
+    Row("headers-depending-on-themselves", frame(HEADERS, END_HEADERS | END_STREAM | PRIORITY_FLAG, 1,
+                                                 u32(1) + b"\x10" + BLOCK), "GOAWAY PROTOCOL_ERROR"),
+    Row("priority-frame-depending-on-itself", opened() + frame(PRIORITY, 0, 1, u32(1) + b"\x10"), "accept"),
     Row("headers-with-priority-flag", frame(HEADERS, END_HEADERS | PRIORITY_FLAG, 1, u32(0) + b"\x10" + BLOCK)
         + frame(DATA, END_STREAM, 1, MESSAGE), "accept"),
     Row("client-trailers-end-the-request", opened() + frame(DATA, 0, 1, MESSAGE)
@@ -148,6 +151,8 @@ ROWS = [
     Row("header-block-never-finished", frame(HEADERS, END_STREAM, 1, b"\x80"), "GOAWAY COMPRESSION_ERROR"),
     Row("headers-after-end-stream", call() + frame(HEADERS, END_HEADERS | END_STREAM, 1, lit("x-trailer", "1")),
         "GOAWAY STREAM_CLOSED"),
+    Row("push-promise-of-3-bytes", opened() + frame(PUSH_PROMISE, END_HEADERS, 1, bytes(3)),
+        "GOAWAY FRAME_SIZE_ERROR"),
     Row("push-promise-from-client", opened() + frame(PUSH_PROMISE, END_HEADERS, 1, u32(2) + BLOCK),
         "GOAWAY PROTOCOL_ERROR"),
     Row("second-headers-without-end-stream", opened() + frame(HEADERS, END_HEADERS, 1, lit("x-trailer", "1")),
@@ -238,6 +243,8 @@ ROWS = [
         note="over the advertised SETTINGS_MAX_HEADER_LIST_SIZE (65,536), in one field"),
     Row("limit-header-list-size-in-many-fields", call(block=BLOCK + lit("x-m", "v" * 35) * 1000),
         "GOAWAY ENHANCE_YOUR_CALM", note="1,000 fields of 35 + 3 + 32 bytes"),
+    Row("malformed-field-in-an-oversized-header-list",
+        call(block=BLOCK + lit("X-Upper", "1") + lit("x-m", "v" * 35) * 1000), "RST PROTOCOL_ERROR"),
     Row("limit-header-count", call(block=BLOCK + lit("x-m", "1") * 1100), "GOAWAY ENHANCE_YOUR_CALM",
         note="1,100 small fields, 41,000 bytes of header list; ngh2's max_inbound_header_count is 1,024"),
     Row("limit-continuation-frames", frame(HEADERS, END_STREAM, 1, BLOCK[:4])
@@ -285,6 +292,10 @@ ALLOWANCES: dict[str, Allowance] = {
         "10.5.1", COMPRESSION_ERROR, ENHANCE_YOUR_CALM, stream=False,
         why="a header list over the advertised size may be refused as the server sees fit, once decoded or by "
             "closing the connection: libnghttp2 calls it a flood, xlaserve's decoder a COMPRESSION_ERROR"),
+    "malformed-field-in-an-oversized-header-list": _either(
+        "8.2.1, 10.5.1 and 5.4.1", PROTOCOL_ERROR, COMPRESSION_ERROR,
+        why="the block is malformed (8.2.1) and over the list size (10.5.1): libnghttp2 resets the stream at "
+            "the bad field and stops counting, xlaserve decodes the whole block and refuses its size"),
     "hpack-error-in-an-unfinished-header-block": _either(
         "RFC 7541 and RFC 9113 4.3, 6.10", COMPRESSION_ERROR, PROTOCOL_ERROR, FRAME_SIZE_ERROR, stream=False,
         why="libnghttp2 decodes each fragment of a header block as it arrives, xlaserve the whole block once "
@@ -356,11 +367,14 @@ class Signature:
     ours_accepts: bool = False       # xlaserve refused nothing
     unfinished_block: bool = False   # the sequence ends inside a header block, and xlaserve refused nothing
     ours_field: str = ""             # a field xlaserve's record of a request holds
+    oracle_reset: int | None = None  # ngh2's first refusal is a RST_STREAM with this code
 
     def matches(self, ours: Verdict | None, oracle: Verdict, sequence: bytes) -> bool:
         if (self.ours_accepts or self.unfinished_block) and (ours is None or ours.first is not None):
             return False
         if self.unfinished_block and not (ends_inside_a_header_block(sequence) and oracle.first is not None):
+            return False
+        if self.oracle_reset is not None and oracle.first != ("stream", self.oracle_reset):
             return False
         if self.ours_field and (ours is None or not any(
                 self.ours_field in dict(request.metadata) for _, request in ours.requests)):
@@ -386,7 +400,11 @@ SIGNATURES: dict[str, tuple[Signature, ...]] = {
     "headers-after-end-stream": (Signature(oracle="HEADERS: stream closed"),),
     "header-block-never-finished": (Signature(unfinished_block=True),),
     "content-length-that-lies": (Signature(ours_accepts=True, ours_field="content-length"),),
-    "limit-header-count": (Signature(oracle="received header list exceeds", ours_accepts=True),),
+    "limit-header-count": (Signature(oracle="received header list exceeds", ours_accepts=True),
+                           # libnghttp2 stops at the count, xlaserve's decoder goes on to an HPACK error
+                           Signature(ours="bad header block", oracle="received header list exceeds")),
+    "malformed-field-in-an-oversized-header-list": (
+        Signature(ours="exceeds max_header_list_size", oracle_reset=PROTOCOL_ERROR),),
     "limit-header-list-size-in-many-fields": (
         Signature(ours="exceeds max_header_list_size", oracle="received header list exceeds"),),
     "stream-ids-decrease": (Signature(ours="stream ids must increase"),),

@@ -449,6 +449,8 @@ class Connection:
             if len(payload) != 5:
                 raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY frame is not 5 bytes")
         elif ftype == PUSH_PROMISE:
+            if len(payload) < 4:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"PUSH_PROMISE of {len(payload)} bytes")
             raise ConnectionError_(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
         # unknown frame types are ignored (section 4.1)
 
@@ -517,6 +519,9 @@ class Connection:
             pad = payload[0] if payload else 256
             start, stop = 1, stop - pad
         if flags & PRIORITY_FLAG:
+            # RFC 9113 5.3.1: a stream error, which libnghttp2 (and so this) makes a connection error
+            if stop - start >= 4 and _U32.unpack_from(payload, start)[0] & 0x7FFFFFFF == sid:
+                raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS making stream {sid} depend on itself")
             start += 5
         if stop < start:
             raise ConnectionError_(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
