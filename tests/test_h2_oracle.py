@@ -145,6 +145,11 @@ ROWS = [
     Row("stream-ids-decrease", call(5) + call(3), "accept"),
     Row("data-on-stream-0", frame(DATA, 0, 0, MESSAGE), "GOAWAY PROTOCOL_ERROR"),
     Row("data-on-idle-stream", frame(DATA, END_STREAM, 1, MESSAGE), "GOAWAY PROTOCOL_ERROR"),
+    Row("data-on-an-even-stream", call(3) + frame(DATA, 0, 2, MESSAGE), "GOAWAY PROTOCOL_ERROR"),
+    Row("rst-stream-on-an-even-stream", call(3) + frame(RST_STREAM, 0, 2, u32(CANCEL)), "GOAWAY PROTOCOL_ERROR"),
+    Row("window-update-on-an-even-stream", call(3) + frame(WINDOW_UPDATE, 0, 2, u32(1)), "GOAWAY PROTOCOL_ERROR"),
+    Row("self-dependency-in-a-bad-header-block", frame(HEADERS, END_HEADERS | END_STREAM | PRIORITY_FLAG, 1,
+                                                       u32(1) + b"\x10" + b"\x80"), "GOAWAY PROTOCOL_ERROR"),
     Row("rst-stream-on-idle-stream", frame(RST_STREAM, 0, 1, u32(CANCEL)), "GOAWAY PROTOCOL_ERROR"),
     Row("window-update-on-idle-stream", frame(WINDOW_UPDATE, 0, 1, u32(1)), "GOAWAY PROTOCOL_ERROR"),
     Row("data-after-end-stream", call() + frame(DATA, 0, 1, MESSAGE), "GOAWAY STREAM_CLOSED"),
@@ -368,6 +373,7 @@ class Signature:
     unfinished_block: bool = False   # the sequence ends inside a header block, and xlaserve refused nothing
     ours_field: str = ""             # a field xlaserve's record of a request holds
     oracle_reset: int | None = None  # ngh2's first refusal is a RST_STREAM with this code
+    ours_reset: int | None = None    # xlaserve's first refusal is a RST_STREAM with this code
 
     def matches(self, ours: Verdict | None, oracle: Verdict, sequence: bytes) -> bool:
         if (self.ours_accepts or self.unfinished_block) and (ours is None or ours.first is not None):
@@ -375,6 +381,8 @@ class Signature:
         if self.unfinished_block and not (ends_inside_a_header_block(sequence) and oracle.first is not None):
             return False
         if self.oracle_reset is not None and oracle.first != ("stream", self.oracle_reset):
+            return False
+        if self.ours_reset is not None and (ours is None or ours.first != ("stream", self.ours_reset)):
             return False
         if self.ours_field and (ours is None or not any(
                 self.ours_field in dict(request.metadata) for _, request in ours.requests)):
@@ -402,7 +410,9 @@ SIGNATURES: dict[str, tuple[Signature, ...]] = {
     "content-length-that-lies": (Signature(ours_accepts=True, ours_field="content-length"),),
     "limit-header-count": (Signature(oracle="received header list exceeds", ours_accepts=True),
                            # libnghttp2 stops at the count, xlaserve's decoder goes on to an HPACK error
-                           Signature(ours="bad header block", oracle="received header list exceeds")),
+                           Signature(ours="bad header block", oracle="received header list exceeds"),
+                           # ... or resets the stream for a malformed field libnghttp2 did not reach
+                           Signature(ours_reset=PROTOCOL_ERROR, oracle="received header list exceeds")),
     "malformed-field-in-an-oversized-header-list": (
         Signature(ours="exceeds max_header_list_size", oracle_reset=PROTOCOL_ERROR),),
     "limit-header-list-size-in-many-fields": (

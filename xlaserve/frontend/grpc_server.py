@@ -423,7 +423,7 @@ class Connection:
                 raise ConnectionError_(FRAME_SIZE_ERROR, f"RST_STREAM of {len(payload)} bytes; it is 4")
             if sid == 0:
                 raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
-            if sid > self.last_stream:
+            if sid > self.last_stream or not sid & 1:     # even: a stream this server never opens
                 raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             call = self.calls.get(sid)
             if call is not None:
@@ -499,7 +499,7 @@ class Connection:
         else:
             call = self.calls.get(sid)
             if call is None:
-                if sid > self.last_stream:
+                if sid > self.last_stream or not sid & 1:
                     raise ConnectionError_(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
                 return
             if increment == 0:
@@ -519,8 +519,10 @@ class Connection:
             pad = payload[0] if payload else 256
             start, stop = 1, stop - pad
         if flags & PRIORITY_FLAG:
-            # RFC 9113 5.3.1: a stream error, which libnghttp2 (and so this) makes a connection error
-            if stop - start >= 4 and _U32.unpack_from(payload, start)[0] & 0x7FFFFFFF == sid:
+            # RFC 9113 5.3.1: a stream error, which libnghttp2 (and so this) makes a connection error,
+            # checked as it does: on a frame opening a stream, before its header block is decoded
+            if sid > self.last_stream and stop - start >= 4 and \
+                    _U32.unpack_from(payload, start)[0] & 0x7FFFFFFF == sid:
                 raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS making stream {sid} depend on itself")
             start += 5
         if stop < start:
@@ -617,7 +619,7 @@ class Connection:
             self.recv_unacked = 0
         call = self.calls.get(sid)
         if call is None:
-            if sid > self.last_stream:
+            if sid > self.last_stream or not sid & 1:
                 raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             return                      # a stream we already answered or reset
         if call.remote_closed:
