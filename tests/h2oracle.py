@@ -109,7 +109,7 @@ def complete_last_frame(data: bytes) -> bytes:
     return data[:pos]
 
 
-def _pieces(data: bytes) -> list[bytes]:
+def frame_pieces(data: bytes) -> list[bytes]:
     """``data`` cut as a server reads it: the preface, then one frame at a time (by their length
     fields), then whatever is left."""
     if not data.startswith(PREFACE):
@@ -127,7 +127,7 @@ def _pieces(data: bytes) -> list[bytes]:
 def ends_inside_a_header_block(data: bytes) -> bool:
     """Whether the client's last header block in ``data`` never ends (no END_HEADERS)."""
     inside = False
-    for piece in _pieces(data)[1:]:
+    for piece in frame_pieces(data)[1:]:
         if len(piece) >= 9 and piece[3] in (HEADERS, CONTINUATION):
             inside = not piece[4] & END_HEADERS
     return inside
@@ -219,7 +219,7 @@ def ngh2_verdict(data: bytes, config: ngh2.Configuration = ENGINE, *, client_rea
     failure: ngh2.NGH2Error | None = None
     read = 0
     stopped_reading_at = None
-    for piece in (_pieces(data) if client_reads else [data]):
+    for piece in (frame_pieces(data) if client_reads else [data]):
         try:
             h2.receive_data(piece)
         except ngh2.NGH2Error as exc:

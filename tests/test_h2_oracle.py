@@ -31,7 +31,7 @@ from tests.h2oracle import (
     ACK, CANCEL, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, ENGINE, ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, OUR_MAX_FRAME, PADDED, PING, PRIORITY, PRIORITY_FLAG,
     PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SERVICE, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE,
-    INTERNAL_ERROR, Allowance, Row, Verdict, both_verdicts, complete_last_frame, ends_inside_a_header_block,
+    INTERNAL_ERROR, Allowance, Row, Verdict, both_verdicts, frame_pieces, complete_last_frame, ends_inside_a_header_block,
     XlaserveOracleServer, disagreement, frame, ngh2_verdict, settings as settings_frame, summary,
 )
 
@@ -113,6 +113,9 @@ ROWS = [
     Row("settings-no-rfc7540-priorities-2", settings_frame((9, 2)), "GOAWAY PROTOCOL_ERROR"),
     Row("settings-no-rfc7540-priorities-changed", settings_frame((9, 1)) + settings_frame((9, 0)),
         "GOAWAY PROTOCOL_ERROR"),
+    Row("settings-invalid-value-then-a-valid-one", settings_frame((5, 9351), (5, 16384)), "accept"),
+    Row("priority-update-of-0-bytes", frame(0x10, 0, 0, b""), "GOAWAY FRAME_SIZE_ERROR"),
+    Row("priority-update-on-a-stream", frame(0x10, 0, 1, u32(1) + b"u=1"), "GOAWAY PROTOCOL_ERROR"),
     Row("unexpected-settings-ack", frame(SETTINGS, ACK, 0), "GOAWAY PROTOCOL_ERROR"),
     Row("client-goaway-naming-stream-1", frame(GOAWAY, 0, 0, u32(1) + u32(0)), "GOAWAY PROTOCOL_ERROR"),
     Row("priority-for-idle-stream", frame(PRIORITY, 0, 9, u32(1) + b"\x10") + call(), "accept"),
@@ -158,6 +161,8 @@ ROWS = [
         "GOAWAY STREAM_CLOSED"),
     Row("push-promise-of-3-bytes", opened() + frame(PUSH_PROMISE, END_HEADERS, 1, bytes(3)),
         "GOAWAY FRAME_SIZE_ERROR"),
+    Row("padded-push-promise-of-0-bytes", opened() + frame(PUSH_PROMISE, END_HEADERS | PADDED, 1, b""),
+        "GOAWAY PROTOCOL_ERROR"),
     Row("push-promise-from-client", opened() + frame(PUSH_PROMISE, END_HEADERS, 1, u32(2) + BLOCK),
         "GOAWAY PROTOCOL_ERROR"),
     Row("second-headers-without-end-stream", opened() + frame(HEADERS, END_HEADERS, 1, lit("x-trailer", "1")),
@@ -301,6 +306,10 @@ ALLOWANCES: dict[str, Allowance] = {
         "8.2.1, 10.5.1 and 5.4.1", PROTOCOL_ERROR, COMPRESSION_ERROR,
         why="the block is malformed (8.2.1) and over the list size (10.5.1): libnghttp2 resets the stream at "
             "the bad field and stops counting, xlaserve decodes the whole block and refuses its size"),
+    "padded-push-promise-of-0-bytes": _either(
+        "8.4, 6.6 and 4.2", PROTOCOL_ERROR, FRAME_SIZE_ERROR, stream=False,
+        why="a client's PUSH_PROMISE is a PROTOCOL_ERROR (8.4), one too short for its fields a FRAME_SIZE_ERROR "
+            "(4.2): libnghttp2 checks the padding first, xlaserve the size"),
     "hpack-error-in-an-unfinished-header-block": _either(
         "RFC 7541 and RFC 9113 4.3, 6.10", COMPRESSION_ERROR, PROTOCOL_ERROR, FRAME_SIZE_ERROR, stream=False,
         why="libnghttp2 decodes each fragment of a header block as it arrives, xlaserve the whole block once "
@@ -314,6 +323,9 @@ ORACLE_LENIENCIES: dict[str, tuple[str, str]] = {
     "stream-ids-decrease": (
         "GOAWAY PROTOCOL_ERROR", "5.1.1: a new stream id not above the last is a connection error; libnghttp2 "
         "ignores such HEADERS, as it cannot tell them from a late trailer on a stream it forgot"),
+    "settings-invalid-value-then-a-valid-one": (
+        "GOAWAY PROTOCOL_ERROR", "6.5.2 and 6.5.3: each value is processed in order, and one out of range is a "
+        "connection error; libnghttp2 checks only the last value of each setting in a frame"),
     "priority-on-stream-0": (
         "GOAWAY PROTOCOL_ERROR", "6.3: PRIORITY on stream 0 is a connection error; libnghttp2 ignores PRIORITY "
         "frames (RFC 9113 deprecated their scheme)"),
@@ -347,6 +359,10 @@ LENIENCIES: dict[str, str] = {
         "lets an endpoint ignore frames on a closed stream (it must, after its own RST_STREAM, which it "
         "could not tell apart); libnghttp2, whose stream was not answered, sees half-closed (remote)"),
     "headers-after-end-stream": "as data-after-end-stream, for a HEADERS frame",
+    "priority-update-of-0-bytes": (
+        "xlaserve implements no RFC 9218 priorities, so PRIORITY_UPDATE (type 0x10) is an unknown frame type to "
+        "it, which RFC 9113 5.5 says to ignore"),
+    "priority-update-on-a-stream": "as priority-update-of-0-bytes",
     "content-length-that-lies": (
         "xlaserve ignores content-length: gRPC frames its messages itself, so a length that lies changes "
         "nothing it does (RFC 9113 8.1.1 makes such a request malformed)"),
@@ -374,11 +390,19 @@ class Signature:
     ours_field: str = ""             # a field xlaserve's record of a request holds
     oracle_reset: int | None = None  # ngh2's first refusal is a RST_STREAM with this code
     ours_reset: int | None = None    # xlaserve's first refusal is a RST_STREAM with this code
+    oracle_accepts: bool = False     # ngh2 refused nothing
+    short_frame_of_type: int | None = None   # the sequence holds a frame of this type shorter than 4 bytes
 
     def matches(self, ours: Verdict | None, oracle: Verdict, sequence: bytes) -> bool:
         if (self.ours_accepts or self.unfinished_block) and (ours is None or ours.first is not None):
             return False
         if self.unfinished_block and not (ends_inside_a_header_block(sequence) and oracle.first is not None):
+            return False
+        if self.oracle_accepts and oracle.first is not None:
+            return False
+        if self.short_frame_of_type is not None and not any(
+                len(p) >= 9 and p[3] == self.short_frame_of_type and int.from_bytes(p[:3], "big") < 4
+                for p in frame_pieces(sequence)):
             return False
         if self.oracle_reset is not None and oracle.first != ("stream", self.oracle_reset):
             return False
@@ -419,6 +443,12 @@ SIGNATURES: dict[str, tuple[Signature, ...]] = {
         Signature(ours="exceeds max_header_list_size", oracle="received header list exceeds"),),
     "stream-ids-decrease": (Signature(ours="stream ids must increase"),),
     "priority-on-stream-0": (Signature(ours="PRIORITY on stream 0"),),
+    "settings-invalid-value-then-a-valid-one": (
+        Signature(ours="MAX_FRAME_SIZE", oracle_accepts=True), Signature(ours="INITIAL_WINDOW_SIZE", oracle_accepts=True),
+        Signature(ours="ENABLE_PUSH", oracle_accepts=True)),
+    "priority-update-of-0-bytes": (Signature(oracle_code=FRAME_SIZE_ERROR, short_frame_of_type=0x10),),
+    "priority-update-on-a-stream": (Signature(oracle="PRIORITY_UPDATE"),),
+    "padded-push-promise-of-0-bytes": (Signature(ours="PUSH_PROMISE of", oracle="PUSH_PROMISE"),),
     "oversized-frame-interrupting-a-header-block": (
         Signature(ours="this server advertised", oracle="unexpected non-CONTINUATION frame"),),
     "hpack-error-in-an-unfinished-header-block": (
