@@ -49,7 +49,7 @@ def _load_fuzzer():
 fuzz = _load_fuzzer()
 
 SEED = 20261124
-FUZZ_EXAMPLES = 150          # per family; both families take a few seconds
+FUZZ_EXAMPLES = 400          # per family; both families take a few seconds
 
 PATH = SERVICE + "ModelInfer"
 BLOCK = fuzz.request_block(PATH)                     # a valid request's header block
