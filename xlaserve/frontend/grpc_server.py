@@ -91,7 +91,7 @@ _OK_TRAILERS = encode([("grpc-status", "0")])
 # path of visible characters starting with "/"), :method, :scheme, :path and :authority (or host) all
 # present.
 _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
-_BAD_VALUE = re.compile(r"[^\t\x20-\x7e\x80-\xff]|\A[ \t]|[ \t]\Z")
+_GOOD_VALUE = re.compile(r"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?\Z")
 _PSEUDO_VALUE = {":method": re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z"),
                  ":scheme": re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*\Z"),
                  ":path": re.compile(r"/[\x21-\x7e\x80-\xff]*\Z"),
@@ -123,7 +123,7 @@ def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str
                 return f"connection-specific header field {name}"
             if name == "host":
                 pseudo.add(":authority")
-        if _BAD_VALUE.search(value):
+        if not _GOOD_VALUE.match(value):
             return f"the value of {name} holds a control character, or whitespace at an end"
     if not trailers and not _REQUIRED_PSEUDO <= pseudo:
         return "a request needs :method, :scheme, :path and :authority (or host)"
