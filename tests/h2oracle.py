@@ -16,11 +16,11 @@ How each side is observed:
 
 - ``ngh2``: the bytes are fed a frame at a time (the preface first), taking what the engine has
   to send after each (a client that reads its replies, and the order of its refusals exact; a
-  scenario with ``client_reads=False`` feeds everything before taking anything). The RST_STREAM and GOAWAY frames in its output, and its
-  request events, make the verdict. When the engine refuses to go on (``receive_data`` raises),
-  the verdict is the GOAWAY the ``ngh2`` branch's driver sent in that case (d9ed43d:
-  ``DenialOfServiceError`` -> ENHANCE_YOUR_CALM, any other connection error -> PROTOCOL_ERROR),
-  and the exception's message is kept: it names the limit.
+  scenario with ``client_reads=False`` feeds everything before taking anything). The RST_STREAM
+  and GOAWAY frames in its output, and its request events, make the verdict. When the engine
+  refuses to go on (``receive_data`` raises), the verdict is the GOAWAY the ``ngh2`` branch's
+  driver sent in that case (d9ed43d: ``DenialOfServiceError`` -> ENHANCE_YOUR_CALM, any other
+  connection error -> PROTOCOL_ERROR), and the exception's message is kept: it names the limit.
 - xlaserve: a socket on loopback writes the bytes (reading whatever comes back meanwhile, unless
   ``client_reads=False``), half-closes, and reads until the server closes. Every request path the
   scenarios and the fuzzer's generators use is served by :class:`RecordingService`, task-free, so
@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ngh2
 import trio
@@ -501,13 +501,3 @@ def summary(v: Verdict) -> str:
     if v.resets:
         return f"RST {error_name(v.resets[0][1])}"
     return "accept"
-
-
-@dataclass
-class Tally:
-    """How many sequences a run compared, by outcome (for the docs' numbers)."""
-
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, key: str) -> None:
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
