@@ -321,7 +321,7 @@ class EndpointsConfig:
             advertised as SETTINGS_MAX_HEADER_LIST_SIZE. Default 64 KiB.
         max_header_block_bytes: one request's encoded header block (HEADERS and CONTINUATION
             payloads), checked before any of it is decoded. Default 64 KiB.
-        max_continuation_frames: CONTINUATION frames in one header block. Default 16.
+        max_continuation_frames: CONTINUATION frames in one header block. Default 8 (nghttp2's).
         max_settings_entries: entries in one SETTINGS frame (there are six settings). Default 32.
         max_queued_control_frames: PING and SETTINGS acknowledgements and RST_STREAMs queued for a
             client that does not read them. Default 10000.
@@ -372,7 +372,7 @@ class EndpointsConfig:
     max_concurrent_streams: int = _key(256, low=1, high=2**31 - 1)
     max_header_list_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
     max_header_block_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
-    max_continuation_frames: int = _key(16, low=0)
+    max_continuation_frames: int = _key(8, low=0)
     max_settings_entries: int = _key(32, low=6)
     max_queued_control_frames: int = _key(10000, low=1)
     glitch_burst: int = _key(1000, low=1)

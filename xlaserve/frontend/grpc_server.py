@@ -32,6 +32,7 @@ Not supported: HTTP/1.1 upgrade (h2c with prior knowledge only), server push.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import ssl
 import struct
@@ -99,7 +100,7 @@ class H2Limits:
     max_concurrent_streams: int = 256       # advertised; a stream reset while its work is queued counts
     max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
     max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
-    max_continuation_frames: int = 16       # CONTINUATION frames in one header block
+    max_continuation_frames: int = 8        # CONTINUATION frames in one header block (nghttp2: 8)
     max_settings_entries: int = 32          # entries in one SETTINGS frame
     max_queued_control_frames: int = 10000  # PING/SETTINGS acks and RST_STREAMs the client has not read
     glitch_burst: int = 1000                # resets, refused streams and other waste, in a burst...
@@ -117,6 +118,52 @@ _MESSAGE_PREFIX = struct.Struct(">BI")     # gRPC length-prefixed message: compr
 
 _RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/grpc")])
 _OK_TRAILERS = encode([("grpc-status", "0")])
+
+
+# What makes a request's header fields malformed (RFC 9113 8.2, 8.3), as libnghttp2 reads it: names
+# of lowercase token characters; values of visible characters, spaces and tabs (RFC 9110 5.5), none
+# at either end; no connection-specific fields, ``te`` only as "trailers"; the request pseudo-headers
+# each at most once, before the others, well-formed (RFC 3986's scheme and authority characters, a
+# path of visible characters starting with "/"), :method, :scheme, :path and :authority (or host) all
+# present.
+_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
+_GOOD_VALUE = re.compile(r"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?\Z")
+_PSEUDO_VALUE = {":method": re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z"),
+                 ":scheme": re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*\Z"),
+                 ":path": re.compile(r"/[\x21-\x7e\x80-\xff]*\Z"),
+                 ":authority": re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=:@\[\]]+\Z")}
+_CONNECTION_SPECIFIC = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"))
+_REQUEST_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
+_REQUIRED_PSEUDO = _REQUEST_PSEUDO
+
+
+def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str | None:
+    """Why these request header fields (or ``trailers``, which hold no pseudo-header) make the request
+    malformed (a stream error of type PROTOCOL_ERROR, RFC 9113 8.1.1), or None if they do not."""
+    pseudo: set[str] = set()
+    regular = False
+    for name, value in headers:
+        if name[:1] == ":":
+            if regular or trailers:
+                return f"pseudo-header {name} after a regular header field"
+            if name not in _REQUEST_PSEUDO or name in pseudo:
+                return f"{name} is not a request pseudo-header, or appears twice"
+            if not _PSEUDO_VALUE[name].match(value):
+                return f"{name} {value[:40]!r} is not well-formed"
+            pseudo.add(name)
+        else:
+            regular = True
+            if not _FIELD_NAME.match(name):
+                return f"header name {name[:40]!r} is not lowercase token characters"
+            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+                return f"connection-specific header field {name}"
+            if name == "host":
+                pseudo.add(":authority")
+        if not _GOOD_VALUE.match(value):
+            return f"the value of {name} holds a control character, or whitespace at an end"
+    if not trailers and not _REQUIRED_PSEUDO <= pseudo:
+        return "a request needs :method, :scheme, :path and :authority (or host)"
+    return None
 
 
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -284,6 +331,7 @@ class Connection:
         self.starting: list[Call] = []              # task-free calls to start when the turn ends
         # a header block in progress: stream id, its HEADERS flags, the block, CONTINUATIONs so far
         self.continuation: tuple[int, int, bytearray, int] | None = None
+        self.valid_headers: tuple | None = None     # the last request header fields found well-formed
         self.nursery: trio.Nursery | None = None
         self.settled = False                        # the client's first SETTINGS frame arrived
         self.received_at = trio.current_time()      # the last read (keep-alive)
@@ -602,16 +650,20 @@ class Connection:
         elif ftype == WINDOW_UPDATE:
             self._on_window_update(sid, payload)
         elif ftype == PING:
-            if sid != 0 or len(payload) != 8:
-                raise ConnectionError_(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING frame")
+            if len(payload) != 8:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"PING of {len(payload)} bytes; it is 8")
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
             if not flags & ACK:
                 self._control(frame(PING, ACK, 0, payload))
         elif ftype == SETTINGS:
             self._on_settings(flags, sid, payload)
         elif ftype == RST_STREAM:
-            if sid == 0 or len(payload) != 4:
-                raise ConnectionError_(PROTOCOL_ERROR, "malformed RST_STREAM frame")
-            if sid > self.last_stream:
+            if len(payload) != 4:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"RST_STREAM of {len(payload)} bytes; it is 4")
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
+            if sid > self.last_stream or not sid & 1:     # even: a stream this server never opens
                 raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
             self._glitch(f"RST_STREAM on stream {sid}")
             call = self.calls.get(sid)
@@ -636,23 +688,32 @@ class Connection:
                     self._glitch("an empty CONTINUATION frame")
                 self.continuation = (sid, first_flags, block, count + 1)
         elif ftype == GOAWAY:
+            if len(payload) < 8:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"GOAWAY of {len(payload)} bytes; it is at least 8")
+            if sid != 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
             self.going_away = True
         elif ftype == PRIORITY:
+            if sid == 0:
+                raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
             if len(payload) != 5:
                 raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY frame is not 5 bytes")
         elif ftype == PUSH_PROMISE:
+            if len(payload) < 4:
+                raise ConnectionError_(FRAME_SIZE_ERROR, f"PUSH_PROMISE of {len(payload)} bytes")
             raise ConnectionError_(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
         # unknown frame types are ignored (section 4.1)
 
     def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
+        # sizes first, then the stream: the order libnghttp2 checks them in
+        if flags & ACK and payload:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
+        if len(payload) % 6:
+            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
         if sid != 0:
             raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
-            if payload:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
             return
-        if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
         entries = len(payload) // 6
         limit = self.limits.max_settings_entries
         if entries > limit:
@@ -679,6 +740,9 @@ class Connection:
             self.peer_initial_window = window
             for call in self.calls.values():
                 call.send_window += delta
+                if call.send_window > MAX_WINDOW:     # RFC 9113 6.9.2
+                    raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {window} takes stream "
+                                                               f"{call.id}'s send window above 2^31-1")
         self._control(frame(SETTINGS, ACK, 0))
         self._flush_blocked()
 
@@ -695,21 +759,31 @@ class Connection:
         else:
             call = self.calls.get(sid)
             if call is None:
+                if sid > self.last_stream or not sid & 1:
+                    raise ConnectionError_(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
                 return
             if increment == 0:
                 self._reset(call, PROTOCOL_ERROR)
                 return
             call.send_window += increment
+            if call.send_window > MAX_WINDOW:             # RFC 9113 6.9.1: a stream error
+                self._reset(call, FLOW_CONTROL_ERROR)
+                return
         self._flush_blocked()
 
     def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS on stream 0")
+        if not sid & 1:     # checked on the frame, not once its header block ends
+            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
         start, stop = 0, len(payload)
         if flags & PADDED:
             pad = payload[0] if payload else 256
             start, stop = 1, stop - pad
         if flags & PRIORITY_FLAG:
+            # RFC 9113 5.3.1: a stream error, which libnghttp2 (and so this) makes a connection error,
+            # checked as it does: on a frame opening a stream, before its header block is decoded
+            if sid > self.last_stream and stop - start >= 4 and \
+                    _U32.unpack_from(payload, start)[0] & 0x7FFFFFFF == sid:
+                raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS making stream {sid} depend on itself")
             start += 5
         if stop < start:
             raise ConnectionError_(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
@@ -732,12 +806,13 @@ class Connection:
             raise calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        if not sid & 1:
-            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
         call = self.calls.get(sid)
         if call is not None:                                 # trailers from the client
             if not flags & END_STREAM:
                 raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
+            if malformed(headers, trailers=True) is not None:
+                self._reset(call, PROTOCOL_ERROR)
+                return
             self._end_of_request(call)
             return
         if sid <= self.last_stream:
@@ -763,14 +838,17 @@ class Connection:
         self._new_call(flags, sid, headers)
 
     def _new_call(self, flags: int, sid: int, headers: Iterable[tuple[str, str]]) -> None:
+        if headers is not self.valid_headers:   # a repeated block decodes to the very same tuple
+            problem = malformed(headers)
+            if problem is not None:
+                # a stream error; nothing of the call was registered, so a reset is all there is to do
+                self._glitch(f"a malformed request on stream {sid}: {problem}")
+                self._control(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                return
+            self.valid_headers = headers
         method_name = path = content_type = ""
         metadata: dict[str, str] = {}
         for name, value in headers:
-            if not name:
-                # RFC 9113 8.2.1: a field with an empty name makes the request malformed, a
-                # stream error; nothing of it was registered, so a reset is all there is to do
-                self._control(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
-                return
             if name[0] == ":":
                 if name == ":path":
                     path = value
@@ -826,7 +904,7 @@ class Connection:
             self.recv_unacked = 0
         call = self.calls.get(sid)
         if call is None:
-            if sid > self.last_stream:
+            if sid > self.last_stream or not sid & 1:
                 raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             return                      # a stream we already answered or reset
         if call.remote_closed:
