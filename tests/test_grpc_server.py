@@ -1094,6 +1094,51 @@ def test_corrupt_gzip_is_invalid_argument(server):
     assert response.status == Status.INVALID_ARGUMENT.value and "gzip" in response.message
 
 
+def inflate_used(server: ServerThread) -> int:
+    return server.call(lambda: server.server.inflate.used)
+
+
+@pytest.mark.parametrize("limits, key", [
+    ({"max_connection_inflate_bytes": 20_000}, "endpoints.max_connection_inflate_bytes"),
+    ({"max_inflate_bytes": 20_000}, "endpoints.max_inflate_bytes"),
+])
+def test_a_message_inflating_past_the_inflate_budget_fails_and_the_connection_goes_on(make_server, limits, key):
+    """A gzip bomb: each message inflates only to what the budgets leave (here 20,000 bytes, well
+    under the message limit), then fails; the budget is whole again for the next message."""
+    server = make_server(**limits)
+    client = server.connect()
+    bomb = gzip.compress(request("bomb", payload=bytes(10_000_000)).SerializeToString())
+    for sid in (1, 3):
+        response = client.call(sid, "/test.Echo/Unary", body=grpc_body(bomb, compressed=True),
+                               extra=(("grpc-encoding", "gzip"),))
+        assert response.status == Status.RESOURCE_EXHAUSTED.value
+        assert response.message == (f"decompressed, the message is more than the 20000 bytes left of {key} (20000 "
+                                    f"bytes, 0 held by other decompressed messages on "
+                                    f"{'this' if 'connection' in key else 'all'} connection"
+                                    f"{'' if 'connection' in key else 's'}); send it uncompressed or raise the limit")
+    payload = b"compressible " * 1000
+    response = client.call(5, "/test.Echo/Unary", body=grpc_body(gzip.compress(
+        request("fits", payload=payload).SerializeToString()), compressed=True), extra=(("grpc-encoding", "gzip"),))
+    assert response.status == 0
+    assert response.replies()[0].parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+    assert inflate_used(server) == 0
+
+
+@pytest.mark.parametrize("path", ["/test.Echo/Collect", "/test.Fast/Echo", "/test.Echo/Unary"])
+def test_inflated_messages_give_their_budget_back_however_the_call_ends(server, path):
+    """Parsed, failed (two messages on a unary call), or reset before a handler read them."""
+    client = server.connect()
+    gz = (("grpc-encoding", "gzip"),)
+    one = grpc_body(gzip.compress(request("a", payload=bytes(50_000)).SerializeToString()), compressed=True)
+    assert client.call(1, path, body=one, extra=gz).status == 0
+    assert client.call(3, path, body=one + one, extra=gz).status == (
+        0 if path == "/test.Echo/Collect" else Status.INVALID_ARGUMENT.value)
+    client.send(client.headers_frame(5, request_headers(path, extra=gz)), frame(DATA, 0, 5, one + one),
+                frame(RST_STREAM, 0, 5, struct.pack(">I", CANCEL)))
+    client.ping_barrier()
+    assert inflate_used(server) == 0
+
+
 # --- size limits ----------------------------------------------------------------------------------
 
 def too_large_request(size: int, limit: int) -> str:

@@ -214,6 +214,14 @@ class EndpointsConfig:
         max_connections: client connections the worker serves at once, >= 1. One more is
             sent GOAWAY (ENHANCE_YOUR_CALM, naming this key) and closed at once; the open ones go
             on. Default 1024 (each open connection holds a read buffer of up to 4 MiB).
+        max_connection_inflate_bytes: decompressed request bytes one client connection may
+            have the worker hold at once (gzip/deflate messages inflated and not yet parsed),
+            >= 1. A compressed message is inflated only up to what is left of it (and of
+            ``max_inflate_bytes``, and ``max_recv_msg_bytes``), decided before inflating; one
+            that would inflate past it fails with RESOURCE_EXHAUSTED naming this key. Default
+            32 MiB: a 250 KiB gzip message of zeros costs at most that, not 255 MiB.
+        max_inflate_bytes: the same over all connections of the worker, >= 1. Default 256 MiB
+            (one largest message at the default ``max_recv_msg_bytes``).
     """
 
     host: str = _key("0.0.0.0")
@@ -225,6 +233,8 @@ class EndpointsConfig:
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
     max_held_request_bytes: int = _key(2048 * _MIB, low=1)
     max_connections: int = _key(1024, low=1)
+    max_connection_inflate_bytes: int = _key(32 * _MIB, low=1)
+    max_inflate_bytes: int = _key(256 * _MIB, low=1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,7 @@ from types import MappingProxyType
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from grpclib.metadata import decode_timeout, encode_grpc_message
+from grpclib.metadata import encode_grpc_message
 
 from xlaserve.frontend.hpack import encode
 
@@ -40,12 +40,16 @@ CONNECTION_INFLATE_KEY = "endpoints.max_connection_inflate_bytes"
 SERVER_INFLATE_KEY = "endpoints.max_inflate_bytes"
 
 
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
 def parse_timeout(value: str) -> float:
-    """Seconds in a ``grpc-timeout`` header value (``<up to 8 digits><unit>``)."""
-    try:
-        return decode_timeout(value)
-    except ValueError:
-        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n") from None
+    """Seconds in a ``grpc-timeout`` header value: 1 to 8 ASCII digits and a unit (gRPC's
+    "TimeoutValue TimeoutUnit"); anything else raises ValueError saying so."""
+    digits, unit = value[:-1], value[-1:]
+    if not (0 < len(digits) <= 8 and digits.isascii() and digits.isdigit()) or unit not in _TIMEOUT_UNITS:
+        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n")
+    return int(digits) * _TIMEOUT_UNITS[unit]
 
 
 # ---- the request head ------------------------------------------------------------------------------
@@ -255,20 +259,21 @@ def inflate(payload, encoding: str, limit: int, budget: InflateBudget,
     return InflatedMessage(data, budget)
 
 
-def _holder(budget: InflateBudget) -> str:
-    return "this connection's" if budget.parent is not None else "the server's"
+def _where(budget: InflateBudget) -> str:
+    return "on this connection" if budget.parent is not None else "on all connections"
 
 
 def _exhausted(budget: InflateBudget) -> str:
-    return (f"no room to decompress this message: {_holder(budget)} decompressed messages not yet handled hold "
+    return (f"no room to decompress this message: decompressed messages not yet handled {_where(budget)} hold "
             f"{budget.used} of the {budget.limit} bytes {budget.key} allows; retry once they are handled, or "
             "send it uncompressed")
 
 
 def _inflates_past(budget: InflateBudget, cap: int) -> str:
+    """Said once the message's reservation is released: ``budget.used`` is the others'."""
     return (f"decompressed, the message is more than the {cap} bytes left of {budget.key} ({budget.limit} "
-            f"bytes, {budget.used - cap} held by {_holder(budget).split()[0]} other decompressed messages); "
-            "send it uncompressed or raise the limit")
+            f"bytes, {budget.used} held by other decompressed messages {_where(budget)}); send it "
+            "uncompressed or raise the limit")
 
 
 # ---- cutting a request body into messages --------------------------------------------------------

@@ -179,6 +179,8 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                                 too_large_request=request_too_large, too_large_response=response_too_large,
                                 max_held_bytes=endpoints.max_connection_buffer_bytes,
                                 max_connections=endpoints.max_connections,
+                                max_connection_inflate_bytes=endpoints.max_connection_inflate_bytes,
+                                max_inflate_bytes=endpoints.max_inflate_bytes,
                                 too_much_held=connection_buffer_full)
             handles.scheduler.reply_batch = server.write_batch
             await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners()))
