@@ -354,3 +354,36 @@ def test_cut_messages_queues_inflated_messages_that_hold_the_budget():
     release_all(messages)
     assert budget.used == server.used == 0
     assert [data(m) for m in cut(message(gzip.compress(b"b" * 600), flag=1), "gzip", 1000, budget)[0]] == [b"b" * 600]
+
+
+def test_a_bomb_costs_at_most_about_its_reservation_in_memory():
+    """zlib asked for N bytes at once peaks at twice N (its blocks, then the joined result); the
+    inflate grows one buffer instead. The bomb is refused having used little more than the cap."""
+    import tracemalloc
+    bomb = gzip.compress(bytes(64 << 20))
+    budget, _ = budgets(8 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(GRPCError, match="8388608 bytes left of endpoints.max_connection_inflate_bytes"):
+            inflate(bomb, "gzip", 256 << 20, budget, too_large)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.3 * (8 << 20), peak
+    assert budget.used == 0
+
+
+def test_a_message_larger_than_one_inflate_step_comes_out_whole():
+    payload = bytes(range(256)) * (3 << 12) + b"end"          # 3 MiB and a bit
+    assert inflate(zlib.compress(payload), "deflate", 4 << 20, budgets()[0], too_large).data == payload
+
+
+@pytest.mark.parametrize("encoding, compress", [("gzip", gzip.compress), ("deflate", zlib.compress)])
+def test_a_compressed_stream_cut_short_is_invalid_argument(encoding, compress):
+    budget, server = budgets()
+    with pytest.raises(GRPCError) as caught:
+        inflate(compress(bytes(range(256)) * 40)[:-6], encoding, 100_000, budget, too_large)
+    assert caught.value.status is Status.INVALID_ARGUMENT
+    assert caught.value.message == (f"the request message is not valid {encoding} data: "
+                                    "the compressed stream ends early")
+    assert budget.used == server.used == 0

@@ -246,7 +246,7 @@ def inflate(payload, encoding: str, limit: int, budget: InflateBudget,
         raise GRPCError(Status.RESOURCE_EXHAUSTED, _exhausted(tight))
     budget.reserve(cap)
     try:
-        data = zlib.decompressobj(_WBITS[encoding]).decompress(payload, cap + 1)
+        data = _inflate(payload, _WBITS[encoding], cap + 1)
     except zlib.error as exc:
         budget.release(cap)
         raise GRPCError(Status.INVALID_ARGUMENT, f"the request message is not valid {encoding} data: {exc}") from None
@@ -257,6 +257,27 @@ def inflate(payload, encoding: str, limit: int, budget: InflateBudget,
         raise GRPCError(Status.RESOURCE_EXHAUSTED, _inflates_past(tight, cap))
     budget.release(cap - len(data))
     return InflatedMessage(data, budget)
+
+
+_INFLATE_STEP = 1 << 20
+
+
+def _inflate(payload, wbits: int, most: int) -> bytearray:
+    """``payload`` inflated, at most ``most`` bytes of it. Grown in steps in one bytearray:
+    zlib asked for ``most`` at once builds its output in blocks and then copies them into the
+    result, twice the memory at the peak. Raises zlib.error for data that is not a whole stream."""
+    inflater = zlib.decompressobj(wbits)
+    out = bytearray()
+    data = payload
+    while len(out) < most:
+        step = inflater.decompress(data, min(_INFLATE_STEP, most - len(out)))
+        if not step:
+            break
+        out += step
+        data = inflater.unconsumed_tail
+    if len(out) < most and not inflater.eof:
+        raise zlib.error("the compressed stream ends early")
+    return out
 
 
 def _where(budget: InflateBudget) -> str:
