@@ -12,7 +12,8 @@ from grpclib.exceptions import GRPCError
 
 from xlaserve.frontend.grpc_protocol import (
     CONNECTION_INFLATE_KEY, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY, InflateBudget, InflatedMessage,
-    Refusal, cut_messages, framed, inflate, message_end, parse_timeout, read_head, release_all, trailers,
+    Inflation, Refusal, begin_inflate, cut_messages, framed, inflate, message_end, parse_timeout, read_head,
+    release_all, trailers,
 )
 from xlaserve.frontend.hpack import Decoder
 
@@ -387,3 +388,47 @@ def test_a_compressed_stream_cut_short_is_invalid_argument(encoding, compress):
     assert caught.value.message == (f"the request message is not valid {encoding} data: "
                                     "the compressed stream ends early")
     assert budget.used == server.used == 0
+
+
+def test_with_inline_a_large_compressed_message_is_queued_unfinished_and_cutting_stops_there():
+    big = bytes(range(256)) * 4096                              # 1 MiB
+    body = message(gzip.compress(b"small"), flag=1) + message(gzip.compress(big), flag=1) + message(b"after")
+    budget, server = budgets(4 << 20)
+    messages: deque = deque()
+    rest = cut_messages(bytearray(body), messages, "gzip", 8 << 20, budget, too_large, inline=64 * 1024)
+    assert data(messages[0]) == b"small"
+    inflation = messages[1]
+    assert isinstance(inflation, Inflation) and len(messages) == 2
+    assert rest == message(b"after")                            # not cut: it waits behind the inflation
+    assert budget.used == server.used == 5 + (4 << 20) - 5      # the small one's 5, the whole rest reserved
+    inflation.run()
+    assert data(inflation.result()) == big
+    assert budget.used == 5 + len(big)
+
+
+def test_a_small_compressed_message_is_finished_inline():
+    messages: deque = deque()
+    cut_messages(bytearray(message(gzip.compress(b"x" * 1000), flag=1)), messages, "gzip", 8 << 20, budgets()[0],
+                 too_large, inline=64 * 1024)
+    assert [type(m) for m in messages] == [InflatedMessage] and data(messages[0]) == b"x" * 1000
+
+
+def test_an_inflation_cancelled_gives_its_reservation_back():
+    budget, server = budgets(4 << 20)
+    inflation = begin_inflate(gzip.compress(bytes(8 << 20)), "gzip", 1 << 30, budget, too_large)
+    assert budget.used == server.used == 4 << 20
+    assert inflation.step(1 << 20) is False
+    inflation.cancel()
+    assert budget.used == server.used == 0
+
+
+def test_inflating_stepwise_stops_past_the_reservation():
+    budget, _ = budgets(3 << 20)
+    inflation = begin_inflate(gzip.compress(bytes(64 << 20)), "gzip", 1 << 30, budget, too_large)
+    steps = 1
+    while not inflation.step(1 << 20):
+        steps += 1
+    assert steps == 4 and len(inflation.out) == (3 << 20) + 1  # three full steps, then one byte past
+    with pytest.raises(GRPCError, match="more than the 3145728 bytes left"):
+        inflation.result()
+    assert budget.used == 0

@@ -1139,6 +1139,61 @@ def test_inflated_messages_give_their_budget_back_however_the_call_ends(server, 
     assert inflate_used(server) == 0
 
 
+def gzipped(message) -> bytes:
+    return grpc_body(gzip.compress(message.SerializeToString()), compressed=True)
+
+
+@pytest.mark.parametrize("path", ["/test.Echo/Unary", "/test.Fast/Echo"])
+def test_a_large_compressed_message_is_inflated_in_a_thread_and_served(server, path):
+    payload = pattern(3_000_000)              # past INFLATE_INLINE: finished in a worker thread
+    response = server.connect().call(1, path, body=gzipped(request("big", payload=payload)),
+                                     extra=(("grpc-encoding", "gzip"),))
+    assert response.status == 0, response.message
+    assert response.replies()[0].parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+    assert inflate_used(server) == 0
+
+
+def test_messages_behind_one_inflating_in_a_thread_keep_their_order(server):
+    client = server.connect()
+    body = (gzipped(request("a", payload=pattern(2_000_000))) + grpc_body(request("b"))
+            + gzipped(request("c", payload=pattern(1_000_000))) + gzipped(request("d")))
+    client.send(client.headers_frame(1, request_headers("/test.Echo/Collect", extra=(("grpc-encoding", "gzip"),))),
+                frame(DATA, 0, 1, body[:1000]), frame(DATA, END_STREAM, 1, body[1000:]))
+    response = client.response(1)
+    assert response.status == 0, response.message
+    assert response.replies()[0].id == "a,b,c,d"
+    assert inflate_used(server) == 0
+
+
+def test_a_bomb_inflated_in_a_thread_is_refused_while_the_connection_is_served(make_server):
+    server = make_server(max_connection_inflate_bytes=2 << 20)
+    client = server.connect()
+    gz = (("grpc-encoding", "gzip"),)
+    client.start_call(1, "/test.Echo/Unary", grpc_body(gzip.compress(bytes(16 << 20)), compressed=True), extra=gz)
+    client.start_call(3, "/test.Echo/Unary", grpc_body(request("plain")))
+    assert client.response(3).replies()[0].id == "plain"
+    response = client.response(1)
+    assert response.status == Status.RESOURCE_EXHAUSTED.value
+    assert response.message == ("decompressed, the message is more than the 2097152 bytes left of "
+                                "endpoints.max_connection_inflate_bytes (2097152 bytes, 0 held by other decompressed "
+                                "messages on this connection); send it uncompressed or raise the limit")
+    assert inflate_used(server) == 0
+
+
+def test_a_call_reset_while_its_message_inflates_gives_the_reservation_back(server):
+    client = server.connect()
+    client.send(client.headers_frame(1, request_headers("/test.Echo/Unary", extra=(("grpc-encoding", "gzip"),))),
+                frame(DATA, END_STREAM, 1, gzipped(request("x", payload=bytes(20_000_000)))),
+                frame(RST_STREAM, 0, 1, struct.pack(">I", CANCEL)))
+    client.ping_barrier()
+    (conn,) = server.call(lambda: list(server.server._connections))
+    server.close()
+    server.wait_closed()                      # every connection task, the inflating one too, has ended
+    assert conn.inflate.used == 0 and not conn.inflating
+    assert inflate_used(server) == 0
+    assert 1 not in client.blocks                 # the call was never answered: the client reset it
+
+
 # --- size limits ----------------------------------------------------------------------------------
 
 def too_large_request(size: int, limit: int) -> str:

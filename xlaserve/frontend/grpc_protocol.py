@@ -226,18 +226,91 @@ def release_all(messages: Iterable) -> None:
             message.release()
 
 
-def inflate(payload, encoding: str, limit: int, budget: InflateBudget,
-            too_large: Callable[[int | str, int], str]) -> InflatedMessage:
-    """``payload`` decompressed, within ``limit`` (the message size limit) and what ``budget``
-    and its parent have left, decided before inflating: that much is reserved, zlib is asked for
-    at most one byte more, and the reservation shrinks to the message's size once it fits.
-    Raises GRPCError: INVALID_ARGUMENT when the call declared no encoding or the bytes are not
-    valid ``encoding`` data; RESOURCE_EXHAUSTED, naming the limit and the numbers, when a budget
-    has nothing left (nothing is inflated) or the message inflates past what it could reserve."""
+class Inflation:
+    """One compressed message being inflated, within the reservation :func:`begin_inflate` made.
+
+    Stepwise, so that the server can inflate a small message at once and hand a large one to a
+    worker thread: :meth:`step` and :meth:`run` touch only this object (zlib releases the GIL
+    while it inflates); :meth:`result` and :meth:`cancel` settle the reservation and must run
+    where the budget lives. The output grows in one bytearray: zlib asked for N bytes at once
+    builds them in blocks and then copies those into its result, twice the memory at the peak.
+    """
+
+    __slots__ = ("encoding", "limit", "cap", "budget", "tight", "too_large", "inflater", "tail", "out", "error")
+
+    def __init__(self, payload, encoding: str, limit: int, cap: int, budget: InflateBudget,
+                 tight: InflateBudget, too_large: Callable[[int | str, int], str]) -> None:
+        self.encoding = encoding
+        self.limit = limit
+        self.cap = cap                      # reserved in ``budget`` (and its parent)
+        self.budget = budget
+        self.tight = tight                  # the budget that set ``cap``, unless the message limit did
+        self.too_large = too_large
+        self.inflater = zlib.decompressobj(_WBITS[encoding])
+        self.tail = payload                 # compressed input not yet inflated
+        self.out = bytearray()
+        self.error: zlib.error | None = None
+
+    def step(self, size: int) -> bool:
+        """Inflate up to ``size`` more bytes; True once done: the input is used up, it is not
+        valid, or the output has gone past the reservation."""
+        room = min(size, self.cap + 1 - len(self.out))
+        try:
+            chunk = self.inflater.decompress(self.tail, room)
+        except zlib.error as exc:
+            self.error = exc
+            return True
+        self.out += chunk
+        self.tail = self.inflater.unconsumed_tail
+        # zlib stops short of the room it was given only once it has used up its input
+        return len(chunk) < room or len(self.out) > self.cap
+
+    def run(self) -> None:
+        """Inflate to the end (in a worker thread, or wherever)."""
+        while not self.step(INFLATE_STEP):
+            pass
+
+    def result(self) -> InflatedMessage:
+        """The message, holding its size in the budget (the rest of the reservation goes back).
+        Raises GRPCError, with all of the reservation given back: INVALID_ARGUMENT for data that
+        is not one whole ``encoding`` stream, RESOURCE_EXHAUSTED for a message that went past the
+        reservation, naming the limit that set it and the figures."""
+        budget, cap = self.budget, self.cap
+        error = self.error
+        if error is None and len(self.out) <= cap and not self.inflater.eof:
+            error = "the compressed stream ends early"
+        if error is not None:
+            budget.release(cap)
+            raise GRPCError(Status.INVALID_ARGUMENT, f"the request message is not valid {self.encoding} data: "
+                                                     f"{error}")
+        if len(self.out) > cap:
+            budget.release(cap)
+            if cap == self.limit:
+                raise GRPCError(Status.RESOURCE_EXHAUSTED, "decompressed, " + self.too_large(f"more than {cap}", cap))
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, _inflates_past(self.tight, cap))
+        budget.release(cap - len(self.out))
+        return InflatedMessage(self.out, budget)
+
+    def cancel(self) -> None:
+        """The call ended before the message could be used: give the reservation back."""
+        self.budget.release(self.cap)
+
+
+INFLATE_STEP = 1 << 20
+#: what :func:`cut_messages` inflates in the caller's thread before it defers a message
+INFLATE_INLINE = 256 * 1024
+
+
+def begin_inflate(payload, encoding: str, limit: int, budget: InflateBudget,
+                  too_large: Callable[[int | str, int], str]) -> Inflation:
+    """Reserve, before inflating, the most ``payload`` may inflate to: ``limit`` (the message
+    size limit) or what ``budget`` and its parent have left, whichever is least. Raises
+    GRPCError: INVALID_ARGUMENT when the call declared no encoding; RESOURCE_EXHAUSTED, naming
+    the budget's key and figures, when a budget has nothing left (nothing is inflated then)."""
     if encoding == "identity":
         raise GRPCError(Status.INVALID_ARGUMENT, "a message is flagged compressed but the call declared no "
                                                  "grpc-encoding")
-    tight = budget                          # the budget with the least left, for the message
+    tight = budget                          # the budget with the least left
     parent = budget.parent
     if parent is not None and parent.left() < budget.left():
         tight = parent
@@ -245,39 +318,16 @@ def inflate(payload, encoding: str, limit: int, budget: InflateBudget,
     if cap <= 0:
         raise GRPCError(Status.RESOURCE_EXHAUSTED, _exhausted(tight))
     budget.reserve(cap)
-    try:
-        data = _inflate(payload, _WBITS[encoding], cap + 1)
-    except zlib.error as exc:
-        budget.release(cap)
-        raise GRPCError(Status.INVALID_ARGUMENT, f"the request message is not valid {encoding} data: {exc}") from None
-    if len(data) > cap:
-        budget.release(cap)
-        if cap == limit:
-            raise GRPCError(Status.RESOURCE_EXHAUSTED, "decompressed, " + too_large(f"more than {limit}", limit))
-        raise GRPCError(Status.RESOURCE_EXHAUSTED, _inflates_past(tight, cap))
-    budget.release(cap - len(data))
-    return InflatedMessage(data, budget)
+    return Inflation(payload, encoding, limit, cap, budget, tight, too_large)
 
 
-_INFLATE_STEP = 1 << 20
-
-
-def _inflate(payload, wbits: int, most: int) -> bytearray:
-    """``payload`` inflated, at most ``most`` bytes of it. Grown in steps in one bytearray:
-    zlib asked for ``most`` at once builds its output in blocks and then copies them into the
-    result, twice the memory at the peak. Raises zlib.error for data that is not a whole stream."""
-    inflater = zlib.decompressobj(wbits)
-    out = bytearray()
-    data = payload
-    while len(out) < most:
-        step = inflater.decompress(data, min(_INFLATE_STEP, most - len(out)))
-        if not step:
-            break
-        out += step
-        data = inflater.unconsumed_tail
-    if len(out) < most and not inflater.eof:
-        raise zlib.error("the compressed stream ends early")
-    return out
+def inflate(payload, encoding: str, limit: int, budget: InflateBudget,
+            too_large: Callable[[int | str, int], str]) -> InflatedMessage:
+    """``payload`` decompressed, all at once: :func:`begin_inflate`, :meth:`Inflation.run`,
+    :meth:`Inflation.result` (see those for what they raise)."""
+    inflation = begin_inflate(payload, encoding, limit, budget, too_large)
+    inflation.run()
+    return inflation.result()
 
 
 def _where(budget: InflateBudget) -> str:
@@ -299,16 +349,20 @@ def _inflates_past(budget: InflateBudget, cap: int) -> str:
 
 # ---- cutting a request body into messages --------------------------------------------------------
 def cut_messages(body: bytearray, messages, encoding: str, limit: int, budget: InflateBudget,
-                 too_large: Callable[[int | str, int], str]) -> bytearray:
+                 too_large: Callable[[int | str, int], str], inline: int | None = None) -> bytearray:
     """Move the complete length-prefixed messages at the start of ``body`` onto ``messages``
     (a deque) and return what is left of the body: ``body`` itself, cut in place, or a new
     bytearray when ``body`` was exactly one message (the usual case: that message is then a
     view into the old one, which is never touched again, so nothing is copied). Compressed
-    messages are queued as :class:`InflatedMessage`.
+    messages are queued as :class:`InflatedMessage`. With ``inline``, a compressed message that
+    inflates to more than ``inline`` bytes is queued unfinished, as its :class:`Inflation`, and
+    cutting stops there: the caller finishes it (:meth:`Inflation.run`, which may run in a
+    worker thread, then :meth:`Inflation.result`) before it cuts the rest.
 
     Raises GRPCError, having queued the messages before the bad one: RESOURCE_EXHAUSTED for a
     message over ``limit`` bytes (known from its 5-byte prefix, before its bytes arrive;
-    ``too_large(size, limit)`` words it), and whatever :func:`inflate` raises. The caller then
+    ``too_large(size, limit)`` words it), INVALID_ARGUMENT for a compressed flag other than 0 or
+    1, and what :func:`begin_inflate` and :meth:`Inflation.result` raise. The caller then
     drops the body."""
     while len(body) >= 5:
         compressed, size = MESSAGE_PREFIX.unpack_from(body, 0)
@@ -326,7 +380,13 @@ def cut_messages(body: bytearray, messages, encoding: str, limit: int, budget: I
             if compressed != 1:
                 raise GRPCError(Status.INVALID_ARGUMENT, f"a message's compressed flag is {compressed}; "
                                                          "it must be 0 or 1")
-            payload = inflate(payload, encoding, limit, budget, too_large)
+            inflation = begin_inflate(payload, encoding, limit, budget, too_large)
+            if inline is None:
+                inflation.run()
+            elif not inflation.step(inline):
+                messages.append(inflation)
+                return body
+            payload = inflation.result()
         messages.append(payload)
     return body
 

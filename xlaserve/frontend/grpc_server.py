@@ -47,8 +47,8 @@ from grpclib.metadata import Deadline
 
 from xlaserve.errors import internal_message
 from xlaserve.frontend.grpc_protocol import (
-    CONNECTION_INFLATE_KEY, MESSAGE_PREFIX, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY, InflateBudget,
-    InflatedMessage, Refusal, cut_messages, read_head, release_all, trailers,
+    CONNECTION_INFLATE_KEY, INFLATE_INLINE, MESSAGE_PREFIX, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY,
+    InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, read_head, release_all, trailers,
 )
 from xlaserve.frontend.hpack import Decoder, HPACKError
 
@@ -85,6 +85,7 @@ FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
 DEFAULT_MAX_CONNECTION_INFLATE = 32 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
 DEFAULT_MAX_INFLATE = 256 * 1024 * 1024             # endpoints.max_inflate_bytes
+INFLATE_THREADS = 2
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
@@ -190,7 +191,7 @@ class Call:
     async def recv_message(self) -> Any:
         """The next request message, or None once the client has sent them all."""
         while not self.messages:
-            if self.remote_closed:
+            if self.remote_closed and self.id not in self.conn.inflating:   # else a message is on its way
                 return None
             self.arrived = trio.Event()
             await self.arrived.wait()
@@ -231,6 +232,8 @@ class Connection:
         self.nursery: trio.Nursery | None = None
         #: decompressed request bytes this connection holds (messages not yet parsed)
         self.inflate = InflateBudget(server.max_connection_inflate_bytes, CONNECTION_INFLATE_KEY, server.inflate)
+        #: calls whose next message is being inflated in a worker thread, by stream id
+        self.inflating: dict[int, Inflation] = {}
         # The head of the last header block that opened a call: a client repeats its block, and
         # the HPACK decoder then returns the very same field tuple, so the head is read once.
         self.last_fields: tuple | None = None
@@ -585,26 +588,61 @@ class Connection:
 
     def _cut_messages(self, call: Call) -> None:
         """Move complete length-prefixed messages from the call's body to its message queue
-        (:func:`~xlaserve.frontend.grpc_protocol.cut_messages`); a bad one fails the call."""
+        (:func:`~xlaserve.frontend.grpc_protocol.cut_messages`); a bad one fails the call. A
+        compressed message that inflates past INFLATE_INLINE bytes is finished in a worker
+        thread, and the body waits behind it."""
+        if self.inflating and call.id in self.inflating:
+            return
         inflate = self.inflate
         inflated = inflate.used
         server = self.server
         try:
             call.body = cut_messages(call.body, call.messages, call.encoding, server.max_recv_bytes, inflate,
-                                     server.too_large_request)
+                                     server.too_large_request, INFLATE_INLINE)
         except GRPCError as exc:
             call.body = bytearray()
             self._fail(call, exc.status, exc.message)
-        if inflate.used != inflated:
+        if inflate.used != inflated:                # a compressed message: its reservation is made
             self.held_bound += inflate.used - inflated       # what inflating added (an upper bound)
+            messages = call.messages
+            if messages and type(messages[-1]) is Inflation:
+                inflation = self.inflating[call.id] = messages.pop()
+                self.nursery.start_soon(self._inflate_in_thread, call, inflation)
         if call.arrived is not None and call.messages:
             call.arrived.set()
+
+    async def _inflate_in_thread(self, call: Call, inflation: Inflation) -> None:
+        """Finish a large compressed message in a worker thread (zlib lets go of the GIL while it
+        inflates), so that this connection's other calls and every other connection are served
+        meanwhile; then queue it and cut the rest of the call's body."""
+        try:
+            await trio.to_thread.run_sync(inflation.run, limiter=self.server.inflate_threads)
+        except BaseException:
+            inflation.cancel()
+            raise
+        finally:
+            del self.inflating[call.id]
+        if call.finished:                           # reset, failed or closed meanwhile
+            inflation.cancel()
+            return
+        try:
+            message = inflation.result()
+        except GRPCError as exc:
+            call.body = bytearray()
+            self._fail(call, exc.status, exc.message)
+            return
+        call.messages.append(message)
+        self._cut_messages(call)
+        if call.remote_closed and not call.finished and call.id not in self.inflating:
+            self._end_of_request(call)
 
     def _end_of_request(self, call: Call) -> None:
         call.remote_closed = True
         if call.finished:
             self._forget(call)
             return
+        if self.inflating and call.id in self.inflating:
+            return                      # ended by _inflate_in_thread once the message is inflated
         if call.body:
             self._fail(call, Status.INVALID_ARGUMENT, f"the request ends inside a message ({len(call.body)} "
                                                       "bytes after the last complete one)")
@@ -845,6 +883,9 @@ class GrpcServer:
         #: A compressed message may inflate only to what both have left (and the message limit).
         self.max_connection_inflate_bytes = max_connection_inflate_bytes
         self.inflate = InflateBudget(max_inflate_bytes, SERVER_INFLATE_KEY)
+        #: worker threads inflating large compressed messages at once (their bytes are reserved
+        #: in the budgets before they wait here)
+        self.inflate_threads = trio.CapacityLimiter(INFLATE_THREADS)
         self._refusals_logged_at: float | None = None
         self._connections: set[Connection] = set()
         self._listen_scope = trio.CancelScope()
