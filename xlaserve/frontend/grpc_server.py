@@ -83,7 +83,7 @@ RECV_BYTES = 256 * 1024
 READ_BUFFER = 4 * OUR_MAX_FRAME               # a connection's receive buffer
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
-DEFAULT_MAX_CONNECTION_INFLATE = 32 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
+DEFAULT_MAX_CONNECTION_INFLATE = 16 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
 DEFAULT_MAX_INFLATE = 256 * 1024 * 1024             # endpoints.max_inflate_bytes
 INFLATE_THREADS = 2
 
