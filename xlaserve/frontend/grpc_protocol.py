@@ -203,7 +203,7 @@ class InflatedMessage:
 
     __slots__ = ("data", "reserved", "budget")
 
-    def __init__(self, data: bytes, budget: InflateBudget) -> None:
+    def __init__(self, data: bytearray, budget: InflateBudget) -> None:
         self.data = data
         self.reserved = len(data)
         self.budget = budget
@@ -254,6 +254,7 @@ class Inflation:
     def step(self, size: int) -> bool:
         """Inflate up to ``size`` more bytes; True once done: the input is used up, it is not
         valid, or the output has gone past the reservation."""
+        # never 0 (zlib's "no limit"): once the output passes ``cap`` the caller stops stepping
         room = min(size, self.cap + 1 - len(self.out))
         try:
             chunk = self.inflater.decompress(self.tail, room)

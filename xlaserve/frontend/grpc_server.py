@@ -48,7 +48,7 @@ from grpclib.metadata import Deadline
 from xlaserve.errors import internal_message
 from xlaserve.frontend.grpc_protocol import (
     CONNECTION_INFLATE_KEY, INFLATE_INLINE, MESSAGE_PREFIX, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY,
-    InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, read_head, release_all, trailers,
+    InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, framed, read_head, release_all, trailers,
 )
 from xlaserve.frontend.hpack import Decoder, HPACKError
 
@@ -89,6 +89,7 @@ INFLATE_THREADS = 2
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
+# gRPC's framing and fixed header blocks (grpc_protocol), under the names the hot path uses
 _MESSAGE_PREFIX = MESSAGE_PREFIX
 _RESPONSE_HEADERS = RESPONSE_HEADERS
 _OK_TRAILERS = OK_TRAILERS
@@ -694,7 +695,7 @@ class Connection:
         limit = self.server.max_send_bytes
         if len(data) > limit:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, self.server.too_large_response(len(data), limit))
-        message = _MESSAGE_PREFIX.pack(0, len(data)) + data
+        message = framed(data)
         head = b""
         if not call.headers_sent:
             call.headers_sent = True
