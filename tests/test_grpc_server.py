@@ -1094,6 +1094,106 @@ def test_corrupt_gzip_is_invalid_argument(server):
     assert response.status == Status.INVALID_ARGUMENT.value and "gzip" in response.message
 
 
+def inflate_used(server: ServerThread) -> int:
+    return server.call(lambda: server.server.inflate.used)
+
+
+@pytest.mark.parametrize("limits, key", [
+    ({"max_connection_inflate_bytes": 20_000}, "endpoints.max_connection_inflate_bytes"),
+    ({"max_inflate_bytes": 20_000}, "endpoints.max_inflate_bytes"),
+])
+def test_a_message_inflating_past_the_inflate_budget_fails_and_the_connection_goes_on(make_server, limits, key):
+    """A gzip bomb: each message inflates only to what the budgets leave (here 20,000 bytes, well
+    under the message limit), then fails; the budget is whole again for the next message."""
+    server = make_server(**limits)
+    client = server.connect()
+    bomb = gzip.compress(request("bomb", payload=bytes(10_000_000)).SerializeToString())
+    for sid in (1, 3):
+        response = client.call(sid, "/test.Echo/Unary", body=grpc_body(bomb, compressed=True),
+                               extra=(("grpc-encoding", "gzip"),))
+        assert response.status == Status.RESOURCE_EXHAUSTED.value
+        assert response.message == (f"decompressed, the message is more than the 20000 bytes left of {key} (20000 "
+                                    f"bytes, 0 held by other decompressed messages on "
+                                    f"{'this' if 'connection' in key else 'all'} connection"
+                                    f"{'' if 'connection' in key else 's'}); send it uncompressed or raise the limit")
+    payload = b"compressible " * 1000
+    response = client.call(5, "/test.Echo/Unary", body=grpc_body(gzip.compress(
+        request("fits", payload=payload).SerializeToString()), compressed=True), extra=(("grpc-encoding", "gzip"),))
+    assert response.status == 0
+    assert response.replies()[0].parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+    assert inflate_used(server) == 0
+
+
+@pytest.mark.parametrize("path", ["/test.Echo/Collect", "/test.Fast/Echo", "/test.Echo/Unary"])
+def test_inflated_messages_give_their_budget_back_however_the_call_ends(server, path):
+    """Parsed, failed (two messages on a unary call), or reset before a handler read them."""
+    client = server.connect()
+    gz = (("grpc-encoding", "gzip"),)
+    one = grpc_body(gzip.compress(request("a", payload=bytes(50_000)).SerializeToString()), compressed=True)
+    assert client.call(1, path, body=one, extra=gz).status == 0
+    assert client.call(3, path, body=one + one, extra=gz).status == (
+        0 if path == "/test.Echo/Collect" else Status.INVALID_ARGUMENT.value)
+    client.send(client.headers_frame(5, request_headers(path, extra=gz)), frame(DATA, 0, 5, one + one),
+                frame(RST_STREAM, 0, 5, struct.pack(">I", CANCEL)))
+    client.ping_barrier()
+    assert inflate_used(server) == 0
+
+
+def gzipped(message) -> bytes:
+    return grpc_body(gzip.compress(message.SerializeToString()), compressed=True)
+
+
+@pytest.mark.parametrize("path", ["/test.Echo/Unary", "/test.Fast/Echo"])
+def test_a_large_compressed_message_is_inflated_in_a_thread_and_served(server, path):
+    payload = pattern(3_000_000)              # past INFLATE_INLINE: finished in a worker thread
+    response = server.connect().call(1, path, body=gzipped(request("big", payload=payload)),
+                                     extra=(("grpc-encoding", "gzip"),))
+    assert response.status == 0, response.message
+    assert response.replies()[0].parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+    assert inflate_used(server) == 0
+
+
+def test_messages_behind_one_inflating_in_a_thread_keep_their_order(server):
+    client = server.connect()
+    body = (gzipped(request("a", payload=pattern(2_000_000))) + grpc_body(request("b"))
+            + gzipped(request("c", payload=pattern(1_000_000))) + gzipped(request("d")))
+    client.send(client.headers_frame(1, request_headers("/test.Echo/Collect", extra=(("grpc-encoding", "gzip"),))),
+                frame(DATA, 0, 1, body[:1000]), frame(DATA, END_STREAM, 1, body[1000:]))
+    response = client.response(1)
+    assert response.status == 0, response.message
+    assert response.replies()[0].id == "a,b,c,d"
+    assert inflate_used(server) == 0
+
+
+def test_a_bomb_inflated_in_a_thread_is_refused_while_the_connection_is_served(make_server):
+    server = make_server(max_connection_inflate_bytes=2 << 20)
+    client = server.connect()
+    gz = (("grpc-encoding", "gzip"),)
+    client.start_call(1, "/test.Echo/Unary", grpc_body(gzip.compress(bytes(16 << 20)), compressed=True), extra=gz)
+    client.start_call(3, "/test.Echo/Unary", grpc_body(request("plain")))
+    assert client.response(3).replies()[0].id == "plain"
+    response = client.response(1)
+    assert response.status == Status.RESOURCE_EXHAUSTED.value
+    assert response.message == ("decompressed, the message is more than the 2097152 bytes left of "
+                                "endpoints.max_connection_inflate_bytes (2097152 bytes, 0 held by other decompressed "
+                                "messages on this connection); send it uncompressed or raise the limit")
+    assert inflate_used(server) == 0
+
+
+def test_a_call_reset_while_its_message_inflates_gives_the_reservation_back(server):
+    client = server.connect()
+    client.send(client.headers_frame(1, request_headers("/test.Echo/Unary", extra=(("grpc-encoding", "gzip"),))),
+                frame(DATA, END_STREAM, 1, gzipped(request("x", payload=bytes(20_000_000)))),
+                frame(RST_STREAM, 0, 1, struct.pack(">I", CANCEL)))
+    client.ping_barrier()
+    (conn,) = server.call(lambda: list(server.server._connections))
+    server.close()
+    server.wait_closed()                      # every connection task, the inflating one too, has ended
+    assert conn.inflate.used == 0 and not conn.inflating
+    assert inflate_used(server) == 0
+    assert 1 not in client.blocks                 # the call was never answered: the client reset it
+
+
 # --- size limits ----------------------------------------------------------------------------------
 
 def too_large_request(size: int, limit: int) -> str:

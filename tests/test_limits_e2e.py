@@ -122,6 +122,24 @@ def test_message_size_cap(examples_repo, tmp_path):
         assert small.as_numpy("output").shape == (1, 512)
 
 
+@pytest.mark.parametrize("key", ["max_connection_inflate_bytes", "max_inflate_bytes"])
+def test_inflate_budget(examples_repo, tmp_path, key):
+    """A gzip request that inflates past the budget (150 kB of zeros against 100 kB) is refused
+    RESOURCE_EXHAUSTED naming the key, though the message limit (256 MiB) allows it; a small gzip
+    request and the same large one uncompressed are served."""
+    with serve(tmp_path, examples_repo, {"endpoints": {key: 100_000}}) as server:
+        c = grpcclient.InferenceServerClient(server.url)
+        big = np.zeros((1, 224, 224, 3), np.uint8)
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("img_mean", [infer_input("input", big, "UINT8")], compression_algorithm="gzip")
+        assert info.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        assert f"the 100000 bytes left of endpoints.{key} (100000 bytes, 0 held" in info.value.message()
+        x = np.full((1, 512), 0.5, np.float32)
+        small = c.infer("mlp", [infer_input("input", x, "FP32")], compression_algorithm="gzip")
+        np.testing.assert_allclose(small.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
+        assert c.infer("img_mean", [infer_input("input", big, "UINT8")]).as_numpy("output") is not None
+
+
 def test_in_flight_cap_sheds_but_answers_everyone(examples_repo, tmp_path):
     async def burst(url):
         async with aioclient.InferenceServerClient(url) as c:

@@ -358,6 +358,15 @@ class EndpointsConfig:
         tls: serve gRPC over TLS 1.2 or later with ALPN ``h2`` (:class:`TlsConfig`: ``cert_file``,
             ``key_file``, optional ``client_ca_file`` for mutual TLS). Default null: cleartext
             HTTP/2 (h2c with prior knowledge). Not settable from the environment.
+        max_connection_inflate_bytes: decompressed request bytes one client connection may
+            have the worker hold at once (gzip/deflate messages inflated and not yet parsed),
+            >= 1. A compressed message is inflated only up to what is left of it (and of
+            ``max_inflate_bytes``, and ``max_recv_msg_bytes``), decided before inflating; one
+            that would inflate past it fails with RESOURCE_EXHAUSTED naming this key. Default
+            16 MiB (four times gRPC's usual 4 MiB message limit): a 250 KiB gzip message of
+            zeros costs at most that, not 255 MiB.
+        max_inflate_bytes: the same over all connections of the worker, >= 1. Default 256 MiB
+            (one largest message at the default ``max_recv_msg_bytes``).
     """
 
     host: str = _key("0.0.0.0")
@@ -389,6 +398,8 @@ class EndpointsConfig:
         tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=_parse_networks, env=False,
         describe="a list of networks in CIDR notation")
     tls: TlsConfig | None = _key(None, env=False)
+    max_connection_inflate_bytes: int = _key(16 * _MIB, low=1)
+    max_inflate_bytes: int = _key(256 * _MIB, low=1)
 
 
 @dataclass(frozen=True, slots=True)

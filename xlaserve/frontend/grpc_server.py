@@ -21,6 +21,12 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
   so does every call of a connection that closes or breaks). :meth:`GrpcServer.close` stops accepting
   connections and sends GOAWAY; calls already started finish, new streams are refused.
 - Request messages may be gzip/deflate compressed (``grpc-encoding``); replies are not.
+  Decompressed bytes in flight are bounded per connection and over the server
+  (:class:`~xlaserve.frontend.grpc_protocol.InflateBudget`), decided before inflating.
+
+The gRPC layer above HTTP/2 (reading a request head and refusing what cannot be served, cutting a
+body into messages, decompression, reply framing and trailers) is the sans-IO module
+:mod:`xlaserve.frontend.grpc_protocol`; this module is HTTP/2 and the Trio driver around it.
 
 - TLS (``GrpcServer.serve(ssl_context=...)``): a connection's stream is a ``trio.SSLStream``
   whose handshake (bounded in time, ALPN ``h2`` required) is :mod:`xlaserve.frontend.tls`'s. The
@@ -36,7 +42,6 @@ import re
 import socket
 import ssl
 import struct
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -46,12 +51,16 @@ from typing import Any
 import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from grpclib.metadata import Deadline, decode_timeout, encode_grpc_message
+from grpclib.metadata import Deadline
 
 from xlaserve.frontend.access import AccessPolicy, peer_address
-from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, encode
-from xlaserve.frontend.tls import handshake as tls_handshake
+from xlaserve.frontend.grpc_protocol import (
+    CONNECTION_INFLATE_KEY, INFLATE_INLINE, MESSAGE_PREFIX, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY,
+    InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, framed, read_head, release_all, trailers,
+)
+from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError
 from xlaserve.frontend.statuses import status_of
+from xlaserve.frontend.tls import handshake as tls_handshake
 
 log = logging.getLogger("xlaserve.grpc")
 
@@ -87,6 +96,9 @@ WORK_PER_TURN = 128                        # frames (+1 per 4 KiB) a reader hand
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
+DEFAULT_MAX_CONNECTION_INFLATE = 16 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
+DEFAULT_MAX_INFLATE = 256 * 1024 * 1024             # endpoints.max_inflate_bytes
+INFLATE_THREADS = 2
 KEEPALIVE_PING = b"xlkeepal"
 
 
@@ -114,10 +126,10 @@ class H2Limits:
 
 _FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
 _U32 = struct.Struct(">I")
-_MESSAGE_PREFIX = struct.Struct(">BI")     # gRPC length-prefixed message: compressed flag, length
-
-_RESPONSE_HEADERS = encode([(":status", "200"), ("content-type", "application/grpc")])
-_OK_TRAILERS = encode([("grpc-status", "0")])
+# gRPC's framing and fixed header blocks (grpc_protocol), under the names the hot path uses
+_MESSAGE_PREFIX = MESSAGE_PREFIX
+_RESPONSE_HEADERS = RESPONSE_HEADERS
+_OK_TRAILERS = OK_TRAILERS
 
 
 # What makes a request's header fields malformed (RFC 9113 8.2, 8.3), as libnghttp2 reads it: names
@@ -170,14 +182,6 @@ def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
     return _FRAME_HEADER.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
 
 
-def parse_timeout(value: str) -> float:
-    """Seconds in a ``grpc-timeout`` header value (``<up to 8 digits><unit>``)."""
-    try:
-        return decode_timeout(value)
-    except ValueError:
-        raise ValueError(f"grpc-timeout {value!r} is not 1 to 8 digits followed by one of H M S m u n") from None
-
-
 class ConnectionError_(Exception):
     """A connection error (RFC 9113 5.4.1): answered with GOAWAY, then the connection closes."""
 
@@ -208,7 +212,7 @@ class Call:
         self.deadline = deadline
         self.encoding = encoding
         self.body = bytearray()         # request bytes not yet cut into messages
-        self.messages: deque = deque()  # decoded-later request payloads (bytes)
+        self.messages: deque = deque()  # request payloads not yet parsed (bytes, views, InflatedMessage)
         self.remote_closed = False
         self.started = False
         self.headers_sent = False
@@ -266,7 +270,15 @@ class Call:
             return
         self.conn.reply_unary(self, outcome.SerializeToString())
 
-    def parse(self, payload: bytes) -> Any:
+    def parse(self, payload) -> Any:
+        """The request message ``payload`` (bytes, a view, or an
+        :class:`~xlaserve.frontend.grpc_protocol.InflatedMessage`, whose reservation of
+        decompressed bytes ends here) as the method's request type."""
+        if type(payload) is InflatedMessage:
+            try:
+                return self.parse(payload.data)
+            finally:
+                payload.release()
         try:
             return self.method.request_type.FromString(payload)
         except Exception as exc:
@@ -277,7 +289,7 @@ class Call:
     async def recv_message(self) -> Any:
         """The next request message, or None once the client has sent them all."""
         while not self.messages:
-            if self.remote_closed:
+            if self.remote_closed and self.id not in self.conn.inflating:   # else a message is on its way
                 return None
             self.arrived = trio.Event()
             await self.arrived.wait()
@@ -331,7 +343,6 @@ class Connection:
         self.starting: list[Call] = []              # task-free calls to start when the turn ends
         # a header block in progress: stream id, its HEADERS flags, the block, CONTINUATIONs so far
         self.continuation: tuple[int, int, bytearray, int] | None = None
-        self.valid_headers: tuple | None = None     # the last request header fields found well-formed
         self.nursery: trio.Nursery | None = None
         self.settled = False                        # the client's first SETTINGS frame arrived
         self.received_at = trio.current_time()      # the last read (keep-alive)
@@ -339,6 +350,14 @@ class Connection:
         self.calls_opened = 0                       # (idle timeout)
         self.glitch_tokens = float(limits.glitch_burst)
         self.glitch_at = self.received_at
+        #: decompressed request bytes this connection holds (messages not yet parsed)
+        self.inflate = InflateBudget(server.max_connection_inflate_bytes, CONNECTION_INFLATE_KEY, server.inflate)
+        #: calls whose next message is being inflated in a worker thread, by stream id
+        self.inflating: dict[int, Inflation] = {}
+        # The head of the last header block that opened a call: a client repeats its block, and
+        # the HPACK decoder then returns the very same field tuple, so the head is read once.
+        self.last_fields: tuple | None = None
+        self.last_head = None
 
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -375,6 +394,7 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + flush
         finally:
             self.stopping = True
+            self.inflate.close()
             if self.raw is not None:
                 self.raw.detach()
             with trio.CancelScope(shield=True):
@@ -837,58 +857,39 @@ class Connection:
         self.calls_opened += 1
         self._new_call(flags, sid, headers)
 
-    def _new_call(self, flags: int, sid: int, headers: Iterable[tuple[str, str]]) -> None:
-        if headers is not self.valid_headers:   # a repeated block decodes to the very same tuple
+    def _new_call(self, flags: int, sid: int, headers: tuple[tuple[str, str], ...]) -> None:
+        if headers is self.last_fields:     # a repeated block decodes to the very same tuple
+            head = self.last_head
+        else:
             problem = malformed(headers)
-            if problem is not None:
+            server = self.server
+            head = None if problem is not None else read_head(headers, server.methods, server.service_names)
+            if head is None:
                 # a stream error; nothing of the call was registered, so a reset is all there is to do
-                self._glitch(f"a malformed request on stream {sid}: {problem}")
+                self._glitch(f"a malformed request on stream {sid}: {problem or 'a field with an empty name'}")
                 self._control(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
                 return
-            self.valid_headers = headers
-        method_name = path = content_type = ""
-        metadata: dict[str, str] = {}
-        for name, value in headers:
-            if name[0] == ":":
-                if name == ":path":
-                    path = value
-                elif name == ":method":
-                    method_name = value
-            elif name == "content-type":
-                content_type = value
-            else:
-                metadata[name] = value
+            self.last_fields, self.last_head = headers, head
+        path = head.path
         method = self.server.methods.get(path)
-        call = Call(self, sid, method, metadata, None, metadata.get("grpc-encoding", "identity"))
+        call = Call(self, sid, method, head.metadata, None, head.encoding)
         call.fast = self.server.fast.get(path)
         self.calls[sid] = call
         if flags & END_STREAM:
             call.remote_closed = True
-        if method_name != "POST":
-            self._http_error(call, "405", f"gRPC calls are POST requests, not {method_name or 'missing'}")
-            return
-        if not content_type.startswith("application/grpc"):
-            self._http_error(call, "415", f"content-type {content_type!r} is not application/grpc")
-            return
-        if method is None:
-            self._fail(call, Status.UNIMPLEMENTED, f"unknown method {path!r}; this server serves "
-                                                   f"{', '.join(self.server.service_names)}")
+        verdict = head.verdict
+        if type(verdict) is Refusal and (verdict.http_status != 200 or method is None):
+            self._refuse(call, verdict)         # no gRPC call, or an unknown method
             return
         rule = self.server.restricted.get(path)     # endpoints.restricted: before any handler runs
-        if rule is not None and (denial := rule.denial(metadata)) is not None:
+        if rule is not None and (denial := rule.denial(head.metadata)) is not None:
             self._fail(call, Status.PERMISSION_DENIED, denial)
             return
-        if call.encoding not in ("identity", "gzip", "deflate"):
-            self._fail(call, Status.UNIMPLEMENTED, f"grpc-encoding {call.encoding!r} is not supported; use "
-                                                   "identity, gzip or deflate")
-            return
-        timeout = metadata.get("grpc-timeout")
-        if timeout is not None:
-            try:
-                call.deadline = Deadline.from_timeout(parse_timeout(timeout))
-            except ValueError as exc:
-                self._fail(call, Status.INVALID_ARGUMENT, str(exc))
+        if verdict is not None:
+            if type(verdict) is Refusal:
+                self._refuse(call, verdict)
                 return
+            call.deadline = Deadline.from_timeout(verdict)
         if call.remote_closed:
             self._end_of_request(call)      # no request message at all
         elif method.cardinality.value.client_streaming:
@@ -944,62 +945,71 @@ class Connection:
         self.held_bound = held - len(call.body) - sum(map(len, call.messages))
         unfinished = sum(1 for c in self.calls.values() if c.body or c.messages or c is call)
         call.body = bytearray()
+        release_all(call.messages)
         call.messages.clear()
         self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_much_held(held + length, limit, unfinished))
         return False
 
     def _cut_messages(self, call: Call) -> None:
-        """Move complete length-prefixed messages from the call's body to its message queue."""
-        body = call.body
-        while len(body) >= 5:
-            compressed, size = _MESSAGE_PREFIX.unpack_from(body, 0)
-            limit = self.server.max_recv_bytes
-            if size > limit:
-                self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_large_request(size, limit))
-                call.body = bytearray()
-                return
-            if len(body) < 5 + size:
-                return
-            if len(body) == 5 + size:           # the usual case: the body is exactly one message
-                payload = memoryview(body)[5:]
-                call.body = body = bytearray()
-            else:
-                payload = bytes(memoryview(body)[5:5 + size])
-                del body[:5 + size]
-            if compressed:
-                try:
-                    payload = self._decompress(call, payload, limit)
-                except ValueError as exc:
-                    self._fail(call, Status.INVALID_ARGUMENT, str(exc))
-                    call.body = bytearray()
-                    return
-                self.held_bound += len(payload) - size     # it may have grown
-                if len(payload) > limit:
-                    self._fail(call, Status.RESOURCE_EXHAUSTED, "decompressed, " + self.server.too_large_request(
-                        f"more than {limit}", limit))
-                    call.body = bytearray()
-                    return
-            call.messages.append(payload)
-            if call.arrived is not None:
-                call.arrived.set()
-
-    @staticmethod
-    def _decompress(call: Call, payload: bytes, limit: int) -> bytes:
-        if call.encoding == "identity":
-            raise ValueError("a message is flagged compressed but the call declared no grpc-encoding")
-        wbits = 31 if call.encoding == "gzip" else 15
+        """Move complete length-prefixed messages from the call's body to its message queue
+        (:func:`~xlaserve.frontend.grpc_protocol.cut_messages`); a bad one fails the call. A
+        compressed message that inflates past INFLATE_INLINE bytes is finished in a worker
+        thread, and the body waits behind it."""
+        if self.inflating and call.id in self.inflating:
+            return
+        inflate = self.inflate
+        inflated = inflate.used
+        server = self.server
         try:
-            d = zlib.decompressobj(wbits)
-            out = d.decompress(payload, limit + 1)
-        except zlib.error as exc:
-            raise ValueError(f"the request message is not valid {call.encoding} data: {exc}") from None
-        return out   # at most limit + 1 bytes: the caller refuses anything longer
+            call.body = cut_messages(call.body, call.messages, call.encoding, server.max_recv_bytes, inflate,
+                                     server.too_large_request, INFLATE_INLINE)
+        except GRPCError as exc:
+            call.body = bytearray()
+            self._fail(call, exc.status, exc.message)
+        if inflate.used != inflated:                # a compressed message: its reservation is made
+            self.held_bound += inflate.used - inflated       # what inflating added (an upper bound)
+            messages = call.messages
+            if messages and type(messages[-1]) is Inflation:
+                inflation = self.inflating[call.id] = messages.pop()
+                self.nursery.start_soon(self._inflate_in_thread, call, inflation)
+        if call.arrived is not None and call.messages:
+            call.arrived.set()
+
+    async def _inflate_in_thread(self, call: Call, inflation: Inflation) -> None:
+        """Finish a large compressed message in a worker thread (zlib lets go of the GIL while it
+        inflates), so that this connection's other calls and every other connection are served
+        meanwhile; then queue it and cut the rest of the call's body."""
+        try:
+            await trio.to_thread.run_sync(inflation.run, limiter=self.server.inflate_threads)
+        except BaseException:
+            inflation.cancel()
+            raise
+        finally:
+            del self.inflating[call.id]
+        if call.finished:                           # reset, failed or closed meanwhile
+            inflation.cancel()
+            return
+        try:
+            message = inflation.result()
+        except GRPCError as exc:
+            call.body = bytearray()
+            self._fail(call, exc.status, exc.message)
+            return
+        call.messages.append(message)
+        with self.server.write_batch():
+            self._cut_messages(call)
+            if call.remote_closed and not call.finished and call.id not in self.inflating:
+                self._end_of_request(call)
+            if self.starting:           # outside the reader's turn: start what it would have
+                self._start_fast()
 
     def _end_of_request(self, call: Call) -> None:
         call.remote_closed = True
         if call.finished:
             self._forget(call)
             return
+        if self.inflating and call.id in self.inflating:
+            return                      # ended by _inflate_in_thread once the message is inflated
         if call.body:
             self._fail(call, Status.INVALID_ARGUMENT, f"the request ends inside a message ({len(call.body)} "
                                                       "bytes after the last complete one)")
@@ -1055,7 +1065,7 @@ class Connection:
         limit = self.server.max_send_bytes
         if len(data) > limit:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, self.server.too_large_response(len(data), limit))
-        message = _MESSAGE_PREFIX.pack(0, len(data)) + data
+        message = framed(data)
         head = b""
         if not call.headers_sent:
             call.headers_sent = True
@@ -1102,13 +1112,7 @@ class Connection:
         if call.finished:
             return
         call.finished = True
-        if status is Status.OK and message is None:
-            block = _OK_TRAILERS
-        else:
-            fields = [("grpc-status", str(status.value))]
-            if message:
-                fields.append(("grpc-message", encode_grpc_message(message)))
-            block = encode(fields)
+        block = trailers(status, message)
         if not call.headers_sent:
             call.headers_sent = True
             block = _RESPONSE_HEADERS + block
@@ -1123,11 +1127,13 @@ class Connection:
             call.scope.cancel()
         self._finish(call, status, message)
 
-    def _http_error(self, call: Call, http_status: str, message: str) -> None:
+    def _refuse(self, call: Call, refusal: Refusal) -> None:
+        """Answer a request its head already rules out (no handler has seen it)."""
+        if refusal.http_status == 200:
+            self._fail(call, refusal.status, refusal.message)
+            return
         call.finished = call.headers_sent = True
-        self._send_trailers(call, encode([(":status", http_status), ("content-type", "text/plain"),
-                                          ("grpc-status", str(Status.INTERNAL.value)),
-                                          ("grpc-message", encode_grpc_message(message))]))
+        self._send_trailers(call, refusal.block())
 
     def _send_trailers(self, call: Call, block: bytes) -> None:
         self._write(self._header_frames(call.id, block, END_STREAM))
@@ -1151,6 +1157,8 @@ class Connection:
         self._forget(call)
 
     def _forget(self, call: Call) -> None:
+        if call.messages and self.inflate.used:
+            release_all(call.messages)      # inflated messages no handler will parse
         self.calls.pop(call.id, None)
         self.blocked.pop(call.id, None)
         if call.drained is not None:
@@ -1217,7 +1225,9 @@ class GrpcServer:
                  max_held_bytes: int = 2**30,
                  too_much_held: Callable[[int, int, int], str] | None = None,
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, limits: H2Limits = H2Limits(),
-                 access: AccessPolicy | None = None) -> None:
+                 access: AccessPolicy | None = None,
+                 max_connection_inflate_bytes: int = DEFAULT_MAX_CONNECTION_INFLATE,
+                 max_inflate_bytes: int = DEFAULT_MAX_INFLATE) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -1246,6 +1256,14 @@ class GrpcServer:
         #: (ENHANCE_YOUR_CALM) and closed, while the open ones go on (each costs a read buffer)
         self.max_connections = max_connections
         self.limits = limits
+        #: decompressed request bytes held at once (messages inflated, not yet parsed), over
+        #: all connections; each connection has its own ``max_connection_inflate_bytes`` too.
+        #: A compressed message may inflate only to what both have left (and the message limit).
+        self.max_connection_inflate_bytes = max_connection_inflate_bytes
+        self.inflate = InflateBudget(max_inflate_bytes, SERVER_INFLATE_KEY)
+        #: worker threads inflating large compressed messages at once (their bytes are reserved
+        #: in the budgets before they wait here)
+        self.inflate_threads = trio.CapacityLimiter(INFLATE_THREADS)
         self._refusals_logged_at: float | None = None
         self._closings_logged_at = -60.0
         self._closings_unlogged = 0

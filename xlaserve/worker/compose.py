@@ -188,6 +188,8 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
                         max_connections=endpoints.max_connections,
                         limits=H2Limits(**{f.name: getattr(endpoints, f.name) for f in dataclasses.fields(H2Limits)}),
                         access=AccessPolicy.from_config(endpoints.restricted),
+                        max_connection_inflate_bytes=endpoints.max_connection_inflate_bytes,
+                        max_inflate_bytes=endpoints.max_inflate_bytes,
                         too_much_held=connection_buffer_full)
     actors.scheduler.reply_batch = server.write_batch
     return server
