@@ -92,7 +92,7 @@ OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
 READ_BUFFER_MAX = 2 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames up to this
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
-WORK_PER_TURN = 128                        # frames (+1 per 4 KiB) a reader handles before it yields
+WORK_PER_TURN = 128                        # frames (+1 per 4 KiB of DATA, per 512 B of others) per turn
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
@@ -139,7 +139,8 @@ _OK_TRAILERS = OK_TRAILERS
 # path of visible characters starting with "/"), :method, :scheme, :path and :authority (or host) all
 # present.
 _FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
-_GOOD_VALUE = re.compile(r"(?:[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?)?\Z")
+_VALUE_OCTETS = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))   # what a value may hold...
+_EDGE = ("\t", " ")                                                             # ...but not at either end
 _PSEUDO_VALUE = {":method": re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z"),
                  ":scheme": re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*\Z"),
                  ":path": re.compile(r"/[\x21-\x7e\x80-\xff]*\Z"),
@@ -171,7 +172,8 @@ def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str
                 return f"connection-specific header field {name}"
             if name == "host":
                 pseudo.add(":authority")
-        if not _GOOD_VALUE.match(value):
+        # (bytes.translate deletes the allowed octets at C speed: a 48 KiB value in 20 us)
+        if value.encode("latin-1").translate(None, _VALUE_OCTETS) or value[:1] in _EDGE or value[-1:] in _EDGE:
             return f"the value of {name} holds a control character, or whitespace at an end"
     if not trailers and not _REQUIRED_PSEUDO <= pseudo:
         return "a request needs :method, :scheme, :path and :authority (or host)"
@@ -600,7 +602,7 @@ class Connection:
                     handle(ftype, flags, stream_id & 0x7FFFFFFF,
                            view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                     pos = stop
-                    work -= 1 + (length >> 12)
+                    work -= 1 + (length >> 12 if ftype == DATA else length >> 9)   # headers cost more to handle
                     if work <= 0:
                         break
                 if self.starting:
