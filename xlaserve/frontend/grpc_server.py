@@ -92,7 +92,7 @@ OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
 READ_BUFFER_MAX = 2 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames up to this
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
-WORK_PER_TURN = 128                        # frames (+1 per 4 KiB of DATA, per 512 B of others) per turn
+WORK_PER_TURN = 128                        # frames (+1 per 4 KiB of DATA, per 256 B of others) per turn
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
@@ -602,7 +602,7 @@ class Connection:
                     handle(ftype, flags, stream_id & 0x7FFFFFFF,
                            view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                     pos = stop
-                    work -= 1 + (length >> 12 if ftype == DATA else length >> 9)   # headers cost more to handle
+                    work -= 1 + (length >> 12 if ftype == DATA else length >> 8)   # headers cost more to handle
                     if work <= 0:
                         break
                 if self.starting:
