@@ -270,7 +270,7 @@ ROWS = [
                                             for i in range(1_001)), "GOAWAY INTERNAL_ERROR",
         note="1,001 streams opened and reset at once; ngh2's burst is 1,000 (it answers INTERNAL_ERROR)"),
     Row("limit-concurrent-streams", b"".join(opened(1 + 2 * i) for i in range(4_097)), "GOAWAY PROTOCOL_ERROR",
-        note="4,097 open streams; 256 advertised"),
+        note="4,097 open streams; 128 advertised"),
     Row("limit-settings-entries", settings_frame(*[(4, 65535)] * 33), "GOAWAY ENHANCE_YOUR_CALM",
         note="33 entries in one SETTINGS frame; ngh2's max_settings is 32"),
 ]

@@ -316,7 +316,7 @@ class EndpointsConfig:
 
         max_concurrent_streams: calls open at once (advertised in SETTINGS); a call reset while
             its request is queued or running counts until that work is over. One more stream is
-            refused (REFUSED_STREAM). Default 256.
+            refused (REFUSED_STREAM). Default 128.
         max_header_list_bytes: one request's decoded header fields (name + value + 32 each),
             advertised as SETTINGS_MAX_HEADER_LIST_SIZE. Default 64 KiB.
         max_header_block_bytes: one request's encoded header block (HEADERS and CONTINUATION
@@ -378,7 +378,7 @@ class EndpointsConfig:
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
     max_held_request_bytes: int = _key(2048 * _MIB, low=1)
     max_connections: int = _key(1024, low=1)
-    max_concurrent_streams: int = _key(256, low=1, high=2**31 - 1)
+    max_concurrent_streams: int = _key(128, low=1, high=2**31 - 1)
     max_header_list_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
     max_header_block_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
     max_continuation_frames: int = _key(8, low=0)

@@ -90,9 +90,10 @@ OUR_STREAM_WINDOW = 4 * 1024 * 1024
 OUR_CONN_WINDOW = 16 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
-READ_BUFFER_MAX = 2 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames up to this
+READ_BUFFER_MAX = 4 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames or full reads up to this
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
-WORK_PER_TURN = 128                        # frames (+1 per 4 KiB of DATA, per 256 B of others) per turn
+WORK_PER_TURN = 128                        # frames (+1 per 64 KiB of DATA, per 256 B of others) per turn...
+STARTS_PER_TURN = 32                       # ...and requests it hands on (decoding them is the cost)
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
@@ -109,7 +110,7 @@ class H2Limits:
     one gets GOAWAY (ENHANCE_YOUR_CALM unless the protocol names a code) naming the key, and is
     closed; the others go on."""
 
-    max_concurrent_streams: int = 256       # advertised; a stream reset while its work is queued counts
+    max_concurrent_streams: int = 128       # advertised; a stream reset while its work is queued counts
     max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
     max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
     max_continuation_frames: int = 8        # CONTINUATION frames in one header block (nghttp2: 8)
@@ -588,6 +589,7 @@ class Connection:
         while True:
             pos = start
             work = WORK_PER_TURN
+            starting = self.starting
             with batch():       # replies, acks and window updates of one read go out in one send
                 while end - pos >= 9:
                     lt, flags, stream_id = unpack(buffer, pos)
@@ -602,8 +604,9 @@ class Connection:
                     handle(ftype, flags, stream_id & 0x7FFFFFFF,
                            view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                     pos = stop
-                    work -= 1 + (length >> 12 if ftype == DATA else length >> 8)   # headers cost more to handle
-                    if work <= 0:
+                    work -= 1 + (length >> 16 if ftype == DATA else length >> 8)   # headers cost more to handle
+                    if work <= 0 or len(starting) >= STARTS_PER_TURN:
+                        work = 0
                         break
                 if self.starting:
                     self._start_fast()
