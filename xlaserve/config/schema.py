@@ -308,7 +308,7 @@ class EndpointsConfig:
             requests needs, small beside the host RAM the weight cache's host copies use).
         max_connections: client connections the worker serves at once, >= 1. One more is
             sent GOAWAY (ENHANCE_YOUR_CALM, naming this key) and closed at once; the open ones go
-            on. Default 1024 (an idle connection holds a 64 KiB read buffer, a busy one up to 2 MiB).
+            on. Default 1024 (a connection's read buffer starts at 64 KiB and grows to at most 4 MiB).
 
     The HTTP/2 limits of one client connection (docs/security.md says what each stops). A
     connection past one is sent GOAWAY (ENHANCE_YOUR_CALM) naming the key and closed; the
