@@ -32,7 +32,6 @@ from __future__ import annotations
 import selectors
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ import ngh2
 import trio
 from grpclib.const import Cardinality, Handler
 
+from tests.trio_thread import TrioServerThread
 from xlaserve.frontend.grpc_server import OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, GrpcServer, H2Limits
 
 OUR_STREAMS = H2Limits().max_concurrent_streams
@@ -306,35 +306,15 @@ class RecordingService:
         call.complete(RawMessage())
 
 
-class XlaserveOracleServer:
+class XlaserveOracleServer(TrioServerThread):
     """A :class:`GrpcServer` serving a :class:`RecordingService` from ``trio.run`` in a thread."""
+
+    thread_name = "h2-oracle-server"
 
     def __init__(self, **options) -> None:
         self.service = RecordingService()
         self.server = GrpcServer([self.service], **options)
-        self.port = 0
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="h2-oracle-server", daemon=True)
-        self._thread.start()
-        assert self._ready.wait(TIMEOUT), "the server did not start"
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self.token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.port = await nursery.start(self.server.serve, "127.0.0.1", 0)
-            self._ready.set()
-            await trio.sleep_forever()
+        super().__init__()
 
     def stop(self) -> None:
         async def close() -> None:

@@ -7,29 +7,20 @@ the local modules it finds imported, so a lone run of this file and a full-suite
 different cases. A failure's message carries the exact bytes sent."""
 from __future__ import annotations
 
-import importlib.util
 import socket
-import sys
 import time
 
 import pytest
 
 from examples.export_examples import export_simple
-from tests.conftest import ROOT, serve
+from tests.conftest import serve
+from tests.trio_thread import load_fuzzer
 
 SEED = 20261124
 CASES = 60        # per family; the four families together take a few seconds
 
 
-def _load_fuzzer():
-    spec = importlib.util.spec_from_file_location("fuzz_transport", ROOT / "scripts" / "fuzz_transport.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzer()
+fuzz = load_fuzzer()
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from grpclib.client import Channel, StreamUnaryMethod, UnaryStreamMethod, UnaryU
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
+from tests.trio_thread import TrioServerThread
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.frontend.grpc_server import (
     ACK, CANCEL, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR,
@@ -240,7 +241,7 @@ class FastService:
                        "plain": ValueError("bad value")}[kind])
 
 
-class ServerThread:
+class ServerThread(TrioServerThread):
     """A GrpcServer serving an EchoService and a FastService from ``trio.run`` in a background thread."""
 
     def __init__(self, **limits) -> None:
@@ -248,29 +249,7 @@ class ServerThread:
         self.fast = FastService()
         self.server = GrpcServer([self.service, self.fast], **limits)
         self.clients: list = []
-        self.port = 0
-        self._error: BaseException | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="grpc-server", daemon=True)
-        self._thread.start()
-        assert self._ready.wait(TIMEOUT), "the server did not start"
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self.token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.port = await nursery.start(self.server.serve, "127.0.0.1", 0)
-            self._ready.set()
-            await trio.sleep_forever()
+        super().__init__()
 
     @property
     def url(self) -> str:

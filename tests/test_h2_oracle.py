@@ -16,16 +16,13 @@ Two explicit sets name where the servers may differ today, each with its reason:
 """
 from __future__ import annotations
 
-import importlib.util
 import struct
-import sys
 from dataclasses import dataclass
 
 import ngh2
 import pytest
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
-from tests.conftest import ROOT
 from tests.h2oracle import (
     ACK, CANCEL, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, GOAWAY, HEADERS, INTERNAL_ERROR, OUR_MAX_FRAME, PADDED, PING, PRIORITY,
@@ -33,19 +30,10 @@ from tests.h2oracle import (
     Allowance, Row, Verdict, XlaserveOracleServer, both_verdicts, complete_last_frame, disagreement,
     ends_inside_a_header_block, frame, frame_pieces, ngh2_verdict, settings as settings_frame, summary,
 )
+from tests.trio_thread import load_fuzzer
 
 
-def _load_fuzzer():
-    if "fuzz_transport" in sys.modules:      # tests/test_fuzz.py loads it the same way
-        return sys.modules["fuzz_transport"]
-    spec = importlib.util.spec_from_file_location("fuzz_transport", ROOT / "scripts" / "fuzz_transport.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module        # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzer()
+fuzz = load_fuzzer()
 
 SEED = 20261124
 FUZZ_EXAMPLES = 400          # per family; both families take a few seconds
