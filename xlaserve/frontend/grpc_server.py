@@ -5,9 +5,13 @@ task each) and the asyncio <-> Trio guest-run hand-offs cost about two thirds of
 CPU; see "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md for the numbers. This module
 does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
 
-- A connection is two Trio tasks: a reader that parses frames as they arrive and a writer that
-  sends whatever accumulated since its last send in one ``send_all`` (a batch of 32 replies is
-  one write). Control frames (SETTINGS, PING, WINDOW_UPDATE acks) go out the same way.
+- A connection is three Trio tasks: a reader that parses frames as they arrive (in turns, so that
+  one busy connection cannot hold the others back), a writer that sends whatever accumulated since
+  its last send in one ``send_all`` (a batch of 32 replies is one write; control frames go out the
+  same way), and a watchdog for the handshake, keep-alive, idle and write timeouts.
+- Every count, size and time a client can make the connection grow is bounded by
+  :class:`H2Limits` (the ``endpoints:`` keys of the same names); a client past one is sent GOAWAY
+  naming the key and closed, while the other connections go on (docs/security.md).
 - A call gets one Trio task once its request is complete (unary input) or its headers arrive
   (streaming input). The handler sees a grpclib-shaped stream: ``recv_message``,
   ``send_message``, ``deadline``, ``metadata``; a :class:`grpclib.exceptions.GRPCError` it
