@@ -327,7 +327,7 @@ class EndpointsConfig:
             client that does not read them. Default 10000.
         glitch_burst, glitches_per_second: a token bucket of the work a client may waste:
             streams it resets, streams refused past max_concurrent_streams, empty DATA and
-            CONTINUATION frames, SETTINGS frames after the first. Default a
+            CONTINUATION frames, SETTINGS frames after the first, malformed requests. Default a
             burst of 1000 refilled at 33 per second (nghttp2's stream-reset defaults).
         handshake_timeout_seconds: from connecting to the client's first SETTINGS frame. Default 5.
         idle_timeout_seconds: a connection with no call open this long gets GOAWAY (NO_ERROR) and
