@@ -1,0 +1,1 @@
+"""The gateway (issue 15): routing clients' calls to workers. So far its placement function."""
