@@ -347,7 +347,8 @@ class Connection:
         self.watch_scope = trio.CancelScope()
         self.closing: ConnectionError_ | None = None   # why the watchdog ended the connection
         self.blocked: dict[int, Call] = {}          # calls with output waiting for window
-        self.starting: list[Call] = []              # task-free calls to start when the turn ends
+        # during a reader's turn, the task-free calls to start when it ends (None between turns)
+        self.starting: list[Call] | None = None
         # a header block in progress: stream id, its HEADERS flags, the block, CONTINUATIONs so far
         self.continuation: tuple[int, int, bytearray, int] | None = None
         self.nursery: trio.Nursery | None = None
@@ -428,8 +429,9 @@ class Connection:
                     view = memoryview(data)
                     for i in range(0, len(data), WRITE_CHUNK):
                         self.write_progress_at = trio.current_time()
-                        await sock.send_all(view[i:i + WRITE_CHUNK])
-                        self.in_flight -= len(view[i:i + WRITE_CHUNK])
+                        chunk = view[i:i + WRITE_CHUNK]
+                        await sock.send_all(chunk)
+                        self.in_flight -= len(chunk)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 self.stopping = True
                 self.read_scope.cancel()
@@ -594,7 +596,7 @@ class Connection:
         while True:
             pos = start
             work = WORK_PER_TURN
-            starting = self.starting
+            starting = self.starting = []
             with batch():       # replies, acks and window updates of one read go out in one send
                 while end - pos >= 9:
                     lt, flags, stream_id = unpack(buffer, pos)
@@ -613,8 +615,9 @@ class Connection:
                     if work <= 0 or len(starting) >= STARTS_PER_TURN:
                         work = 0
                         break
-                if self.starting:
-                    self._start_fast()
+                self.starting = None
+                if starting:
+                    self._start_fast(starting)
             start = pos
             if self.going_away and not self.calls:
                 return
@@ -1003,12 +1006,9 @@ class Connection:
             self._fail(call, exc.status, exc.message)
             return
         call.messages.append(message)
-        with self.server.write_batch():
-            self._cut_messages(call)
-            if call.remote_closed and not call.finished and call.id not in self.inflating:
-                self._end_of_request(call)
-            if self.starting:           # outside the reader's turn: start what it would have
-                self._start_fast()
+        self._cut_messages(call)
+        if call.remote_closed and not call.finished and call.id not in self.inflating:
+            self._end_of_request(call)
 
     def _end_of_request(self, call: Call) -> None:
         call.remote_closed = True
@@ -1035,14 +1035,15 @@ class Connection:
         call.started = True
         if call.fast is None:
             self.nursery.start_soon(self._run_call, call)
-        else:
+        elif self.starting is not None:
             self.starting.append(call)      # at the end of the reader's turn: _start_fast
+        else:                               # outside a turn (a message inflated in a thread)
+            self._start_fast((call,))
 
-    def _start_fast(self) -> None:
-        """Hand the task-free calls whose requests completed in this turn's frames to their
-        entry points, skipping those the client reset in the same frames: a rapid reset costs
-        frame parsing, not request decoding."""
-        starting, self.starting = self.starting, []
+    def _start_fast(self, starting: Iterable[Call]) -> None:
+        """Hand task-free calls to their entry points; at the end of a reader's turn, those whose
+        requests completed in its frames, skipping the ones the client reset in the same frames:
+        a rapid reset costs frame parsing, not request decoding."""
         for call in starting:
             if call.finished:
                 continue
