@@ -1,6 +1,7 @@
 """The weight cache: residency policy (pure) and the cache itself on the real cpu device."""
 from __future__ import annotations
 
+import gc
 import logging
 from types import MappingProxyType, SimpleNamespace
 
@@ -202,6 +203,31 @@ def test_unpinned_reads_from_disk_every_load_and_system_keeps_its_host_copy(tmp_
         await cache.ensure_resident(system)             # resident
         cache.release("s")
         assert cache.snapshot().resident_bytes == 0
+    run(main)
+
+
+def test_a_replaced_version_serves_its_requests_for_as_long_as_one_holds_it(tmp_path, device):
+    """Reload: a request resolved to v1 just before the swap may reach the queue after v2's
+    requests have run. It still runs on v1's weights (the file now holds v2's), and v1's host
+    copy goes once nothing holds v1."""
+    v1 = make_model(tmp_path, "m", MB, version=1, fill=1.0)
+
+    async def main():
+        nonlocal v1
+        cache = cache_for(device, 4 * MB)
+        await cache.admit(v1)
+        await cache.ensure_resident(v1)
+        v2 = make_model(tmp_path, "m", MB, version=2, fill=2.0)     # overwrites the weights file
+        await cache.admit(v2)
+        cache.release("m", 1)
+        assert float(np.asarray((await cache.ensure_resident(v2))[0])[0]) == 2.0
+        for _ in range(2):                                          # v2 ran first; v1 still answers
+            assert float(np.asarray((await cache.ensure_resident(v1))[0])[0]) == 1.0
+        assert ("m", 1) in cache._retired
+        del v1
+        gc.collect()
+        assert ("m", 1) not in cache._retired and ("m", 1) not in cache._released
+        assert float(np.asarray((await cache.ensure_resident(v2))[0])[0]) == 2.0
     run(main)
 
 

@@ -130,7 +130,7 @@ class CompiledModule:
     cache_hit: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)   # the weight cache watches a replaced one die
 class ModelVersion:
     """One immutable, ready-to-serve version of a bundle."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,8 +121,10 @@ class WeightCache:
         self._host: dict[Key, tuple] = {}
         # Issue 5 (reload): a replaced version's host copy, kept for requests admitted to it
         # that have not run yet; they get a transient device copy. Re-reading by path would give
-        # them the new file's weights. Dropped when a newer version of the model first runs
-        # (per-model queues are FIFO, so no older request is left) or when the model unloads.
+        # them the new file's weights. Kept for exactly as long as something (a request in a
+        # frontend, a hook, a queue) still holds that ModelVersion: a finalizer drops it when the
+        # version is collected. A newer version running first says nothing: a request resolved
+        # to the old version just before the swap may reach the queue after newer ones.
         self._retired: dict[Key, tuple] = {}
         self._released: set[Key] = set()
         self._device_arrays: dict[Key, tuple] = {}
@@ -213,13 +216,16 @@ class WeightCache:
 
     def release(self, name: str, version: int | None = None) -> None:
         """Forget a model (all versions when ``version`` is None): device copy, host copy, state."""
-        for key in [k for k in self._retired if k[0] == name]:
-            del self._retired[key]
         if version is not None:
-            self._released.add((name, version))
-            if (name, version) in self._host:
-                self._retired[(name, version)] = self._host[(name, version)]
+            key = (name, version)
+            self._released.add(key)
+            model = self._models.get(key)
+            if key in self._host and model is not None:
+                self._retired[key] = self._host[key]
+                weakref.finalize(model, self._forget_retired, key)
         else:
+            for key in [k for k in self._retired if k[0] == name]:
+                del self._retired[key]
             self._released.update(k for k in self._book.keys() if k[0] == name)
         for key in [k for k in self._book.keys() if k[0] == name and (version is None or k[1] == version)]:
             self._book.remove(key)
@@ -231,6 +237,13 @@ class WeightCache:
         if self._metrics is not None:
             self._metrics.forget(name)
         self._publish_totals()
+
+    def _forget_retired(self, key: Key) -> None:
+        """A replaced version is gone (no request holds it): drop its host copy. Runs on
+        whichever thread dropped the last reference; dict.pop and set.discard are atomic."""
+        if self._retired.pop(key, None) is not None:
+            log.debug("%s v%d: no request holds the replaced version any more; its host copy is dropped", *key)
+        self._released.discard(key)
 
     # ---- the dispatch loop's side ---------------------------------------------------------
     async def ensure_resident(self, model: ModelVersion) -> tuple[object, ...]:
@@ -245,8 +258,6 @@ class WeightCache:
                 raise Unavailable(f"model '{model.name}' version {model.version} was replaced or unloaded before "
                                   "this request ran and its weights are gone; retry")
             return await trio.to_thread.run_sync(self._device.put_weights, host, limiter=self._limiter)
-        for old in [k for k in self._retired if k[0] == model.name and k[1] < model.version]:
-            del self._retired[old]
         if key not in self._book:
             reason = await self.admit(model)
             if reason:
