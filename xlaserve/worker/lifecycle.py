@@ -23,6 +23,7 @@ answered.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -139,6 +140,11 @@ class Lifecycle:
                 log.info("model_control_mode is explicit: no model loads until RepositoryModelLoad asks")
             self._table.startup_done.set()
             self._weights.log_budget()
+            # What start-up made (jax, the executables, the catalog) lives as long as the worker.
+            # Frozen out of the cyclic collector's sight, the full collection that a burst of
+            # requests sets off takes microseconds instead of ~20 ms of a stalled event loop.
+            gc.collect()
+            gc.freeze()
             if mode == "dynamic":
                 rescans_send, rescans = trio.open_memory_channel[None](1)
                 rescans_send.send_nowait(None)   # catch what changed while the start-up set loaded
