@@ -1,0 +1,482 @@
+"""The gateway's KServe V2 service: every RPC of ``inference.GRPCInferenceService``, served to
+unchanged clients by the worker's own gRPC server (:class:`~xlaserve.frontend.grpc_server.GrpcServer`)
+and answered by the workers behind it.
+
+- **ModelInfer** is routed by model name (:class:`~xlaserve.gateway.router.Router`). The
+  request's bytes are forwarded as they came, without decoding its tensors: only the
+  ``model_name`` field is read (:func:`model_name_of`). No task per call: the server hands the
+  request over from the client connection's reader, the reply comes back on the worker
+  connection's reader. A client that resets its stream resets the worker's.
+- **ModelReady**, **ModelMetadata**, **ModelConfig** go to a worker that has the model READY.
+- **ServerLive** is the gateway's own; **ServerReady** is true when at least one worker is
+  reachable and has a model READY; **ServerMetadata** comes from a reachable worker.
+- **ModelStatistics** sums the replicas (:func:`merge_statistics`); **RepositoryIndex** merges
+  the workers: a model is READY when one worker has it READY, and its ``reason`` names each
+  worker's state (:func:`merge_index`).
+- **RepositoryModelLoad/Unload**, the system (and CUDA) shared-memory Register/Unregister,
+  **TraceSetting** and **LogSettings** reach every reachable worker; the first failure, naming
+  its worker, fails the call. Shared-memory **Status** comes from one worker (they all hold the
+  same registrations).
+- **ModelStreamInfer** is routed by its first request's model, and its messages go to that worker
+  in order on one stream.
+
+Requests in flight through the gateway are capped at ``max_concurrent_requests_per_worker`` x
+workers (RESOURCE_EXHAUSTED beyond); each worker connection carries at most its
+``max_concurrent_streams`` at once, the rest wait their turn in order.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
+
+import trio
+from grpclib.const import Cardinality, Handler, Status
+from grpclib.exceptions import GRPCError
+
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.gateway.router import Router
+from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
+
+log = logging.getLogger("xlaserve.gateway")
+
+__all__ = ["GatewayService", "model_name_of", "merge_statistics", "merge_index"]
+
+SERVICE = "/inference.GRPCInferenceService/"
+INFER = SERVICE + "ModelInfer"
+STREAM_INFER = SERVICE + "ModelStreamInfer"
+# metadata the gateway sets itself on the worker's call, or that is about the client's connection
+_HOP_BY_HOP = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding",
+                         "user-agent", "host", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+
+
+def model_name_of(data: bytes) -> str:
+    """The ``model_name`` (field 1) of a serialized ModelInferRequest, read without parsing the
+    rest. Raises ValueError when the bytes are not a protobuf message or have no model name."""
+    pos, end = 0, len(data)
+    while pos < end:
+        tag, pos = _varint(data, pos)
+        field, wire = tag >> 3, tag & 7
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 2:
+            length, pos = _varint(data, pos)
+            if field == 1:
+                if pos + length > end:
+                    break
+                return bytes(data[pos:pos + length]).decode("utf-8")
+            pos += length
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"wire type {wire} at byte {pos}")
+    if pos > end:
+        raise ValueError("a field runs past the end of the message")
+    raise ValueError("it has no model_name")
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise ValueError("a truncated varint")
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+class _Raw:
+    """A request or reply kept as its serialized bytes (the gateway forwards, it does not parse)."""
+
+    __slots__ = ("data",)
+    DESCRIPTOR = SimpleNamespace(full_name="inference request")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def FromString(cls, data) -> "_Raw":
+        return cls(bytes(data))
+
+    def SerializeToString(self) -> bytes:
+        return self.data
+
+
+def merge_statistics(replies: Mapping[str, pb.ModelStatisticsResponse]) -> pb.ModelStatisticsResponse:
+    """One ModelStatisticsResponse for the workers' ``replies``: per (model, version), counts and
+    durations summed, ``last_inference`` the latest, batch statistics summed per batch size."""
+    merged: dict[tuple[str, str], pb.ModelStatistics] = {}
+    for reply in replies.values():
+        for stats in reply.model_stats:
+            key = (stats.name, stats.version)
+            if key not in merged:
+                merged[key] = pb.ModelStatistics()
+                merged[key].CopyFrom(stats)
+                continue
+            into = merged[key]
+            into.last_inference = max(into.last_inference, stats.last_inference)
+            into.inference_count += stats.inference_count
+            into.execution_count += stats.execution_count
+            _add_durations(into.inference_stats, stats.inference_stats)
+            by_size = {b.batch_size: b for b in into.batch_stats}
+            for batch in stats.batch_stats:
+                if batch.batch_size in by_size:
+                    _add_durations(by_size[batch.batch_size], batch)
+                else:
+                    into.batch_stats.add().CopyFrom(batch)
+            for name, response in stats.response_stats.items():
+                _add_durations(into.response_stats[name], response)
+    out = pb.ModelStatisticsResponse()
+    for key in sorted(merged):
+        out.model_stats.add().CopyFrom(merged[key])
+    return out
+
+
+def _add_durations(into, other) -> None:
+    """Add every StatisticDuration field of ``other`` into ``into`` (same message type)."""
+    for field, value in other.ListFields():
+        if field.message_type is not None and field.message_type.name == "StatisticDuration":
+            target = getattr(into, field.name)
+            target.count += value.count
+            target.ns += value.ns
+
+
+def merge_index(replies: Mapping[str, pb.RepositoryIndexResponse], down: Mapping[str, str]) -> pb.RepositoryIndexResponse:
+    """One RepositoryIndexResponse for the workers' ``replies`` (worker name -> reply; ``down``:
+    unreachable workers and why). A model is READY if a worker has it READY (at the highest
+    version READY anywhere), else the state of the first worker that lists it; its reason names
+    every worker's state when the workers disagree or a worker is down."""
+    seen: dict[str, dict[str, pb.RepositoryIndexResponse.ModelIndex]] = {}
+    for worker, reply in replies.items():
+        for model in reply.models:
+            seen.setdefault(model.name, {})[worker] = model
+    out = pb.RepositoryIndexResponse()
+    for name in sorted(seen):
+        views = seen[name]
+        ready = [m for m in views.values() if m.state == "READY"]
+        first = next(iter(views.values()))
+        entry = out.models.add(name=name)
+        if ready:
+            best = max(ready, key=lambda m: int(m.version) if m.version.isdigit() else 0)
+            entry.state, entry.version = "READY", best.version
+        else:
+            entry.state, entry.version = first.state, first.version
+        states = {m.state for m in views.values()}
+        if len(states) > 1 or len(views) < len(replies) or down or any(m.reason for m in views.values()):
+            parts = [f"{w}: {m.state}" + (f" v{m.version}" if m.version else "") + (f" ({m.reason})" if m.reason else "")
+                     for w, m in views.items()]
+            parts += [f"{w}: not in its repository" for w in replies if w not in views]
+            parts += [f"{w}: unreachable ({why})" for w, why in down.items()]
+            entry.reason = "; ".join(parts)
+    return out
+
+
+class GatewayService:
+    """``inference.GRPCInferenceService`` over ``upstreams`` (worker name -> :class:`Upstream`),
+    routed by ``router``. ``max_in_flight`` caps the requests in flight through the gateway
+    (0: uncapped); ``describe_cap`` names the key in the RESOURCE_EXHAUSTED message."""
+
+    def __init__(self, upstreams: Mapping[str, Upstream], router: Router, *, max_in_flight: int = 0,
+                 describe_cap: str = "the gateway's in-flight limit") -> None:
+        self.upstreams = dict(upstreams)
+        self.router = router
+        self.max_in_flight = max_in_flight
+        self.describe_cap = describe_cap
+        self.in_flight = 0
+        self.routed: dict[tuple[str, str], int] = {}        # (worker, model) -> requests routed
+        self.errors: dict[str, int] = {}                    # cause -> requests failed at the gateway
+        self.on_routed: Callable[[str, str], None] | None = None
+
+    # ---- grpclib-shaped service ------------------------------------------------------------
+    def __mapping__(self) -> dict[str, Handler]:
+        unary = Cardinality.UNARY_UNARY
+        forward_all = self._forward_all
+        table: dict[str, tuple[Callable, type, type]] = {
+            "ServerLive": (self._server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
+            "ServerReady": (self._server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
+            "ModelReady": (self._model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
+            "ServerMetadata": (self._to_any("ServerMetadata"), _Raw, _Raw),
+            "ModelMetadata": (self._to_replica("ModelMetadata", pb.ModelMetadataRequest), _Raw, _Raw),
+            "ModelConfig": (self._to_replica("ModelConfig", pb.ModelConfigRequest), _Raw, _Raw),
+            "ModelInfer": (self._infer_task, _Raw, _Raw),
+            "ModelStatistics": (self._statistics, _Raw, pb.ModelStatisticsResponse),
+            "RepositoryIndex": (self._index, _Raw, pb.RepositoryIndexResponse),
+            "RepositoryModelLoad": (forward_all("RepositoryModelLoad"), _Raw, _Raw),
+            "RepositoryModelUnload": (forward_all("RepositoryModelUnload"), _Raw, _Raw),
+            "SystemSharedMemoryStatus": (self._to_any("SystemSharedMemoryStatus"), _Raw, _Raw),
+            "SystemSharedMemoryRegister": (forward_all("SystemSharedMemoryRegister"), _Raw, _Raw),
+            "SystemSharedMemoryUnregister": (forward_all("SystemSharedMemoryUnregister"), _Raw, _Raw),
+            "CudaSharedMemoryStatus": (self._to_any("CudaSharedMemoryStatus"), _Raw, _Raw),
+            "CudaSharedMemoryRegister": (forward_all("CudaSharedMemoryRegister"), _Raw, _Raw),
+            "CudaSharedMemoryUnregister": (forward_all("CudaSharedMemoryUnregister"), _Raw, _Raw),
+            "TraceSetting": (forward_all("TraceSetting"), _Raw, _Raw),
+            "LogSettings": (forward_all("LogSettings"), _Raw, _Raw),
+        }
+        mapping = {SERVICE + name: Handler(fn, unary, req, rep) for name, (fn, req, rep) in table.items()}
+        mapping[STREAM_INFER] = Handler(self._stream_infer, Cardinality.STREAM_STREAM, _Raw, _Raw)
+        return mapping
+
+    def __fast_unary__(self) -> dict:
+        return {INFER: self.infer_now}
+
+    # ---- ModelInfer --------------------------------------------------------------------------
+    def infer_now(self, call, request: _Raw) -> None:
+        """Route and forward one ModelInfer (the server's task-free entry point)."""
+        try:
+            model = model_name_of(request.data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid inference.ModelInferRequest "
+                                                     f"message: {exc}") from None
+        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+            self._count("in_flight_limit")
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the gateway has {self.in_flight} requests in flight; "
+                                                       f"the limit is {self.max_in_flight} ({self.describe_cap}); retry later")
+        worker = self.router.pick(model)
+        if worker is None:
+            self._count("no_replica")
+            status = Status.NOT_FOUND if "not served by any worker" in (why := self.router.why_not(model)) \
+                else Status.UNAVAILABLE
+            raise GRPCError(status, why)
+        upstream = self.upstreams[worker]
+        self.in_flight += 1
+        key = (worker, model)
+        self.routed[key] = self.routed.get(key, 0) + 1
+        if self.on_routed is not None:
+            self.on_routed(worker, model)
+
+        def done(outcome: Reply | UpstreamError) -> None:
+            self.in_flight -= 1
+            call.complete(self._outcome(outcome, worker))
+        handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
+                                timeout=_time_left(call, upstream.request_timeout))
+        if not handle.done:
+            call.on_cancel = lambda: upstream.abort(handle)
+
+    async def _infer_task(self, stream) -> None:
+        """ModelInfer for a server without the task-free path (the same routing)."""
+        request = await stream.recv_message()
+        done = trio.Event()
+        box: list = []
+
+        class _Shim:
+            metadata = stream.metadata
+            deadline = stream.deadline
+            on_cancel = None
+
+            @staticmethod
+            def complete(outcome) -> None:
+                box.append(outcome)
+                done.set()
+        self.infer_now(_Shim, request)
+        await done.wait()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        await stream.send_message(box[0])
+
+    def _outcome(self, outcome: Reply | UpstreamError, worker: str):
+        """What the client gets: the reply's message, or the error (the worker's status and
+        message as they are; the gateway's own, naming the worker)."""
+        if isinstance(outcome, UpstreamError):
+            self._count("unavailable" if outcome.status is Status.UNAVAILABLE else
+                        "timeout" if outcome.status is Status.DEADLINE_EXCEEDED else "cancelled")
+            return GRPCError(outcome.status, outcome.message)
+        if outcome.status != 0:
+            return GRPCError(Status(outcome.status), outcome.message)
+        messages = outcome.messages()
+        if len(messages) != 1:
+            self._count("bad_reply")
+            return GRPCError(Status.INTERNAL, f"worker {worker} answered a unary call with {len(messages)} messages")
+        return _Raw(messages[0])
+
+    def _count(self, cause: str) -> None:
+        self.errors[cause] = self.errors.get(cause, 0) + 1
+
+    # ---- ModelStreamInfer ------------------------------------------------------------------
+    async def _stream_infer(self, stream) -> None:
+        """Each request of the stream goes to the worker its model routes to, as a ModelInfer;
+        replies come back in request order, wrapped as ModelStreamInferResponse (an error
+        becomes the response's error_message, as Triton's streaming does)."""
+        while True:
+            request = await stream.recv_message()
+            if request is None:
+                return
+            outcome = await self._unary_infer(stream, request)
+            response = pb.ModelStreamInferResponse()
+            if isinstance(outcome, GRPCError):
+                response.error_message = outcome.message or outcome.status.name
+            else:
+                response.infer_response.ParseFromString(outcome.data)
+            await stream.send_message(response)
+
+    async def _unary_infer(self, stream, request: _Raw):
+        done = trio.Event()
+        box: list = []
+
+        class _Shim:
+            metadata = stream.metadata
+            deadline = stream.deadline
+            on_cancel = None
+
+            @staticmethod
+            def complete(outcome) -> None:
+                box.append(outcome)
+                done.set()
+        try:
+            self.infer_now(_Shim, request)
+        except GRPCError as exc:
+            return exc
+        await done.wait()
+        return box[0]
+
+    # ---- health and metadata ---------------------------------------------------------------
+    async def _server_live(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.ServerLiveResponse(live=True))
+
+    def ready(self) -> bool:
+        return bool(self.router.ready_models())
+
+    async def _server_ready(self, stream) -> None:
+        await stream.recv_message()
+        await stream.send_message(pb.ServerReadyResponse(ready=self.ready()))
+
+    async def _model_ready(self, stream) -> None:
+        request = await stream.recv_message()
+        workers = self.router.replicas(request.name)
+        ready = False
+        if workers:
+            if not request.version:
+                ready = True
+            else:
+                views = self.router.models().get(request.name, {})
+                ready = any(str(views[w].version) == request.version for w in workers if w in views)
+        await stream.send_message(pb.ModelReadyResponse(ready=ready))
+
+    def _to_any(self, method: str):
+        """A handler that forwards the call to the first reachable worker."""
+        async def handler(stream) -> None:
+            request = await stream.recv_message()
+            worker = next((w for w in self.router.workers if self.upstreams[w].up), None)
+            if worker is None:
+                raise GRPCError(Status.UNAVAILABLE, f"no worker is reachable: {self._down_text()}")
+            await stream.send_message(await self._call(worker, SERVICE + method, request, stream))
+        return handler
+
+    def _to_replica(self, method: str, request_type):
+        """A handler that forwards the call to a worker with the request's model READY."""
+        async def handler(stream) -> None:
+            request = await stream.recv_message()
+            name = request_type.FromString(request.data).name
+            worker = self.router.pick(name)
+            if worker is None:
+                why = self.router.why_not(name)
+                raise GRPCError(Status.NOT_FOUND if "not served by any worker" in why else Status.UNAVAILABLE, why)
+            await stream.send_message(await self._call(worker, SERVICE + method, request, stream))
+        return handler
+
+    def _forward_all(self, method: str):
+        """A handler that forwards the call to every reachable worker; the first worker's reply
+        answers it, and the first failure (naming its worker) fails it."""
+        async def handler(stream) -> None:
+            request = await stream.recv_message()
+            replies = await self._gather(SERVICE + method, request, stream)
+            failures = [(w, r) for w, r in replies.items() if isinstance(r, GRPCError)]
+            if failures:
+                worker, error = failures[0]
+                others = f" ({len(failures) - 1} other worker(s) failed too)" if len(failures) > 1 else ""
+                done = [w for w, r in replies.items() if not isinstance(r, GRPCError)]
+                applied = f"; it succeeded on {', '.join(done)}" if done else ""
+                raise GRPCError(error.status, f"{worker}: {error.message}{others}{applied}")
+            await stream.send_message(next(iter(replies.values())))
+        return handler
+
+    async def _statistics(self, stream) -> None:
+        request = await stream.recv_message()
+        replies = await self._gather(SERVICE + "ModelStatistics", request, stream)
+        parsed = {}
+        for worker, reply in replies.items():
+            if isinstance(reply, GRPCError):
+                if reply.status is Status.NOT_FOUND:
+                    continue          # a model this worker does not have: the others may
+                raise GRPCError(reply.status, f"{worker}: {reply.message}")
+            parsed[worker] = pb.ModelStatisticsResponse.FromString(reply.data)
+        if not parsed:
+            name = pb.ModelStatisticsRequest.FromString(request.data).name
+            raise GRPCError(Status.NOT_FOUND, self.router.why_not(name) if name else "no worker answered")
+        await stream.send_message(merge_statistics(parsed))
+
+    async def _index(self, stream) -> None:
+        request = await stream.recv_message()
+        replies = await self._gather(SERVICE + "RepositoryIndex", request, stream)
+        parsed, down = {}, self._down()
+        for worker, reply in replies.items():
+            if isinstance(reply, GRPCError):
+                down[worker] = reply.message
+            else:
+                parsed[worker] = pb.RepositoryIndexResponse.FromString(reply.data)
+        await stream.send_message(merge_index(parsed, down))
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _down(self) -> dict[str, str]:
+        return {w: u.last_error or "not connected" for w, u in self.upstreams.items() if not u.up}
+
+    def _down_text(self) -> str:
+        return "; ".join(f"{w}: {why}" for w, why in self._down().items()) or "no workers"
+
+    async def _call(self, worker: str, path: str, request: _Raw, stream) -> _Raw:
+        outcome = await self._raw_call(worker, path, request, stream)
+        if isinstance(outcome, GRPCError):
+            raise outcome
+        return outcome
+
+    async def _raw_call(self, worker: str, path: str, request: _Raw, stream):
+        done = trio.Event()
+        box: list = []
+
+        def on_done(outcome) -> None:
+            box.append(outcome)
+            done.set()
+        upstream = self.upstreams[worker]
+        handle = upstream.start(path, request.data, on_done, metadata=_forwarded(stream.metadata),
+                                timeout=_time_left(stream, upstream.request_timeout))
+        try:
+            await done.wait()
+        finally:
+            if not handle.done:
+                upstream.abort(handle)
+        return self._outcome(box[0], worker)
+
+    async def _gather(self, path: str, request: _Raw, stream) -> dict[str, object]:
+        """The call on every reachable worker at once: worker -> reply or GRPCError. Fails
+        UNAVAILABLE when none is reachable."""
+        workers = [w for w in self.router.workers if self.upstreams[w].up]
+        if not workers:
+            raise GRPCError(Status.UNAVAILABLE, f"no worker is reachable: {self._down_text()}")
+        replies: dict[str, object] = {}
+
+        async def one(worker: str) -> None:
+            replies[worker] = await self._raw_call(worker, path, request, stream)
+        async with trio.open_nursery() as nursery:
+            for worker in workers:
+                nursery.start_soon(one, worker)
+        return {w: replies[w] for w in workers}
+
+
+def _forwarded(metadata) -> list[tuple[str, str]]:
+    if not metadata:
+        return []
+    return [(k, v) for k, v in metadata.items() if k not in _HOP_BY_HOP and not k.startswith(":")]
+
+
+def _time_left(call, request_timeout: float) -> float:
+    """The worker's timeout for a client's call: the request timeout, or less when the client's
+    own deadline comes sooner."""
+    deadline = getattr(call, "deadline", None)
+    if deadline is None:
+        return request_timeout
+    return min(max(deadline.time_remaining(), 0.001), request_timeout)
