@@ -60,6 +60,8 @@ class GatewayThread:
                              f"{trio.from_thread.run_sync(self.gateway.ready_reason, trio_token=self.token)}")
 
     def routed(self) -> dict[tuple[str, str], int]:
+        if self._error is not None:
+            raise AssertionError("the gateway stopped") from self._error
         return trio.from_thread.run_sync(lambda: dict(self.gateway.service.routed), trio_token=self.token)
 
     def stop(self) -> None:
@@ -166,3 +168,100 @@ def test_least_outstanding_routes_to_the_idle_worker(two_workers):
         assert routed[("worker0", "mlp")] == 2 and routed[("worker1", "mlp")] == 2
     finally:
         g.stop()
+
+
+class Load:
+    """``clients`` threads calling ``mlp`` through ``url`` in a closed loop; every outcome kept."""
+
+    def __init__(self, url: str, clients: int = 6) -> None:
+        self.outcomes: list[tuple[float, float, str]] = []     # (sent, answered, "" or the status)
+        self.expected = grpcclient.InferenceServerClient(url).infer("mlp", _mlp_input()).as_numpy("output")
+        self.wrong = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(url,), daemon=True) for _ in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, url: str) -> None:
+        client = grpcclient.InferenceServerClient(url)
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                out = client.infer("mlp", _mlp_input(), client_timeout=20).as_numpy("output")
+                error = ""
+                # (coalesced with others, a request runs at a larger batch size: float rounding)
+                if not np.allclose(out, self.expected, rtol=1e-5, atol=1e-5):
+                    with self._lock:
+                        self.wrong += 1
+                        self.wrong_example = (out, self.expected)
+            except InferenceServerException as exc:
+                error = str(exc.status())
+            with self._lock:
+                self.outcomes.append((sent, time.monotonic(), error))
+
+    def stop(self) -> list[tuple[float, float, str]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in self._threads), "a request hung"
+        return self.outcomes
+
+
+def test_a_killed_worker_costs_only_its_in_flight_requests_and_is_used_again_after_its_restart(examples_repo, tmp_path):
+    with ExitStack() as stack:
+        servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
+        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
+        g = GatewayThread(workers, GatewaySettings(mode="round_robin"))
+        stack.callback(g.stop)
+        g.wait_ready(models=2)
+        load = Load(g.url, clients=6)
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        servers[1].process.send_signal(signal.SIGKILL)
+        servers[1].process.wait()
+        time.sleep(1.5)
+        # the worker comes back on the same port (what the supervisor does) and is routed to again
+        with serve(tmp_path / "w1-again", examples_repo,
+                   listen={"grpc": f"127.0.0.1:{servers[1].grpc_port}", "http": "127.0.0.1:0"}):
+            deadline = time.monotonic() + TIMEOUT
+            back = g.routed().get(("worker1", "mlp"), 0)
+            while time.monotonic() < deadline and g.routed().get(("worker1", "mlp"), 0) < back + 5:
+                time.sleep(0.05)
+            outcomes = load.stop()
+        assert g.routed()[("worker1", "mlp")] >= back + 5, "the restarted worker was not routed to"
+    failed = [o for o in outcomes if o[2]]
+    assert load.wrong == 0, load.wrong_example
+    # only what was in flight to worker1 at the kill fails (6 clients: at most 6), at once
+    assert 0 < len(failed) <= 6, failed
+    assert all(o[2] == "StatusCode.UNAVAILABLE" and o[1] - killed_at < 1.0 for o in failed), failed
+    assert sum(1 for o in outcomes if not o[2] and o[0] > killed_at + 0.2) > 50
+
+
+def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_continues(examples_repo, tmp_path):
+    with ExitStack() as stack:
+        servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
+        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
+        g = GatewayThread(workers, GatewaySettings(mode="round_robin", request_timeout_seconds=1.0))
+        stack.callback(g.stop)
+        g.wait_ready(models=2)
+        load = Load(g.url, clients=4)
+        time.sleep(0.5)
+        stopped_at = time.monotonic()
+        servers[1].process.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(4.0)
+            routed_while_stopped = g.routed().get(("worker1", "mlp"), 0)
+            time.sleep(1.0)
+            assert g.routed().get(("worker1", "mlp"), 0) == routed_while_stopped, "routed to a stopped worker"
+        finally:
+            servers[1].process.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and g.routed().get(("worker1", "mlp"), 0) < routed_while_stopped + 5:
+            time.sleep(0.05)
+        outcomes = load.stop()
+        assert g.routed()[("worker1", "mlp")] >= routed_while_stopped + 5, "not routed to again after SIGCONT"
+    failed = [o for o in outcomes if o[2]]
+    assert load.wrong == 0 and failed
+    assert all(o[2] == "StatusCode.DEADLINE_EXCEEDED" and 0.9 < o[1] - o[0] < 2.5 for o in failed), failed
+    assert sum(1 for o in outcomes if not o[2] and stopped_at + 3.0 < o[0] < stopped_at + 4.0) > 20

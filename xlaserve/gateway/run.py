@@ -6,7 +6,9 @@ Discovery: once a worker's connection is up, the gateway opens the worker's ``Wa
 stream (xlaserve's control API), which sends the worker's whole catalog every
 ``DISCOVERY_INTERVAL`` seconds; each snapshot replaces what the router knows of that worker. When
 the connection is lost the worker is routed around at once, and when it comes back (a restart)
-the stream is opened again, so the gateway re-discovers it without being told.
+the stream is opened again, so the gateway re-discovers it without being told. A worker whose
+stream falls silent for ``STALE_AFTER`` seconds with its connection open (stopped, hung) is routed
+around until it speaks again; its requests in flight end with DEADLINE_EXCEEDED at their timeout.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ __all__ = ["WorkerAddress", "GatewaySettings", "Gateway", "DISCOVERY_INTERVAL"]
 
 WATCH = "/xlaserve.control.WorkerControl/WatchStatus"
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
+STALE_AFTER = 2.0              # a worker silent this long is routed around (it may be stopped)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,23 +114,37 @@ class Gateway:
             await upstream.connected.wait()
             ended = trio.Event()
             box: list = []
+            heard = [trio.Event()]
 
             def on_message(data: bytes) -> None:
                 status = cpb.ModelControlStatusResponse.FromString(data)
                 was_up = self.router.is_up(name)
                 self.router.worker_up(name, [ModelOnWorker(m.name, m.state, int(m.version), m.reason)
                                              for m in status.models])
+                heard[0].set()
                 if not was_up:
-                    ready = self.router.models()
-                    log.info("gateway: worker %s serves %d model(s), %d ready", name,
-                             sum(1 for views in ready.values() if name in views),
-                             sum(1 for m in self.router.ready_models() if name in self.router.replicas(m)))
+                    log.info("gateway: worker %s is routed to: %d model(s) ready", name,
+                             sum(1 for m in status.models if m.state == "READY"))
 
             def on_done(outcome: Reply | UpstreamError) -> None:
                 box.append(outcome)
                 ended.set()
+                heard[0].set()
+                if self.router.is_up(name):
+                    self.router.worker_down(name)     # at once: no request may pick it meanwhile
             upstream.start(WATCH, request, on_done, timeout=math.inf, on_message=on_message)
-            await ended.wait()
+            while not ended.is_set():
+                # A worker that stops sending its status (SIGSTOP, a hung process) keeps its
+                # connection open: it is routed around after STALE_AFTER of silence, and back
+                # as soon as it speaks again.
+                with trio.move_on_after(STALE_AFTER):
+                    await heard[0].wait()
+                    heard[0] = trio.Event()
+                    continue
+                if not ended.is_set() and self.router.is_up(name):
+                    self.router.worker_down(name)
+                    log.warning("gateway: worker %s sent no status for %.1f s; routing around it until it "
+                                "answers again", name, STALE_AFTER)
             if self.router.is_up(name):
                 self.router.worker_down(name)
             outcome = box[0]

@@ -65,7 +65,7 @@ def model_name_of(data: bytes) -> str:
             length, pos = _varint(data, pos)
             if field == 1:
                 if pos + length > end:
-                    break
+                    raise ValueError("a field runs past the end of the message")
                 return bytes(data[pos:pos + length]).decode("utf-8")
             pos += length
         elif wire == 5:
@@ -237,6 +237,9 @@ class GatewayService:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the gateway has {self.in_flight} requests in flight; "
                                                        f"the limit is {self.max_in_flight} ({self.describe_cap}); retry later")
         worker = self.router.pick(model)
+        while worker is not None and not self.upstreams[worker].up:
+            self.router.worker_down(worker)      # lost since discovery last spoke: route around it now
+            worker = self.router.pick(model)
         if worker is None:
             self._count("no_replica")
             status = Status.NOT_FOUND if "not served by any worker" in (why := self.router.why_not(model)) \

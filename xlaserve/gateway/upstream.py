@@ -223,8 +223,6 @@ class Upstream:
                 delay = self.backoff_initial
                 try:
                     await self._serve(stream)
-                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, HPACKError, ValueError) as exc:
-                    self.last_error = f"connection lost: {exc or type(exc).__name__}"
                 finally:
                     self._lost()
                     with trio.CancelScope(shield=True):
@@ -245,10 +243,9 @@ class Upstream:
             self.last_error = ""
             self.connected.set()
             log.info("gateway: connected to worker %s at %s", self.name, self._authority)
-            try:
+            with _lost_as(self):
                 await self._read_loop(stream)
-            finally:
-                nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
 
     def _reset_state(self) -> None:
         self._next_id = 1
@@ -312,12 +309,14 @@ class Upstream:
 
     async def _writer(self) -> None:
         stream = self._stream
-        while True:
-            await self._writer_wake.wait()
-            self._writer_wake = trio.Event()
-            while self._out:
-                chunk, self._out = bytes(self._out), bytearray()
-                await stream.send_all(chunk)
+        with _lost_as(self):
+            while True:
+                await self._writer_wake.wait()
+                self._writer_wake = trio.Event()
+                while self._out:
+                    chunk, self._out = bytes(self._out), bytearray()
+                    await stream.send_all(chunk)
+        await stream.aclose()           # the reader sees it and ends the connection
 
     # ---- receiving -------------------------------------------------------------------------
     async def _read_loop(self, stream: trio.SocketStream) -> None:
@@ -540,6 +539,25 @@ class Upstream:
             except ValueError:
                 pass
             self._finish(call, error)
+
+
+class _lost_as:
+    """Within it, a broken or malformed connection is recorded as ``upstream.last_error`` and
+    ends the block quietly (the caller then ends the connection)."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, (OSError, trio.BrokenResourceError, trio.ClosedResourceError,
+                                               HPACKError, ValueError, struct.error)):
+            return False
+        if not self.upstream.last_error:
+            self.upstream.last_error = f"connection lost: {exc or type(exc).__name__}"
+        return True
 
 
 def _percent_decode(value: str) -> str:

@@ -1,0 +1,110 @@
+"""The gateway's pure parts: routing, the model-name peek, merging statistics and indexes."""
+from __future__ import annotations
+
+import pytest
+
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.gateway.router import ModelOnWorker, Router
+from xlaserve.gateway.service import merge_index, merge_statistics, model_name_of
+from xlaserve.gateway.upstream import Reply, grpc_timeout
+
+
+def ready(*names: str, version: int = 1) -> list[ModelOnWorker]:
+    return [ModelOnWorker(n, "READY", version) for n in names]
+
+
+def test_round_robin_takes_the_ready_replicas_in_turn_and_skips_a_down_worker():
+    router = Router(["w0", "w1", "w2"])
+    router.worker_up("w0", ready("a", "b"))
+    router.worker_up("w1", ready("a"))
+    router.worker_up("w2", [ModelOnWorker("a", "LOADING", 2)])
+    assert [router.pick("a") for _ in range(4)] == ["w0", "w1", "w0", "w1"]
+    assert [router.pick("b") for _ in range(2)] == ["w0", "w0"]
+    router.worker_down("w0")
+    assert [router.pick("a") for _ in range(2)] == ["w1", "w1"]
+    assert router.pick("b") is None
+    assert router.why_not("b") == ("model 'b' is not served by any worker (w0: unreachable; w1: not in its "
+                                   "repository; w2: not in its repository); models: a")
+
+
+def test_least_outstanding_picks_the_fewest_in_flight_and_alternates_ties():
+    outstanding = {"w0": 0, "w1": 0}
+    router = Router(["w0", "w1"], "least_outstanding", outstanding=outstanding.__getitem__)
+    for w in ("w0", "w1"):
+        router.worker_up(w, ready("m"))
+    assert [router.pick("m") for _ in range(4)] == ["w0", "w1", "w0", "w1"]
+    outstanding["w0"] = 5
+    assert [router.pick("m") for _ in range(3)] == ["w1", "w1", "w1"]
+    outstanding["w1"] = 9
+    assert router.pick("m") == "w0"
+
+
+def test_a_model_known_but_not_ready_says_each_workers_state():
+    router = Router(["w0", "w1"])
+    router.worker_up("w0", [ModelOnWorker("m", "UNAVAILABLE", 0, "weights missing")])
+    assert router.pick("m") is None
+    assert router.why_not("m") == ("model 'm' is not ready on any worker (w0: UNAVAILABLE (weights missing); "
+                                   "w1: unreachable)")
+
+
+def test_unknown_modes_are_refused():
+    with pytest.raises(ValueError, match="round_robin, least_outstanding"):
+        Router(["w0"], "random")
+
+
+def test_model_name_is_read_without_parsing_the_tensors():
+    request = pb.ModelInferRequest(model_name="résumé", model_version="3", id="x")
+    request.inputs.add(name="input", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(b"\0" * 16)
+    assert model_name_of(request.SerializeToString()) == "résumé"
+    # fields in any order: the name after the tensors
+    tail = pb.ModelInferRequest(model_name="late").SerializeToString()
+    head = pb.ModelInferRequest(raw_input_contents=[b"x" * 300], id="i").SerializeToString()
+    assert model_name_of(head + tail) == "late"
+    for garbage, why in ((b"", "no model_name"), (b"\x0a\x10ab", "past the end"), (b"\xff", "truncated varint"),
+                         (b"\x0b", "wire type 3")):
+        with pytest.raises(ValueError, match=why):
+            model_name_of(garbage)
+
+
+def _stats(count: int, ns: int, *, last: int, batches: dict[int, int]) -> pb.ModelStatistics:
+    s = pb.ModelStatistics(name="m", version="1", last_inference=last, inference_count=count, execution_count=count)
+    s.inference_stats.success.count, s.inference_stats.success.ns = count, ns
+    s.inference_stats.queue.count, s.inference_stats.queue.ns = count, ns // 2
+    for size, n in batches.items():
+        b = s.batch_stats.add(batch_size=size)
+        b.compute_infer.count, b.compute_infer.ns = n, n * 10
+    return s
+
+
+def test_statistics_of_the_replicas_are_summed():
+    a = pb.ModelStatisticsResponse(model_stats=[_stats(3, 300, last=5, batches={1: 3})])
+    b = pb.ModelStatisticsResponse(model_stats=[_stats(4, 400, last=9, batches={1: 2, 8: 1}),
+                                                pb.ModelStatistics(name="other", version="2", inference_count=7)])
+    merged = {(s.name, s.version): s for s in merge_statistics({"w0": a, "w1": b}).model_stats}
+    m = merged[("m", "1")]
+    assert (m.inference_count, m.execution_count, m.last_inference) == (7, 7, 9)
+    assert (m.inference_stats.success.count, m.inference_stats.success.ns) == (7, 700)
+    assert m.inference_stats.queue.ns == 350
+    assert {b.batch_size: (b.compute_infer.count, b.compute_infer.ns) for b in m.batch_stats} == \
+        {1: (5, 50), 8: (1, 10)}
+    assert merged[("other", "2")].inference_count == 7
+
+
+def test_the_index_is_ready_where_any_worker_is_and_names_each_workers_state():
+    w0 = pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(name="m", version="2", state="READY"),
+                                            pb.RepositoryIndexResponse.ModelIndex(name="x", version="1", state="READY")])
+    w1 = pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(
+        name="m", version="1", state="UNAVAILABLE", reason="bad weights")])
+    merged = {m.name: m for m in merge_index({"w0": w0, "w1": w1}, {"w2": "connection refused"}).models}
+    assert (merged["m"].state, merged["m"].version) == ("READY", "2")
+    assert merged["m"].reason == ("w0: READY v2; w1: UNAVAILABLE v1 (bad weights); w2: unreachable "
+                                  "(connection refused)")
+    assert merged["x"].reason.startswith("w0: READY v1; w1: not in its repository")
+    alone = merge_index({"w0": w0}, {}).models
+    assert [m.reason for m in alone] == ["", ""]       # one worker, all agree: no reason
+
+
+def test_reply_messages_and_timeouts_on_the_wire():
+    assert Reply(0, "", b"\0\0\0\0\x02hi\0\0\0\0\x00").messages() == [b"hi", b""]
+    assert grpc_timeout(0.0001) == "1m" and grpc_timeout(2.5) == "2500m" and grpc_timeout(1e6) == "1000000S"
