@@ -38,7 +38,7 @@ class Router:
                  outstanding: Callable[[str], int] = lambda worker: 0) -> None:
         if mode not in MODES:
             raise ValueError(f"routing mode must be one of {', '.join(MODES)}; got {mode!r}")
-        self.workers = tuple(workers)
+        self.workers: tuple[str, ...] = tuple(workers)
         self.mode = mode
         self._outstanding = outstanding
         self._models: dict[str, dict[str, ModelOnWorker]] = {w: {} for w in self.workers}
@@ -46,15 +46,33 @@ class Router:
         self._replicas: dict[str, tuple[str, ...]] = {}
         self._turn: dict[str, int] = {}
 
+    # ---- which workers there are (DNS endpoints come and go) ------------------------------
+    def add_worker(self, worker: str) -> None:
+        """A new worker, down until discovery reports it."""
+        if worker not in self._up:
+            self.workers += (worker,)
+            self._up[worker] = False
+            self._models[worker] = {}
+
+    def remove_worker(self, worker: str) -> None:
+        if worker in self._up:
+            self.workers = tuple(w for w in self.workers if w != worker)
+            del self._up[worker], self._models[worker]
+            self._rebuild()
+
     # ---- what discovery reports -----------------------------------------------------------
     def worker_up(self, worker: str, models: Iterable[ModelOnWorker]) -> None:
         """``worker`` is reachable and serves ``models`` (its whole catalog, as reported now)."""
+        if worker not in self._up:
+            return                  # removed meanwhile
         self._up[worker] = True
         self._models[worker] = {m.name: m for m in models}
         self._rebuild()
 
     def worker_down(self, worker: str) -> None:
         """``worker`` is unreachable (or stopping): route nothing to it until it is up again."""
+        if worker not in self._up:
+            return
         self._up[worker] = False
         self._models[worker] = {}
         self._rebuild()

@@ -62,19 +62,11 @@ class Gateway:
     """The gateway over ``workers``. :meth:`run` serves until cancelled (or :meth:`close`)."""
 
     def __init__(self, workers: list[WorkerAddress], settings: GatewaySettings = GatewaySettings()) -> None:
-        if not workers:
-            raise ValueError("a gateway needs at least one worker")
         self.settings = settings
-        self.upstreams = {w.name: Upstream(w.name, w.host, w.port, max_streams=settings.max_concurrent_streams,
-                                           request_timeout=settings.request_timeout_seconds,
-                                           connect_timeout=settings.connect_timeout_seconds)
-                          for w in workers}
-        self.router = Router([w.name for w in workers], settings.mode,
-                             outstanding=lambda name: self.upstreams[name].outstanding)
-        cap = settings.max_concurrent_requests_per_worker
-        self.service = GatewayService(
-            self.upstreams, self.router, max_in_flight=cap * len(workers),
-            describe_cap=f"grpc.max_concurrent_requests_per_worker {cap} x {len(workers)} workers")
+        self.upstreams: dict[str, Upstream] = {}
+        self.router = Router([], settings.mode, outstanding=lambda name: self.upstreams[name].outstanding)
+        self.service = GatewayService(self.upstreams, self.router,
+                                      max_per_worker=settings.max_concurrent_requests_per_worker)
         self.server = GrpcServer([self.service], max_recv_bytes=settings.max_recv_msg_bytes,
                                  max_send_bytes=settings.max_send_msg_bytes)
         self.registry = CollectorRegistry()
@@ -91,13 +83,50 @@ class Gateway:
         self.service.on_routed = lambda worker, model: self._routed.labels(worker, model).inc()
         self.grpc_port = 0
         self.http_port = 0
+        self._nursery: trio.Nursery | None = None
+        self._scopes: dict[str, trio.CancelScope] = {}
+        for worker in workers:
+            self.add_worker(worker)
+
+    def add_worker(self, worker: WorkerAddress) -> None:
+        """Front ``worker`` too (routed to once discovery has seen it ready)."""
+        if worker.name in self.upstreams:
+            return
+        s = self.settings
+        self.upstreams[worker.name] = Upstream(worker.name, worker.host, worker.port,
+                                               max_streams=s.max_concurrent_streams,
+                                               request_timeout=s.request_timeout_seconds,
+                                               connect_timeout=s.connect_timeout_seconds)
+        self.router.add_worker(worker.name)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._worker_tasks, worker.name)
+
+    def remove_worker(self, name: str) -> None:
+        """Stop fronting worker ``name``: nothing more is routed to it; its calls in flight fail
+        UNAVAILABLE."""
+        if name not in self.upstreams:
+            return
+        self.router.remove_worker(name)
+        scope = self._scopes.pop(name, None)
+        if scope is not None:
+            scope.cancel()
+        del self.upstreams[name]
+        log.info("gateway: worker %s removed", name)
+
+    async def _worker_tasks(self, name: str) -> None:
+        upstream = self.upstreams[name]
+        with trio.CancelScope() as scope:
+            self._scopes[name] = scope
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(upstream.run)
+                nursery.start_soon(self._discover, name, upstream)
 
     async def run(self, grpc_host: str = "127.0.0.1", grpc_port: int = 0, http_host: str = "127.0.0.1",
                   http_port: int = 0, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            for name, upstream in self.upstreams.items():
-                nursery.start_soon(upstream.run)
-                nursery.start_soon(self._discover, name, upstream)
+            self._nursery = nursery
+            for name in list(self.upstreams):
+                nursery.start_soon(self._worker_tasks, name)
             self.grpc_port = await nursery.start(self.server.serve, grpc_host, grpc_port)
             self.http_port = await nursery.start(serve_admin, http_host, http_port, self.routes())
             log.info("gateway: KServe V2 gRPC on %s:%d, HTTP on %s:%d, %d worker(s), routing %s", grpc_host,

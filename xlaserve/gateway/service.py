@@ -178,15 +178,13 @@ def merge_index(replies: Mapping[str, pb.RepositoryIndexResponse], down: Mapping
 
 class GatewayService:
     """``inference.GRPCInferenceService`` over ``upstreams`` (worker name -> :class:`Upstream`),
-    routed by ``router``. ``max_in_flight`` caps the requests in flight through the gateway
-    (0: uncapped); ``describe_cap`` names the key in the RESOURCE_EXHAUSTED message."""
+    routed by ``router``. The requests in flight through the gateway are capped at
+    ``max_per_worker`` x workers (0: uncapped)."""
 
-    def __init__(self, upstreams: Mapping[str, Upstream], router: Router, *, max_in_flight: int = 0,
-                 describe_cap: str = "the gateway's in-flight limit") -> None:
-        self.upstreams = dict(upstreams)
+    def __init__(self, upstreams: Mapping[str, Upstream], router: Router, *, max_per_worker: int = 0) -> None:
+        self.upstreams = upstreams          # shared with the gateway, which adds and removes workers
         self.router = router
-        self.max_in_flight = max_in_flight
-        self.describe_cap = describe_cap
+        self.max_per_worker = max_per_worker
         self.in_flight = 0
         self.routed: dict[tuple[str, str], int] = {}        # (worker, model) -> requests routed
         self.errors: dict[str, int] = {}                    # cause -> requests failed at the gateway
@@ -232,10 +230,13 @@ class GatewayService:
         except (ValueError, UnicodeDecodeError) as exc:
             raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid inference.ModelInferRequest "
                                                      f"message: {exc}") from None
-        if self.max_in_flight and self.in_flight >= self.max_in_flight:
+        cap = self.max_per_worker * len(self.upstreams)
+        if self.max_per_worker and self.in_flight >= cap:
             self._count("in_flight_limit")
-            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the gateway has {self.in_flight} requests in flight; "
-                                                       f"the limit is {self.max_in_flight} ({self.describe_cap}); retry later")
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the gateway has {self.in_flight} requests in flight; the "
+                                                       f"limit is {cap} (grpc.max_concurrent_requests_per_worker "
+                                                       f"{self.max_per_worker} x {len(self.upstreams)} workers); "
+                                                       "retry later")
         worker = self.router.pick(model)
         while worker is not None and not self.upstreams[worker].up:
             self.router.worker_down(worker)      # lost since discovery last spoke: route around it now
