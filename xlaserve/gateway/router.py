@@ -5,7 +5,15 @@ their versions) and answers :meth:`Router.pick` for a model:
 
 - ``round_robin``: the model's ready replicas in turn;
 - ``least_outstanding``: the ready replica with the fewest requests in flight at the gateway (to
-  that worker, whatever the model; ties go to the worker after the one picked last).
+  that worker, whatever the model; ties go to the worker after the one picked last);
+- ``lpt_packing``: only the workers the placement chose for the model (:meth:`Router.set_placement`;
+  any ready replica until there is one, or when none of the chosen is ready). Requests fill one
+  replica before the next gets any: the open replica takes the model's requests until
+  ``fill_factor`` x the model's largest compiled batch size (:meth:`Router.set_capacity`) are in
+  flight to it, then a batch opens on the next replica with room, in turn (``fill_rr``) or on the
+  least loaded worker by the placement's measured load (``fill_least``); when every replica is
+  full, the one with the fewest in flight. Requests are counted, not rows: the gateway does not
+  decode tensors.
 
 A worker that is down (its connection lost, or stopping) is never picked; a model READY on no
 worker has no pick, and :meth:`Router.why_not` says why in words naming each worker's state.
@@ -15,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["ModelOnWorker", "Router", "MODES"]
+__all__ = ["ModelOnWorker", "Router", "MODES", "POLICIES"]
 
-MODES = ("round_robin", "least_outstanding")
+MODES = ("round_robin", "least_outstanding", "lpt_packing")
+POLICIES = ("fill_rr", "fill_least")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,12 +44,22 @@ class Router:
     requests in flight to a worker (least_outstanding reads it at each pick)."""
 
     def __init__(self, workers: Iterable[str], mode: str = "round_robin",
-                 outstanding: Callable[[str], int] = lambda worker: 0) -> None:
+                 outstanding: Callable[[str], int] = lambda worker: 0, *, fill_factor: float = 1.0,
+                 policy: str = "fill_rr") -> None:
         if mode not in MODES:
             raise ValueError(f"routing mode must be one of {', '.join(MODES)}; got {mode!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.workers: tuple[str, ...] = tuple(workers)
         self.mode = mode
+        self.fill_factor = fill_factor
+        self.policy = policy
         self._outstanding = outstanding
+        self._placed: Mapping[str, tuple[str, ...]] | None = None
+        self._load: Mapping[str, float] = {}
+        self._capacity: dict[str, int] = {}
+        self._open: dict[str, str] = {}                      # model -> the replica being filled
+        self._in_flight: dict[tuple[str, str], int] = {}     # (worker, model) -> requests
         self._models: dict[str, dict[str, ModelOnWorker]] = {w: {} for w in self.workers}
         self._up: dict[str, bool] = {w: False for w in self.workers}
         self._replicas: dict[str, tuple[str, ...]] = {}
@@ -106,11 +125,62 @@ class Router:
     def ready_models(self) -> tuple[str, ...]:
         return tuple(sorted(self._replicas))
 
+    # ---- lpt_packing -----------------------------------------------------------------------
+    def set_placement(self, workers_of: Mapping[str, tuple[str, ...]], load_of: Mapping[str, float]) -> None:
+        """The placement to route by (``lpt_packing``): model -> its workers; worker -> load."""
+        self._placed = dict(workers_of)
+        self._load = dict(load_of)
+
+    def placed(self, model: str) -> tuple[str, ...]:
+        return self._placed.get(model, ()) if self._placed is not None else ()
+
+    def set_capacity(self, model: str, largest_batch: int) -> None:
+        """The model's largest compiled batch size (what one replica's batch holds)."""
+        self._capacity[model] = max(1, largest_batch)
+
+    def started(self, worker: str, model: str) -> None:
+        """A request to ``model`` went to ``worker`` (counted for filling)."""
+        key = (worker, model)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+
+    def finished(self, worker: str, model: str) -> None:
+        key = (worker, model)
+        left = self._in_flight.get(key, 0) - 1
+        if left > 0:
+            self._in_flight[key] = left
+        else:
+            self._in_flight.pop(key, None)
+
+    def in_flight(self, worker: str, model: str) -> int:
+        return self._in_flight.get((worker, model), 0)
+
+    def _fill(self, model: str, replicas: tuple[str, ...]) -> str:
+        placed = [w for w in self.placed(model) if w in replicas]
+        if placed:
+            replicas = tuple(placed)
+        cap = max(1, round(self.fill_factor * self._capacity.get(model, 1)))
+        current = self._open.get(model)
+        if current in replicas and self.in_flight(current, model) < cap:
+            return current
+        room = [w for w in replicas if self.in_flight(w, model) < cap]
+        if not room:
+            chosen = min(replicas, key=lambda w: self.in_flight(w, model))
+        elif self.policy == "fill_least":
+            chosen = min(room, key=lambda w: (self._load.get(w, 0.0), self._outstanding(w), replicas.index(w)))
+        else:
+            after = replicas.index(current) + 1 if current in replicas else 0
+            chosen = next(replicas[(after + i) % len(replicas)] for i in range(len(replicas))
+                          if replicas[(after + i) % len(replicas)] in room)
+        self._open[model] = chosen
+        return chosen
+
     def pick(self, model: str) -> str | None:
         """The worker for the next request to ``model``, or None when no worker has it READY."""
         replicas = self._replicas.get(model)
         if not replicas:
             return None
+        if self.mode == "lpt_packing":
+            return self._fill(model, replicas)
         turn = self._turn.get(model, 0)
         if self.mode == "round_robin" or len(replicas) == 1:
             worker = replicas[turn % len(replicas)]

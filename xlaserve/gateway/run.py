@@ -15,14 +15,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.admin import serve_admin
 from xlaserve.frontend.grpc_server import GrpcServer
+from xlaserve.gateway.placement import ModelLoad, Placement, WorkerBudget, place
 from xlaserve.gateway.router import ModelOnWorker, Router
 from xlaserve.gateway.service import GatewayService
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
@@ -34,6 +36,8 @@ __all__ = ["WorkerAddress", "GatewaySettings", "Gateway", "DISCOVERY_INTERVAL"]
 WATCH = "/xlaserve.control.WorkerControl/WatchStatus"
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
 STALE_AFTER = 2.0              # a worker silent this long is routed around (it may be stopped)
+PLACEMENT_CHECK = 1.0          # lpt_packing: seconds between looks at the measured work
+SERVICE = "/inference.GRPCInferenceService/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,12 @@ class GatewaySettings:
     connect_timeout_seconds: float = 5.0
     max_recv_msg_bytes: int = 256 * 1024 * 1024
     max_send_msg_bytes: int = 256 * 1024 * 1024
+    # lpt_packing
+    default_replicas: int | str = 1
+    replicas: Mapping[str, int | str] = field(default_factory=dict)     # per model
+    routing_fill_factor: float = 1.0
+    routing_policy: str = "fill_rr"
+    rebalance_compute_seconds: float = 30.0
 
 
 class Gateway:
@@ -64,7 +74,12 @@ class Gateway:
     def __init__(self, workers: list[WorkerAddress], settings: GatewaySettings = GatewaySettings()) -> None:
         self.settings = settings
         self.upstreams: dict[str, Upstream] = {}
-        self.router = Router([], settings.mode, outstanding=lambda name: self.upstreams[name].outstanding)
+        self.router = Router([], settings.mode, outstanding=lambda name: self.upstreams[name].outstanding,
+                             fill_factor=settings.routing_fill_factor, policy=settings.routing_policy)
+        self.placement: Placement | None = None
+        self._budgets: dict[str, int] = {}                   # worker -> its weight budget (bytes)
+        self._weight_bytes: dict[str, int] = {}              # model -> its weights (bytes)
+        self._capacity_asked: set[str] = set()
         self.service = GatewayService(self.upstreams, self.router,
                                       max_per_worker=settings.max_concurrent_requests_per_worker)
         self.server = GrpcServer([self.service], max_recv_bytes=settings.max_recv_msg_bytes,
@@ -127,6 +142,8 @@ class Gateway:
             self._nursery = nursery
             for name in list(self.upstreams):
                 nursery.start_soon(self._worker_tasks, name)
+            if self.router.mode == "lpt_packing":
+                nursery.start_soon(self._placement_loop)
             self.grpc_port = await nursery.start(self.server.serve, grpc_host, grpc_port)
             self.http_port = await nursery.start(serve_admin, http_host, http_port, self.routes())
             log.info("gateway: KServe V2 gRPC on %s:%d, HTTP on %s:%d, %d worker(s), routing %s", grpc_host,
@@ -147,6 +164,13 @@ class Gateway:
 
             def on_message(data: bytes) -> None:
                 status = cpb.ModelControlStatusResponse.FromString(data)
+                self._budgets[name] = status.budget_bytes
+                for m in status.models:
+                    if m.weight_bytes:
+                        self._weight_bytes[m.name] = m.weight_bytes
+                    if m.state == "READY" and m.name not in self._capacity_asked and self._nursery is not None:
+                        self._capacity_asked.add(m.name)
+                        self._nursery.start_soon(self._learn_capacity, name, m.name, m.max_batch_size)
                 was_up = self.router.is_up(name)
                 self.router.worker_up(name, [ModelOnWorker(m.name, m.state, int(m.version), m.reason)
                                              for m in status.models])
@@ -184,6 +208,85 @@ class Gateway:
                 log.warning("gateway: worker %s ended its status stream (%s); routing around it", name,
                             why or "it is draining")
                 await trio.sleep(DISCOVERY_INTERVAL)
+
+    # ---- lpt_packing -------------------------------------------------------------------------
+    async def _learn_capacity(self, worker: str, model: str, cap: int) -> None:
+        """The model's largest compiled batch size (its ModelConfig's max_batch_size, within
+        the worker's max_batch_size cap when one is set): what filling a replica means."""
+        try:
+            reply = await self.upstreams[worker].unary(
+                SERVICE + "ModelConfig", pb.ModelConfigRequest(name=model), pb.ModelConfigResponse)
+        except (UpstreamError, KeyError) as exc:
+            log.debug("gateway: ModelConfig of %s from %s failed (%s); asked again later", model, worker, exc)
+            self._capacity_asked.discard(model)
+            return
+        largest = reply.config.max_batch_size or 1
+        self.router.set_capacity(model, min(largest, cap) if cap else largest)
+
+    async def _device_seconds(self) -> dict[tuple[str, str], float]:
+        """Device seconds each (worker, model) has executed so far: the compute durations of
+        every batch size in the worker's ModelStatistics."""
+        out: dict[tuple[str, str], float] = {}
+
+        async def one(worker: str, upstream: Upstream) -> None:
+            try:
+                reply = await upstream.unary(SERVICE + "ModelStatistics", pb.ModelStatisticsRequest(),
+                                             pb.ModelStatisticsResponse)
+            except UpstreamError:
+                return
+            for stats in reply.model_stats:
+                seconds = sum(b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns
+                              for b in stats.batch_stats) / 1e9
+                out[(worker, stats.name)] = out.get((worker, stats.name), 0.0) + seconds
+        async with trio.open_nursery() as nursery:
+            for worker, upstream in list(self.upstreams.items()):
+                if upstream.up:
+                    nursery.start_soon(one, worker, upstream)
+        return out
+
+    async def _placement_loop(self) -> None:
+        """Place the models (``lpt_packing``): at first from their sizes alone, again whenever the
+        workers or the models change, and whenever the workers have measured
+        ``rebalance_compute_seconds`` of device time since the last placement, from each
+        model's measured load (device seconds per second over that span)."""
+        settings = self.settings
+        measured_at: dict[tuple[str, str], float] = {}
+        placed_at = trio.current_time()
+        shape: tuple = ()
+        warned: tuple = ()
+        while True:
+            await trio.sleep(PLACEMENT_CHECK)
+            workers = tuple(w for w in self.router.workers if self.router.is_up(w) and w in self._budgets)
+            models = tuple(sorted(self.router.models()))
+            if not workers or not models:
+                continue
+            measured = await self._device_seconds()
+            spent = sum(max(0.0, v - measured_at.get(k, 0.0)) for k, v in measured.items())
+            if self.placement is not None and (workers, models) == shape and spent < settings.rebalance_compute_seconds:
+                continue
+            now = trio.current_time()
+            span = max(now - placed_at, 1e-9)
+            loads = {m: 0.0 for m in models}
+            if self.placement is not None:
+                for (w, m), v in measured.items():
+                    if m in loads:
+                        loads[m] += max(0.0, v - measured_at.get((w, m), 0.0)) / span
+            self.placement = place(
+                [ModelLoad(m, loads[m], self._weight_bytes.get(m, 0), settings.replicas.get(m)) for m in models],
+                [WorkerBudget(w, self._budgets[w]) for w in workers], settings.default_replicas)
+            self.router.set_placement(self.placement.workers_of, self.placement.load_of)
+            measured_at, placed_at, shape = measured, now, (workers, models)
+            log.info("gateway: placement (%s): %s", "by size" if not any(loads.values()) else
+                     f"by {spent:.1f} s of measured device time",
+                     "; ".join(f"{w}: {', '.join(self.placement.models_on(w)) or '-'} (load {self.placement.load_of[w]:.3f})"
+                               for w in workers))
+            over = tuple((o.worker, o.models, o.placed_bytes) for o in self.placement.over_budget)
+            if over and over != warned:
+                log.warning("gateway: the placed weights exceed a worker's budget, so it will load and evict "
+                            "weights as requests come: %s. Lower replicas, or add workers",
+                            "; ".join(f"{o.worker}: {', '.join(o.models)} = {o.placed_bytes} bytes > budget "
+                                      f"{o.budget_bytes} bytes" for o in self.placement.over_budget))
+            warned = over
 
     # ---- admin port --------------------------------------------------------------------------
     def ready_reason(self) -> tuple[bool, str]:

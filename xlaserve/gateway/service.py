@@ -250,11 +250,13 @@ class GatewayService:
         self.in_flight += 1
         key = (worker, model)
         self.routed[key] = self.routed.get(key, 0) + 1
+        self.router.started(worker, model)
         if self.on_routed is not None:
             self.on_routed(worker, model)
 
         def done(outcome: Reply | UpstreamError) -> None:
             self.in_flight -= 1
+            self.router.finished(worker, model)
             call.complete(self._outcome(outcome, worker))
         handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
                                 timeout=_time_left(call, upstream.request_timeout))
