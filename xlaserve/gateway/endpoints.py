@@ -106,32 +106,27 @@ async def _resolve_one(configured: str, getaddrinfo: GetAddrInfo) -> tuple[Endpo
 async def resolve(endpoints: Iterable[str],
                   getaddrinfo: GetAddrInfo = trio.socket.getaddrinfo) -> tuple[Endpoint, ...]:
     """Every worker ``endpoints`` (``host:port`` strings, validated by the configuration) stand
-    for, in their order; a name's addresses sorted. IP addresses are not looked up. A name that
-    does not resolve raises :class:`ResolveError` naming it. Names resolve concurrently."""
+    for, in their order; a name's addresses sorted. IP addresses are not looked up. Names
+    resolve concurrently; if any does not, :class:`ResolveError` names the first in the list
+    that did not."""
     endpoints = list(endpoints)
-    results: dict[int, tuple[Endpoint, ...]] = {}
+    results: list[tuple[Endpoint, ...] | ResolveError] = [()] * len(endpoints)
 
     async def one(index: int, configured: str) -> None:
-        results[index] = await _resolve_one(configured, getaddrinfo)
+        try:
+            results[index] = await _resolve_one(configured, getaddrinfo)
+        except ResolveError as error:
+            results[index] = error  # kept, so the others finish and the first is reported
 
-    try:
-        async with trio.open_nursery() as nursery:
-            for index, configured in enumerate(endpoints):
-                nursery.start_soon(one, index, configured)
-    except BaseExceptionGroup as group:
-        failed, rest = group.split(ResolveError)
-        if failed is None or rest is not None:
-            raise
-        # the first name in the list that failed, not whichever failed first
-        raise min(_leaves(failed), key=lambda e: endpoints.index(e.configured)) from None
-    return tuple(e for index in range(len(endpoints)) for e in results[index])
-
-
-def _leaves(group: BaseExceptionGroup) -> list[ResolveError]:
-    out: list[ResolveError] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
+    async with trio.open_nursery() as nursery:
+        for index, configured in enumerate(endpoints):
+            nursery.start_soon(one, index, configured)
+    out: list[Endpoint] = []
+    for result in results:
+        if isinstance(result, ResolveError):
+            raise result
+        out.extend(result)
+    return tuple(out)
 
 
 def diff(old: Iterable[Endpoint], new: Iterable[Endpoint]) -> tuple[tuple[Endpoint, ...],
