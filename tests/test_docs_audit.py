@@ -9,17 +9,36 @@ from pathlib import Path
 from xlaserve._proto import xlaserve_control_pb2
 from xlaserve.config import (EndpointsConfig, ListenConfig, ModelSchedConfig, NodeConfig,
                              RuntimeConfig, SchedulerConfig, TlsConfig, WorkerEntry)
+from xlaserve.config.gateway import (GatewayConfig, GatewayGrpcConfig, GatewayListenConfig,
+                                     GatewayLoggingConfig, ModelReplicasConfig, SchedulingConfig,
+                                     WorkerClientConfig)
 from xlaserve.config.resolve import _TOP_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+GATEWAY_BLOCKS = (GatewayConfig, GatewayListenConfig, GatewayGrpcConfig, WorkerClientConfig,
+                  GatewayLoggingConfig, SchedulingConfig, ModelReplicasConfig)
 BLOCKS = (NodeConfig, ListenConfig, RuntimeConfig, SchedulerConfig, ModelSchedConfig,
-          EndpointsConfig, TlsConfig, WorkerEntry)
+          EndpointsConfig, TlsConfig, WorkerEntry, *GATEWAY_BLOCKS)
 
 # Keys the node file accepts that no code acts on yet, and why. Remove a key from here once the
 # code reads it; a key read by nothing must be documented as such.
+_GATEWAY = "the gateway's data path (xlaserve/gateway/, issue 15) is not written yet"
 NOT_READ = {
-    ("NodeConfig", "gateway"): "reserved for the gateway of multi-worker nodes, which do not exist",
+    ("GatewayConfig", "worker_client"): _GATEWAY,
+    ("GatewayConfig", "logging"): _GATEWAY,
+    ("GatewayConfig", "endpoint_refresh_seconds"): _GATEWAY,
+    ("GatewayConfig", "metrics_endpoints"): _GATEWAY,
+    ("GatewayGrpcConfig", "max_concurrent_requests_per_worker"): _GATEWAY,
+    ("WorkerClientConfig", "request_timeout_seconds"): _GATEWAY,
+    ("WorkerClientConfig", "connect_timeout_seconds"): _GATEWAY,
+    ("GatewayLoggingConfig", "level"): _GATEWAY,
+    ("GatewayLoggingConfig", "format"): _GATEWAY,
+    ("SchedulingConfig", "mode"): _GATEWAY,
+    ("SchedulingConfig", "default_replicas"): _GATEWAY,
+    ("SchedulingConfig", "routing_fill_factor"): _GATEWAY,
+    ("SchedulingConfig", "routing_policy"): _GATEWAY,
+    ("SchedulingConfig", "rebalance_compute_seconds"): _GATEWAY,
 }
 
 
@@ -47,11 +66,23 @@ def test_every_key_in_the_node_file_tables_exists():
             assert key in known, f"docs/node-config.md documents `{key}`, which the schema lacks"
 
 
+def test_every_gateway_key_is_in_a_key_table():
+    # the other direction of the test above, for the gateway's blocks: each key has a table row
+    documented = set()
+    for cell in _key_table_rows((ROOT / "docs" / "node-config.md").read_text()):
+        documented |= set(re.findall(r"`([a-z_]+)`", cell))
+    for cls in GATEWAY_BLOCKS:
+        for f in dataclasses.fields(cls):
+            assert f.name in documented, f"{cls.__name__}.{f.name} has no row in docs/node-config.md"
+
+
 def test_every_node_file_key_is_read_by_the_code():
-    # schema.py declares the keys and fields.py validates them generically; a key counts as read
-    # when anything else (resolve.py turning it into a WorkerConfig, the worker) reads it
+    # schema.py declares the keys, fields.py validates them generically and config/gateway.py
+    # validates the gateway's; a key counts as read when anything else (resolve.py turning it
+    # into a WorkerConfig, the worker, the gateway) reads it
+    validation = {ROOT / "xlaserve" / "config" / name for name in ("schema.py", "fields.py", "gateway.py")}
     sources = [p.read_text() for p in (ROOT / "xlaserve").rglob("*.py")
-               if p.name not in ("schema.py", "fields.py") and p.parent.name not in ("_proto", "bench")]
+               if p not in validation and p.parent.name not in ("_proto", "bench")]
     unread = []
     for cls in BLOCKS:
         for f in dataclasses.fields(cls):

@@ -2,21 +2,26 @@
 
 A node file names one shared model repository, the defaults every worker runs with (``global:``),
 optionally one entry per worker (``workers:``) whose blocks merge over those defaults, an optional
-pin map (``models:``), the node's public addresses (``listen:``) and a ``gateway:`` block (kept as
-written; nothing reads it until multi-worker nodes exist).
+pin map (``models:``), the node's public addresses (``listen:``) and the ``gateway:`` block of the
+gateway that fronts a multi-worker node.
 
-Three modules, one idea each:
+Four modules, one idea each:
 
 - :mod:`~xlaserve.config.schema`: the documented keys, as frozen dataclasses (a key's meaning
   and default is on the class that holds it);
 - :mod:`~xlaserve.config.fields`: generic validation of one value against its key's type and
   bounds, and the wording of every error;
 - :mod:`~xlaserve.config.resolve`: environment overrides, reading the node file, workers, ports,
-  and the settings one worker runs with.
+  and the settings one worker runs with;
+- :mod:`~xlaserve.config.gateway`: the gateway's schema, its standalone file and the node's
+  ``gateway:`` block.
 
 The value objects are frozen and slotted; mappings inside them are read-only.
 """
 from xlaserve.config.fields import ConfigError
+from xlaserve.config.gateway import (GatewayConfig, embedded_gateway_config,
+                                     gateway_environment_variables, load_gateway_file,
+                                     parse_gateway_config)
 from xlaserve.config.resolve import (ENV_PREFIX, effective_config_lines, environment_variables,
                                      load_node_config, parse_node_config, resolve_worker,
                                      to_plain, worker_count)
@@ -28,6 +33,7 @@ __all__ = [
     "ENV_PREFIX",
     "ConfigError",
     "EndpointsConfig",
+    "GatewayConfig",
     "ListenConfig",
     "ModelSchedConfig",
     "NodeConfig",
@@ -37,8 +43,12 @@ __all__ = [
     "WorkerConfig",
     "WorkerEntry",
     "effective_config_lines",
+    "embedded_gateway_config",
     "environment_variables",
+    "gateway_environment_variables",
+    "load_gateway_file",
     "load_node_config",
+    "parse_gateway_config",
     "parse_node_config",
     "resolve_worker",
     "split_address",

@@ -35,6 +35,7 @@ from xlaserve.config.schema import (MAX_PORT, EndpointsConfig, ListenConfig, Nod
                                     split_address)
 
 ENV_PREFIX = "INFERENCE_SERVER_"
+GATEWAY_ENV_PREFIX = f"{ENV_PREFIX}GATEWAY_"
 
 
 # --- environment overrides -----------------------------------------------------------------------
@@ -91,8 +92,8 @@ def _parse_environ(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {"node": {}, "listen": {}, **{s: {} for s in _BLOCKS}}
     table = _env_table()
     for var in sorted(environ):
-        if not var.startswith(ENV_PREFIX):
-            continue
+        if not var.startswith(ENV_PREFIX) or var.startswith(GATEWAY_ENV_PREFIX):
+            continue  # INFERENCE_SERVER_GATEWAY_*: the gateway's (xlaserve.config.gateway)
         text = environ[var]
         if var == f"{ENV_PREFIX}MODEL_DIRS":
             dirs = [part for part in text.split(":") if part]
@@ -230,6 +231,9 @@ def parse_node_config(data: Any, base_dir: str | Path,
         {section: MappingProxyType(values) for section, values in env.items()})
     node = NodeConfig(**node_fields)
     _check_ports(node, _worker_entries(node, None))
+    # imported here: the gateway's loaders build on this module (resolve_worker, the YAML loader)
+    from xlaserve.config.gateway import check_node_gateway
+    check_node_gateway(node, environ)
     return node
 
 
