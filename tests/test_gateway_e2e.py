@@ -15,15 +15,22 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import infer_input, serve
-from xlaserve.gateway.run import Gateway, GatewaySettings, WorkerAddress
+from xlaserve.config.gateway import parse_gateway_config
+from xlaserve.gateway.run import Gateway, WorkerAddress
 
 TIMEOUT = 30.0
+
+
+def config(mode: str = "round_robin", **worker_client):
+    """A gateway configuration as a gateway file would give it (endpoints are passed apart)."""
+    return parse_gateway_config({"scheduling": {"mode": mode}, "worker_client": worker_client,
+                                 "endpoints": ["127.0.0.1:1"]})
 
 
 class GatewayThread:
     """A :class:`Gateway` run by ``trio.run`` in a daemon thread."""
 
-    def __init__(self, workers: list[WorkerAddress], settings: GatewaySettings) -> None:
+    def __init__(self, workers: list[WorkerAddress], settings) -> None:
         self.gateway = Gateway(workers, settings)
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -85,7 +92,7 @@ def _mlp_input(batch: int = 1):
 @pytest.fixture
 def gateway(two_workers):
     workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
-    g = GatewayThread(workers, GatewaySettings(mode="round_robin"))
+    g = GatewayThread(workers, config("round_robin"))
     try:
         g.wait_ready(models=2)
         yield g
@@ -157,7 +164,7 @@ def test_system_shared_memory_works_through_the_gateway(gateway):
 
 def test_least_outstanding_routes_to_the_idle_worker(two_workers):
     workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
-    g = GatewayThread(workers, GatewaySettings(mode="least_outstanding"))
+    g = GatewayThread(workers, config("least_outstanding"))
     try:
         g.wait_ready(models=2)
         client = grpcclient.InferenceServerClient(g.url)
@@ -212,7 +219,7 @@ def test_a_killed_worker_costs_only_its_in_flight_requests_and_is_used_again_aft
     with ExitStack() as stack:
         servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
         workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
-        g = GatewayThread(workers, GatewaySettings(mode="round_robin"))
+        g = GatewayThread(workers, config("round_robin"))
         stack.callback(g.stop)
         g.wait_ready(models=2)
         load = Load(g.url, clients=6)
@@ -242,7 +249,7 @@ def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_c
     with ExitStack() as stack:
         servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
         workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
-        g = GatewayThread(workers, GatewaySettings(mode="round_robin", request_timeout_seconds=1.0))
+        g = GatewayThread(workers, config("round_robin", request_timeout_seconds=1.0))
         stack.callback(g.stop)
         g.wait_ready(models=2)
         load = Load(g.url, clients=4)

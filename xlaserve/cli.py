@@ -76,6 +76,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
+def cmd_gateway(args: argparse.Namespace) -> int:
+    """Run a standalone gateway: the workers of its ``endpoints`` behind one KServe V2 address."""
+    import trio
+
+    from xlaserve.config.gateway import load_gateway_file
+    from xlaserve.gateway.run import serve_gateway
+    try:
+        config = load_gateway_file(args.config, os.environ)
+    except ConfigError as exc:
+        print(f"xlaserve: {exc}", file=sys.stderr)
+        return 2
+    if args.log_level is None:
+        logging.getLogger().setLevel(config.logging.level.upper())
+    return _serving(lambda: trio.run(lambda: serve_gateway(config, ready_file=args.ready_file)))
+
+
 DESCRIPTION = ("xlaserve serves XLA-compiled models (bundles of StableHLO modules and safetensors weights) over "
                "the KServe V2 gRPC protocol, so Triton and KServe clients work unchanged. Try `xlaserve run "
                "examples/node.yaml` after `python examples/export_examples.py`.")
@@ -100,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xlaserve", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the xlaserve, jax and jaxlib versions and exit")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                        help="log level (default info; a gateway file's logging.level)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve a node file (one worker; multi-worker nodes are refused for now)")
     p.add_argument("node", help="path of the node YAML file")
@@ -111,13 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", default="0", help="worker name or index (default 0)")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
     p.set_defaults(func=cmd_worker)
+    p = sub.add_parser("gateway", help="run a standalone gateway in front of workers (a gateway YAML file)")
+    p.add_argument("config", help="path of the gateway YAML file (docs/gateway.md)")
+    p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    p.set_defaults(func=cmd_gateway)
     p = sub.add_parser("bench", help="closed-loop load generator for any KServe V2 gRPC server",
                        description="Closed-loop load at given concurrencies; see xlaserve/bench/loadgen.py.")
     from xlaserve.bench import loadgen
     loadgen.add_arguments(p)
     p.set_defaults(func=loadgen.main)
     args = parser.parse_args(argv)
-    _logging(args.log_level)
+    _logging(args.log_level or "info")
     return args.func(args)
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.admin import serve_admin
+from xlaserve.config.gateway import GatewayConfig
 from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.gateway.placement import ModelLoad, Placement, WorkerBudget, place
 from xlaserve.gateway.router import ModelOnWorker, Router
@@ -31,7 +33,7 @@ from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
 
 log = logging.getLogger("xlaserve.gateway")
 
-__all__ = ["WorkerAddress", "GatewaySettings", "Gateway", "DISCOVERY_INTERVAL"]
+__all__ = ["WorkerAddress", "Gateway", "serve_gateway", "DISCOVERY_INTERVAL"]
 
 WATCH = "/xlaserve.control.WorkerControl/WatchStatus"
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
@@ -49,41 +51,23 @@ class WorkerAddress:
     port: int
 
 
-@dataclass(frozen=True, slots=True)
-class GatewaySettings:
-    """The gateway's knobs (the ``gateway:`` block; see docs/gateway.md)."""
-
-    mode: str = "round_robin"
-    max_concurrent_requests_per_worker: int = 64     # inbound cap: this x workers; 0 uncapped
-    max_concurrent_streams: int = 32                 # outbound, per worker
-    request_timeout_seconds: float = 60.0
-    connect_timeout_seconds: float = 5.0
-    max_recv_msg_bytes: int = 256 * 1024 * 1024
-    max_send_msg_bytes: int = 256 * 1024 * 1024
-    # lpt_packing
-    default_replicas: int | str = 1
-    replicas: Mapping[str, int | str] = field(default_factory=dict)     # per model
-    routing_fill_factor: float = 1.0
-    routing_policy: str = "fill_rr"
-    rebalance_compute_seconds: float = 30.0
-
-
 class Gateway:
     """The gateway over ``workers``. :meth:`run` serves until cancelled (or :meth:`close`)."""
 
-    def __init__(self, workers: list[WorkerAddress], settings: GatewaySettings = GatewaySettings()) -> None:
-        self.settings = settings
+    def __init__(self, workers: list[WorkerAddress], config: GatewayConfig = GatewayConfig()) -> None:
+        self.config = config
+        scheduling = config.scheduling
         self.upstreams: dict[str, Upstream] = {}
-        self.router = Router([], settings.mode, outstanding=lambda name: self.upstreams[name].outstanding,
-                             fill_factor=settings.routing_fill_factor, policy=settings.routing_policy)
+        self.router = Router([], scheduling.mode, outstanding=lambda name: self.upstreams[name].outstanding,
+                             fill_factor=scheduling.routing_fill_factor, policy=scheduling.routing_policy)
         self.placement: Placement | None = None
         self._budgets: dict[str, int] = {}                   # worker -> its weight budget (bytes)
         self._weight_bytes: dict[str, int] = {}              # model -> its weights (bytes)
         self._capacity_asked: set[str] = set()
         self.service = GatewayService(self.upstreams, self.router,
-                                      max_per_worker=settings.max_concurrent_requests_per_worker)
-        self.server = GrpcServer([self.service], max_recv_bytes=settings.max_recv_msg_bytes,
-                                 max_send_bytes=settings.max_send_msg_bytes)
+                                      max_per_worker=config.grpc.max_concurrent_requests_per_worker)
+        self.server = GrpcServer([self.service], max_recv_bytes=config.grpc.max_recv_msg_bytes,
+                                 max_send_bytes=config.grpc.max_send_msg_bytes)
         self.registry = CollectorRegistry()
         self._routed = Counter("xlaserve_gateway_requests_routed", "ModelInfer requests routed, by worker and model",
                                ["worker", "model"], registry=self.registry)
@@ -107,11 +91,11 @@ class Gateway:
         """Front ``worker`` too (routed to once discovery has seen it ready)."""
         if worker.name in self.upstreams:
             return
-        s = self.settings
+        client = self.config.worker_client
         self.upstreams[worker.name] = Upstream(worker.name, worker.host, worker.port,
-                                               max_streams=s.max_concurrent_streams,
-                                               request_timeout=s.request_timeout_seconds,
-                                               connect_timeout=s.connect_timeout_seconds)
+                                               max_streams=client.max_concurrent_streams,
+                                               request_timeout=client.request_timeout_seconds,
+                                               connect_timeout=client.connect_timeout_seconds)
         self.router.add_worker(worker.name)
         if self._nursery is not None:
             self._nursery.start_soon(self._worker_tasks, worker.name)
@@ -249,7 +233,7 @@ class Gateway:
         workers or the models change, and whenever the workers have measured
         ``rebalance_compute_seconds`` of device time since the last placement, from each
         model's measured load (device seconds per second over that span)."""
-        settings = self.settings
+        settings = self.config.scheduling
         measured_at: dict[tuple[str, str], float] = {}
         placed_at = trio.current_time()
         shape: tuple = ()
@@ -272,7 +256,7 @@ class Gateway:
                     if m in loads:
                         loads[m] += max(0.0, v - measured_at.get((w, m), 0.0)) / span
             self.placement = place(
-                [ModelLoad(m, loads[m], self._weight_bytes.get(m, 0), settings.replicas.get(m)) for m in models],
+                [ModelLoad(m, loads[m], self._weight_bytes.get(m, 0), settings.replicas_for(m)) for m in models],
                 [WorkerBudget(w, self._budgets[w]) for w in workers], settings.default_replicas)
             self.router.set_placement(self.placement.workers_of, self.placement.load_of)
             measured_at, placed_at, shape = measured, now, (workers, models)
@@ -321,3 +305,52 @@ class Gateway:
                 self._replicas.labels(model).set(len(self.router.replicas(model)))
             return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
         return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
+
+
+async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | None = None, *,
+                        ready_file: str | None = None, drain_seconds: float = 30.0) -> None:
+    """Serve a gateway until SIGTERM or SIGINT, then stop accepting, let the calls in flight
+    finish (at most ``drain_seconds``) and return. ``workers`` given (the embedded gateway of a
+    node): those. Else the standalone gateway follows ``config.endpoints``, resolving DNS names
+    again every ``endpoint_refresh_seconds`` and adding and removing workers as they change.
+    ``ready_file``: the bound ports as JSON (``grpc_port``, ``http_port``) once serving."""
+    import json
+    import signal
+
+    from xlaserve.config.schema import split_address
+    from xlaserve.gateway.endpoints import follow
+
+    gateway = Gateway(workers or [], config)
+    grpc_host, grpc_port = split_address(config.listen.grpc)
+    http_host, http_port = split_address(config.listen.metrics)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            if workers is None:
+                changes_send, changes = trio.open_memory_channel(16)
+                first = await nursery.start(follow, config.endpoints, config.endpoint_refresh_seconds, changes_send)
+                for e in first:
+                    gateway.add_worker(WorkerAddress(e.name, e.address, e.port))
+                nursery.start_soon(_apply_changes, gateway, changes)
+            grpc_port, http_port = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
+            if ready_file:
+                with open(ready_file + ".tmp", "w") as f:
+                    json.dump({"grpc_port": grpc_port, "http_port": http_port}, f)
+                os.replace(ready_file + ".tmp", ready_file)
+            async for signum in signals:
+                log.info("gateway: %s: draining (no new calls; up to %g s for those in flight)",
+                         signal.Signals(signum).name, drain_seconds)
+                gateway.close()
+                with trio.move_on_after(drain_seconds):
+                    while gateway.service.in_flight:
+                        await trio.sleep(0.05)
+                nursery.cancel_scope.cancel()
+                break
+    log.info("gateway stopped")
+
+
+async def _apply_changes(gateway: Gateway, changes) -> None:
+    async for change in changes:
+        for e in change.removed:
+            gateway.remove_worker(e.name)
+        for e in change.added:
+            gateway.add_worker(WorkerAddress(e.name, e.address, e.port))
