@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import yaml
 from trio.testing import MockClock
 
 from xlaserve.config import (ConfigError, GatewayConfig, embedded_gateway_config,
@@ -142,6 +143,21 @@ endpoints:
     assert config.endpoints == ("worker0:8080", "worker1:8081")
     assert config.logging.format == "json"
     assert config.grpc == GatewayGrpcConfig()
+
+
+def test_the_examples_in_the_docs_load(tmp_path: Path):
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    text = (docs / "gateway.md").read_text()
+    example = re.search(r"```yaml\n(# gateway.yaml.*?)```", text, re.DOTALL).group(1)
+    path = tmp_path / "gateway.yaml"
+    path.write_text(example)
+    config = load_gateway_file(path)
+    assert config.scheduling.replicas_for("resnet50") == 2
+    assert len(config.endpoints) == 3 and len(config.metrics_endpoints) == 2
+    text = (docs / "node-config.md").read_text()
+    block = re.search(r"```yaml\n(gateway:\n.*?)```", text, re.DOTALL).group(1)
+    nodefile = node({"gpus": 2, **yaml.safe_load(block)})
+    assert embedded_gateway_config(nodefile).scheduling.mode == "lpt_packing"
 
 
 def test_replicas_for_a_model():
