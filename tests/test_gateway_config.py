@@ -470,9 +470,11 @@ class FakeDns:
     def __init__(self, table: dict[str, object]) -> None:
         self.table = table
         self.lookups: list[str] = []
+        self.times: list[float] = []
 
     async def __call__(self, host, port, family=0, type=0, proto=0, flags=0):
         self.lookups.append(host)
+        self.times.append(trio.current_time())
         await trio.lowlevel.checkpoint()
         entry = self.table.get(host, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
         if entry == "hang":
@@ -617,3 +619,23 @@ def test_follow_starts_without_a_name_that_does_not_resolve_yet(caplog: pytest.L
     assert [r.getMessage() for r in caplog.records] == [
         "endpoint later:1: cannot resolve (Name or service not known); no worker for it yet; "
         "retrying every 1 s"]
+
+
+def test_a_slow_receiver_delays_refreshes_without_a_burst():
+    dns = FakeDns({"svc": ["10.0.0.1"]})
+
+    async def main():
+        send, receive = trio.open_memory_channel[EndpointsChanged](0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follow, ["svc:1"], 10.0, send, dns)
+            await receive.receive()                        # the first set, at 0
+            dns.table["svc"] = ["10.0.0.2"]                # the refresh at 10 has news ...
+            await trio.sleep(35)                           # ... taken only at 35
+            assert [e.address for e in (await receive.receive()).added] == ["10.0.0.2"]
+            await trio.sleep(28)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+    # one refresh at once after the wait (the data is old), then the period again: not one
+    # refresh for every period missed (20 and 30 would both have run at 35)
+    assert dns.times == [0, 10, 35, 45, 55]
