@@ -13,8 +13,8 @@ import trio
 import yaml
 from trio.testing import MockClock
 
-from xlaserve.config import (ConfigError, GatewayConfig, embedded_gateway_config,
-                             environment_variables, gateway_environment_variables,
+from xlaserve.config import (ConfigError, GatewayConfig, effective_config_lines,
+                             embedded_gateway_config, environment_variables, gateway_environment_variables,
                              load_gateway_file, load_node_config, parse_gateway_config,
                              parse_node_config)
 from xlaserve.config.gateway import (GatewayGrpcConfig, GatewayListenConfig, GatewayLoggingConfig,
@@ -158,6 +158,14 @@ def test_the_examples_in_the_docs_load(tmp_path: Path):
     block = re.search(r"```yaml\n(gateway:\n.*?)```", text, re.DOTALL).group(1)
     nodefile = node({"gpus": 2, **yaml.safe_load(block)})
     assert embedded_gateway_config(nodefile).scheduling.mode == "lpt_packing"
+
+
+def test_the_logged_configuration_reads_back_as_the_same(tmp_path: Path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text(FULL)
+    config = load_gateway_file(path)
+    path.write_text("\n".join(effective_config_lines(config)))
+    assert load_gateway_file(path) == config
 
 
 def test_replicas_for_a_model():
