@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import yaml
 from trio.testing import MockClock
 
-from xlaserve.config import (ConfigError, GatewayConfig, embedded_gateway_config,
-                             environment_variables, gateway_environment_variables,
+from xlaserve.config import (ConfigError, GatewayConfig, effective_config_lines,
+                             embedded_gateway_config, environment_variables, gateway_environment_variables,
                              load_gateway_file, load_node_config, parse_gateway_config,
                              parse_node_config)
 from xlaserve.config.gateway import (GatewayGrpcConfig, GatewayListenConfig, GatewayLoggingConfig,
@@ -142,6 +143,29 @@ endpoints:
     assert config.endpoints == ("worker0:8080", "worker1:8081")
     assert config.logging.format == "json"
     assert config.grpc == GatewayGrpcConfig()
+
+
+def test_the_examples_in_the_docs_load(tmp_path: Path):
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    text = (docs / "gateway.md").read_text()
+    example = re.search(r"```yaml\n(# gateway.yaml.*?)```", text, re.DOTALL).group(1)
+    path = tmp_path / "gateway.yaml"
+    path.write_text(example)
+    config = load_gateway_file(path)
+    assert config.scheduling.replicas_for("resnet50") == 2
+    assert len(config.endpoints) == 3 and len(config.metrics_endpoints) == 2
+    text = (docs / "node-config.md").read_text()
+    block = re.search(r"```yaml\n(gateway:\n.*?)```", text, re.DOTALL).group(1)
+    nodefile = node({"gpus": 2, **yaml.safe_load(block)})
+    assert embedded_gateway_config(nodefile).scheduling.mode == "lpt_packing"
+
+
+def test_the_logged_configuration_reads_back_as_the_same(tmp_path: Path):
+    path = tmp_path / "gateway.yaml"
+    path.write_text(FULL)
+    config = load_gateway_file(path)
+    path.write_text("\n".join(effective_config_lines(config)))
+    assert load_gateway_file(path) == config
 
 
 def test_replicas_for_a_model():
@@ -454,9 +478,11 @@ class FakeDns:
     def __init__(self, table: dict[str, object]) -> None:
         self.table = table
         self.lookups: list[str] = []
+        self.times: list[float] = []
 
     async def __call__(self, host, port, family=0, type=0, proto=0, flags=0):
         self.lookups.append(host)
+        self.times.append(trio.current_time())
         await trio.lowlevel.checkpoint()
         entry = self.table.get(host, socket.gaierror(socket.EAI_NONAME, "Name or service not known"))
         if entry == "hang":
@@ -601,3 +627,23 @@ def test_follow_starts_without_a_name_that_does_not_resolve_yet(caplog: pytest.L
     assert [r.getMessage() for r in caplog.records] == [
         "endpoint later:1: cannot resolve (Name or service not known); no worker for it yet; "
         "retrying every 1 s"]
+
+
+def test_a_slow_receiver_delays_refreshes_without_a_burst():
+    dns = FakeDns({"svc": ["10.0.0.1"]})
+
+    async def main():
+        send, receive = trio.open_memory_channel[EndpointsChanged](0)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follow, ["svc:1"], 10.0, send, dns)
+            await receive.receive()                        # the first set, at 0
+            dns.table["svc"] = ["10.0.0.2"]                # the refresh at 10 has news ...
+            await trio.sleep(35)                           # ... taken only at 35
+            assert [e.address for e in (await receive.receive()).added] == ["10.0.0.2"]
+            await trio.sleep(28)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+    # one refresh at once after the wait (the data is old), then the period again: not one
+    # refresh for every period missed (20 and 30 would both have run at 35)
+    assert dns.times == [0, 10, 35, 45, 55]

@@ -485,8 +485,9 @@ class NodeConfig:
             ``worker0``, ``worker1``, ..., as many as ``gpus`` asks for.
         models: the pin map: model name to the workers that keep it resident on the device
             (``residency: device``). Default empty.
-        gateway: the ``gateway:`` block (it must be a mapping), kept as written. Nothing reads
-            it until multi-worker nodes (supervisor and gateway) exist.
+        gateway: the ``gateway:`` block as written; validated when the node loads
+            (:mod:`xlaserve.config.gateway`), and read by
+            :func:`~xlaserve.config.gateway.embedded_gateway_config`.
         listen: the node's public addresses.
         env_overrides: the ``INFERENCE_SERVER_*`` overrides, by section (``node``, ``listen``,
             ``runtime``, ``scheduler``, ``endpoints``); already applied to the fields above, and

@@ -184,9 +184,11 @@ async def follow(endpoints: Sequence[str], refresh_seconds: float,
                         configured, reason, keeping, refresh_seconds)
 
     async with send_channel:
-        deadline = trio.current_time()
         first = True
         while True:
+            # counted from each round's start: after a receiver was slow to take a message,
+            # one refresh runs at once, not one for every period missed
+            deadline = trio.current_time() + refresh_seconds
             async with trio.open_nursery() as nursery:
                 for configured in endpoints:
                     nursery.start_soon(refresh, configured)
@@ -198,5 +200,4 @@ async def follow(endpoints: Sequence[str], refresh_seconds: float,
             if first or added or removed:
                 await send_channel.send(EndpointsChanged(added, removed, current))
             first = False
-            deadline += refresh_seconds
             await trio.sleep_until(deadline)
