@@ -16,12 +16,21 @@ from xlaserve.config import ConfigError, load_node_config, resolve_worker
 _QUIET_BELOW_DEBUG = ("jax", "watchfiles")
 
 
-def _logging(level: str) -> None:
+def _logging(level: str, log_format: str = "text") -> None:
+    from xlaserve.logformat import formatter
     chosen = getattr(logging, level.upper())
-    logging.basicConfig(level=chosen, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if chosen > logging.DEBUG:
-        for name in _QUIET_BELOW_DEBUG:
-            logging.getLogger(name).setLevel(max(chosen, logging.WARNING))
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(log_format))
+    logging.basicConfig(level=chosen, handlers=[handler], force=True)
+    for name in _QUIET_BELOW_DEBUG:
+        logging.getLogger(name).setLevel(logging.NOTSET if chosen <= logging.DEBUG
+                                         else max(chosen, logging.WARNING))
+
+
+def _node_logging(args: argparse.Namespace, node) -> None:
+    """The node file's ``logging:`` block, where the command line did not choose."""
+    if args.log_level is None or args.log_format is None:
+        _logging(args.log_level or node.logging.level, args.log_format or node.logging.format)
 
 
 def _serving(run) -> int:
@@ -55,6 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {exc}", file=sys.stderr)  # names the file where the mistake is in it
         return 2
+    _node_logging(args, node)
     return _serving(lambda: run_node(node, ready_file=args.ready_file))
 
 
@@ -69,10 +79,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     try:
         which = int(args.worker) if args.worker.isdigit() else args.worker
-        config = resolve_worker(node, which)
+        config = resolve_worker(node, which, args.worker_count)
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
+    _node_logging(args, node)
     return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
@@ -100,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xlaserve", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the xlaserve, jax and jaxlib versions and exit")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="default: the node file's logging.level, else info")
+    parser.add_argument("--log-format", choices=["text", "json"],
+                        help="default: the node file's logging.format, else text")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve a node file (one worker; multi-worker nodes are refused for now)")
     p.add_argument("node", help="path of the node YAML file")
@@ -110,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("node")
     p.add_argument("--worker", default="0", help="worker name or index (default 0)")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    # the supervisor passes the worker count gpus: auto detected (a child cannot count the GPUs
+    # its CUDA_VISIBLE_DEVICES hides)
+    p.add_argument("--worker-count", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_worker)
     p = sub.add_parser("bench", help="closed-loop load generator for any KServe V2 gRPC server",
                        description="Closed-loop load at given concurrencies; see xlaserve/bench/loadgen.py.")
@@ -117,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     loadgen.add_arguments(p)
     p.set_defaults(func=loadgen.main)
     args = parser.parse_args(argv)
-    _logging(args.log_level)
+    _logging(args.log_level or "info", args.log_format or "text")
     return args.func(args)
 
 

@@ -2,7 +2,8 @@
 
 A node file names one shared model repository, the defaults every worker runs with (``global:``),
 optionally one entry per worker (``workers:``) whose blocks merge over those defaults, an optional
-pin map (``models:``), the node's public addresses (``listen:``) and a ``gateway:`` block (kept as
+pin map (``models:``), the node's public addresses (``listen:``), how a multi-worker node's supervisor restarts and stops
+its workers (``supervisor:``), the log level and format (``logging:``) and a ``gateway:`` block (kept as
 written; nothing reads it until multi-worker nodes exist).
 
 Three modules, one idea each:
@@ -20,19 +21,22 @@ from xlaserve.config.fields import ConfigError
 from xlaserve.config.resolve import (ENV_PREFIX, effective_config_lines, environment_variables,
                                      load_node_config, parse_node_config, resolve_worker,
                                      to_plain, worker_count)
-from xlaserve.config.schema import (EndpointsConfig, ListenConfig, ModelSchedConfig, NodeConfig,
-                                    RuntimeConfig, SchedulerConfig, TlsConfig, WorkerConfig,
-                                    WorkerEntry, split_address)
+from xlaserve.config.schema import (EndpointsConfig, ListenConfig, LoggingConfig,
+                                    ModelSchedConfig, NodeConfig, RuntimeConfig, SchedulerConfig,
+                                    SupervisorConfig, TlsConfig, WorkerConfig, WorkerEntry,
+                                    split_address)
 
 __all__ = [
     "ENV_PREFIX",
     "ConfigError",
     "EndpointsConfig",
     "ListenConfig",
+    "LoggingConfig",
     "ModelSchedConfig",
     "NodeConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "SupervisorConfig",
     "TlsConfig",
     "WorkerConfig",
     "WorkerEntry",
