@@ -7,14 +7,15 @@ import re
 from pathlib import Path
 
 from xlaserve._proto import xlaserve_control_pb2
-from xlaserve.config import (EndpointsConfig, ListenConfig, ModelSchedConfig, NodeConfig,
-                             RuntimeConfig, SchedulerConfig, TlsConfig, WorkerEntry)
+from xlaserve.config import (EndpointsConfig, ListenConfig, LoggingConfig, ModelSchedConfig,
+                             NodeConfig, RuntimeConfig, SchedulerConfig, SupervisorConfig,
+                             TlsConfig, WorkerEntry)
 from xlaserve.config.resolve import _TOP_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 BLOCKS = (NodeConfig, ListenConfig, RuntimeConfig, SchedulerConfig, ModelSchedConfig,
-          EndpointsConfig, TlsConfig, WorkerEntry)
+          EndpointsConfig, TlsConfig, WorkerEntry, SupervisorConfig, LoggingConfig)
 
 # Keys the node file accepts that no code acts on yet, and why. Remove a key from here once the
 # code reads it; a key read by nothing must be documented as such.
