@@ -512,6 +512,32 @@ def test_supervise_stops_on_sigterm_after_the_gateway_drained(tmp_path):
     assert {json.loads(line)["worker"] for line in lines} == {"w0", "w1"}
 
 
+def test_a_subscriber_that_stops_reading_is_cut_off_not_buffered_forever(caplog, monkeypatch):
+    monkeypatch.setattr("xlaserve.supervisor.MAX_PENDING_EVENTS", 3)
+    specs = [fake("w0", "sys.exit(1)")]
+    config = SupervisorConfig(restart_backoff_initial_seconds=0.0, restart_backoff_max_seconds=0.0,
+                              max_restarts=3)
+
+    async def main():
+        supervisor = Supervisor(specs, config, write=lambda line: None)
+        stalled = supervisor.subscribe()           # never read until the end
+        reader = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            got: list = []
+
+            async def read():
+                async for event in reader:
+                    got.append(event)
+            nursery.start_soon(read)
+            await supervisor.run()
+        return [e async for e in stalled], got
+
+    with caplog.at_level(logging.ERROR, logger="xlaserve.supervisor"):
+        stalled, got = trio.run(main)
+    assert len(stalled) == 3 and len(got) == 8    # 4 starts, 4 exits
+    assert "left 3 unread; closing its channel" in caplog.text
+
+
 def test_supervisor_refuses_duplicate_names():
     with pytest.raises(ValueError, match="distinct names"):
         Supervisor([fake("w", ""), fake("w", "")])

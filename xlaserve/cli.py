@@ -16,12 +16,23 @@ from xlaserve.config import ConfigError, load_node_config, resolve_worker
 _QUIET_BELOW_DEBUG = ("jax", "watchfiles")
 
 
+class _CommandHandler(logging.StreamHandler):
+    """The stderr handler the command installs, reconfigured once the node file is read."""
+
+
 def _logging(level: str, log_format: str = "text") -> None:
+    """Log at ``level`` in ``log_format`` to stderr. Like ``logging.basicConfig``, it leaves a
+    logging configured by someone else (a program calling :func:`main`) as it is."""
     from xlaserve.logformat import formatter
     chosen = getattr(logging, level.upper())
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter(log_format))
-    logging.basicConfig(level=chosen, handlers=[handler], force=True)
+    root = logging.getLogger()
+    handler = next((h for h in root.handlers if isinstance(h, _CommandHandler)), None)
+    if handler is None and not root.handlers:
+        handler = _CommandHandler(sys.stderr)
+        root.addHandler(handler)
+    if handler is not None:
+        handler.setFormatter(formatter(log_format))
+        root.setLevel(chosen)
     for name in _QUIET_BELOW_DEBUG:
         logging.getLogger(name).setLevel(logging.NOTSET if chosen <= logging.DEBUG
                                          else max(chosen, logging.WARNING))

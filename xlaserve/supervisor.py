@@ -23,7 +23,6 @@ import collections
 import enum
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -58,6 +57,10 @@ OUTPUT_DRAIN_SECONDS = 1.0
 # The ready report is one short JSON line; a child that writes more is not believed.
 MAX_READY_BYTES = 4096
 _READ_CHUNK = 64 * 1024
+# Events a subscriber may leave unread. A worker causes at most three per start and starts are
+# limited by the restart policy, so a subscriber this far behind has stopped reading: its channel
+# is closed rather than letting it hold the supervisor's memory.
+MAX_PENDING_EVENTS = 1024
 _CANNOT_START = 127     # the returncode given to a worker whose program could not be run (as sh's)
 
 
@@ -367,10 +370,10 @@ class Supervisor:
     # -- what others may ask --
 
     def subscribe(self) -> trio.MemoryReceiveChannel[SupervisorEvent]:
-        """A channel of every event from now on; it ends when the supervisor has stopped. Its
-        buffer is unbounded, yet small in practice: each worker causes at most three events per
-        start, and starts are limited by the restart policy."""
-        send, receive = trio.open_memory_channel[SupervisorEvent](math.inf)
+        """A channel of every event from now on; it ends when the supervisor has stopped. Sending
+        never waits for the subscriber: one that leaves :data:`MAX_PENDING_EVENTS` events unread
+        has its channel closed (one error is logged), so keep reading it."""
+        send, receive = trio.open_memory_channel[SupervisorEvent](MAX_PENDING_EVENTS)
         self._subscribers.append(send)
         return receive
 
@@ -446,6 +449,11 @@ class Supervisor:
             try:
                 send.send_nowait(event)
             except trio.BrokenResourceError:     # that subscriber closed its end
+                self._subscribers.remove(send)
+            except trio.WouldBlock:
+                log.error("a subscriber to the supervisor's events left %d unread; closing its channel",
+                          MAX_PENDING_EVENTS)
+                send.close()
                 self._subscribers.remove(send)
 
     async def _keep_running(self, worker: _Worker) -> None:
