@@ -260,8 +260,8 @@ class WorkerReady:
 
 @dataclass(frozen=True, slots=True)
 class WorkerExited:
-    """A worker process ended with ``returncode`` (negative: killed by that signal).
-    ``restarting_in`` is the back-off before it is started again, or None when it is not (the
+    """A worker process ended with ``returncode`` (negative: killed by that signal; 127 with
+    ``pid`` 0 when its program could not be started at all). ``restarting_in`` is the back-off before it is started again, or None when it is not (the
     node is stopping, or the worker crashed too often)."""
 
     name: str
@@ -399,7 +399,7 @@ class Supervisor:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> int:
         """Start every worker and keep them running until the node stops; then 0, or 1 when a
-        worker crashed too often. ``task_status.started()`` once every first process has been
+        worker crashed too often. Call it once. ``task_status.started()`` once every first process has been
         asked to start. If this task is cancelled, the workers still get SIGTERM, then SIGKILL
         after ``stop_timeout_seconds``."""
         try:

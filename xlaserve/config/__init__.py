@@ -2,9 +2,10 @@
 
 A node file names one shared model repository, the defaults every worker runs with (``global:``),
 optionally one entry per worker (``workers:``) whose blocks merge over those defaults, an optional
-pin map (``models:``), the node's public addresses (``listen:``), how a multi-worker node's supervisor restarts and stops
-its workers (``supervisor:``), the log level and format (``logging:``) and a ``gateway:`` block (kept as
-written; nothing reads it until multi-worker nodes exist).
+pin map (``models:``), the node's public addresses (``listen:``), how a multi-worker node's
+supervisor restarts and stops its workers (``supervisor:``), the log level and format
+(``logging:``) and a ``gateway:`` block (kept as written; nothing reads it until multi-worker
+nodes exist).
 
 Three modules, one idea each:
 
