@@ -12,10 +12,12 @@ from xlaserve.config import (
     ConfigError,
     EndpointsConfig,
     ListenConfig,
+    LoggingConfig,
     ModelSchedConfig,
     NodeConfig,
     RuntimeConfig,
     SchedulerConfig,
+    SupervisorConfig,
     TlsConfig,
     WorkerConfig,
     effective_config_lines,
@@ -59,6 +61,8 @@ def test_minimal_file_gets_every_default():
     assert node.scheduler == SchedulerConfig()
     assert node.endpoints == EndpointsConfig()
     assert node.listen == ListenConfig()
+    assert node.supervisor == SupervisorConfig()
+    assert node.logging == LoggingConfig()
     assert [w.name for w in node.workers] == ["worker0"]
     assert not node.workers_explicit
     assert dict(node.models) == {}
@@ -256,12 +260,14 @@ def test_annotated_example_in_the_docs_is_a_valid_node_file():
 
 def test_every_documented_key_is_in_the_docs():
     text = DOCS.read_text()
-    for cls in (RuntimeConfig, SchedulerConfig, ModelSchedConfig, EndpointsConfig, TlsConfig, ListenConfig):
+    for cls in (RuntimeConfig, SchedulerConfig, ModelSchedConfig, EndpointsConfig, TlsConfig, ListenConfig,
+                SupervisorConfig, LoggingConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in text, f"{cls.__name__}.{f.name} is not documented"
     for var in environment_variables():
         short = var.removeprefix("INFERENCE_SERVER_")
-        assert var in text or short.split("_")[0] in ("RUNTIME", "SCHEDULER", "ENDPOINTS"), var
+        assert var in text or short.split("_")[0] in ("RUNTIME", "SCHEDULER", "ENDPOINTS",
+                                                      "SUPERVISOR", "LOGGING"), var
 
 
 # --- per-worker merging and the pin map ----------------------------------------------------------
@@ -449,7 +455,7 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
     ({"global": {"runtime": ["cpu"]}}, "global.runtime: expected a mapping, got a list"),
     ({"global": {"workers": []}}, "global.workers: unknown key"),
     ({"wokers": []}, ("wokers: unknown key (known: base_port, gateway, global, gpus, listen, "
-                      "metrics_base_port, model_repo, models, workers)")),
+                      "logging, metrics_base_port, model_repo, models, supervisor, workers)")),
     ({"base_port": -5}, "base_port: expected an integer in [1, 65535], got -5"),
     ({"gpus": 0}, ("gpus: expected 'auto', a positive integer or a list of distinct device "
                    "ordinals, got 0")),
@@ -635,6 +641,61 @@ def test_environment_variables_lists_the_documented_examples():
                 "INFERENCE_SERVER_RUNTIME_WEIGHT_CACHE_FRACTION",
                 "INFERENCE_SERVER_RUNTIME_DEVICE_MEMORY_BYTES"):
         assert var in names
+
+
+# --- supervisor: and logging: ---------------------------------------------------------------------
+
+def test_supervisor_and_logging_defaults_match_the_documented_values():
+    assert SupervisorConfig() == SupervisorConfig(
+        restart_backoff_initial_seconds=0.5, restart_backoff_max_seconds=30.0, max_restarts=5,
+        restart_window_seconds=60.0, stop_timeout_seconds=30.0)
+    assert LoggingConfig() == LoggingConfig(level="info", format="text")
+
+
+def test_supervisor_and_logging_blocks_are_read_and_env_overrides_win():
+    node = parse({"supervisor": {"restart_backoff_initial_seconds": 0.1, "max_restarts": 0,
+                                 "stop_timeout_seconds": 0},
+                  "logging": {"format": "json"}},
+                 {"INFERENCE_SERVER_SUPERVISOR_RESTART_WINDOW_SECONDS": "5",
+                  "INFERENCE_SERVER_SUPERVISOR_STOP_TIMEOUT_SECONDS": "2.5",
+                  "INFERENCE_SERVER_LOGGING_LEVEL": "debug"})
+    assert node.supervisor == SupervisorConfig(restart_backoff_initial_seconds=0.1, max_restarts=0,
+                                               restart_window_seconds=5.0, stop_timeout_seconds=2.5)
+    assert node.logging == LoggingConfig(level="debug", format="json")
+    assert {"INFERENCE_SERVER_SUPERVISOR_MAX_RESTARTS",
+            "INFERENCE_SERVER_LOGGING_FORMAT"} <= set(environment_variables())
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"supervisor": {"max_restart": 3}},
+     "supervisor.max_restart: unknown key (known: max_restarts, restart_backoff_initial_seconds, "
+     "restart_backoff_max_seconds, restart_window_seconds, stop_timeout_seconds)"),
+    ({"supervisor": {"max_restarts": -1}},
+     "supervisor.max_restarts: expected a non-negative integer, got -1"),
+    ({"supervisor": {"max_restarts": 2.5}},
+     "supervisor.max_restarts: expected a non-negative integer, got 2.5"),
+    ({"supervisor": {"restart_window_seconds": 0}},
+     "supervisor.restart_window_seconds: expected a positive number, got 0"),
+    ({"supervisor": {"stop_timeout_seconds": "30s"}},
+     "supervisor.stop_timeout_seconds: expected a non-negative number, got '30s'"),
+    ({"supervisor": {"restart_backoff_initial_seconds": 5, "restart_backoff_max_seconds": 1}},
+     "supervisor.restart_backoff_max_seconds: 1 is less than supervisor.restart_backoff_initial_seconds "
+     "(5); expected a cap at least as long as the first back-off"),
+    ({"supervisor": ["max_restarts"]}, "supervisor: expected a mapping, got a list"),
+    ({"logging": {"format": "xml"}}, "logging.format: expected one of text, json, got 'xml'"),
+    ({"logging": {"level": "verbose"}},
+     "logging.level: expected one of debug, info, warning, error, got 'verbose'"),
+    ({"logging": {"colour": True}}, "logging.colour: unknown key (known: format, level)"),
+    ({"global": {"supervisor": {}}}, "global.supervisor: unknown key"),
+    ({"workers": [{"name": "w0", "logging": {}}]}, "workers[0].logging: unknown key"),
+])
+def test_supervisor_and_logging_errors_name_the_key(data: dict, message: str):
+    assert error_of(data).startswith(message)
+
+
+def test_a_bad_supervisor_variable_names_it():
+    message = error_of({}, {"INFERENCE_SERVER_SUPERVISOR_MAX_RESTARTS": "many"})
+    assert message == "INFERENCE_SERVER_SUPERVISOR_MAX_RESTARTS: expected a non-negative integer, got 'many'"
 
 
 def test_split_address():

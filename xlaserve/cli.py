@@ -16,12 +16,32 @@ from xlaserve.config import ConfigError, load_node_config, resolve_worker
 _QUIET_BELOW_DEBUG = ("jax", "watchfiles")
 
 
-def _logging(level: str) -> None:
+class _CommandHandler(logging.StreamHandler):
+    """The stderr handler the command installs, reconfigured once the node file is read."""
+
+
+def _logging(level: str, log_format: str = "text") -> None:
+    """Log at ``level`` in ``log_format`` to stderr. Like ``logging.basicConfig``, it leaves a
+    logging configured by someone else (a program calling :func:`main`) as it is."""
+    from xlaserve.logformat import formatter
     chosen = getattr(logging, level.upper())
-    logging.basicConfig(level=chosen, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    if chosen > logging.DEBUG:
-        for name in _QUIET_BELOW_DEBUG:
-            logging.getLogger(name).setLevel(max(chosen, logging.WARNING))
+    root = logging.getLogger()
+    handler = next((h for h in root.handlers if isinstance(h, _CommandHandler)), None)
+    if handler is None and not root.handlers:
+        handler = _CommandHandler(sys.stderr)
+        root.addHandler(handler)
+    if handler is not None:
+        handler.setFormatter(formatter(log_format))
+        root.setLevel(chosen)
+    for name in _QUIET_BELOW_DEBUG:
+        logging.getLogger(name).setLevel(logging.NOTSET if chosen <= logging.DEBUG
+                                         else max(chosen, logging.WARNING))
+
+
+def _node_logging(args: argparse.Namespace, node) -> None:
+    """The node file's ``logging:`` block, where the command line did not choose."""
+    if args.log_level is None or args.log_format is None:
+        _logging(args.log_level or node.logging.level, args.log_format or node.logging.format)
 
 
 def _serving(run) -> int:
@@ -55,6 +75,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {exc}", file=sys.stderr)  # names the file where the mistake is in it
         return 2
+    _node_logging(args, node)
     return _serving(lambda: run_node(node, ready_file=args.ready_file))
 
 
@@ -69,10 +90,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 2
     try:
         which = int(args.worker) if args.worker.isdigit() else args.worker
-        config = resolve_worker(node, which)
+        config = resolve_worker(node, which, args.worker_count)
     except ConfigError as exc:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
+    _node_logging(args, node)
     return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
@@ -116,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xlaserve", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=version_line(),
                         help="print the xlaserve, jax and jaxlib versions and exit")
-    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
-                        help="log level (default info; a gateway file's logging.level)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                        help="default: the node file's logging.level, else info")
+    parser.add_argument("--log-format", choices=["text", "json"],
+                        help="default: the node file's logging.format, else text")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="serve a node file (one worker; multi-worker nodes are refused for now)")
     p.add_argument("node", help="path of the node YAML file")
@@ -127,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("node")
     p.add_argument("--worker", default="0", help="worker name or index (default 0)")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
+    # the supervisor passes the worker count gpus: auto detected (a child cannot count the GPUs
+    # its CUDA_VISIBLE_DEVICES hides)
+    p.add_argument("--worker-count", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_worker)
     p = sub.add_parser("gateway", help="run a standalone gateway in front of workers (a gateway YAML file)")
     p.add_argument("config", help="path of the gateway YAML file (docs/gateway.md)")
@@ -138,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     loadgen.add_arguments(p)
     p.set_defaults(func=loadgen.main)
     args = parser.parse_args(argv)
-    _logging(args.log_level or "info")
+    _logging(args.log_level or "info", args.log_format or "text")
     return args.func(args)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import trio
 
 from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_count
+from xlaserve.supervisor import DEVICE_ISOLATED_ENV, READY_FD_ENV
 
 log = logging.getLogger("xlaserve.node")
 
@@ -99,8 +100,14 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
     The model repository is checked and both addresses are bound first, before the runtime
     (JAX) is imported (:func:`~xlaserve.worker.preflight.claim`); then the backend is decided and
     its PJRT client configured (:func:`open_backend`). Each fails start-up with a StartupError
-    before anything else starts: an address in use, a missing repository, an unusable ``cuda``."""
+    before anything else starts: an address in use, a missing repository, an unusable ``cuda``.
+
+    Started by a supervisor (:mod:`xlaserve.supervisor`), the worker also writes its ports to
+    the descriptor in ``XLASERVE_READY_FD``, and opens device ordinal 0 when the supervisor made
+    its device the only one visible (``XLASERVE_DEVICE_ISOLATED``)."""
     from xlaserve.worker.preflight import claim
+    if os.environ.get(DEVICE_ISOLATED_ENV) == "1":
+        config = dataclasses.replace(config, gpu=0)
     claimed = claim(config)
     if note:
         log.info("%s", note)
@@ -108,18 +115,31 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
         from xlaserve.runtime.backend import open_backend
         config = dataclasses.replace(config, runtime=open_backend(config.runtime))
         from xlaserve.worker.server import serve
-        trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=_ready_writer(ready_file)))
+        ready = _ready_writer(ready_file, os.environ.get(READY_FD_ENV))
+        trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=ready))
     finally:
         claimed.close()
 
 
-def _ready_writer(path: str | None):
-    if not path:
+def _ready_writer(path: str | None, fd: str | None = None):
+    """The ready callback: the bound ports as JSON, written atomically to the file ``path``
+    and as one line to the inherited descriptor ``fd`` (a supervisor's pipe; closed after)."""
+    if not path and not fd:
         return None
 
     def write(grpc_port: int, http_port: int) -> None:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}, f)
-        os.replace(tmp, path)
+        nonlocal fd
+        report = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}
+        if path:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(report, f)
+            os.replace(tmp, path)
+        if fd:
+            try:
+                with open(int(fd), "w", closefd=True) as pipe:
+                    pipe.write(json.dumps(report) + "\n")
+            except (OSError, ValueError) as exc:
+                log.warning("cannot write the ready report to %s=%s: %s", READY_FD_ENV, fd, exc)
+            fd = None   # the descriptor is closed now; its number may be reused by another file
     return write

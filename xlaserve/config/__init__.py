@@ -2,8 +2,9 @@
 
 A node file names one shared model repository, the defaults every worker runs with (``global:``),
 optionally one entry per worker (``workers:``) whose blocks merge over those defaults, an optional
-pin map (``models:``), the node's public addresses (``listen:``) and the ``gateway:`` block of the
-gateway that fronts a multi-worker node.
+pin map (``models:``), the node's public addresses (``listen:``), how a multi-worker node's
+supervisor restarts and stops its workers (``supervisor:``), the log level and format
+(``logging:``) and the ``gateway:`` block of the gateway that fronts a multi-worker node.
 
 Four modules, one idea each:
 
@@ -25,9 +26,10 @@ from xlaserve.config.gateway import (GatewayConfig, embedded_gateway_config,
 from xlaserve.config.resolve import (ENV_PREFIX, effective_config_lines, environment_variables,
                                      load_node_config, parse_node_config, resolve_worker,
                                      to_plain, worker_count)
-from xlaserve.config.schema import (EndpointsConfig, ListenConfig, ModelSchedConfig, NodeConfig,
-                                    RuntimeConfig, SchedulerConfig, TlsConfig, WorkerConfig,
-                                    WorkerEntry, split_address)
+from xlaserve.config.schema import (EndpointsConfig, ListenConfig, LoggingConfig,
+                                    ModelSchedConfig, NodeConfig, RuntimeConfig, SchedulerConfig,
+                                    SupervisorConfig, TlsConfig, WorkerConfig, WorkerEntry,
+                                    split_address)
 
 __all__ = [
     "ENV_PREFIX",
@@ -35,10 +37,12 @@ __all__ = [
     "EndpointsConfig",
     "GatewayConfig",
     "ListenConfig",
+    "LoggingConfig",
     "ModelSchedConfig",
     "NodeConfig",
     "RuntimeConfig",
     "SchedulerConfig",
+    "SupervisorConfig",
     "TlsConfig",
     "WorkerConfig",
     "WorkerEntry",

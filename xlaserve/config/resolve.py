@@ -30,9 +30,9 @@ import yaml
 from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _is_int, _optional_inner,
                                     _mapping, _merge, _parse_partial, _reject_unknown, _show,
                                     _value)
-from xlaserve.config.schema import (MAX_PORT, EndpointsConfig, ListenConfig, NodeConfig,
-                                    RuntimeConfig, SchedulerConfig, WorkerConfig, WorkerEntry,
-                                    split_address)
+from xlaserve.config.schema import (MAX_PORT, EndpointsConfig, ListenConfig, LoggingConfig,
+                                    NodeConfig, RuntimeConfig, SchedulerConfig, SupervisorConfig,
+                                    WorkerConfig, WorkerEntry, split_address)
 
 ENV_PREFIX = "INFERENCE_SERVER_"
 GATEWAY_ENV_PREFIX = f"{ENV_PREFIX}GATEWAY_"
@@ -44,6 +44,9 @@ _BLOCKS: dict[str, type] = {"runtime": RuntimeConfig, "scheduler": SchedulerConf
                             "endpoints": EndpointsConfig}
 _NODE_ENV_FIELDS = ("model_repo", "base_port", "metrics_base_port", "cache_dir",
                     "model_control_mode", "model_poll_seconds", "models_include")
+# Top-level blocks read whole by the node (never per worker), like ``listen:``.
+_NODE_BLOCKS: dict[str, type] = {"listen": ListenConfig, "supervisor": SupervisorConfig,
+                                 "logging": LoggingConfig}
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 
@@ -52,7 +55,8 @@ _FALSE = ("false", "0", "no")
 def _env_table() -> dict[str, tuple[str, type, str]]:
     """Variable name -> (section, dataclass, field) for every supported override."""
     table: dict[str, tuple[str, type, str]] = {}
-    sections = [("node", NodeConfig, _NODE_ENV_FIELDS), ("listen", ListenConfig, None)]
+    sections = [("node", NodeConfig, _NODE_ENV_FIELDS)]
+    sections += [(name, cls, None) for name, cls in _NODE_BLOCKS.items()]
     sections += [(name, cls, None) for name, cls in _BLOCKS.items()]
     for section, cls, only in sections:
         for name, (_, rule, _) in _field_specs(cls).items():
@@ -89,7 +93,8 @@ def _from_text(hint: Any, text: str) -> Any:
 
 def _parse_environ(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """The ``INFERENCE_SERVER_*`` variables of ``environ``, as validated values by section."""
-    out: dict[str, dict[str, Any]] = {"node": {}, "listen": {}, **{s: {} for s in _BLOCKS}}
+    out: dict[str, dict[str, Any]] = {"node": {}, **{s: {} for s in _NODE_BLOCKS},
+                                      **{s: {} for s in _BLOCKS}}
     table = _env_table()
     for var in sorted(environ):
         if not var.startswith(ENV_PREFIX) or var.startswith(GATEWAY_ENV_PREFIX):
@@ -121,7 +126,7 @@ def _parse_environ(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
 # --- the node file -------------------------------------------------------------------------------
 
 _TOP_KEYS = frozenset({"model_repo", "base_port", "metrics_base_port", "gpus", "global",
-                       "workers", "models", "gateway", "listen"})
+                       "workers", "models", "gateway", *_NODE_BLOCKS})
 _GLOBAL_SCALARS = ("cache_dir", "model_control_mode", "model_poll_seconds", "models_include")
 _GLOBAL_KEYS = frozenset({*_GLOBAL_SCALARS, *_BLOCKS})
 _IMPLICIT_WORKER = re.compile(r"worker(0|[1-9][0-9]*)\Z")
@@ -213,8 +218,10 @@ def parse_node_config(data: Any, base_dir: str | Path,
     for section, cls in _BLOCKS.items():
         written = _parse_partial(cls, global_block.get(section), f"global.{section}", base_dir)
         node_fields[section] = _merge(_merge(cls(), written), env[section])
-    listen = _parse_partial(ListenConfig, top.get("listen"), "listen", base_dir)
-    node_fields["listen"] = _merge(_merge(ListenConfig(), listen), env["listen"])
+    for section, cls in _NODE_BLOCKS.items():
+        written = _parse_partial(cls, top.get(section), section, base_dir)
+        node_fields[section] = _merge(_merge(cls(), written), env[section])
+    _check_supervisor(node_fields["supervisor"])
     node_fields.update(env["node"])
     if "model_repo" not in node_fields:
         raise ConfigError(
@@ -235,6 +242,16 @@ def parse_node_config(data: Any, base_dir: str | Path,
     from xlaserve.config.gateway import check_node_gateway
     check_node_gateway(node, environ)
     return node
+
+
+def _check_supervisor(supervisor: SupervisorConfig) -> None:
+    """The rules between ``supervisor:`` keys that no single key's bounds can say."""
+    if supervisor.restart_backoff_max_seconds < supervisor.restart_backoff_initial_seconds:
+        raise ConfigError(
+            f"supervisor.restart_backoff_max_seconds: {supervisor.restart_backoff_max_seconds:g} is "
+            f"less than supervisor.restart_backoff_initial_seconds "
+            f"({supervisor.restart_backoff_initial_seconds:g}); expected a cap at least as long as "
+            "the first back-off")
 
 
 def _parse_workers(raw: Any, base_dir: Path) -> tuple[WorkerEntry, ...]:

@@ -420,6 +420,59 @@ class ListenConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    """How the supervisor of a multi-worker node keeps its workers running (YAML top-level block
+    ``supervisor:``; see docs/supervisor.md). A one-worker node served by ``xlaserve run`` has no
+    supervisor and ignores it.
+
+    A worker that exits without being asked to is restarted after a back-off that starts at
+    ``restart_backoff_initial_seconds`` and doubles with each exit of that worker within the last
+    ``restart_window_seconds``, capped at ``restart_backoff_max_seconds``. The exit that would be
+    its ``max_restarts + 1``-th restart within the window stops the whole node instead (exit
+    status 1), naming the worker, how it exited and its last log lines.
+
+    Attributes:
+        restart_backoff_initial_seconds: the wait before restarting a worker whose previous exit
+            is older than the window, >= 0. Default 0.5.
+        restart_backoff_max_seconds: the longest wait before a restart, >= 0 and not less than
+            ``restart_backoff_initial_seconds``. Default 30.
+        max_restarts: restarts of one worker allowed within ``restart_window_seconds``, >= 0
+            (0: the first unexpected exit stops the node). Default 5.
+        restart_window_seconds: the sliding window, in seconds, over which a worker's exits are
+            counted, > 0. Default 60.
+        stop_timeout_seconds: on SIGTERM/SIGINT, how long the gateway may drain, and then how
+            long the workers have between SIGTERM and SIGKILL, >= 0 each. Default 30.
+    """
+
+    restart_backoff_initial_seconds: float = _key(0.5, low=0.0)
+    restart_backoff_max_seconds: float = _key(30.0, low=0.0)
+    max_restarts: int = _key(5, low=0)
+    restart_window_seconds: float = _key(60.0, low=0.0, low_open=True)
+    stop_timeout_seconds: float = _key(30.0, low=0.0)
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class LoggingConfig:
+    """The node's log output (YAML top-level block ``logging:``).
+
+    Attributes:
+        level: the least severe messages written: ``debug``, ``info``, ``warning`` or ``error``.
+            Default ``info``. The command line's ``--log-level`` wins over it.
+        format: ``text`` (one ``time LEVEL logger: message`` line a record; a supervised worker's
+            lines prefixed ``[name] ``) or ``json`` (one JSON object a line, with ``time``,
+            ``level``, ``logger`` and ``message``; a supervised worker's lines carry a
+            ``worker`` field). Default ``text``. The command line's ``--log-format`` wins
+            over it.
+    """
+
+    level: str = _key("info", choices=LOG_LEVELS)
+    format: str = _key("text", choices=("text", "json"))
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerEntry:
     """One entry of ``workers:``, as written (override blocks validated but not yet merged).
 
@@ -489,9 +542,13 @@ class NodeConfig:
             (:mod:`xlaserve.config.gateway`), and read by
             :func:`~xlaserve.config.gateway.embedded_gateway_config`.
         listen: the node's public addresses.
+        supervisor: how a multi-worker node's workers are restarted and stopped
+            (:class:`SupervisorConfig`).
+        logging: log level and format (:class:`LoggingConfig`).
         env_overrides: the ``INFERENCE_SERVER_*`` overrides, by section (``node``, ``listen``,
-            ``runtime``, ``scheduler``, ``endpoints``); already applied to the fields above, and
-            applied again on top of each worker's blocks by :func:`resolve_worker`.
+            ``supervisor``, ``logging``, ``runtime``, ``scheduler``, ``endpoints``); already
+            applied to the fields above, and applied again on top of each worker's blocks by
+            :func:`resolve_worker`.
     """
 
     model_repo: Path
@@ -512,6 +569,8 @@ class NodeConfig:
     models: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
     gateway: Mapping[str, Any] | None = None
     listen: ListenConfig = field(default_factory=ListenConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     env_overrides: Mapping[str, Mapping[str, Any]] = field(
         default_factory=lambda: MappingProxyType({}))
 

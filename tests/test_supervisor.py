@@ -1,0 +1,587 @@
+"""The supervisor: its restart policy and line splitter as pure objects, the worker command lines
+of a node, and the process side with real stand-in workers (tiny ``python -c`` scripts that print,
+report ready, exit, crash or ignore SIGTERM), at back-offs of a few tens of milliseconds."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from xlaserve.config import ConfigError, LoggingConfig, SupervisorConfig, parse_node_config
+from xlaserve.logformat import JsonFormatter, worker_line
+from xlaserve.supervisor import (DEVICE_ISOLATED_ENV, MAX_LINE_BYTES, READY_FD_ENV, TAIL_LINES,
+                                 GiveUp, LineSplitter, Restart, RestartPolicy, Supervisor,
+                                 WorkerExited, WorkerReady, WorkerStarted, WorkerState, WorkerSpec,
+                                 describe_exit, supervise, visible_device, worker_specs)
+
+# --- the restart policy ----------------------------------------------------------------------------
+
+
+def test_the_back_off_doubles_from_the_default_and_the_sixth_exit_in_a_minute_gives_up():
+    policy = RestartPolicy.from_config(SupervisorConfig())
+    decisions = [policy.exited(t) for t in (0.0, 1.0, 2.0, 3.0, 4.0)]
+    assert decisions == [Restart(0.5, 1), Restart(1.0, 2), Restart(2.0, 3), Restart(4.0, 4),
+                         Restart(8.0, 5)]
+    assert policy.exited(5.0) == GiveUp(6)
+
+
+def test_the_back_off_is_capped():
+    policy = RestartPolicy(initial=1.0, maximum=3.0, max_restarts=10, window=100.0)
+    assert [policy.exited(t).delay for t in range(5)] == [1.0, 2.0, 3.0, 3.0, 3.0]
+
+
+def test_exits_older_than_the_window_are_forgotten():
+    policy = RestartPolicy(initial=0.5, maximum=30.0, max_restarts=2, window=10.0)
+    assert policy.exited(0.0) == Restart(0.5, 1)
+    assert policy.exited(5.0) == Restart(1.0, 2)
+    # the exit at 0 is 10 s old: out of the window, so this is the second exit in it, not the third
+    assert policy.exited(10.0) == Restart(1.0, 2)
+    # a worker that stays up longer than the window starts over at the first back-off
+    assert policy.exited(100.0) == Restart(0.5, 1)
+    assert policy.exited(101.0) == Restart(1.0, 2)
+    assert policy.exited(102.0) == GiveUp(3)
+
+
+def test_max_restarts_zero_gives_up_at_the_first_exit():
+    assert RestartPolicy(initial=0.5, maximum=1.0, max_restarts=0, window=60.0).exited(0.0) == GiveUp(1)
+
+
+def test_a_long_run_of_allowed_restarts_stays_finite():
+    policy = RestartPolicy(initial=0.5, maximum=30.0, max_restarts=5000, window=1e9)
+    delays = [policy.exited(float(t)).delay for t in range(5000)]
+    assert delays[-1] == 30.0 and all(d <= 30.0 for d in delays)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"initial": 2.0, "maximum": 1.0, "max_restarts": 1, "window": 1.0},
+    {"initial": -1.0, "maximum": 1.0, "max_restarts": 1, "window": 1.0},
+    {"initial": 0.5, "maximum": 1.0, "max_restarts": -1, "window": 1.0},
+    {"initial": 0.5, "maximum": 1.0, "max_restarts": 1, "window": 0.0},
+])
+def test_an_impossible_policy_is_refused(kwargs):
+    with pytest.raises(ValueError, match="restart policy"):
+        RestartPolicy(**kwargs)
+
+
+def test_describe_exit_names_the_code_or_the_signal():
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-signal.SIGKILL) == "killed by signal SIGKILL"
+    assert describe_exit(-200) == "killed by signal 200"
+
+
+# --- lines -----------------------------------------------------------------------------------------
+
+
+def test_lines_are_reassembled_across_chunks():
+    splitter = LineSplitter(100)
+    assert splitter.feed(b"one\ntw") == [(b"one", False)]
+    assert splitter.feed(b"o\n\nthr") == [(b"two", False), (b"", False)]
+    assert splitter.feed(b"ee") == []
+    assert splitter.finish() == b"three"
+    assert splitter.finish() is None
+
+
+def test_an_endless_line_is_cut_at_the_limit_and_the_rest_dropped():
+    splitter = LineSplitter(1000)
+    out = []
+    for _ in range(1000):                     # 1 MB without a newline, in 1 KiB chunks
+        out += splitter.feed(b"x" * 1024)
+        assert len(splitter._line) <= 1000    # what it holds never grows past the limit
+    assert out == [(b"x" * 1000, True)]
+    assert splitter.feed(b"tail of it\nnext\n") == [(b"next", False)]
+    assert splitter.finish() is None
+
+
+def test_a_line_of_exactly_the_limit_is_not_cut():
+    splitter = LineSplitter(4)
+    assert splitter.feed(b"abcd\nabcde\nz\n") == [(b"abcd", False), (b"abcd", True), (b"z", False)]
+
+
+def test_a_cut_line_without_newline_leaves_nothing_to_finish():
+    splitter = LineSplitter(4)
+    assert splitter.feed(b"abcdefgh") == [(b"abcd", True)]
+    assert splitter.finish() is None
+
+
+# --- log formats -----------------------------------------------------------------------------------
+
+
+def test_worker_lines_in_text_are_prefixed():
+    assert worker_line("worker1", "2026 INFO x: hello", "text") == "[worker1] 2026 INFO x: hello"
+
+
+def test_worker_lines_in_json_carry_the_worker():
+    plain = json.loads(worker_line("w0", "Traceback (most recent call last):", "json"))
+    assert plain == {"worker": "w0", "message": "Traceback (most recent call last):"}
+    own = worker_line("w0", json.dumps({"level": "info", "message": "up", "worker": "liar"}), "json")
+    assert own.startswith('{"worker": "w0"')
+    assert json.loads(own) == {"worker": "w0", "level": "info", "message": "up"}
+    # JSON that is not an object, and broken JSON, are text
+    assert json.loads(worker_line("w0", "[1, 2]", "json")) == {"worker": "w0", "message": "[1, 2]"}
+    assert json.loads(worker_line("w0", "{oops", "json")) == {"worker": "w0", "message": "{oops"}
+
+
+def test_the_json_formatter_writes_one_object_a_record():
+    record = logging.LogRecord("xlaserve.supervisor", logging.ERROR, __file__, 1,
+                               "worker %s died:\n  last line", ("w1",), None)
+    record.worker = "w1"
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        record.exc_info = sys.exc_info()
+    line = JsonFormatter().format(record)
+    assert "\n" not in line
+    entry = json.loads(line)
+    assert entry["level"] == "error" and entry["logger"] == "xlaserve.supervisor"
+    assert entry["worker"] == "w1" and entry["message"] == "worker w1 died:\n  last line"
+    assert "RuntimeError: boom" in entry["exception"]
+    assert entry["time"].endswith("Z")
+
+
+# --- the worker command lines of a node ------------------------------------------------------------
+
+NODE_PATH = Path("/srv/node/node.yaml")
+
+
+def node_of(data: dict, environ: dict | None = None):
+    return parse_node_config({"model_repo": "models", **data}, NODE_PATH.parent, environ)
+
+
+def test_a_cpu_node_runs_xlaserve_worker_per_worker_with_its_logging():
+    node = node_of({"gpus": 2, "logging": {"level": "debug", "format": "json"}})
+    specs = worker_specs(NODE_PATH, node, python="/py")
+    assert [s.name for s in specs] == ["worker0", "worker1"]
+    assert specs[1].argv == ("/py", "-m", "xlaserve", "--log-level", "debug", "--log-format", "json",
+                             "worker", str(NODE_PATH), "--worker", "worker1")
+    assert dict(specs[0].env) == {}           # cpu: no device to isolate
+
+
+def test_a_detected_count_is_passed_to_each_worker():
+    specs = worker_specs(NODE_PATH, node_of({}), 3, python="/py", log_level="warning")
+    assert [s.name for s in specs] == ["worker0", "worker1", "worker2"]
+    assert specs[2].argv[-4:] == ("--worker", "worker2", "--worker-count", "3")
+    assert specs[2].argv[3:7] == ("--log-level", "warning", "--log-format", "text")
+
+
+def test_on_cuda_each_worker_sees_only_its_device():
+    node = node_of({"global": {"runtime": {"backend": "cuda"}},
+                    "workers": [{"name": "a"}, {"name": "b", "gpu": 3}, {"name": "c"}]})
+    specs = worker_specs(NODE_PATH, node, python="/py", environ={})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in specs] == ["0", "3", "2"]
+    assert all(s.env[DEVICE_ISOLATED_ENV] == "1" for s in specs)
+    # a container-level filter maps the ordinals onto the devices it lets through
+    filtered = worker_specs(NODE_PATH, node, python="/py", environ={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert [s.env["CUDA_VISIBLE_DEVICES"] for s in filtered] == ["4", "7", "6"]
+    with pytest.raises(ConfigError, match=r"worker b: device ordinal 3: CUDA_VISIBLE_DEVICES='4,5' "
+                                          r"shows 2 devices"):
+        worker_specs(NODE_PATH, node, python="/py", environ={"CUDA_VISIBLE_DEVICES": "4,5"})
+
+
+def test_visible_device_keeps_uuids():
+    assert visible_device(1, "GPU-aaa, GPU-bbb") == "GPU-bbb"
+    assert visible_device(1, "") == "1"
+
+
+# --- the process side ------------------------------------------------------------------------------
+
+# Every stand-in worker starts with this: ready() reports ports the way `xlaserve worker` does.
+PRELUDE = """\
+import json, os, signal, sys, time
+def ready(grpc=7001, http=7101):
+    with open(int(os.environ['XLASERVE_READY_FD']), 'w') as f:
+        f.write(json.dumps({'grpc_port': grpc, 'http_port': http, 'pid': os.getpid()}) + '\\n')
+"""
+
+FAST = SupervisorConfig(restart_backoff_initial_seconds=0.02, restart_backoff_max_seconds=0.05,
+                        max_restarts=2, restart_window_seconds=60.0, stop_timeout_seconds=2.0)
+
+
+def fake(name: str, code: str, **env: str) -> WorkerSpec:
+    return WorkerSpec(name, (sys.executable, "-c", PRELUDE + code), env)
+
+
+# a worker that prints a line, reports ready and serves until SIGTERM (its default action ends it)
+SERVES = "print('serving', flush=True); ready(); time.sleep(60)"
+
+
+class Lines(list):
+    def of(self, worker: str) -> list[str]:
+        prefix = f"[{worker}] "
+        return [line[len(prefix):] for line in self if line.startswith(prefix)]
+
+
+async def wait_for(receive, count: int, kind: type) -> list:
+    seen = []
+    async for event in receive:
+        seen.append(event)
+        if sum(isinstance(e, kind) for e in seen) == count:
+            return seen
+    raise AssertionError(f"events ended before {count} {kind.__name__}: {seen}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_worker_output_is_multiplexed_with_each_workers_name_and_the_ready_report_is_read():
+    lines = Lines()
+    specs = [fake("w0", "print('out0', flush=True); print('err0', file=sys.stderr, flush=True); " + SERVES),
+             fake("w1", "print('hello from', os.environ['ONLY_MINE'], flush=True); ready(7002, 7102);"
+                        "time.sleep(60)", ONLY_MINE="w1")]
+
+    async def main():
+        supervisor = Supervisor(specs, FAST, write=lines.append)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            seen = await wait_for(events, 2, WorkerReady)
+            status = {s.name: s for s in supervisor.status()}
+            assert status["w0"].state is WorkerState.RUNNING and status["w1"].grpc_port == 7002
+            assert status["w1"].http_port == 7102 and status["w1"].restarts == 0
+            ready = {e.name: e for e in seen if isinstance(e, WorkerReady)}
+            started = {e.name: e for e in seen if isinstance(e, WorkerStarted)}
+            assert ready["w0"] == WorkerReady("w0", started["w0"].pid, 7001, 7101)
+            assert started["w1"].attempt == 0 and started["w1"].pid == status["w1"].pid
+            supervisor.stop()
+        return supervisor
+
+    supervisor = trio.run(main)
+    assert lines.of("w1") == ["hello from w1"]
+    assert lines.of("w0")[:2] == ["out0", "err0"] and "serving" in lines.of("w0")
+    assert all(s.state is WorkerState.STOPPED and s.pid is None for s in supervisor.status())
+
+
+def test_json_log_format_gives_every_worker_line_a_worker_field():
+    lines = Lines()
+    record = json.dumps({"level": "info", "message": "model mlp ready"})
+    specs = [fake("w0", f"print({record!r}); print('plain text', flush=True); ready(); time.sleep(60)")]
+
+    async def main():
+        supervisor = Supervisor(specs, FAST, log_format="json", write=lines.append)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            await wait_for(events, 1, WorkerReady)
+            supervisor.stop()
+
+    trio.run(main)
+    assert [json.loads(line) for line in lines] == [
+        {"worker": "w0", "level": "info", "message": "model mlp ready"},
+        {"worker": "w0", "message": "plain text"}]
+
+
+def test_an_enormous_line_is_cut_and_the_next_line_still_arrives():
+    lines = Lines()
+    # 1 MiB without a newline, then a normal line; then the worker exits and is not restarted
+    specs = [fake("w0", "sys.stdout.write('y' * (1 << 20)); print(); print('after', flush=True)")]
+
+    async def main():
+        config = SupervisorConfig(max_restarts=0, stop_timeout_seconds=1.0)
+        return await Supervisor(specs, config, write=lines.append).run()
+
+    assert trio.run(main) == 1
+    cut, after = lines.of("w0")
+    assert cut == "y" * MAX_LINE_BYTES + f" [cut: line longer than {MAX_LINE_BYTES} bytes]"
+    assert after == "after"
+
+
+def test_a_crashing_worker_is_restarted_with_back_off_then_the_node_stops_naming_it(caplog):
+    lines = Lines()
+    # w0 prints a numbered line and crashes at once; w1 serves and must be stopped with the node
+    specs = [fake("w0", "print('attempt line', time.time(), flush=True); sys.exit(3)"),
+             fake("w1", SERVES)]
+    events: list = []
+
+    async def main():
+        supervisor = Supervisor(specs, FAST, write=lines.append)
+        receive = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            async def collect():
+                async for event in receive:
+                    events.append((trio.current_time(), event))
+            nursery.start_soon(collect)
+            started = trio.current_time()
+            code = await supervisor.run()
+            return code, trio.current_time() - started, supervisor.status()
+
+    with caplog.at_level(logging.WARNING, logger="xlaserve.supervisor"):
+        code, elapsed, status = trio.run(main)
+    assert code == 1
+    w0_exits = [e for _, e in events if isinstance(e, WorkerExited) and e.name == "w0"]
+    assert [(e.returncode, e.restarting_in) for e in w0_exits] == [(3, 0.02), (3, 0.04), (3, None)]
+    w0_starts = [(t, e) for t, e in events if isinstance(e, WorkerStarted) and e.name == "w0"]
+    assert [e.attempt for _, e in w0_starts] == [0, 1, 2]
+    exit_times = [t for t, e in events if isinstance(e, WorkerExited) and e.name == "w0"]
+    # each restart waited out its back-off after the exit before it
+    assert w0_starts[1][0] - exit_times[0] >= 0.02 and w0_starts[2][0] - exit_times[1] >= 0.04
+    # w1 was stopped with the node (SIGTERM's default action), not restarted
+    w1_exits = [e for _, e in events if isinstance(e, WorkerExited) and e.name == "w1"]
+    assert [(e.returncode, e.restarting_in) for e in w1_exits] == [(-signal.SIGTERM, None)]
+    by_name = {s.name: s for s in status}
+    assert by_name["w0"].restarts == 2 and by_name["w0"].last_returncode == 3
+    assert by_name["w1"].last_returncode == -signal.SIGTERM
+    report = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(report) == 1 and report[0].worker == "w0"
+    message = report[0].getMessage()
+    assert message.startswith("worker w0 exited (exit code 3), its 3rd exit within 60 s "
+                              "(supervisor.max_restarts: 2); stopping the node. Its last 3 lines:")
+    assert message.count("attempt line") == 3
+    assert len(lines.of("w0")) == 3
+    assert elapsed < 5
+
+
+def test_a_worker_killed_by_a_signal_is_reported_by_the_signals_name(caplog):
+    specs = [fake("w0", "print('about to die', flush=True); os.kill(os.getpid(), signal.SIGKILL)")]
+
+    async def main():
+        config = SupervisorConfig(max_restarts=0, stop_timeout_seconds=1.0)
+        return await Supervisor(specs, config, write=lambda line: None).run()
+
+    with caplog.at_level(logging.ERROR, logger="xlaserve.supervisor"):
+        assert trio.run(main) == 1
+    assert "worker w0 exited (killed by signal SIGKILL), its 1st exit" in caplog.text
+    assert "\n  about to die" in caplog.text
+
+
+def test_the_crash_report_keeps_only_the_last_lines():
+    specs = [fake("w0", "[print('line', i) for i in range(500)]; sys.exit(1)")]
+
+    async def main():
+        supervisor = Supervisor(specs, SupervisorConfig(max_restarts=0), write=lambda line: None)
+        await supervisor.run()
+        return list(supervisor._workers[0].tail)
+
+    tail = trio.run(main)
+    assert tail == [f"line {i}" for i in range(500 - TAIL_LINES, 500)]
+
+
+def test_a_program_that_cannot_be_started_counts_as_a_crash(tmp_path):
+    lines = Lines()
+    specs = [WorkerSpec("w0", (str(tmp_path / "no-such-program"),))]
+
+    async def main():
+        supervisor = Supervisor(specs, SupervisorConfig(max_restarts=0), write=lines.append)
+        return await supervisor.run(), supervisor.status()
+
+    code, (status,) = trio.run(main)
+    assert code == 1 and status.last_returncode == 127
+    assert lines.of("w0")[0].startswith(f"cannot start '{tmp_path / 'no-such-program'}': ")
+
+
+def test_stop_drains_first_then_sigterm_then_sigkill_for_a_worker_that_ignores_it():
+    lines = Lines()
+    specs = [fake("polite", "signal.signal(signal.SIGTERM, lambda *_: (print('draining', flush=True),"
+                            " sys.exit(0))); ready(); time.sleep(60)"),
+             fake("deaf", "signal.signal(signal.SIGTERM, signal.SIG_IGN); ready(); time.sleep(60)")]
+    config = SupervisorConfig(stop_timeout_seconds=0.3)
+    order: list[str] = []
+
+    async def main():
+        supervisor = Supervisor(specs, config, write=lines.append)
+
+        async def drain():
+            # the gateway drains while every worker still runs and none was signalled
+            states = {s.state for s in supervisor.status()}
+            pids = [s.pid for s in supervisor.status()]
+            order.append(f"hook saw {sorted(x.value for x in states)}, alive {all(map(alive, pids))}")
+            await trio.sleep(0.05)
+            order.append("hook done")
+        supervisor.add_before_stop(drain)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            seen = await wait_for(events, 2, WorkerReady)
+            pids = {e.name: e.pid for e in seen if isinstance(e, WorkerReady)}
+            supervisor.stop()
+            stopped_at = trio.current_time()
+            exits = {e.name: (e, trio.current_time() - stopped_at) async for e in events
+                     if isinstance(e, WorkerExited)}
+        return pids, exits, supervisor.status()
+
+    pids, exits, status = trio.run(main)
+    assert order == ["hook saw ['running'], alive True", "hook done"]
+    polite, polite_after = exits["polite"]
+    deaf, deaf_after = exits["deaf"]
+    assert polite.returncode == 0 and polite.restarting_in is None and polite_after < deaf_after
+    assert deaf.returncode == -signal.SIGKILL and deaf_after >= 0.05 + 0.3
+    assert lines.of("polite")[-1] == "draining"
+    assert not alive(pids["polite"]) and not alive(pids["deaf"])
+    assert all(s.state is WorkerState.STOPPED for s in status)
+
+
+def test_a_hook_that_hangs_or_fails_does_not_keep_the_workers_running(caplog):
+    specs = [fake("w0", SERVES)]
+    config = SupervisorConfig(stop_timeout_seconds=0.2)
+
+    async def hangs():
+        await trio.sleep_forever()
+
+    async def fails():
+        raise RuntimeError("drain bug")
+
+    async def main(hook):
+        supervisor = Supervisor(specs, config, write=lambda line: None, before_stop=hook)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            await wait_for(events, 1, WorkerReady)
+            supervisor.stop()
+            return [e async for e in events]
+
+    with caplog.at_level(logging.WARNING, logger="xlaserve.supervisor"):
+        for hook in (hangs, fails):
+            exits = [e for e in trio.run(main, hook) if isinstance(e, WorkerExited)]
+            assert [e.returncode for e in exits] == [-signal.SIGTERM]
+    assert "did not finish within supervisor.stop_timeout_seconds (0.2 s)" in caplog.text
+    assert "a before-stop hook failed" in caplog.text and "drain bug" in caplog.text
+
+
+def test_a_worker_in_its_back_off_is_not_restarted_once_the_node_stops():
+    specs = [fake("w0", "sys.exit(5)")]
+    config = SupervisorConfig(restart_backoff_initial_seconds=30.0, restart_backoff_max_seconds=30.0)
+
+    async def main():
+        supervisor = Supervisor(specs, config, write=lambda line: None)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            (_, exited) = await wait_for(events, 1, WorkerExited)
+            assert exited.restarting_in == 30.0
+            assert supervisor.status()[0].state is WorkerState.RESTARTING
+            supervisor.stop()
+            rest = [e async for e in events]
+        return rest, trio.current_time()
+
+    started = time.monotonic()
+    rest, _ = trio.run(main)
+    assert rest == [] and time.monotonic() - started < 5
+
+
+def test_cancelling_the_supervisor_still_stops_its_workers():
+    specs = [fake("w0", SERVES), fake("w1", SERVES)]
+
+    async def main():
+        supervisor = Supervisor(specs, FAST, write=lambda line: None)
+        events = supervisor.subscribe()
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(supervisor.run)
+                seen = await wait_for(events, 2, WorkerReady)
+                scope.cancel()
+        return [e.pid for e in seen if isinstance(e, WorkerReady)]
+
+    pids = trio.run(main)
+    assert len(pids) == 2 and not any(map(alive, pids))
+
+
+def test_supervise_stops_on_sigterm_after_the_gateway_drained(tmp_path):
+    node = node_of({"supervisor": {"stop_timeout_seconds": 1.0}, "logging": {"format": "json"}})
+    lines = Lines()
+    order: list[str] = []
+
+    async def gateway(supervisor):
+        async def drain():
+            order.append("drain")
+        supervisor.add_before_stop(drain)
+        events = supervisor.subscribe()
+        await wait_for(events, 2, WorkerReady)
+        order.append("ready")
+        os.kill(os.getpid(), signal.SIGTERM)       # handled by supervise: the node stops, exit 0
+        async for event in events:
+            if isinstance(event, WorkerExited):
+                order.append(f"exited {event.name}")
+        await trio.sleep_forever()                 # cancelled once the workers are stopped
+
+    specs = [fake("w0", SERVES), fake("w1", SERVES)]
+    code = trio.run(lambda: supervise(NODE_PATH, node, gateway=gateway, specs=specs, write=lines.append))
+    assert code == 0
+    assert order[:2] == ["ready", "drain"] and sorted(order[2:]) == ["exited w0", "exited w1"]
+    assert {json.loads(line)["worker"] for line in lines} == {"w0", "w1"}
+
+
+def test_a_subscriber_that_stops_reading_is_cut_off_not_buffered_forever(caplog, monkeypatch):
+    monkeypatch.setattr("xlaserve.supervisor.MAX_PENDING_EVENTS", 3)
+    specs = [fake("w0", "sys.exit(1)")]
+    config = SupervisorConfig(restart_backoff_initial_seconds=0.0, restart_backoff_max_seconds=0.0,
+                              max_restarts=3)
+
+    async def main():
+        supervisor = Supervisor(specs, config, write=lambda line: None)
+        stalled = supervisor.subscribe()           # never read until the end
+        reader = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            got: list = []
+
+            async def read():
+                async for event in reader:
+                    got.append(event)
+            nursery.start_soon(read)
+            await supervisor.run()
+        return [e async for e in stalled], got
+
+    with caplog.at_level(logging.ERROR, logger="xlaserve.supervisor"):
+        stalled, got = trio.run(main)
+    assert len(stalled) == 3 and len(got) == 8    # 4 starts, 4 exits
+    assert "left 3 unread; closing its channel" in caplog.text
+
+
+def test_supervisor_refuses_duplicate_names():
+    with pytest.raises(ValueError, match="distinct names"):
+        Supervisor([fake("w", ""), fake("w", "")])
+
+
+# --- the worker's side: the ready report and the child's command line --------------------------------
+
+
+def test_a_worker_writes_its_ports_to_the_supervisors_descriptor_once():
+    from xlaserve.node import _ready_writer
+    read, write = os.pipe()
+    report = _ready_writer(None, str(write))
+    report(7001, 7101)
+    with os.fdopen(read) as pipe:
+        assert json.loads(pipe.read()) == {"grpc_port": 7001, "http_port": 7101, "pid": os.getpid()}
+    assert _ready_writer(None, None) is None
+
+
+def test_the_worker_command_accepts_the_count_gpus_auto_detected(tmp_path):
+    node = tmp_path / "node.yaml"
+    node.write_text(f"model_repo: {tmp_path / 'absent'}\n")      # gpus: auto, so one worker by itself
+    base = [sys.executable, "-m", "xlaserve", "worker", str(node), "--worker", "worker2"]
+    without = subprocess.run(base, capture_output=True, text=True, timeout=60)
+    assert without.returncode == 2 and "no such worker (workers: worker0)" in without.stderr
+    told = subprocess.run(base + ["--worker-count", "3"], capture_output=True, text=True, timeout=60)
+    # it is worker2 of three now, and gets as far as its (absent) model repository
+    assert told.returncode == 2 and "model_repo" in told.stderr and "no such worker" not in told.stderr
+
+
+def test_the_node_files_logging_block_sets_the_level_and_format_unless_the_command_line_does():
+    # in a child process: the test's own logging (pytest's capture) stays as it is
+    script = """
+import argparse, logging
+from pathlib import Path
+from xlaserve.cli import _logging, _node_logging
+from xlaserve.config import parse_node_config
+node = parse_node_config({"model_repo": "m", "logging": {"level": "warning", "format": "json"}}, Path("/"))
+root = logging.getLogger()
+for level, fmt in ((None, None), ("debug", None), ("error", "text")):
+    _logging(level or "info", fmt or "text")
+    _node_logging(argparse.Namespace(log_level=level, log_format=fmt), node)
+    print(logging.getLevelName(root.level), type(root.handlers[0].formatter).__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[:3] == ["WARNING JsonFormatter", "DEBUG JsonFormatter", "ERROR Formatter"]
+    assert LoggingConfig() == LoggingConfig(level="info", format="text")

@@ -1,0 +1,69 @@
+"""The two log formats of ``logging.format``: ``text`` and ``json``.
+
+A process formats its own records with :func:`formatter`. A supervisor also writes the lines its
+workers print, each marked with the worker's name (:func:`worker_line`): ``[worker0] ...`` in
+text, a ``worker`` field in JSON. A worker started by the supervisor is told the node's format
+(``--log-format``), so in ``json`` its lines arrive as JSON objects and only gain the field.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a record: ``time`` (UTC, ISO 8601 with milliseconds), ``level`` (lower
+    case, the node file's vocabulary), ``logger``, ``message``; ``worker`` when the record was
+    logged with ``extra={"worker": name}``; ``exception`` with the formatted traceback when there
+    is one. A multi-line message stays one object (the newlines are escaped)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        entry: dict[str, Any] = {
+            "time": f"{seconds}.{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        worker = getattr(record, "worker", None)
+        if worker is not None:
+            entry["worker"] = worker
+        entry["message"] = record.getMessage()
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def formatter(log_format: str) -> logging.Formatter:
+    """The formatter for ``logging.format`` ``text`` or ``json`` (ValueError for anything else)."""
+    if log_format == "json":
+        return JsonFormatter()
+    if log_format == "text":
+        return logging.Formatter(TEXT_FORMAT)
+    raise ValueError(f"log format: expected one of {', '.join(LOG_FORMATS)}, got {log_format!r}")
+
+
+def worker_line(worker: str, text: str, log_format: str) -> str:
+    """One line a worker printed (``text``, without its newline) as the supervisor writes it.
+
+    ``text`` format: ``[worker] text``. ``json``: a line that is itself a JSON object gets a
+    ``worker`` field (first; replacing any the worker wrote, since the supervisor knows which
+    process printed it); any other line becomes ``{"worker": ..., "message": text}``."""
+    if log_format != "json":
+        return f"[{worker}] {text}"
+    entry: dict[str, Any] | None = None
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            entry = parsed
+    if entry is None:
+        entry = {"message": text}
+    entry.pop("worker", None)
+    return json.dumps({"worker": worker, **entry}, ensure_ascii=False)

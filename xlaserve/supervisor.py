@@ -1,0 +1,650 @@
+"""The supervisor of a multi-worker node: one child process per worker, their output on one
+stream, restarts with a capped back-off, and an orderly stop.
+
+:class:`Supervisor` runs the processes a sequence of :class:`WorkerSpec` describes (for a node
+file, :func:`worker_specs`: ``python -m xlaserve worker NODE --worker NAME`` per worker);
+:func:`supervise` is the entry point that also runs the gateway beside it. What the supervisor
+decides about a worker that exited is :class:`RestartPolicy`'s, a pure object; how a child's
+output is cut into bounded lines is :class:`LineSplitter`'s.
+
+A worker reports that it serves by writing one JSON line (``{"grpc_port": ..., "http_port":
+..., "pid": ...}``) to the file descriptor named by the ``XLASERVE_READY_FD`` variable the
+supervisor sets; the supervisor reads the other end of that pipe, so readiness costs no
+polling. A worker that never writes it stays ``starting``.
+
+Who learns what: :meth:`Supervisor.subscribe` gives a channel of :data:`SupervisorEvent`
+(started, ready, exited), which the gateway follows to re-discover a restarted worker and to
+stop routing to one that exited; :meth:`Supervisor.status` gives snapshots for ``/readyz``,
+``/metrics`` and logs.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+
+import trio
+
+from xlaserve.config import ConfigError, NodeConfig, resolve_worker, worker_count
+from xlaserve.config.schema import SupervisorConfig
+from xlaserve.logformat import worker_line
+
+log = logging.getLogger("xlaserve.supervisor")
+
+READY_FD_ENV = "XLASERVE_READY_FD"
+# Set for a worker whose device the supervisor made the only one it sees (CUDA_VISIBLE_DEVICES):
+# the worker then opens ordinal 0, whatever ordinal its node-file entry names.
+DEVICE_ISOLATED_ENV = "XLASERVE_DEVICE_ISOLATED"
+
+# A child that prints a line without end (a runaway loop, binary garbage) must not make the
+# supervisor hold it all: past this many bytes the line is written cut, and the rest of it dropped.
+MAX_LINE_BYTES = 64 * 1024
+# Lines of each worker kept for the report when it crashes too often (at most this many times
+# MAX_LINE_BYTES per worker).
+TAIL_LINES = 50
+# After a worker exits, how long its output may still arrive (a process it started may hold the
+# pipe open) before the supervisor stops reading it.
+OUTPUT_DRAIN_SECONDS = 1.0
+# The ready report is one short JSON line; a child that writes more is not believed.
+MAX_READY_BYTES = 4096
+_READ_CHUNK = 64 * 1024
+# Events a subscriber may leave unread. A worker causes at most three per start and starts are
+# limited by the restart policy, so a subscriber this far behind has stopped reading: its channel
+# is closed rather than letting it hold the supervisor's memory.
+MAX_PENDING_EVENTS = 1024
+_CANNOT_START = 127     # the returncode given to a worker whose program could not be run (as sh's)
+
+
+# --- what to run ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One worker process: its ``name`` (the prefix of its log lines, the name in events), the
+    command line ``argv`` (``argv[0]`` is the program) and ``env``, variables set on top of the
+    supervisor's own environment."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+def visible_device(ordinal: int, visible: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that shows a worker only the device at ``ordinal`` of
+    the supervisor's own view: the ``ordinal``-th entry of the supervisor's ``visible`` (its
+    ``CUDA_VISIBLE_DEVICES``, a container-level filter), or the ordinal itself when that is
+    unset. ConfigError when the filter shows fewer devices."""
+    if visible is None or not visible.strip():
+        return str(ordinal)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if ordinal >= len(entries):
+        raise ConfigError(f"device ordinal {ordinal}: CUDA_VISIBLE_DEVICES={visible!r} shows "
+                          f"{len(entries)} device{'s' if len(entries) != 1 else ''} (ordinals 0.."
+                          f"{len(entries) - 1})")
+    return entries[ordinal]
+
+
+def worker_specs(node_path: str | Path, node: NodeConfig, count: int | None = None, *,
+                 log_level: str | None = None, log_format: str | None = None,
+                 python: str = sys.executable,
+                 environ: Mapping[str, str] = os.environ) -> tuple[WorkerSpec, ...]:
+    """The worker processes of a node: ``python -m xlaserve --log-level L --log-format F worker
+    NODE --worker NAME`` for each of its ``count`` workers (default: :func:`worker_count`; pass
+    the count ``gpus: auto`` detected, which each child is told with ``--worker-count``).
+
+    ``log_level``/``log_format`` default to the node's ``logging:`` block. On ``cuda`` each
+    worker sees only its device: ``CUDA_VISIBLE_DEVICES`` is set to its ordinal (its ``gpu:``,
+    else its index) as :func:`visible_device` maps it through ``environ``'s filter, and the
+    worker opens ordinal 0 of that view. On ``cpu`` nothing is set. ConfigError when a worker
+    cannot be resolved or its device is not visible."""
+    explicit_count = node.workers_explicit or count is None
+    count = worker_count(node) if count is None else count
+    level = log_level or node.logging.level
+    fmt = log_format or node.logging.format
+    specs = []
+    for index in range(count):
+        config = resolve_worker(node, index, None if node.workers_explicit else count)
+        argv = [python, "-m", "xlaserve", "--log-level", level, "--log-format", fmt,
+                "worker", str(node_path), "--worker", config.name]
+        if not explicit_count:
+            argv += ["--worker-count", str(count)]
+        env = {}
+        if config.runtime.backend == "cuda":
+            ordinal = config.gpu if config.gpu is not None else config.index
+            try:
+                env["CUDA_VISIBLE_DEVICES"] = visible_device(ordinal, environ.get("CUDA_VISIBLE_DEVICES"))
+            except ConfigError as exc:
+                raise ConfigError(f"worker {config.name}: {exc}") from None
+            env[DEVICE_ISOLATED_ENV] = "1"
+        specs.append(WorkerSpec(config.name, tuple(argv), MappingProxyType(env)))
+    return tuple(specs)
+
+
+# --- the restart policy --------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """Restart the worker after ``delay`` seconds; this is its ``restarts_in_window``-th restart
+    within the window."""
+
+    delay: float
+    restarts_in_window: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Restart no more and stop the node: the worker exited ``exits_in_window`` times within
+    the window, more than the restarts allowed."""
+
+    exits_in_window: int
+
+
+class RestartPolicy:
+    """What to do when one worker exits unexpectedly: its exit times in, a decision out.
+
+    Exits are counted over a sliding window of ``window`` seconds (this exit included). The
+    n-th exit within the window is answered with a restart after ``initial * 2**(n-1)``
+    seconds, at most ``maximum``; an exit that would be restart number ``max_restarts + 1``
+    within the window is answered :class:`GiveUp`. A worker that stays up longer than the window
+    starts over at ``initial``. Pure: the caller passes the time, so the policy is tested
+    without processes or clocks. Memory is bounded: at most ``max_restarts + 1`` times are kept.
+    """
+
+    def __init__(self, *, initial: float, maximum: float, max_restarts: int, window: float) -> None:
+        if not (0 <= initial <= maximum) or max_restarts < 0 or window <= 0:
+            raise ValueError(f"restart policy: need 0 <= initial ({initial}) <= maximum ({maximum}), "
+                             f"max_restarts ({max_restarts}) >= 0 and window ({window}) > 0")
+        self.initial = initial
+        self.maximum = maximum
+        self.max_restarts = max_restarts
+        self.window = window
+        self._exits: collections.deque[float] = collections.deque()
+
+    @classmethod
+    def from_config(cls, config: SupervisorConfig) -> RestartPolicy:
+        return cls(initial=config.restart_backoff_initial_seconds,
+                   maximum=config.restart_backoff_max_seconds,
+                   max_restarts=config.max_restarts, window=config.restart_window_seconds)
+
+    def exited(self, now: float) -> Restart | GiveUp:
+        """The worker exited at ``now`` (seconds, any monotonic clock; never earlier than a
+        previous call's)."""
+        self._exits.append(now)
+        while self._exits[0] <= now - self.window:
+            self._exits.popleft()
+        count = len(self._exits)
+        if count > self.max_restarts:
+            return GiveUp(count)
+        # 2**60 already exceeds any cap in seconds; the bound keeps the float finite
+        delay = min(self.maximum, self.initial * 2.0 ** min(count - 1, 60))
+        return Restart(delay, count)
+
+
+# --- output lines --------------------------------------------------------------------------------
+
+class LineSplitter:
+    """Cuts a byte stream into lines of at most ``limit`` bytes (the newline not counted).
+
+    :meth:`feed` returns the lines completed by a chunk as ``(line, cut)``: a line longer than
+    ``limit`` is returned as its first ``limit`` bytes with ``cut`` true as soon as it crosses
+    the limit, and its remaining bytes up to the next newline are dropped. So the splitter holds
+    at most ``limit`` bytes, whatever the stream. :meth:`finish` returns a last line that had no
+    newline (None if there is none)."""
+
+    def __init__(self, limit: int = MAX_LINE_BYTES) -> None:
+        self.limit = limit
+        self._line = bytearray()
+        self._dropping = False
+
+    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
+        lines: list[tuple[bytes, bool]] = []
+        start = 0
+        while start < len(data):
+            newline = data.find(b"\n", start)
+            end = len(data) if newline < 0 else newline
+            if not self._dropping:
+                room = self.limit - len(self._line)
+                if end - start > room:
+                    self._line += data[start:start + room]
+                    lines.append((bytes(self._line), True))
+                    self._line.clear()
+                    self._dropping = True
+                else:
+                    self._line += data[start:end]
+            if newline < 0:
+                break
+            if self._dropping:
+                self._dropping = False
+            else:
+                lines.append((bytes(self._line), False))
+                self._line.clear()
+            start = newline + 1
+        return lines
+
+    def finish(self) -> bytes | None:
+        if self._dropping or not self._line:
+            return None
+        line = bytes(self._line)
+        self._line.clear()
+        return line
+
+
+# --- events and status ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class WorkerStarted:
+    """A worker process was started: ``attempt`` 0 is its first start, n its n-th restart."""
+
+    name: str
+    pid: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """A worker reported that it serves, on these (bound) ports."""
+
+    name: str
+    pid: int
+    grpc_port: int
+    http_port: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerExited:
+    """A worker process ended with ``returncode`` (negative: killed by that signal; 127 with
+    ``pid`` 0 when its program could not be started at all). ``restarting_in`` is the back-off before it is started again, or None when it is not (the
+    node is stopping, or the worker crashed too often)."""
+
+    name: str
+    pid: int
+    returncode: int
+    restarting_in: float | None
+
+
+SupervisorEvent = WorkerStarted | WorkerReady | WorkerExited
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"       # its process runs; it has not reported that it serves
+    RUNNING = "running"         # it reported its ports
+    RESTARTING = "restarting"   # it exited; waiting out the back-off
+    STOPPING = "stopping"       # sent SIGTERM by the node's stop
+    STOPPED = "stopped"         # no process, and none will be started
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatus:
+    """A snapshot of one worker: its state, the pid of its process (None without one), how many
+    times it was restarted, its ports once it reported them, and how its last process ended."""
+
+    name: str
+    state: WorkerState
+    pid: int | None
+    restarts: int
+    grpc_port: int | None
+    http_port: int | None
+    last_returncode: int | None
+
+
+def describe_exit(returncode: int) -> str:
+    """``exit code 3`` or ``killed by signal SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class _Worker:
+    """The supervisor's record of one worker; owned by that worker's task."""
+
+    __slots__ = ("spec", "policy", "state", "process", "restarts", "ports", "last_returncode",
+                 "tail", "done")
+
+    def __init__(self, spec: WorkerSpec, policy: RestartPolicy) -> None:
+        self.spec = spec
+        self.policy = policy
+        self.state = WorkerState.STARTING
+        self.process: trio.Process | None = None
+        self.restarts = 0
+        self.ports: tuple[int, int] | None = None
+        self.last_returncode: int | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.done = trio.Event()
+
+    def status(self) -> WorkerStatus:
+        pid = self.process.pid if self.process is not None else None
+        grpc_port, http_port = self.ports if self.ports is not None else (None, None)
+        return WorkerStatus(self.spec.name, self.state, pid, self.restarts, grpc_port, http_port,
+                            self.last_returncode)
+
+
+def _stdout_line(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+# --- the supervisor ------------------------------------------------------------------------------
+
+class Supervisor:
+    """Runs one process per :class:`WorkerSpec` until :meth:`stop` (or a worker crashing too
+    often, which stops the node with exit status 1).
+
+    Each line a worker prints (stdout and stderr, one pipe) goes to ``write`` (default: this
+    process's stdout) as :func:`~xlaserve.logformat.worker_line` formats it for ``log_format``.
+    Its last :data:`TAIL_LINES` lines are kept for the crash report. Workers run in their own
+    process group, so a Ctrl-C at a terminal reaches the supervisor alone and the stop order
+    below holds.
+
+    Stop order: the ``before_stop`` hooks (the gateway stops accepting and drains) are awaited,
+    at most ``stop_timeout_seconds`` in all; then every worker is sent SIGTERM (it drains
+    itself) and given ``stop_timeout_seconds`` to exit, then sent SIGKILL. No worker is
+    restarted once the stop has begun.
+    """
+
+    def __init__(self, workers: Sequence[WorkerSpec], config: SupervisorConfig | None = None, *,
+                 log_format: str = "text", write: Callable[[str], None] | None = None,
+                 before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        names = [spec.name for spec in workers]
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"supervisor: expected workers with distinct names, got {names}")
+        self.config = config or SupervisorConfig()
+        self.log_format = log_format
+        self._write = write or _stdout_line
+        self._workers = [_Worker(spec, RestartPolicy.from_config(self.config)) for spec in workers]
+        self._before_stop: list[Callable[[], Awaitable[None]]] = [before_stop] if before_stop else []
+        self._subscribers: list[trio.MemorySendChannel[SupervisorEvent]] = []
+        self._stop_requested = trio.Event()
+        self._exit_code = 0
+
+    # -- what others may ask --
+
+    def subscribe(self) -> trio.MemoryReceiveChannel[SupervisorEvent]:
+        """A channel of every event from now on; it ends when the supervisor has stopped. Sending
+        never waits for the subscriber: one that leaves :data:`MAX_PENDING_EVENTS` events unread
+        has its channel closed (one error is logged), so keep reading it."""
+        send, receive = trio.open_memory_channel[SupervisorEvent](MAX_PENDING_EVENTS)
+        self._subscribers.append(send)
+        return receive
+
+    def add_before_stop(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Await ``hook()`` first when the node stops, before any worker is signalled (hooks run
+        one after another, in the order added, within ``stop_timeout_seconds`` in all)."""
+        self._before_stop.append(hook)
+
+    def status(self) -> tuple[WorkerStatus, ...]:
+        """A snapshot of every worker, in the node's order."""
+        return tuple(worker.status() for worker in self._workers)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_requested.is_set()
+
+    def stop(self) -> None:
+        """Begin the node's stop (see the class docstring); :meth:`run` returns once it is
+        over. Calling it again does nothing more."""
+        self._stop_requested.set()
+
+    # -- running --
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> int:
+        """Start every worker and keep them running until the node stops; then 0, or 1 when a
+        worker crashed too often. Call it once. ``task_status.started()`` once every first process has been
+        asked to start. If this task is cancelled, the workers still get SIGTERM, then SIGKILL
+        after ``stop_timeout_seconds``."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for worker in self._workers:
+                    nursery.start_soon(self._keep_running, worker)
+                task_status.started()
+                await self._stop_requested.wait()
+                await self._shut_down()
+        finally:
+            for send in self._subscribers:
+                send.close()
+        return self._exit_code
+
+    async def _shut_down(self) -> None:
+        timeout = self.config.stop_timeout_seconds
+        if self._before_stop:
+            with trio.move_on_after(timeout) as scope:
+                for hook in self._before_stop:
+                    try:
+                        await hook()
+                    except Exception:
+                        # the workers must be stopped whatever a hook does; its bug is reported once
+                        log.exception("a before-stop hook failed; stopping the workers anyway")
+            if scope.cancelled_caught:
+                log.warning("the before-stop hooks did not finish within supervisor.stop_timeout_seconds "
+                            "(%g s); stopping the workers anyway", timeout)
+        for worker in self._workers:
+            self._terminate(worker)
+        with trio.move_on_after(timeout):
+            for worker in self._workers:
+                await worker.done.wait()
+        for worker in self._workers:
+            if worker.process is not None and worker.process.returncode is None:
+                log.warning("worker %s did not exit within supervisor.stop_timeout_seconds (%g s) of "
+                            "SIGTERM; sending SIGKILL", worker.spec.name, timeout,
+                            extra={"worker": worker.spec.name})
+                worker.process.kill()
+
+    def _terminate(self, worker: _Worker) -> None:
+        if worker.process is not None and worker.process.returncode is None:
+            worker.state = WorkerState.STOPPING
+            worker.process.terminate()
+
+    def _emit(self, event: SupervisorEvent) -> None:
+        for send in list(self._subscribers):
+            try:
+                send.send_nowait(event)
+            except trio.BrokenResourceError:     # that subscriber closed its end
+                self._subscribers.remove(send)
+            except trio.WouldBlock:
+                log.error("a subscriber to the supervisor's events left %d unread; closing its channel",
+                          MAX_PENDING_EVENTS)
+                send.close()
+                self._subscribers.remove(send)
+
+    async def _keep_running(self, worker: _Worker) -> None:
+        name = worker.spec.name
+        attempt = 0
+        try:
+            while not self._stop_requested.is_set():
+                worker.state = WorkerState.STARTING
+                pid, returncode = await self._run_once(worker, attempt)
+                worker.last_returncode = returncode
+                worker.ports = None
+                if self._stop_requested.is_set():
+                    self._emit(WorkerExited(name, pid, returncode, None))
+                    break
+                decision = worker.policy.exited(trio.current_time())
+                if isinstance(decision, GiveUp):
+                    self._give_up(worker, returncode, decision)
+                    self._emit(WorkerExited(name, pid, returncode, None))
+                    break
+                worker.state = WorkerState.RESTARTING
+                log.warning("worker %s exited (%s); restarting it in %.3g s (restart %d of at most %d "
+                            "within %g s)", name, describe_exit(returncode), decision.delay,
+                            decision.restarts_in_window, worker.policy.max_restarts,
+                            worker.policy.window, extra={"worker": name})
+                self._emit(WorkerExited(name, pid, returncode, decision.delay))
+                with trio.move_on_after(decision.delay):
+                    await self._stop_requested.wait()
+                if self._stop_requested.is_set():
+                    break
+                worker.restarts += 1
+                attempt += 1
+        finally:
+            worker.state = WorkerState.STOPPED
+            worker.done.set()
+
+    def _give_up(self, worker: _Worker, returncode: int, decision: GiveUp) -> None:
+        name = worker.spec.name
+        lines = "\n".join(f"  {line}" for line in worker.tail) or "  (it printed nothing)"
+        log.error("worker %s exited (%s), its %d%s exit within %g s (supervisor.max_restarts: %d); "
+                  "stopping the node. Its last %d lines:\n%s", name, describe_exit(returncode),
+                  decision.exits_in_window, _ordinal_suffix(decision.exits_in_window),
+                  worker.policy.window, worker.policy.max_restarts, len(worker.tail), lines,
+                  extra={"worker": name})
+        self._exit_code = 1
+        self.stop()
+
+    async def _run_once(self, worker: _Worker, attempt: int) -> tuple[int, int]:
+        """Run the worker's process once, relaying its output; its ``(pid, returncode)``."""
+        spec = worker.spec
+        ready_read, ready_write = os.pipe()
+        try:
+            env = {**os.environ, **spec.env, READY_FD_ENV: str(ready_write)}
+            try:
+                process = await trio.lowlevel.open_process(
+                    list(spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, env=env, pass_fds=(ready_write,),
+                    start_new_session=True)
+            except OSError as exc:
+                os.close(ready_read)
+                self._line(worker, f"cannot start {spec.argv[0]!r}: {exc}")
+                return 0, _CANNOT_START
+        finally:
+            os.close(ready_write)   # the child has its copy; EOF once it closes that
+        ready = trio.lowlevel.FdStream(ready_read)
+        worker.process = process
+        self._emit(WorkerStarted(spec.name, process.pid, attempt))
+        if self._stop_requested.is_set():
+            self._terminate(worker)   # the stop's SIGTERM to every worker came before this start
+        try:
+            async with trio.open_nursery() as nursery:
+                output_done = trio.Event()
+                nursery.start_soon(self._relay_output, worker, process.stdout, output_done)
+                nursery.start_soon(self._read_ready, worker, process.pid, ready)
+                returncode = await process.wait()
+                with trio.move_on_after(OUTPUT_DRAIN_SECONDS):
+                    await output_done.wait()
+                nursery.cancel_scope.cancel()
+            return process.pid, returncode
+        finally:
+            with trio.CancelScope(shield=True):
+                if process.returncode is None:
+                    # cancelled from outside (the supervisor's caller is going away): still stop
+                    # the worker the same way, never leave it running
+                    process.terminate()
+                    with trio.move_on_after(self.config.stop_timeout_seconds):
+                        await process.wait()
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+                await process.stdout.aclose()
+                await ready.aclose()
+            worker.process = None
+
+    def _line(self, worker: _Worker, text: str) -> None:
+        worker.tail.append(text)
+        self._write(worker_line(worker.spec.name, text, self.log_format))
+
+    async def _relay_output(self, worker: _Worker, stream: trio.abc.ReceiveStream,
+                            done: trio.Event) -> None:
+        splitter = LineSplitter(MAX_LINE_BYTES)
+        try:
+            while data := await stream.receive_some(_READ_CHUNK):
+                for line, cut in splitter.feed(data):
+                    self._line(worker, _text(line, cut))
+            last = splitter.finish()
+            if last is not None:
+                self._line(worker, _text(last, False))
+        except trio.ClosedResourceError:
+            pass
+        finally:
+            done.set()
+
+    async def _read_ready(self, worker: _Worker, pid: int, stream: trio.lowlevel.FdStream) -> None:
+        report = b""
+        while len(report) < MAX_READY_BYTES and b"\n" not in report:
+            chunk = await stream.receive_some(MAX_READY_BYTES)
+            if not chunk:
+                break
+            report += chunk
+        if not report:
+            return      # it exited (or closed the descriptor) without saying it serves
+        ports = _parse_ready(report.split(b"\n", 1)[0])
+        if ports is None:
+            log.warning("worker %s wrote an unreadable ready report to %s (%r); it stays %s",
+                        worker.spec.name, READY_FD_ENV, report[:200], WorkerState.STARTING.value,
+                        extra={"worker": worker.spec.name})
+            return
+        worker.ports = ports
+        if worker.state is WorkerState.STARTING:
+            worker.state = WorkerState.RUNNING
+        self._emit(WorkerReady(worker.spec.name, pid, *ports))
+
+
+def _text(line: bytes, cut: bool) -> str:
+    text = line.decode("utf-8", "replace").rstrip("\r")
+    return f"{text} [cut: line longer than {MAX_LINE_BYTES} bytes]" if cut else text
+
+
+def _parse_ready(line: bytes) -> tuple[int, int] | None:
+    try:
+        report = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(report, dict):
+        return None
+    ports = report.get("grpc_port"), report.get("http_port")
+    if all(isinstance(p, int) and not isinstance(p, bool) and 0 < p <= 65535 for p in ports):
+        return ports[0], ports[1]
+    return None
+
+
+def _ordinal_suffix(n: int) -> str:
+    if 10 <= n % 100 <= 20:
+        return "th"
+    return {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
+# --- the entry point -----------------------------------------------------------------------------
+
+async def supervise(node_path: str | Path, node: NodeConfig, *,
+                    gateway: Callable[[Supervisor], Awaitable[object]] | None = None,
+                    count: int | None = None, specs: Sequence[WorkerSpec] | None = None,
+                    write: Callable[[str], None] | None = None, handle_signals: bool = True) -> int:
+    """Run a node's workers under a :class:`Supervisor` (configured by the node's
+    ``supervisor:`` and ``logging:`` blocks) until SIGTERM or SIGINT, or until a worker crashes
+    too often; the exit status (0, or 1 after a crash report).
+
+    ``gateway``, when given, is started beside the supervisor with it as its argument, and is
+    cancelled once every worker has stopped; it drains first by registering a hook with
+    :meth:`Supervisor.add_before_stop` and follows the workers through
+    :meth:`Supervisor.subscribe`. Without it, the workers are only supervised. ``count`` is the
+    node's worker count (see :func:`worker_specs`); ``specs`` replaces the node's worker
+    processes (tests run stand-ins). ``handle_signals=False`` leaves SIGTERM/SIGINT alone (the
+    caller then calls :meth:`Supervisor.stop`)."""
+    if specs is None:
+        specs = worker_specs(node_path, node, count)
+    supervisor = Supervisor(specs, node.supervisor, log_format=node.logging.format, write=write)
+    async with trio.open_nursery() as nursery:
+        if handle_signals:
+            await nursery.start(_stop_on_signal, supervisor)
+        if gateway is not None:
+            nursery.start_soon(gateway, supervisor)
+        code = await supervisor.run()
+        nursery.cancel_scope.cancel()
+    return code
+
+
+async def _stop_on_signal(supervisor: Supervisor, *,
+                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
+        async for signum in signals:
+            log.info("%s: stopping the node", signal.Signals(signum).name)
+            supervisor.stop()
