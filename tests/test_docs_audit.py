@@ -26,20 +26,7 @@ BLOCKS = (NodeConfig, ListenConfig, RuntimeConfig, SchedulerConfig, ModelSchedCo
 # code reads it; a key read by nothing must be documented as such.
 _GATEWAY = "the gateway's data path (xlaserve/gateway/, issue 15) is not written yet"
 NOT_READ = {
-    ("GatewayConfig", "worker_client"): _GATEWAY,
-    ("GatewayConfig", "logging"): _GATEWAY,
-    ("GatewayConfig", "endpoint_refresh_seconds"): _GATEWAY,
     ("GatewayConfig", "metrics_endpoints"): _GATEWAY,
-    ("GatewayGrpcConfig", "max_concurrent_requests_per_worker"): _GATEWAY,
-    ("WorkerClientConfig", "request_timeout_seconds"): _GATEWAY,
-    ("WorkerClientConfig", "connect_timeout_seconds"): _GATEWAY,
-    ("GatewayLoggingConfig", "level"): _GATEWAY,
-    ("GatewayLoggingConfig", "format"): _GATEWAY,
-    ("SchedulingConfig", "mode"): _GATEWAY,
-    ("SchedulingConfig", "default_replicas"): _GATEWAY,
-    ("SchedulingConfig", "routing_fill_factor"): _GATEWAY,
-    ("SchedulingConfig", "routing_policy"): _GATEWAY,
-    ("SchedulingConfig", "rebalance_compute_seconds"): _GATEWAY,
 }
 
 

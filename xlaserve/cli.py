@@ -39,7 +39,7 @@ def _logging(level: str, log_format: str = "text") -> None:
 
 
 def _node_logging(args: argparse.Namespace, node) -> None:
-    """The node file's ``logging:`` block, where the command line did not choose."""
+    """The node (or gateway) file's ``logging:`` block, where the command line did not choose."""
     if args.log_level is None or args.log_format is None:
         _logging(args.log_level or node.logging.level, args.log_format or node.logging.format)
 
@@ -109,8 +109,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"xlaserve: {exc}", file=sys.stderr)
         return 2
-    if args.log_level is None:
-        logging.getLogger().setLevel(config.logging.level.upper())
+    _node_logging(args, config)      # the file's logging: block, where the command line did not choose
     return _serving(lambda: trio.run(lambda: serve_gateway(config, ready_file=args.ready_file)))
 
 
