@@ -23,6 +23,7 @@ returns it as DATA is consumed.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -30,6 +31,7 @@ import math
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import ContextManager
 from dataclasses import dataclass
 
 import trio
@@ -50,6 +52,7 @@ __all__ = ["Reply", "UpstreamError", "Upstream", "grpc_timeout"]
 OUR_WINDOW = 2**30                  # replies are consumed at once: a large window, returned as used
 READ_SIZE = 256 * 1024
 _U32 = struct.Struct(">I")
+_FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, stream id
 _SETTING = struct.Struct(">HI")
 
 
@@ -113,8 +116,13 @@ class Upstream:
 
     def __init__(self, name: str, host: str, port: int, *, max_streams: int = 32,
                  request_timeout: float = 60.0, connect_timeout: float = 5.0,
-                 backoff_initial: float = 0.1, backoff_max: float = 5.0) -> None:
+                 backoff_initial: float = 0.1, backoff_max: float = 5.0,
+                 batch: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
         self.name = name
+        #: entered around the handling of each read from the worker: the gateway's server
+        #: sends the client replies completed by one read together (GrpcServer.write_batch)
+        self._batch = batch
+        self._blocks: dict[tuple, bytes] = {}      # header blocks by (path, timeout, metadata)
         self.host = host
         self.port = port
         self.max_streams = max_streams
@@ -161,12 +169,21 @@ class Upstream:
         ``on_message``, for server-streaming methods, gets each response message as it arrives
         (the final :class:`Reply` then has an empty body). Returns a handle for :meth:`abort`."""
         timeout = self.request_timeout if timeout is None else timeout
-        headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self._authority),
-                   ("content-type", "application/grpc"), ("te", "trailers")]
-        if not math.isinf(timeout):
-            headers.append(("grpc-timeout", grpc_timeout(timeout)))
-        headers.extend(metadata)
-        call = _Call(encode(headers), MESSAGE_PREFIX.pack(0, len(message)) + message, on_done,
+        wire_timeout = "" if math.isinf(timeout) else grpc_timeout(timeout)
+        metadata = tuple(metadata)
+        key = (path, wire_timeout, metadata)
+        block = self._blocks.get(key)
+        if block is None:
+            headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self._authority),
+                       ("content-type", "application/grpc"), ("te", "trailers")]
+            if wire_timeout:
+                headers.append(("grpc-timeout", wire_timeout))
+            headers.extend(metadata)
+            block = encode(headers)
+            if len(self._blocks) >= 256:       # client deadlines vary: keep the cache small
+                self._blocks.clear()
+            self._blocks[key] = block
+        call = _Call(block, MESSAGE_PREFIX.pack(0, len(message)) + message, on_done,
                      trio.current_time() + timeout, on_message)
         self.outstanding += 1
         if not self.up:
@@ -330,15 +347,15 @@ class Upstream:
                 del buf[:pos]
                 pos = 0
             buf += data
-            while len(buf) - pos >= 9:
-                length = int.from_bytes(buf[pos:pos + 3], "big")
-                if len(buf) - pos < 9 + length:
-                    break
-                ftype, flags = buf[pos + 3], buf[pos + 4]
-                sid = _U32.unpack_from(buf, pos + 5)[0] & 0x7FFFFFFF
-                payload = bytes(buf[pos + 9:pos + 9 + length])
-                pos += 9 + length
-                self._frame(ftype, flags, sid, payload)
+            with self._batch():
+                while len(buf) - pos >= 9:
+                    lt, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
+                    length = lt >> 8
+                    if len(buf) - pos < 9 + length:
+                        break
+                    payload = bytes(buf[pos + 9:pos + 9 + length])
+                    pos += 9 + length
+                    self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, payload)
             if self._out:
                 self._writer_wake.set()
             if self._goaway and not self._calls:
@@ -446,10 +463,11 @@ class Upstream:
         if call is None:
             return
         call.body += payload
-        if payload:
-            # the stream's window: returned at once (replies are consumed as they arrive)
-            self._out += frame(WINDOW_UPDATE, 0, sid, _U32.pack(len(payload)))
         if call.on_message is not None:
+            # a stream's window is returned as its messages are taken (a unary reply never
+            # comes near the 1 GiB this end advertises)
+            if payload:
+                self._out += frame(WINDOW_UPDATE, 0, sid, _U32.pack(len(payload)))
             self._deliver(call)
         if flags & END_STREAM:
             self._end(call, None)
