@@ -1215,6 +1215,8 @@ class Connection:
             call.drained.set()
 
     def _flush_blocked(self) -> None:
+        if not self.blocked:
+            return
         for call in list(self.blocked.values()):
             if self.send_window <= 0:
                 return

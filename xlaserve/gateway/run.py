@@ -96,7 +96,7 @@ class Gateway:
                                                max_streams=client.max_concurrent_streams,
                                                request_timeout=client.request_timeout_seconds,
                                                connect_timeout=client.connect_timeout_seconds,
-                                               batch=self.server.write_batch)
+                                               server=self.server)
         self.router.add_worker(worker.name)
         if self._nursery is not None:
             self._nursery.start_soon(self._worker_tasks, worker.name)

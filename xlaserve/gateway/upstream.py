@@ -28,6 +28,7 @@ import heapq
 import itertools
 import logging
 import math
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -116,12 +117,16 @@ class Upstream:
 
     def __init__(self, name: str, host: str, port: int, *, max_streams: int = 32,
                  request_timeout: float = 60.0, connect_timeout: float = 5.0,
-                 backoff_initial: float = 0.1, backoff_max: float = 5.0,
-                 batch: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+                 backoff_initial: float = 0.1, backoff_max: float = 5.0, server=None) -> None:
         self.name = name
-        #: entered around the handling of each read from the worker: the gateway's server
-        #: sends the client replies completed by one read together (GrpcServer.write_batch)
-        self._batch = batch
+        #: the gateway's GrpcServer: the client replies completed by one read from the worker
+        #: are sent together when it ends (write_batch), and requests queued while the server
+        #: handles a client's read go to the worker with one send when that read is done
+        self._server = server
+        self._batch: Callable[[], ContextManager] = server.write_batch if server is not None \
+            else contextlib.nullcontext
+        self._raw: socket.socket | None = None
+        self._sending = False
         self._blocks: dict[tuple, bytes] = {}      # header blocks by (path, timeout, metadata)
         self.host = host
         self.port = port
@@ -249,6 +254,8 @@ class Upstream:
     async def _serve(self, stream: trio.SocketStream) -> None:
         self._stream = stream
         self._reset_state()
+        # the same descriptor as a plain socket, for a non-blocking send from the current task
+        self._raw = socket.socket(fileno=stream.socket.fileno())
         self._out += PREFACE + frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in (
             (ENABLE_PUSH, 0), (INITIAL_WINDOW_SIZE, OUR_WINDOW), (MAX_FRAME_SIZE, 1 << 20)))) \
             + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_WINDOW - DEFAULT_WINDOW))
@@ -260,9 +267,13 @@ class Upstream:
             self.last_error = ""
             self.connected.set()
             log.info("gateway: connected to worker %s at %s", self.name, self._authority)
-            with _lost_as(self):
-                await self._read_loop(stream)
-            nursery.cancel_scope.cancel()
+            try:
+                with _lost_as(self):
+                    await self._read_loop(stream)
+            finally:
+                nursery.cancel_scope.cancel()
+                raw, self._raw = self._raw, None
+                raw.detach()
 
     def _reset_state(self) -> None:
         self._next_id = 1
@@ -305,6 +316,30 @@ class Upstream:
         self._calls[call.id] = call
         self._out += frame(HEADERS, END_HEADERS, call.id, call.block)
         self._send_data(call)
+        self._kick()
+
+    def _kick(self) -> None:
+        """Send what is queued: when the server's write batch ends if one is open, else now."""
+        server = self._server
+        if server is not None and server.holding:
+            server.dirty[self] = None
+        else:
+            self.flush()
+
+    def flush(self) -> None:
+        """One non-blocking send of what is queued; the writer task sends what the socket does
+        not take (and everything while it is mid-send)."""
+        if not self._out:
+            return
+        if self._raw is not None and not self._sending:
+            try:
+                sent = self._raw.send(self._out)
+            except OSError:          # would block, or broken: the writer (and reader) find out
+                sent = 0
+            if sent == len(self._out):
+                self._out.clear()
+                return
+            del self._out[:sent]
         self._writer_wake.set()
 
     def _send_data(self, call: _Call) -> None:
@@ -332,7 +367,11 @@ class Upstream:
                 self._writer_wake = trio.Event()
                 while self._out:
                     chunk, self._out = bytes(self._out), bytearray()
-                    await stream.send_all(chunk)
+                    self._sending = True
+                    try:
+                        await stream.send_all(chunk)
+                    finally:
+                        self._sending = False
         await stream.aclose()           # the reader sees it and ends the connection
 
     # ---- receiving -------------------------------------------------------------------------
@@ -356,8 +395,8 @@ class Upstream:
                     payload = bytes(buf[pos + 9:pos + 9 + length])
                     pos += 9 + length
                     self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, payload)
-            if self._out:
-                self._writer_wake.set()
+                if self._out:
+                    self._kick()
             if self._goaway and not self._calls:
                 raise trio.BrokenResourceError("the worker sent GOAWAY (it is stopping)")
 
@@ -526,7 +565,7 @@ class Upstream:
                                                                 f"the request's timeout")
                 if self._calls.get(call.id) is call:
                     self._out += frame(RST_STREAM, 0, call.id, _U32.pack(CANCEL))
-                    self._writer_wake.set()
+                    self._kick()
                     self._end(call, error)
                 else:
                     try:
@@ -549,7 +588,7 @@ class Upstream:
         error = UpstreamError(Status.CANCELLED, "the client cancelled the request")
         if self._calls.get(call.id) is call:
             self._out += frame(RST_STREAM, 0, call.id, _U32.pack(CANCEL))
-            self._writer_wake.set()
+            self._kick()
             self._end(call, error)
         else:
             try:
