@@ -272,3 +272,64 @@ def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_c
     assert load.wrong == 0 and failed
     assert all(o[2] == "StatusCode.DEADLINE_EXCEEDED" and 0.9 < o[1] - o[0] < 2.5 for o in failed), failed
     assert sum(1 for o in outcomes if not o[2] and stopped_at + 3.0 < o[0] < stopped_at + 4.0) > 20
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo, tmp_path):
+    """The supervisor starts both workers; the embedded gateway serves the node's listen port;
+    the unchanged Triton client sees one server; a killed worker is restarted and used again."""
+    import re
+    grpc0, grpc1, http0, http1 = _free_ports(4)
+    with serve(tmp_path, examples_repo, workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
+               metrics_base_port=http0,
+               supervisor={"restart_backoff_initial_seconds": 0.1},
+               gateway={"scheduling": {"mode": "least_outstanding"}}) as node:
+        client = grpcclient.InferenceServerClient(node.url)
+        assert client.is_server_ready()
+        index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
+        assert index["mlp"]["state"] == "READY"
+        out = client.infer("mlp", _mlp_input()).as_numpy("output")
+        assert out.shape == (1, 10) or out.shape[0] == 1
+        status, text = node.get("/metrics")
+        assert status == 200 and 'xlaserve_gateway_worker_up{worker="a"} 1.0' in text
+        log = node.log()
+        assert "[a]" in log and "[b]" in log          # both workers' lines, prefixed
+        # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
+        deadline = time.monotonic() + TIMEOUT
+        os.kill(_child_running(node.process.pid, ["--worker", "b"]), signal.SIGKILL)
+        for _ in range(20):
+            client.infer("mlp", _mlp_input())        # answered by a meanwhile
+        while time.monotonic() < deadline:
+            status, text = node.get("/metrics")
+            if re.search(r'xlaserve_gateway_worker_up\{worker="b"\} 1\.0', text) and "restart" in node.log():
+                break
+            time.sleep(0.1)
+        assert re.search(r'xlaserve_gateway_worker_up\{worker="b"\} 1\.0', node.get("/metrics")[1])
+        assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+
+
+def _child_running(parent: int, args: list[str]) -> int:
+    """The pid of ``parent``'s child process whose command line ends with ``args``."""
+    from pathlib import Path
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and [a.decode() for a in cmdline[-len(args):]] == args:
+            return int(proc.name)
+    raise AssertionError(f"no child of {parent} runs {args}")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from xlaserve.config import NodeConfig, parse_node_config
-from xlaserve.node import WorkerPlan, detect_gpus, plan_workers, refusal
+from xlaserve.node import WorkerPlan, detect_gpus, lpt_refusal, plan_workers
 
 
 def parse(data: dict) -> NodeConfig:
@@ -54,16 +54,12 @@ def test_detect_gpus_counts_only_for_auto_on_cuda():
     assert count >= 0 and (why == "") == (count > 0)
 
 
-def test_a_node_of_several_detected_gpus_is_refused_naming_the_count():
-    node = parse(CUDA)
-    message = refusal(node, plan_workers(node, 4))
-    assert message.startswith("this node file asks for 4 workers (gpus: auto, 4 GPUs detected); "
-                              "multi-worker nodes (supervisor + gateway) are not available yet")
-    assert message.endswith("or set gpus: 1 to serve one GPU")
-    assert refusal(node, plan_workers(node, 1)) == "" and refusal(node, plan_workers(node, 0, "none")) == ""
-
-
-def test_a_listed_node_is_refused_without_the_gpus_hint():
-    node = parse({"workers": [{"name": "a"}, {"name": "b"}]})
-    message = refusal(node, plan_workers(node))
-    assert "2 workers (its workers: list)" in message and "gpus: 1" not in message
+def test_lpt_packing_refuses_workers_that_run_fair_naming_them():
+    node = parse({"workers": [{"name": "a"}, {"name": "b", "scheduler": {"discipline": "fifo"}}]})
+    message = lpt_refusal(node, "lpt_packing", 2)
+    assert message == ("gateway.scheduling.mode is lpt_packing, which needs every worker's scheduler.discipline "
+                       "to be fifo or edf (the gateway places the models and balances the workers); a runs fair: "
+                       "set global.scheduler.discipline: fifo")
+    assert lpt_refusal(node, "round_robin", 2) == ""
+    fifo = parse({"workers": [{"name": "a"}, {"name": "b"}], "global": {"scheduler": {"discipline": "edf"}}})
+    assert lpt_refusal(fifo, "lpt_packing", 2) == ""

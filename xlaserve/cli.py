@@ -76,7 +76,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"xlaserve: {exc}", file=sys.stderr)  # names the file where the mistake is in it
         return 2
     _node_logging(args, node)
-    return _serving(lambda: run_node(node, ready_file=args.ready_file))
+    return _serving(lambda: run_node(node, ready_file=args.ready_file, node_path=args.node))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-format", choices=["text", "json"],
                         help="default: the node file's logging.format, else text")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="serve a node file (one worker; multi-worker nodes are refused for now)")
+    p = sub.add_parser("run", help="serve a node file (several workers: a supervisor and the gateway)")
     p.add_argument("node", help="path of the node YAML file")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving (for tests, scripts)")
     p.set_defaults(func=cmd_run)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import trio
 
 from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_count
+from xlaserve.config.schema import split_address
 from xlaserve.supervisor import DEVICE_ISOLATED_ENV, READY_FD_ENV
 
 log = logging.getLogger("xlaserve.node")
@@ -66,30 +67,55 @@ def detect_gpus(node: NodeConfig) -> tuple[int | None, str]:
     return probe.devices, probe.problem
 
 
-def refusal(node: NodeConfig, plan: WorkerPlan) -> str:
-    """Why ``xlaserve run`` cannot serve ``plan`` ('' when it can): until multi-worker nodes
-    exist, a node of two or more workers is refused, never served by its first worker alone."""
-    if plan.count <= 1:
+def lpt_refusal(node: NodeConfig, mode: str, count: int) -> str:
+    """Why the node's gateway cannot run ``lpt_packing`` ('' when it can): the gateway places
+    the models and balances the workers, so each worker must dispatch in arrival (``fifo``) or
+    deadline (``edf``) order, not share its device ``fair``-ly on its own."""
+    if mode != "lpt_packing":
         return ""
-    hint = " (give the node a workers: list for that), or set gpus: 1 to serve one GPU" \
-        if node.gpus == "auto" and not node.workers_explicit else ""
-    return (f"this node file asks for {plan.count} workers ({plan.origin}); multi-worker nodes (supervisor + "
-            f"gateway) are not available yet: run one worker per process with "
-            f"`xlaserve worker NODE --worker NAME`{hint}")
+    fair = [w.name for w in (resolve_worker(node, i, count) for i in range(count))
+            if w.scheduler.discipline == "fair"]
+    if not fair:
+        return ""
+    return (f"gateway.scheduling.mode is lpt_packing, which needs every worker's scheduler.discipline to be "
+            f"fifo or edf (the gateway places the models and balances the workers); {', '.join(fair)} "
+            f"run{'s' if len(fair) == 1 else ''} fair: set global.scheduler.discipline: fifo")
 
 
-def run_node(node: NodeConfig, ready_file: str | None = None) -> int:
-    """Serve a one-worker node in this process until it is stopped; 2 (after logging why) for a
-    node of more workers."""
+def run_node(node: NodeConfig, ready_file: str | None = None, node_path: str | None = None) -> int:
+    """Serve a node until it is stopped. One worker: in this process, on the node's public
+    ports. Two or more: a supervisor runs one worker process each (``xlaserve worker``, from the
+    node file at ``node_path``) and the embedded gateway serves the public ports in front of
+    them. Returns the exit status (2, after logging why, when the node cannot start)."""
     plan = plan_workers(node, *detect_gpus(node))
-    problem = refusal(node, plan)
+    if plan.count <= 1:
+        run_worker(resolve_worker(node, 0), ready_file, note=plan.note)
+        return 0
+    from xlaserve.config import ConfigError
+    from xlaserve.config.gateway import embedded_gateway_config
+    from xlaserve.gateway.run import WorkerAddress, embedded_gateway
+    from xlaserve.supervisor import supervise
+    if plan.note:
+        log.info("%s", plan.note)
+    try:
+        gateway = embedded_gateway_config(node, os.environ, worker_count=plan.count)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    problem = lpt_refusal(node, gateway.scheduling.mode, plan.count)
     if problem:
-        if plan.note:
-            log.info("%s", plan.note)
         log.error("%s", problem)
         return 2
-    run_worker(resolve_worker(node, 0), ready_file, note=plan.note)
-    return 0
+    names = [resolve_worker(node, i, plan.count).name for i in range(plan.count)]
+    workers = []
+    for name, endpoint in zip(names, gateway.endpoints):
+        host, port = split_address(endpoint)
+        workers.append(WorkerAddress(name, host, port))
+    log.info("node: %d workers (%s) behind the gateway on %s, routing %s", plan.count, plan.origin,
+             gateway.listen.grpc, gateway.scheduling.mode)
+    count = plan.count if not node.workers_explicit and node.gpus == "auto" else None
+    return trio.run(functools.partial(supervise, node_path, node, count=count,
+                                      gateway=embedded_gateway(gateway, workers, ready_file=ready_file)))
 
 
 def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = "") -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import trio
@@ -33,7 +33,7 @@ from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
 
 log = logging.getLogger("xlaserve.gateway")
 
-__all__ = ["WorkerAddress", "Gateway", "serve_gateway", "DISCOVERY_INTERVAL"]
+__all__ = ["WorkerAddress", "Gateway", "serve_gateway", "embedded_gateway", "DISCOVERY_INTERVAL"]
 
 WATCH = "/xlaserve.control.WorkerControl/WatchStatus"
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
@@ -82,6 +82,8 @@ class Gateway:
         self.service.on_routed = lambda worker, model: self._routed.labels(worker, model).inc()
         self.grpc_port = 0
         self.http_port = 0
+        #: /healthz: (healthy, why); the embedded gateway adds the supervisor's view
+        self.health: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
         self._nursery: trio.Nursery | None = None
         self._scopes: dict[str, trio.CancelScope] = {}
         for worker in workers:
@@ -290,7 +292,8 @@ class Gateway:
 
     def routes(self) -> Mapping[str, object]:
         def healthz():
-            return 200, "text/plain", b"ok\n"
+            ok, why = self.health()
+            return (200 if ok else 503), "text/plain", f"{why}\n".encode()
 
         def readyz():
             ok, why = self.ready_reason()
@@ -315,7 +318,6 @@ async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | No
     node): those. Else the standalone gateway follows ``config.endpoints``, resolving DNS names
     again every ``endpoint_refresh_seconds`` and adding and removing workers as they change.
     ``ready_file``: the bound ports as JSON (``grpc_port``, ``http_port``) once serving."""
-    import json
     import signal
 
     from xlaserve.config.schema import split_address
@@ -334,9 +336,7 @@ async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | No
                 nursery.start_soon(_apply_changes, gateway, changes)
             grpc_port, http_port = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
             if ready_file:
-                with open(ready_file + ".tmp", "w") as f:
-                    json.dump({"grpc_port": grpc_port, "http_port": http_port}, f)
-                os.replace(ready_file + ".tmp", ready_file)
+                _write_ready(ready_file, grpc_port, http_port)
             async for signum in signals:
                 log.info("gateway: %s: draining (no new calls; up to %g s for those in flight)",
                          signal.Signals(signum).name, drain_seconds)
@@ -355,3 +355,43 @@ async def _apply_changes(gateway: Gateway, changes) -> None:
             gateway.remove_worker(e.name)
         for e in change.added:
             gateway.add_worker(WorkerAddress(e.name, e.address, e.port))
+
+
+def embedded_gateway(config: GatewayConfig, workers: list[WorkerAddress], *, ready_file: str | None = None,
+                     drain_seconds: float = 30.0):
+    """The gateway of a multi-worker node, as :func:`~xlaserve.supervisor.supervise` runs it
+    (``gateway=``): it serves the node's ``listen`` addresses in front of ``workers``, drains
+    before the supervisor signals the workers, reconnects to a worker as soon as the supervisor
+    reports it ready again after a restart, and answers ``/healthz`` 503 once the node stops."""
+    from xlaserve.config.schema import split_address
+    from xlaserve.supervisor import WorkerReady
+
+    async def run(supervisor) -> None:
+        gateway = Gateway(workers, config)
+        gateway.health = lambda: (not supervisor.stopping, "stopping" if supervisor.stopping else "ok")
+
+        async def drain() -> None:
+            gateway.close()
+            with trio.move_on_after(drain_seconds):
+                while gateway.service.in_flight:
+                    await trio.sleep(0.05)
+        supervisor.add_before_stop(drain)
+        events = supervisor.subscribe()
+        grpc_host, grpc_port = split_address(config.listen.grpc)
+        http_host, http_port = split_address(config.listen.metrics)
+        async with trio.open_nursery() as nursery:
+            ports = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
+            if ready_file:
+                _write_ready(ready_file, *ports)
+            async with events:
+                async for event in events:
+                    if isinstance(event, WorkerReady) and event.name in gateway.upstreams:
+                        gateway.upstreams[event.name].reconnect_now()
+    return run
+
+
+def _write_ready(path: str, grpc_port: int, http_port: int) -> None:
+    import json
+    with open(path + ".tmp", "w") as f:
+        json.dump({"grpc_port": grpc_port, "http_port": http_port}, f)
+    os.replace(path + ".tmp", path)

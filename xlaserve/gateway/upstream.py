@@ -161,7 +161,7 @@ class Upstream:
         self._timer_seq = itertools.count()
         self._timer_wake = trio.Event()
         self._goaway = False
-        self._closed = trio.Event()
+        self._retry = trio.Event()
 
     # ---- the caller's side ---------------------------------------------------------------
     def start(self, path: str, message: bytes, on_done: Callable[[Reply | UpstreamError], None], *,
@@ -239,7 +239,9 @@ class Upstream:
                         stream = await trio.open_tcp_stream(self.host, self.port)
                 except (OSError, trio.TooSlowError) as exc:
                     self.last_error = f"connect failed: {getattr(exc, 'strerror', None) or exc or 'timed out'}"
-                    await trio.sleep(delay)
+                    with trio.move_on_after(delay):
+                        await self._retry.wait()
+                    self._retry = trio.Event()
                     delay = min(delay * 2, self.backoff_max)
                     continue
                 delay = self.backoff_initial
@@ -302,6 +304,10 @@ class Upstream:
         for call in calls:
             self._finish(call, error)
         self._stream = None
+
+    def reconnect_now(self) -> None:
+        """Cut the back-off short: the worker is known to be up again (its supervisor says)."""
+        self._retry.set()
 
     async def aclose(self) -> None:
         """Close the connection (the run task reconnects unless cancelled)."""
