@@ -406,8 +406,8 @@ class EndpointsConfig:
 class ListenConfig:
     """The node's public addresses (YAML top-level block ``listen:``), each ``"host:port"``.
 
-    A one-worker node's worker binds them itself. With two or more workers they are reserved
-    for the gateway, which does not exist yet: no worker binds them.
+    A one-worker node's worker binds them itself. With two or more workers the embedded
+    gateway binds them.
 
     Attributes:
         grpc: KServe V2 gRPC. Default ``0.0.0.0:8001``.
@@ -518,8 +518,8 @@ class NodeConfig:
         gpus: ``auto`` (when ``runtime.backend`` is ``cuda``, one worker per GPU jax's CUDA
             plugin sees, one where it sees none; one worker on a ``cpu`` node), a count N, or a
             list of device ordinals. How many workers the node has when ``workers:``
-            is omitted. Default ``auto``. ``xlaserve run`` refuses more than one worker
-            (multi-worker nodes do not exist yet).
+            is omitted. Default ``auto``. With more than one worker ``xlaserve run`` runs a
+            supervisor and the embedded gateway.
         cache_dir: (``global.cache_dir``) where compiled executables are cached across
             restarts; null disables the cache. Default ``~/.cache/xlaserve``. Relative paths
             resolve like ``model_repo``.
