@@ -625,11 +625,12 @@ def test_worker_count_follows_the_workers_list_else_gpus(data, count):
     assert worker_count(parse(data)) == count
 
 
-def test_run_refuses_a_node_of_several_implicit_workers_instead_of_serving_one(caplog):
+def test_run_refuses_lpt_packing_over_fair_workers_before_starting_any(caplog):
     from xlaserve.node import run_node
     with caplog.at_level("ERROR", logger="xlaserve.node"):
-        assert run_node(parse({"gpus": 2})) == 2
-    assert "asks for 2 workers (gpus: 2)" in caplog.text
+        assert run_node(parse({"gpus": 2, "gateway": {"scheduling": {"mode": "lpt_packing"}}})) == 2
+    assert "lpt_packing, which needs every worker's scheduler.discipline to be fifo or edf" in caplog.text
+    assert "worker0, worker1 run fair" in caplog.text
 
 
 def test_environment_variables_lists_the_documented_examples():
