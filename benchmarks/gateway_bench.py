@@ -55,13 +55,106 @@ def gateway(endpoints: list[str], work: Path, mode: str = "round_robin", timeout
         log.close()
 
 
+def _free_ports(n: int) -> list[int]:
+    import socket
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _consecutive_free_pair() -> int:
+    import socket
+    for _ in range(100):
+        base = _free_ports(1)[0]
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _counter(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def placement(args) -> int:
+    """lpt_packing against round_robin on a two-worker node whose catalog's weights are
+    ``--catalog-ratio`` x one worker's budget (so they fit in two): Zipf(1) traffic at
+    ``--concurrency``; throughput and weight loads (cache misses) per request."""
+    import urllib.request
+
+    from benchmarks.weights_bench import build_catalog, drive
+    from tests.conftest import serve
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-placement-"))
+    sizes = build_catalog(tmp / "models", args.models)
+    total = sum(sizes.values())
+    budget = int(total / args.catalog_ratio)
+    wiggle = 0.1
+    arena = int(budget / (1 - wiggle))
+    print(f"catalog: {len(sizes)} bundles, {total / 2**20:.1f} MiB of weights; each worker's budget "
+          f"{budget / 2**20:.1f} MiB (catalog = {args.catalog_ratio}x one budget); Zipf(1), c={args.concurrency}, "
+          f"{args.duration:.0f} s per mode after {args.warmup:.0f} s of warm-up")
+    results = {}
+    for round_ in range(args.rounds):
+        for mode in (("round_robin", "lpt_packing") if round_ % 2 == 0 else ("lpt_packing", "round_robin")):
+            grpc0, grpc1 = _free_ports(2)
+            metrics = _consecutive_free_pair()
+            glob = {"runtime": {"backend": "cpu", "device_memory_bytes": arena, "weight_cache_wiggle_fraction": wiggle},
+                    "scheduler": {"discipline": "fifo"}}
+            with serve(tmp / f"{mode}-{round_}", tmp / "models", glob, timeout=600,
+                       workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
+                       metrics_base_port=metrics, gateway={"scheduling": {"mode": mode}}) as node:
+                drive(node.url, sorted(sizes), args.warmup, args.concurrency)
+                before = [urllib.request.urlopen(f"http://127.0.0.1:{metrics + i}/metrics").read().decode()
+                          for i in range(2)]
+                result = drive(node.url, sorted(sizes), args.duration, args.concurrency)
+                after = [urllib.request.urlopen(f"http://127.0.0.1:{metrics + i}/metrics").read().decode()
+                         for i in range(2)]
+            loads = sum(_counter(a, "xlaserve_weight_cache_misses") - _counter(b, "xlaserve_weight_cache_misses")
+                        for a, b in zip(after, before))
+            requests = result["rps"] * args.duration
+            row = {"mode": mode, "round": round_, "rps": round(result["rps"], 1), "p50_ms": round(result["p50"], 2),
+                   "p99_ms": round(result["p99"], 2), "errors": result["errors"],
+                   "loads_per_request": round(loads / max(1, requests), 4)}
+            print(json.dumps(row), flush=True)
+            results.setdefault(mode, []).append(row)
+    med = {m: {k: statistics.median(r[k] for r in rows) for k in ("rps", "loads_per_request", "p99_ms")}
+           for m, rows in results.items()}
+    rr, lpt = med["round_robin"], med["lpt_packing"]
+    print(f"\nmedian of {args.rounds} rounds: round_robin {rr['rps']:.1f} req/s, {rr['loads_per_request']:.3f} "
+          f"loads/request, p99 {rr['p99_ms']:.1f} ms; lpt_packing {lpt['rps']:.1f} req/s, "
+          f"{lpt['loads_per_request']:.3f} loads/request, p99 {lpt['p99_ms']:.1f} ms")
+    print(f"lpt_packing / round_robin: throughput {lpt['rps'] / rr['rps']:.2f}x, loads per request "
+          f"{lpt['loads_per_request'] / max(rr['loads_per_request'], 1e-9):.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--placement", action="store_true",
+                        help="instead: lpt_packing vs round_robin on a memory-bound two-worker node")
+    parser.add_argument("--models", type=int, default=40, help="--placement: bundles in the catalog")
+    parser.add_argument("--catalog-ratio", type=float, default=1.6,
+                        help="--placement: the catalog's weights over one worker's budget")
     args = parser.parse_args(argv)
+    if args.placement:
+        args.concurrency = int(args.concurrency.split(",")[-1]) if "," in args.concurrency else int(args.concurrency)
+        return placement(args)
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
