@@ -140,6 +140,58 @@ def placement(args) -> int:
     return 0
 
 
+def replicas(args) -> int:
+    """A hot model with two replicas on a two-worker node at ``--concurrency``: rows per
+    execution (the workers' ModelStatistics inference_count / execution_count over the run)
+    under lpt_packing (fill one replica's batch before the next) against round_robin."""
+    import tritonclient.grpc as grpcclient
+
+    from tests.conftest import serve
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-replicas-"))
+    repo = tmp / "models"
+    export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
+    results = {}
+    for round_ in range(args.rounds):
+        for mode in (("round_robin", "lpt_packing") if round_ % 2 == 0 else ("lpt_packing", "round_robin")):
+            grpc0, grpc1 = _free_ports(2)
+            metrics = _consecutive_free_pair()
+            gateway = {"scheduling": {"mode": mode}}
+            if mode == "lpt_packing":
+                gateway["scheduling"]["models"] = {"mlp": {"replicas": 2}}
+            with serve(tmp / f"{mode}-{round_}", repo, {"scheduler": {"discipline": "fifo"}}, timeout=600,
+                       workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
+                       metrics_base_port=metrics, gateway=gateway) as node:
+                plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(args.concurrency)]
+                asyncio.run(loadgen.run_level(node.url, plans, INPUTS, duration=args.warmup, warmup=0.0))
+
+                def counts() -> tuple[int, int]:
+                    rows = execs = 0
+                    for port in (grpc0, grpc1):
+                        stats = grpcclient.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics(
+                            "mlp", as_json=True)["model_stats"][0]
+                        rows += int(stats.get("inference_count", 0))
+                        execs += int(stats.get("execution_count", 0))
+                    return rows, execs
+                rows0, execs0 = counts()
+                result = asyncio.run(loadgen.run_level(node.url, plans, INPUTS, duration=args.duration, warmup=0.0))
+                rows1, execs1 = counts()
+            row = result.rows()[0]
+            row.update(mode=mode, round=round_,
+                       rows_per_execution=round((rows1 - rows0) / max(1, execs1 - execs0), 2))
+            print(json.dumps(row), flush=True)
+            results.setdefault(mode, []).append(row)
+    med = {m: {k: statistics.median(r[k] for r in rows) for k in ("throughput_rps", "rows_per_execution", "p99_ms")}
+           for m, rows in results.items()}
+    rr, lpt = med["round_robin"], med["lpt_packing"]
+    print(f"\nmedian of {args.rounds} rounds, mlp with 2 replicas at c={args.concurrency}: round_robin "
+          f"{rr['rows_per_execution']:.2f} rows/execution, {rr['throughput_rps']:.0f} req/s, p99 {rr['p99_ms']:.1f} ms; "
+          f"lpt_packing {lpt['rows_per_execution']:.2f} rows/execution, {lpt['throughput_rps']:.0f} req/s, "
+          f"p99 {lpt['p99_ms']:.1f} ms")
+    print(f"lpt_packing / round_robin: rows per execution {lpt['rows_per_execution'] / rr['rows_per_execution']:.2f}x, "
+          f"throughput {lpt['throughput_rps'] / rr['throughput_rps']:.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -151,7 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", type=int, default=40, help="--placement: bundles in the catalog")
     parser.add_argument("--catalog-ratio", type=float, default=1.6,
                         help="--placement: the catalog's weights over one worker's budget")
+    parser.add_argument("--replicas", action="store_true",
+                        help="instead: rows per execution of a two-replica model, lpt_packing vs round_robin")
     args = parser.parse_args(argv)
+    if args.replicas:
+        args.concurrency = int(args.concurrency.split(",")[-1])
+        return replicas(args)
     if args.placement:
         args.concurrency = int(args.concurrency.split(",")[-1]) if "," in args.concurrency else int(args.concurrency)
         return placement(args)
