@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -192,6 +193,106 @@ def replicas(args) -> int:
     return 0
 
 
+def faults(args) -> int:
+    """SIGKILL one of a two-worker node's workers at ``--concurrency`` (closed loop, ``mlp``)
+    after a third of ``--duration``: every answer checked against the reference, hung requests
+    (none answered within 30 s), failures against the requests in flight to the killed worker
+    at the kill (the gateway's in-flight gauge, read just before it), and the time until the
+    restarted worker is routed to again."""
+    import re
+    import signal
+    import threading
+    import urllib.request
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    from tests.conftest import serve
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-faults-"))
+    repo = tmp / "models"
+    export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
+    grpc0, grpc1 = _free_ports(2)
+    metrics = _consecutive_free_pair()
+    x = np.full((1, 512), 0.5, np.float32)
+    with serve(tmp / "node", repo, {"scheduler": {"discipline": "fifo"}}, timeout=600,
+               workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}], metrics_base_port=metrics,
+               supervisor={"restart_backoff_initial_seconds": 0.1}) as node:
+        def infer(client):
+            tensor = grpcclient.InferInput("input", [1, 512], "FP32")
+            tensor.set_data_from_numpy(x)
+            return client.infer("mlp", [tensor], client_timeout=30).as_numpy("output")
+        expected = infer(grpcclient.InferenceServerClient(node.url))
+        outcomes: list[tuple[float, float, str]] = []
+        wrong = [0]
+        lock = threading.Lock()
+        stop = time.monotonic() + args.duration
+
+        def client_loop() -> None:
+            client = grpcclient.InferenceServerClient(node.url)
+            while time.monotonic() < stop:
+                sent = time.monotonic()
+                try:
+                    ok = np.allclose(infer(client), expected, rtol=1e-5, atol=1e-5)
+                    error = ""
+                except InferenceServerException as exc:
+                    ok, error = True, str(exc.status())
+                with lock:
+                    wrong[0] += not ok
+                    outcomes.append((sent, time.monotonic(), error))
+        threads = [threading.Thread(target=client_loop, daemon=True) for _ in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        time.sleep(args.duration / 3)
+        page = urllib.request.urlopen(f"{node.http}/metrics").read().decode()
+        in_flight = float(re.search(r'xlaserve_gateway_in_flight\{worker="b"\} (\S+)', page).group(1))
+        victim = _child(node.process.pid, ["--worker", "b"])
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        back_at = None
+        routed = r'xlaserve_gateway_requests_routed_total\{model="mlp",worker="b"\} (\S+)'
+        base = None
+        while time.monotonic() < stop and back_at is None:
+            page = urllib.request.urlopen(f"{node.http}/metrics").read().decode()
+            up = re.search(r'xlaserve_gateway_worker_up\{worker="b"\} 1\.0', page)
+            count = float(m.group(1)) if (m := re.search(routed, page)) else 0.0
+            if base is None:
+                base = count
+            if up and count > base:
+                back_at = time.monotonic()
+            time.sleep(0.02)
+        for t in threads:
+            t.join(40)
+        hung = sum(t.is_alive() for t in threads)
+    failed = [o for o in outcomes if o[2]]
+    statuses = sorted({o[2] for o in failed})
+    print(json.dumps({"requests": len(outcomes), "wrong": wrong[0], "hung": hung, "failed": len(failed),
+                      "failed_statuses": statuses, "in_flight_to_killed_worker": in_flight,
+                      "failed_sent_after_kill": sum(1 for o in failed if o[0] > killed_at),
+                      "failures_within_s_of_kill": round(max((o[1] - killed_at for o in failed), default=0.0), 3),
+                      "serving_again_after_s": round(back_at - killed_at, 2) if back_at else None}))
+    print(f"\nSIGKILL of worker b at c={args.concurrency}: {len(outcomes)} requests, {wrong[0]} wrong, {hung} hung, "
+          f"{len(failed)} failed ({', '.join(statuses) or 'none'}; "
+          f"{sum(1 for o in failed if o[0] > killed_at)} of them sent after the kill), the gateway's gauge read "
+          f"{in_flight:.0f} in flight to b just before it; "
+          f"b routed to again {back_at - killed_at:.2f} s after the kill" if back_at else "b not routed to again")
+    return 0
+
+
+def _child(parent: int, args: list[str]) -> int:
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")[:-1]
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and [a.decode() for a in cmdline[-len(args):]] == args:
+            return int(proc.name)
+    raise RuntimeError(f"no child of {parent} runs {args}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -205,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="--placement: the catalog's weights over one worker's budget")
     parser.add_argument("--replicas", action="store_true",
                         help="instead: rows per execution of a two-replica model, lpt_packing vs round_robin")
+    parser.add_argument("--faults", action="store_true",
+                        help="instead: SIGKILL one of two workers under load (supervisor restart)")
     args = parser.parse_args(argv)
+    if args.faults:
+        args.concurrency = int(args.concurrency.split(",")[-1])
+        return faults(args)
     if args.replicas:
         args.concurrency = int(args.concurrency.split(",")[-1])
         return replicas(args)
