@@ -119,9 +119,16 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
     # Two more modules read frontend tables that are pure standard library, each for a reason:
     # the node file is validated against the API groups and header rules the frontend enforces
     # (one table, not two), and the TLS files are loaded at start-up before jax is imported.
-    assert outside == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.worker.preflight"}
-    assert graph["xlaserve.config.schema"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
-        "xlaserve.frontend.access"}
+    # The gateway serves clients with the frontend's transport and speaks it to the workers (its
+    # own service, never the worker's), and its schema reads the same access tables.
+    gateway = {m for m in outside if m.startswith("xlaserve.gateway.")}
+    assert gateway == {"xlaserve.gateway.upstream", "xlaserve.gateway.run", "xlaserve.gateway.service"}
+    assert not any(dep in {"xlaserve.frontend.kserve", "xlaserve.frontend.control", "xlaserve.frontend.port"}
+                   for m in gateway for dep in graph[m])
+    assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.config.gateway",
+                                 "xlaserve.worker.preflight"}
+    for schema in ("xlaserve.config.schema", "xlaserve.config.gateway"):
+        assert graph[schema] & {m for m in graph if m.startswith("xlaserve.frontend")} == {"xlaserve.frontend.access"}
     assert graph["xlaserve.worker.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.tls"}
     assert {module for module, deps in graph.items() if "xlaserve.worker.compose" in deps} == {"xlaserve.worker.server"}

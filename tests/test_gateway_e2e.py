@@ -333,3 +333,49 @@ def _child_running(parent: int, args: list[str]) -> int:
         if ppid == parent and [a.decode() for a in cmdline[-len(args):]] == args:
             return int(proc.name)
     raise AssertionError(f"no child of {parent} runs {args}")
+
+
+def test_the_gateway_checks_client_shm_peers_itself(two_workers, tmp_path):
+    """The workers see the gateway (loopback) as the peer: the gateway refuses shared memory to a
+    client outside its grpc.client_shm_peers, and serves that client otherwise."""
+    from tests.test_access import SourceRelay
+    workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
+    cfg = parse_gateway_config({"grpc": {"client_shm_peers": ["127.0.0.1/32"]}, "endpoints": ["127.0.0.1:1"]})
+    g = GatewayThread(workers, cfg)
+    try:
+        g.wait_ready(models=2)
+        with SourceRelay(("127.0.0.1", g.gateway.grpc_port), "127.0.0.2") as relay:
+            remote = grpcclient.InferenceServerClient(f"127.0.0.1:{relay.port}")
+            for call, rpc in ((lambda: remote.register_system_shared_memory("r", "/xlaserve-gw-remote", 64),
+                               "SystemSharedMemoryRegister"),
+                              (lambda: remote.get_system_shared_memory_status(), "SystemSharedMemoryStatus")):
+                with pytest.raises(InferenceServerException) as err:
+                    call()
+                assert "StatusCode.PERMISSION_DENIED" in str(err.value.status())
+                assert f"{rpc}: client shared memory is accepted only from peers in the gateway's " \
+                       "grpc.client_shm_peers (127.0.0.1/32)" in str(err.value) and "127.0.0.2" in str(err.value)
+            tensor = grpcclient.InferInput("input", [1, 512], "FP32")
+            tensor.set_shared_memory("r", 2048)
+            with pytest.raises(InferenceServerException, match="ModelInfer: client shared memory"):
+                remote.infer("mlp", [tensor])
+            assert remote.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+            remote.close()
+    finally:
+        g.stop()
+
+
+def test_stream_infer_goes_through_the_gateway_in_order(gateway):
+    import queue
+    client = grpcclient.InferenceServerClient(gateway.url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(4):
+            client.async_stream_infer("mlp", _mlp_input(), request_id=str(i))
+        client.async_stream_infer("nope", _mlp_input(), request_id="bad")
+        got = [results.get(timeout=TIMEOUT) for _ in range(5)]
+    finally:
+        client.stop_stream()
+    assert [r.get_response().id for r, e in got[:4]] == ["0", "1", "2", "3"]
+    assert all(e is None for _, e in got[:4])
+    assert got[4][1] is not None and "'nope' is not served by any worker" in str(got[4][1])

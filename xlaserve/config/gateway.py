@@ -30,10 +30,12 @@ import yaml
 from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _Invalid, _is_int, _join,
                                     _key, _mapping, _merge, _parse_partial, _reject_unknown,
                                     _show, _value)
-from xlaserve.config.resolve import (ENV_PREFIX, GATEWAY_ENV_PREFIX, _DuplicateKey, _from_text,
+from xlaserve.config.resolve import (ENV_PREFIX, GATEWAY_ENV_PREFIX, NODE_CHECKS, _DuplicateKey, _from_text,
                                      _NodeLoader, _yaml_problem, resolve_worker)
 from xlaserve.config.resolve import worker_count as _node_worker_count
-from xlaserve.config.schema import MAX_PORT, NodeConfig, _join_address, _parse_address, split_address
+from xlaserve.config.schema import (MAX_PORT, NodeConfig, _join_address, _parse_address, _parse_networks,
+                                    split_address)
+from xlaserve.frontend.access import LOOPBACK_NETWORKS, IPNetwork, parse_network
 
 _MIB = 1024 * 1024
 _ADDRESS = "a host:port address"
@@ -130,11 +132,20 @@ class GatewayGrpcConfig:
             flight times the number of workers, >= 0; one more is answered RESOURCE_EXHAUSTED.
             0 is uncapped. Default 64: above ``worker_client.max_concurrent_streams`` (32), so
             a burst waits at the gateway rather than being refused while workers catch up.
+        client_shm_peers: the networks (CIDR strings) whose clients may use system shared
+            memory through the gateway: the shared-memory RPCs, and ModelInfer naming a region,
+            from any other peer are answered PERMISSION_DENIED naming the peer (a worker sees the
+            gateway, not the client, so the gateway checks). Default ``[127.0.0.0/8, ::1/128]``:
+            loopback only; in a node file, the node's ``endpoints.client_shm_peers``. Not
+            settable from the environment.
     """
 
     max_recv_msg_bytes: int = _key(256 * _MIB, low=1)
     max_send_msg_bytes: int = _key(256 * _MIB, low=1)
     max_concurrent_requests_per_worker: int = _key(64, low=0)
+    client_shm_peers: tuple[IPNetwork, ...] = _key(
+        tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=_parse_networks, env=False,
+        describe="a list of networks in CIDR notation")
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,8 +446,8 @@ def load_gateway_file(path: str | Path, environ: Mapping[str, str] | None = None
 # --- the embedded gateway ------------------------------------------------------------------------
 
 def _node_base(node: NodeConfig) -> GatewayConfig:
-    return GatewayConfig(listen=GatewayListenConfig(grpc=node.listen.grpc,
-                                                    metrics=node.listen.http))
+    return GatewayConfig(listen=GatewayListenConfig(grpc=node.listen.grpc, metrics=node.listen.http),
+                         grpc=GatewayGrpcConfig(client_shm_peers=node.endpoints.client_shm_peers))
 
 
 def check_node_gateway(node: NodeConfig, environ: Mapping[str, str] | None) -> None:
@@ -444,6 +455,9 @@ def check_node_gateway(node: NodeConfig, environ: Mapping[str, str] | None) -> N
     ``environ``: what the node file's loader calls, so that a mistake stops any command that
     reads the node, with the key path ``gateway.xxx`` or the variable's name."""
     _parse(node.gateway, "gateway", environ, True, _node_base(node))
+
+
+NODE_CHECKS.append(check_node_gateway)
 
 
 def _connect_host(host: str) -> str:

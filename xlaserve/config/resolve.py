@@ -238,10 +238,15 @@ def parse_node_config(data: Any, base_dir: str | Path,
         {section: MappingProxyType(values) for section, values in env.items()})
     node = NodeConfig(**node_fields)
     _check_ports(node, _worker_entries(node, None))
-    # imported here: the gateway's loaders build on this module (resolve_worker, the YAML loader)
-    from xlaserve.config.gateway import check_node_gateway
-    check_node_gateway(node, environ)
+    for check in NODE_CHECKS:
+        check(node, environ)
     return node
+
+
+#: Checks every parsed node passes too, ``check(node, environ)`` raising ConfigError. The
+#: gateway's schema adds its own (xlaserve.config.gateway builds on this module, so this module
+#: does not import it; importing xlaserve.config registers it).
+NODE_CHECKS: list = []
 
 
 def _check_supervisor(supervisor: SupervisorConfig) -> None:

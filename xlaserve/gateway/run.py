@@ -65,7 +65,8 @@ class Gateway:
         self._weight_bytes: dict[str, int] = {}              # model -> its weights (bytes)
         self._capacity_asked: set[str] = set()
         self.service = GatewayService(self.upstreams, self.router,
-                                      max_per_worker=config.grpc.max_concurrent_requests_per_worker)
+                                      max_per_worker=config.grpc.max_concurrent_requests_per_worker,
+                                      shm_peers=config.grpc.client_shm_peers)
         self.server = GrpcServer([self.service], max_recv_bytes=config.grpc.max_recv_msg_bytes,
                                  max_send_bytes=config.grpc.max_send_msg_bytes)
         self.registry = CollectorRegistry()

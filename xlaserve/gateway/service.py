@@ -35,6 +35,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
 from xlaserve.gateway.router import Router
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
 
@@ -43,6 +44,7 @@ log = logging.getLogger("xlaserve.gateway")
 __all__ = ["GatewayService", "model_name_of", "merge_statistics", "merge_index"]
 
 SERVICE = "/inference.GRPCInferenceService/"
+LOOPBACK = tuple(parse_network(n) for n in LOOPBACK_NETWORKS)
 INFER = SERVICE + "ModelInfer"
 STREAM_INFER = SERVICE + "ModelStreamInfer"
 # metadata the gateway sets itself on the worker's call, or that is about the client's connection
@@ -88,6 +90,19 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         if not byte & 0x80:
             return value, pos
         shift += 7
+
+
+_SHM_KEY = b"shared_memory_region"
+
+
+def _names_region(data: bytes) -> bool:
+    """Whether a ModelInferRequest (whose bytes contain the parameter's name) really names a
+    shared-memory region for an input or an output (parsed only then: rare and cheap)."""
+    try:
+        request = pb.ModelInferRequest.FromString(data)
+    except Exception:
+        return False        # the worker answers INVALID_ARGUMENT
+    return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
 
 
 class _Raw:
@@ -181,10 +196,13 @@ class GatewayService:
     routed by ``router``. The requests in flight through the gateway are capped at
     ``max_per_worker`` x workers (0: uncapped)."""
 
-    def __init__(self, upstreams: Mapping[str, Upstream], router: Router, *, max_per_worker: int = 0) -> None:
+    def __init__(self, upstreams: Mapping[str, Upstream], router: Router, *, max_per_worker: int = 0,
+                 shm_peers: tuple = LOOPBACK) -> None:
         self.upstreams = upstreams          # shared with the gateway, which adds and removes workers
         self.router = router
         self.max_per_worker = max_per_worker
+        #: the workers see the gateway as the peer: the client's own address is checked here
+        self.shm_peers = shm_peers
         self.in_flight = 0
         self.routed: dict[tuple[str, str], int] = {}        # (worker, model) -> requests routed
         self.errors: dict[str, int] = {}                    # cause -> requests failed at the gateway
@@ -230,6 +248,8 @@ class GatewayService:
         except (ValueError, UnicodeDecodeError) as exc:
             raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid inference.ModelInferRequest "
                                                      f"message: {exc}") from None
+        if _SHM_KEY in request.data and _names_region(request.data):
+            self._check_shm_peer("ModelInfer", call)
         cap = self.max_per_worker * len(self.upstreams)
         if self.max_per_worker and self.in_flight >= cap:
             self._count("in_flight_limit")
@@ -272,6 +292,7 @@ class GatewayService:
         class _Shim:
             metadata = stream.metadata
             deadline = stream.deadline
+            peer = stream.peer
             on_cancel = None
 
             @staticmethod
@@ -326,6 +347,7 @@ class GatewayService:
         class _Shim:
             metadata = stream.metadata
             deadline = stream.deadline
+            peer = stream.peer
             on_cancel = None
 
             @staticmethod
@@ -367,6 +389,8 @@ class GatewayService:
         """A handler that forwards the call to the first reachable worker."""
         async def handler(stream) -> None:
             request = await stream.recv_message()
+            if "SharedMemory" in method:
+                self._check_shm_peer(method, stream)
             worker = next((w for w in self.router.workers if self.upstreams[w].up), None)
             if worker is None:
                 raise GRPCError(Status.UNAVAILABLE, f"no worker is reachable: {self._down_text()}")
@@ -385,11 +409,20 @@ class GatewayService:
             await stream.send_message(await self._call(worker, SERVICE + method, request, stream))
         return handler
 
+    def _check_shm_peer(self, rpc: str, call) -> None:
+        denial = shm_peer_denial(rpc, getattr(call, "peer", None), self.shm_peers)
+        if denial is not None:
+            self._count("shm_peer")
+            raise GRPCError(Status.PERMISSION_DENIED, denial.replace("endpoints.client_shm_peers",
+                                                                     "the gateway's grpc.client_shm_peers"))
+
     def _forward_all(self, method: str):
         """A handler that forwards the call to every reachable worker; the first worker's reply
         answers it, and the first failure (naming its worker) fails it."""
         async def handler(stream) -> None:
             request = await stream.recv_message()
+            if "SharedMemory" in method:
+                self._check_shm_peer(method, stream)
             replies = await self._gather(SERVICE + method, request, stream)
             failures = [(w, r) for w, r in replies.items() if isinstance(r, GRPCError)]
             if failures:
