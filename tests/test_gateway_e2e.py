@@ -302,11 +302,19 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         assert out.shape == (1, 10) or out.shape[0] == 1
         status, text = node.get("/metrics")
         assert status == 200 and 'xlaserve_gateway_worker_up{worker="a"} 1.0' in text
+        deadline = time.monotonic() + TIMEOUT        # the workers' own metrics, scraped, with their names
+        while time.monotonic() < deadline and not ('worker="a"' in text and 'worker="b"' in text
+                                                   and "xlaserve_weight_cache" in text):
+            time.sleep(0.2)
+            text = node.get("/metrics")[1]
+        assert re.search(r'^xlaserve_weight_cache\w*\{worker="b"', text, re.MULTILINE), text[-2000:]
         log = node.log()
         assert "[a]" in log and "[b]" in log          # both workers' lines, prefixed
         # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
         deadline = time.monotonic() + TIMEOUT
         os.kill(_child_running(node.process.pid, ["--worker", "b"]), signal.SIGKILL)
+        while time.monotonic() < deadline and 'xlaserve_gateway_worker_up{worker="b"} 0.0' not in node.get("/metrics")[1]:
+            time.sleep(0.02)    # (a request sent while b's process is still dying fails UNAVAILABLE)
         for _ in range(20):
             client.infer("mlp", _mlp_input())        # answered by a meanwhile
         while time.monotonic() < deadline:

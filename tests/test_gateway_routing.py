@@ -108,3 +108,22 @@ def test_the_index_is_ready_where_any_worker_is_and_names_each_workers_state():
 def test_reply_messages_and_timeouts_on_the_wire():
     assert Reply(0, "", b"\0\0\0\0\x02hi\0\0\0\0\x00").messages() == [b"hi", b""]
     assert grpc_timeout(0.0001) == "1m" and grpc_timeout(2.5) == "2500m" and grpc_timeout(1e6) == "1000000S"
+
+
+def test_worker_pages_merge_into_one_exposition_with_a_worker_label():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from xlaserve.gateway.scrape import relabel
+    a = ('# HELP xlaserve_requests Requests.\n# TYPE xlaserve_requests counter\n'
+         'xlaserve_requests_total{model="m"} 3.0\n# HELP up Up.\n# TYPE up gauge\nup 1.0\n')
+    b = ('# HELP xlaserve_requests Requests.\n# TYPE xlaserve_requests counter\n'
+         'xlaserve_requests_total{model="m"} 4.0\nxlaserve_requests_total{model="n"} 1.0\n')
+    page = relabel({"a": a, 'b"1': b})
+    assert page.count("# TYPE xlaserve_requests counter") == 1
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(page) for s in f.samples}
+    assert samples[("xlaserve_requests_total", (("model", "m"), ("worker", "a")))] == 3.0
+    assert samples[("xlaserve_requests_total", (("model", "m"), ("worker", 'b"1')))] == 4.0
+    assert samples[("xlaserve_requests_total", (("model", "n"), ("worker", 'b"1')))] == 1.0
+    assert samples[("up", (("worker", "a"),))] == 1.0
+    assert relabel({}) == ""

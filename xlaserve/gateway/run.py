@@ -38,6 +38,7 @@ __all__ = ["WorkerAddress", "Gateway", "serve_gateway", "embedded_gateway", "DIS
 WATCH = "/xlaserve.control.WorkerControl/WatchStatus"
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
 STALE_AFTER = 2.0              # a worker silent this long is routed around (it may be stopped)
+SCRAPE_INTERVAL = 5.0          # seconds between scrapes of each worker's /metrics
 PLACEMENT_CHECK = 1.0          # lpt_packing: seconds between looks at the measured work
 SERVICE = "/inference.GRPCInferenceService/"
 
@@ -54,8 +55,12 @@ class WorkerAddress:
 class Gateway:
     """The gateway over ``workers``. :meth:`run` serves until cancelled (or :meth:`close`)."""
 
-    def __init__(self, workers: list[WorkerAddress], config: GatewayConfig = GatewayConfig()) -> None:
+    def __init__(self, workers: list[WorkerAddress], config: GatewayConfig = GatewayConfig(), *,
+                 metrics_names: list[str] | None = None) -> None:
         self.config = config
+        #: config.metrics_endpoints' worker labels (the endpoint itself when not given)
+        self._metrics_names = metrics_names or list(config.metrics_endpoints)
+        self._scraped: dict[str, str] = {}
         scheduling = config.scheduling
         self.upstreams: dict[str, Upstream] = {}
         self.router = Router([], scheduling.mode, outstanding=lambda name: self.upstreams[name].outstanding,
@@ -132,6 +137,8 @@ class Gateway:
                 nursery.start_soon(self._worker_tasks, name)
             if self.router.mode == "lpt_packing":
                 nursery.start_soon(self._placement_loop)
+            for name, endpoint in zip(self._metrics_names, self.config.metrics_endpoints):
+                nursery.start_soon(self._scrape_loop, name, endpoint)
             self.grpc_port = await nursery.start(self.server.serve, grpc_host, grpc_port)
             self.http_port = await nursery.start(serve_admin, http_host, http_port, self.routes())
             log.info("gateway: KServe V2 gRPC on %s:%d, HTTP on %s:%d, %d worker(s), routing %s", grpc_host,
@@ -276,6 +283,26 @@ class Gateway:
                                       f"{o.budget_bytes} bytes" for o in self.placement.over_budget))
             warned = over
 
+    # ---- the workers' metrics ------------------------------------------------------------------
+    async def _scrape_loop(self, name: str, endpoint: str) -> None:
+        """Fetch worker ``name``'s /metrics every SCRAPE_INTERVAL seconds; the gateway's own
+        page serves the last one with a ``worker`` label (a worker that cannot be scraped
+        drops out of it, and its up gauge says why it is missing)."""
+        from xlaserve.config.schema import split_address
+        from xlaserve.gateway.scrape import scrape
+        host, port = split_address(endpoint)
+        failing = False
+        while True:
+            try:
+                self._scraped[name] = await scrape(host, port)
+                failing = False
+            except (OSError, trio.TooSlowError) as exc:
+                self._scraped.pop(name, None)
+                if not failing:
+                    log.warning("gateway: cannot scrape %s's metrics at %s: %s", name, endpoint, exc or "timed out")
+                failing = True
+            await trio.sleep(1.0 if failing else SCRAPE_INTERVAL)   # a worker still starting: look again soon
+
     # ---- admin port --------------------------------------------------------------------------
     def ready_reason(self) -> tuple[bool, str]:
         """Ready when every model some worker serves is READY on at least one reachable worker
@@ -308,7 +335,11 @@ class Gateway:
                 self._errors.labels(cause).set(n)
             for model in self.router.models():
                 self._replicas.labels(model).set(len(self.router.replicas(model)))
-            return 200, "text/plain; version=0.0.4; charset=utf-8", generate_latest(self.registry)
+            page = generate_latest(self.registry)
+            if self._scraped:
+                from xlaserve.gateway.scrape import relabel
+                page += relabel(dict(self._scraped)).encode()
+            return 200, "text/plain; version=0.0.4; charset=utf-8", page
         return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
 
 
@@ -368,7 +399,7 @@ def embedded_gateway(config: GatewayConfig, workers: list[WorkerAddress], *, rea
     from xlaserve.supervisor import WorkerReady
 
     async def run(supervisor) -> None:
-        gateway = Gateway(workers, config)
+        gateway = Gateway(workers, config, metrics_names=[w.name for w in workers])
         gateway.health = lambda: (not supervisor.stopping, "stopping" if supervisor.stopping else "ok")
 
         async def drain() -> None:
