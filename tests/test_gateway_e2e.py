@@ -387,3 +387,60 @@ def test_stream_infer_goes_through_the_gateway_in_order(gateway):
     assert [r.get_response().id for r, e in got[:4]] == ["0", "1", "2", "3"]
     assert all(e is None for _, e in got[:4])
     assert got[4][1] is not None and "'nope' is not served by any worker" in str(got[4][1])
+
+
+def test_lpt_packing_places_each_model_on_one_worker_and_frees_its_host_copy_elsewhere(two_workers):
+    workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
+    g = GatewayThread(workers, config("lpt_packing"))
+    try:
+        g.wait_ready(models=2)
+        deadline = time.monotonic() + TIMEOUT
+        placement = None
+        while time.monotonic() < deadline and placement is None:
+            placement = trio.from_thread.run_sync(lambda: g.gateway.placement, trio_token=g.token)
+            time.sleep(0.05)
+        assert placement is not None
+        assert all(len(ws) == 1 for ws in placement.workers_of.values())      # default_replicas 1
+        client = grpcclient.InferenceServerClient(g.url)
+        for _ in range(6):
+            client.infer("mlp", _mlp_input())
+        [home] = placement.workers_of["mlp"]
+        assert g.routed().get((home, "mlp"), 0) == 6 and sum(
+            n for (w, m), n in g.routed().items() if m == "mlp" and w != home) == 0
+        # the worker mlp is not placed on holds no host copy of it any more
+        other = two_workers[1 - int(home[-1])]
+        while time.monotonic() < deadline:
+            residency = _residency(other, "mlp")
+            if residency == "unpinned":
+                break
+            time.sleep(0.1)
+        assert residency == "unpinned" and _residency(two_workers[int(home[-1])], "mlp") == "system"
+    finally:
+        g.stop()
+        for server in two_workers:          # leave the shared workers as they were
+            for model in ("mlp", "simple", "img_mean"):
+                _set_residency(server, model, "system")
+
+
+def _control(server, method: str, request, reply_type):
+    import grpc
+    with grpc.insecure_channel(server.url) as channel:
+        call = channel.unary_unary(f"/xlaserve.control.WorkerControl/{method}",
+                                   request_serializer=lambda m: m.SerializeToString(),
+                                   response_deserializer=reply_type.FromString)
+        return call(request, timeout=10)
+
+
+def _residency(server, model: str) -> str:
+    from xlaserve._proto import xlaserve_control_pb2 as cpb
+    status = _control(server, "ModelControlStatus", cpb.ModelControlStatusRequest(), cpb.ModelControlStatusResponse)
+    return next(m.residency for m in status.models if m.name == model)
+
+
+def _set_residency(server, model: str, residency: str) -> None:
+    from xlaserve._proto import xlaserve_control_pb2 as cpb
+    try:
+        _control(server, "SetModelResidency", cpb.SetModelResidencyRequest(model=model, residency=residency),
+                 cpb.SetModelResidencyResponse)
+    except Exception:
+        pass        # a model the repository does not have

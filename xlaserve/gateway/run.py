@@ -41,6 +41,7 @@ STALE_AFTER = 2.0              # a worker silent this long is routed around (it 
 SCRAPE_INTERVAL = 5.0          # seconds between scrapes of each worker's /metrics
 PLACEMENT_CHECK = 1.0          # lpt_packing: seconds between looks at the measured work
 SERVICE = "/inference.GRPCInferenceService/"
+CONTROL = "/xlaserve.control.WorkerControl/"
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class Gateway:
         self._budgets: dict[str, int] = {}                   # worker -> its weight budget (bytes)
         self._weight_bytes: dict[str, int] = {}              # model -> its weights (bytes)
         self._capacity_asked: set[str] = set()
+        self._residency: dict[tuple[str, str], str] = {}     # (worker, model) -> as WatchStatus says
         self.service = GatewayService(self.upstreams, self.router,
                                       max_per_worker=config.grpc.max_concurrent_requests_per_worker,
                                       shm_peers=config.grpc.client_shm_peers)
@@ -161,6 +163,7 @@ class Gateway:
                 status = cpb.ModelControlStatusResponse.FromString(data)
                 self._budgets[name] = status.budget_bytes
                 for m in status.models:
+                    self._residency[(name, m.name)] = m.residency
                     if m.weight_bytes:
                         self._weight_bytes[m.name] = m.weight_bytes
                     if m.state == "READY" and m.name not in self._capacity_asked and self._nursery is not None:
@@ -239,6 +242,36 @@ class Gateway:
                     nursery.start_soon(one, worker, upstream)
         return out
 
+    async def _enforce(self, workers: tuple[str, ...]) -> None:
+        """Make each worker hold host copies of the models placed on it only: a model placed
+        elsewhere becomes ``unpinned`` there (its host RAM is freed; a stray request reads it from
+        disk), one placed there again goes back to ``system``. A model the operator pinned
+        (``device``) is left as it is."""
+        async def one(worker: str) -> None:
+            changed = []
+            for model in sorted(self.router.models()):
+                current = self._residency.get((worker, model))
+                if current not in ("system", "unpinned"):
+                    continue
+                wanted = "system" if worker in self.placement.workers_of.get(model, ()) else "unpinned"
+                if current == wanted:
+                    continue
+                try:
+                    await self.upstreams[worker].unary(
+                        CONTROL + "SetModelResidency", cpb.SetModelResidencyRequest(model=model, residency=wanted),
+                        cpb.SetModelResidencyResponse)
+                except (UpstreamError, KeyError) as exc:
+                    log.warning("gateway: cannot set %s's residency to %s on %s: %s", model, wanted, worker,
+                                getattr(exc, "message", exc))
+                    continue
+                self._residency[(worker, model)] = wanted
+                changed.append(f"{model}: {wanted}")
+            if changed:
+                log.info("gateway: placement enforced on %s: %s", worker, ", ".join(changed))
+        async with trio.open_nursery() as nursery:
+            for worker in workers:
+                nursery.start_soon(one, worker)
+
     async def _placement_loop(self) -> None:
         """Place the models (``lpt_packing``): at first from their sizes alone, again whenever the
         workers or the models change, and whenever the workers have measured
@@ -275,6 +308,7 @@ class Gateway:
                      f"by {spent:.1f} s of measured device time",
                      "; ".join(f"{w}: {', '.join(self.placement.models_on(w)) or '-'} (load {self.placement.load_of[w]:.3f})"
                                for w in workers))
+            await self._enforce(workers)
             over = tuple((o.worker, o.models, o.placed_bytes) for o in self.placement.over_budget)
             if over and over != warned:
                 log.warning("gateway: the placed weights exceed a worker's budget, so it will load and evict "
