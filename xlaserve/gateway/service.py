@@ -206,7 +206,6 @@ class GatewayService:
         self.in_flight = 0
         self.routed: dict[tuple[str, str], int] = {}        # (worker, model) -> requests routed
         self.errors: dict[str, int] = {}                    # cause -> requests failed at the gateway
-        self.on_routed: Callable[[str, str], None] | None = None
 
     # ---- grpclib-shaped service ------------------------------------------------------------
     def __mapping__(self) -> dict[str, Handler]:
@@ -271,8 +270,6 @@ class GatewayService:
         key = (worker, model)
         self.routed[key] = self.routed.get(key, 0) + 1
         self.router.started(worker, model)
-        if self.on_routed is not None:
-            self.on_routed(worker, model)
 
         def done(outcome: Reply | UpstreamError) -> None:
             self.in_flight -= 1
@@ -506,10 +503,23 @@ class GatewayService:
         return {w: replies[w] for w in workers}
 
 
-def _forwarded(metadata) -> list[tuple[str, str]]:
+_FORWARDED: dict[int, tuple] = {}
+
+
+def _forwarded(metadata) -> tuple[tuple[str, str], ...]:
+    """The client's metadata the worker gets (not the hop-by-hop fields). The server hands every
+    call of a repeated header block the same read-only mapping, so the answer is kept per
+    mapping (with the mapping, so that its id is not reused while it is kept)."""
     if not metadata:
-        return []
-    return [(k, v) for k, v in metadata.items() if k not in _HOP_BY_HOP and not k.startswith(":")]
+        return ()
+    kept = _FORWARDED.get(id(metadata))
+    if kept is not None and kept[0] is metadata:
+        return kept[1]
+    forwarded = tuple((k, v) for k, v in metadata.items() if k not in _HOP_BY_HOP and not k.startswith(":"))
+    if len(_FORWARDED) >= 1024:
+        _FORWARDED.clear()
+    _FORWARDED[id(metadata)] = (metadata, forwarded)
+    return forwarded
 
 
 def _time_left(call, request_timeout: float) -> float:
