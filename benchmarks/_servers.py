@@ -48,6 +48,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (held together while chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 @contextmanager
 def xlaserve(repo: Path, scheduler: dict | None = None, log_path: Path | None = None, timeout: float = 300):
     """Run ``xlaserve run`` on ``repo``; yields (url, pid)."""

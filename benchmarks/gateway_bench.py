@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks._servers import export_mlp_as, stop, tree_cpu_seconds, wait_ready, xlaserve
+from benchmarks._servers import export_mlp_as, free_port, free_ports, stop, tree_cpu_seconds, wait_ready, xlaserve
 from xlaserve.bench import loadgen
 
 INPUTS = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
@@ -56,21 +56,10 @@ def gateway(endpoints: list[str], work: Path, mode: str = "round_robin", timeout
         log.close()
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _consecutive_free_pair() -> int:
     import socket
     for _ in range(100):
-        base = _free_ports(1)[0]
+        base = free_port()
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", base))
@@ -109,7 +98,7 @@ def placement(args) -> int:
     results = {}
     for round_ in range(args.rounds):
         for mode in (("round_robin", "lpt_packing") if round_ % 2 == 0 else ("lpt_packing", "round_robin")):
-            grpc0, grpc1 = _free_ports(2)
+            grpc0, grpc1 = free_ports(2)
             metrics = _consecutive_free_pair()
             glob = {"runtime": {"backend": "cpu", "device_memory_bytes": arena, "weight_cache_wiggle_fraction": wiggle},
                     "scheduler": {"discipline": "fifo"}}
@@ -154,7 +143,7 @@ def replicas(args) -> int:
     results = {}
     for round_ in range(args.rounds):
         for mode in (("round_robin", "lpt_packing") if round_ % 2 == 0 else ("lpt_packing", "round_robin")):
-            grpc0, grpc1 = _free_ports(2)
+            grpc0, grpc1 = free_ports(2)
             metrics = _consecutive_free_pair()
             gateway = {"scheduling": {"mode": mode}}
             if mode == "lpt_packing":
@@ -212,7 +201,7 @@ def faults(args) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="xlaserve-faults-"))
     repo = tmp / "models"
     export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
-    grpc0, grpc1 = _free_ports(2)
+    grpc0, grpc1 = free_ports(2)
     metrics = _consecutive_free_pair()
     x = np.full((1, 512), 0.5, np.float32)
     with serve(tmp / "node", repo, {"scheduler": {"discipline": "fifo"}}, timeout=600,

@@ -88,8 +88,10 @@ def _metric_names() -> set[str]:
     WeightCacheMetrics(metrics.registry)
     LifecycleMetrics(metrics.registry)
     assert isinstance(metrics.registry, CollectorRegistry)
+    from xlaserve.gateway.run import Gateway
+    gateway = Gateway([])
     names = set()
-    for family in metrics.registry.collect():
+    for family in [*metrics.registry.collect(), *gateway.registry.collect()]:
         names.add(family.name)
         if family.type == "counter":
             names.add(f"{family.name}_total")

@@ -14,6 +14,8 @@ import trio
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from benchmarks._servers import free_ports
+from benchmarks.gateway_bench import _consecutive_free_pair
 from tests.conftest import infer_input, serve
 from xlaserve.config.gateway import parse_gateway_config
 from xlaserve.gateway.run import Gateway, WorkerAddress
@@ -274,22 +276,12 @@ def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_c
     assert sum(1 for o in outcomes if not o[2] and stopped_at + 3.0 < o[0] < stopped_at + 4.0) > 20
 
 
-def _free_ports(n: int) -> list[int]:
-    import socket
-    sockets = [socket.socket() for _ in range(n)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo, tmp_path):
     """The supervisor starts both workers; the embedded gateway serves the node's listen port;
     the unchanged Triton client sees one server; a killed worker is restarted and used again."""
     import re
-    grpc0, grpc1, http0, http1 = _free_ports(4)
+    grpc0, grpc1 = free_ports(2)
+    http0 = _consecutive_free_pair()
     with serve(tmp_path, examples_repo, workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
                metrics_base_port=http0,
                supervisor={"restart_backoff_initial_seconds": 0.1},

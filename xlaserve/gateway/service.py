@@ -282,25 +282,10 @@ class GatewayService:
 
     async def _infer_task(self, stream) -> None:
         """ModelInfer for a server without the task-free path (the same routing)."""
-        request = await stream.recv_message()
-        done = trio.Event()
-        box: list = []
-
-        class _Shim:
-            metadata = stream.metadata
-            deadline = stream.deadline
-            peer = stream.peer
-            on_cancel = None
-
-            @staticmethod
-            def complete(outcome) -> None:
-                box.append(outcome)
-                done.set()
-        self.infer_now(_Shim, request)
-        await done.wait()
-        if isinstance(box[0], BaseException):
-            raise box[0]
-        await stream.send_message(box[0])
+        outcome = await self._unary_infer(stream, await stream.recv_message())
+        if isinstance(outcome, BaseException):
+            raise outcome
+        await stream.send_message(outcome)
 
     def _outcome(self, outcome: Reply | UpstreamError, worker: str):
         """What the client gets: the reply's message, or the error (the worker's status and

@@ -567,18 +567,8 @@ class Upstream:
                 _, _, call = heapq.heappop(self._timers)
                 if call.done:
                     continue
-                error = UpstreamError(Status.DEADLINE_EXCEEDED, f"worker {self.name} did not answer within "
-                                                                f"the request's timeout")
-                if self._calls.get(call.id) is call:
-                    self._out += frame(RST_STREAM, 0, call.id, _U32.pack(CANCEL))
-                    self._kick()
-                    self._end(call, error)
-                else:
-                    try:
-                        self._queue.remove(call)
-                    except ValueError:
-                        pass
-                    self._finish(call, error)
+                self._give_up(call, UpstreamError(Status.DEADLINE_EXCEEDED, f"worker {self.name} did not "
+                                                                            "answer within the request's timeout"))
             self._timer_wake = trio.Event()
             if self._timers:
                 with trio.move_on_at(self._timers[0][0]):
@@ -589,9 +579,12 @@ class Upstream:
     def abort(self, call: _Call) -> None:
         """The client gave up on ``call`` (it reset its stream or hung up): reset the worker's
         stream so the worker drops the work if it has not run; ``on_done`` gets CANCELLED."""
-        if call.done:
-            return
-        error = UpstreamError(Status.CANCELLED, "the client cancelled the request")
+        if not call.done:
+            self._give_up(call, UpstreamError(Status.CANCELLED, "the client cancelled the request"))
+
+    def _give_up(self, call: _Call, error: UpstreamError) -> None:
+        """End ``call`` with ``error`` before the worker answered: its stream is reset (the
+        worker drops the work if it has not run), or it leaves the queue."""
         if self._calls.get(call.id) is call:
             self._out += frame(RST_STREAM, 0, call.id, _U32.pack(CANCEL))
             self._kick()
