@@ -127,3 +127,10 @@ def test_worker_pages_merge_into_one_exposition_with_a_worker_label():
     assert samples[("xlaserve_requests_total", (("model", "n"), ("worker", 'b"1')))] == 1.0
     assert samples[("up", (("worker", "a"),))] == 1.0
     assert relabel({}) == ""
+
+
+def test_a_worker_status_gRPC_does_not_define_is_unknown():
+    from grpclib.const import Status
+
+    from xlaserve.gateway.upstream import status_named
+    assert status_named(5) is Status.NOT_FOUND and status_named(99) is Status.UNKNOWN

@@ -37,7 +37,7 @@ from grpclib.exceptions import GRPCError
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
 from xlaserve.gateway.router import Router
-from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
+from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
 
 log = logging.getLogger("xlaserve.gateway")
 
@@ -295,7 +295,7 @@ class GatewayService:
                         "timeout" if outcome.status is Status.DEADLINE_EXCEEDED else "cancelled")
             return GRPCError(outcome.status, outcome.message)
         if outcome.status != 0:
-            return GRPCError(Status(outcome.status), outcome.message)
+            return GRPCError(status_named(outcome.status), outcome.message)
         messages = outcome.messages()
         if len(messages) != 1:
             self._count("bad_reply")

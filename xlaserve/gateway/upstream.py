@@ -48,7 +48,7 @@ from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
 log = logging.getLogger("xlaserve.gateway")
 
-__all__ = ["Reply", "UpstreamError", "Upstream", "grpc_timeout"]
+__all__ = ["Reply", "UpstreamError", "Upstream", "grpc_timeout", "status_named"]
 
 OUR_WINDOW = 2**30                  # replies are consumed at once: a large window, returned as used
 READ_SIZE = 256 * 1024
@@ -83,6 +83,15 @@ class UpstreamError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def status_named(code: int) -> Status:
+    """The gRPC status of a worker's ``grpc-status`` code; a code gRPC does not define is
+    UNKNOWN (a client still gets exactly one answer)."""
+    try:
+        return Status(code)
+    except ValueError:
+        return Status.UNKNOWN
 
 
 def grpc_timeout(seconds: float) -> str:
@@ -219,7 +228,7 @@ class Upstream:
         if isinstance(outcome, UpstreamError):
             raise outcome
         if outcome.status != 0:
-            raise UpstreamError(Status(outcome.status), outcome.message)
+            raise UpstreamError(status_named(outcome.status), outcome.message)
         messages = outcome.messages()
         return reply_type.FromString(messages[0] if messages else b"")
 
