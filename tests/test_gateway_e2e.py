@@ -436,3 +436,23 @@ def _set_residency(server, model: str, residency: str) -> None:
                  cpb.SetModelResidencyResponse)
     except Exception:
         pass        # a model the repository does not have
+
+
+def test_a_worker_stopped_gracefully_under_load_costs_no_request(examples_repo, tmp_path):
+    """SIGTERM to a worker: it sends GOAWAY and drains; the gateway stops routing to it, sends
+    what the worker refused (never ran) to the other one, and every client call succeeds."""
+    with ExitStack() as stack:
+        servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
+        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
+        g = GatewayThread(workers, config("round_robin"))
+        stack.callback(g.stop)
+        g.wait_ready(models=2)
+        load = Load(g.url, clients=6)
+        time.sleep(1.0)
+        servers[1].process.send_signal(signal.SIGTERM)
+        assert servers[1].process.wait(30) == 0
+        time.sleep(1.0)
+        outcomes = load.stop()
+    assert load.wrong == 0
+    assert [o for o in outcomes if o[2]] == []
+    assert len(outcomes) > 100

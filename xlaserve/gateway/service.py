@@ -256,15 +256,21 @@ class GatewayService:
                                                        f"limit is {cap} (grpc.max_concurrent_requests_per_worker "
                                                        f"{self.max_per_worker} x {len(self.upstreams)} workers); "
                                                        "retry later")
+        self._send(call, request, model, self._pick(model), retries=1)
+
+    def _pick(self, model: str) -> str:
+        """A worker for ``model`` whose connection is up; GRPCError when there is none."""
         worker = self.router.pick(model)
         while worker is not None and not self.upstreams[worker].up:
             self.router.worker_down(worker)      # lost since discovery last spoke: route around it now
             worker = self.router.pick(model)
         if worker is None:
             self._count("no_replica")
-            status = Status.NOT_FOUND if "not served by any worker" in (why := self.router.why_not(model)) \
-                else Status.UNAVAILABLE
-            raise GRPCError(status, why)
+            why = self.router.why_not(model)
+            raise GRPCError(Status.NOT_FOUND if "not served by any worker" in why else Status.UNAVAILABLE, why)
+        return worker
+
+    def _send(self, call, request: _Raw, model: str, worker: str, retries: int) -> None:
         upstream = self.upstreams[worker]
         self.in_flight += 1
         key = (worker, model)
@@ -274,7 +280,19 @@ class GatewayService:
         def done(outcome: Reply | UpstreamError) -> None:
             self.in_flight -= 1
             self.router.finished(worker, model)
+            if retries and isinstance(outcome, UpstreamError) and outcome.unprocessed and not call_gone():
+                # the worker did not run it (refused, stopping, never sent): another one may
+                self._count("retried")
+                try:
+                    self._send(call, request, model, self._pick(model), retries - 1)
+                    return
+                except GRPCError as exc:
+                    call.complete(exc)
+                    return
             call.complete(self._outcome(outcome, worker))
+
+        def call_gone() -> bool:
+            return bool(getattr(call, "finished", False))
         handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
                                 timeout=_time_left(call, upstream.request_timeout))
         if not handle.done:

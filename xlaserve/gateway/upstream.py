@@ -42,7 +42,7 @@ from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX, parse_timeout
 from xlaserve.frontend.grpc_server import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY,
     HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
-    RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame,
+    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame,
 )
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
@@ -79,10 +79,13 @@ class Reply:
 class UpstreamError(Exception):
     """A call to a worker failed before the worker answered it (see the module docstring)."""
 
-    def __init__(self, status: Status, message: str) -> None:
+    def __init__(self, status: Status, message: str, *, unprocessed: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        #: the worker certainly did not run it (never sent, refused, or above a GOAWAY's last
+        #: stream): safe to send to another worker
+        self.unprocessed = unprocessed
 
 
 def status_named(code: int) -> Status:
@@ -201,7 +204,7 @@ class Upstream:
                      trio.current_time() + timeout, on_message)
         self.outstanding += 1
         if not self.up:
-            self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message()))
+            self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
             return call
         if not math.isinf(timeout):
             heapq.heappush(self._timers, (call.deadline, next(self._timer_seq), call))
@@ -306,12 +309,15 @@ class Upstream:
             log.warning("gateway: lost worker %s at %s (%s)", self.name, self._authority, self.last_error)
         error = UpstreamError(Status.UNAVAILABLE, f"worker {self.name} ({self._authority}): {self.last_error}; "
                                                   "the request may or may not have run")
-        calls = list(self._calls.values()) + list(self._queue)
+        calls, queued = list(self._calls.values()), list(self._queue)
         self._calls.clear()
         self._queue.clear()
         self._blocked.clear()
         for call in calls:
             self._finish(call, error)
+        for call in queued:          # never sent
+            self._finish(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} ({self._authority}): "
+                                             f"{self.last_error}", unprocessed=True))
         self._stream = None
 
     def reconnect_now(self) -> None:
@@ -456,8 +462,10 @@ class Upstream:
             call = self._calls.get(sid)
             if call is not None:
                 code = _U32.unpack(payload)[0]
+                # REFUSED_STREAM: the worker did no work for it (RFC 9113 8.7)
                 self._end(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} reset the stream "
-                                                                  f"(HTTP/2 error code {code}) before answering"))
+                                                                  f"(HTTP/2 error code {code}) before answering",
+                                              unprocessed=code == REFUSED_STREAM))
         elif ftype == GOAWAY:
             last = _U32.unpack_from(payload, 0)[0] & 0x7FFFFFFF
             self._goaway = True
@@ -465,10 +473,10 @@ class Upstream:
             self.up = False        # no new calls here; those it will still answer finish
             for call in [c for s, c in self._calls.items() if s > last]:
                 self._end(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} is stopping and refused "
-                                                                  "the request before running it"))
+                                                                  "the request before running it", unprocessed=True))
             queued, self._queue = self._queue, deque()
             for call in queued:
-                self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message()))
+                self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
 
     def _on_settings(self, payload: bytes) -> None:
         for i in range(0, len(payload) - len(payload) % 6, 6):
