@@ -111,3 +111,23 @@ def test_models_on_lists_each_workers_models():
 def test_bad_input_is_refused_naming_what(models, ws, default, message):
     with pytest.raises(ValueError, match=message):
         place(models, ws, default)
+
+
+def test_a_small_change_in_load_moves_nothing_and_a_large_one_rebalances():
+    workers = [WorkerBudget("w0", 100), WorkerBudget("w1", 100)]
+    loads = {"a": 0.50, "b": 0.30, "c": 0.20, "d": 0.05}
+    first = place([ModelLoad(n, l, 10) for n, l in loads.items()], workers)
+    # "a" and "b" trade places in the heaviest-first order: a fresh placement swaps their hosts
+    nudged = {**loads, "a": 0.30, "b": 0.31}
+    assert place([ModelLoad(n, l, 10) for n, l in nudged.items()], workers).workers_of["a"] != first.workers_of["a"]
+    assert place([ModelLoad(n, l, 10) for n, l in nudged.items()], workers,
+                 previous=first.workers_of).workers_of == first.workers_of
+    # "a" and "b" both become heavy: keeping the old hosts would leave one worker with 1.2 of 1.35
+    heavy = {"a": 0.6, "b": 0.6, "c": 0.1, "d": 0.05}
+    fresh = place([ModelLoad(n, l, 10) for n, l in heavy.items()], workers)
+    moved = place([ModelLoad(n, l, 10) for n, l in heavy.items()], workers, previous=first.workers_of)
+    assert moved.workers_of["a"] != moved.workers_of["b"]
+    assert max(moved.load_of.values()) == max(fresh.load_of.values())
+    # a previous host without room is left
+    tight = [WorkerBudget("w0", 10), WorkerBudget("w1", 100)]
+    assert place([ModelLoad("a", 1.0, 50)], tight, previous={"a": ("w0",)}).workers_of["a"] == ("w1",)

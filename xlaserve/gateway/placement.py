@@ -85,10 +85,14 @@ def _replicas(model: ModelLoad, default: Replicas, workers: int) -> int:
     return min(wanted, workers)
 
 
-def place(models: Iterable[ModelLoad], workers: Iterable[WorkerBudget], default_replicas: Replicas = 1) -> Placement:
-    """Place ``models`` on ``workers`` (see the module docstring). Raises ValueError, naming the
-    model or worker, for a negative load or size, a budget below 0, a name given twice, a bad
-    replica count, or no workers at all."""
+def place(models: Iterable[ModelLoad], workers: Iterable[WorkerBudget], default_replicas: Replicas = 1, *,
+          previous: Mapping[str, tuple[str, ...]] | None = None, stickiness: float = 0.1) -> Placement:
+    """Place ``models`` on ``workers`` (see the module docstring). With ``previous`` (the last
+    placement), a replica stays on a worker that held the model if that worker has room and its
+    load is within ``stickiness`` x the mean load per worker of the least loaded choice: moving
+    a model costs weight copies on two workers, so small changes in measured load move nothing.
+    Raises ValueError, naming the model or worker, for a negative load or size, a budget below
+    0, a name given twice, a bad replica count, or no workers at all."""
     workers = list(workers)
     models = list(models)
     if not workers:
@@ -115,11 +119,16 @@ def place(models: Iterable[ModelLoad], workers: Iterable[WorkerBudget], default_
     # every replica is a job of load / r; heaviest first, then larger, then by name
     jobs = sorted(((m.load / counts[m.name], m) for m in models for _ in range(counts[m.name])),
                   key=lambda job: (-job[0], -job[1].weight_bytes, job[1].name))
+    slack = stickiness * sum(m.load for m in models) / len(workers)
     for share, m in jobs:
         taken = hosts.setdefault(m.name, [])
         free = [w for w in budget if w not in taken]
         fitting = [w for w in free if used[w] + m.weight_bytes <= budget[w]]
         chosen = min(fitting or free, key=lambda w: (load[w], used[w], w))
+        if previous:
+            stay = [w for w in previous.get(m.name, ()) if w in (fitting or free) and load[w] <= load[chosen] + slack]
+            if stay:
+                chosen = min(stay, key=lambda w: (load[w], used[w], w))
         taken.append(chosen)
         load[chosen] += share
         used[chosen] += m.weight_bytes

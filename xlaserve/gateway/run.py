@@ -315,7 +315,8 @@ class Gateway:
                         loads[m] += max(0.0, v - measured_at.get((w, m), 0.0)) / span
             self.placement = place(
                 [ModelLoad(m, loads[m], self._weight_bytes.get(m, 0), settings.replicas_for(m)) for m in models],
-                [WorkerBudget(w, self._budgets[w]) for w in workers], settings.default_replicas)
+                [WorkerBudget(w, self._budgets[w]) for w in workers], settings.default_replicas,
+                previous=self.placement.workers_of if self.placement is not None else None)
             self.router.set_placement(self.placement.workers_of, self.placement.load_of)
             measured_at, placed_at, shape = measured, now, (workers, models)
             log.info("gateway: placement (%s): %s", "by size" if not any(loads.values()) else
