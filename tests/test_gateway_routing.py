@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import trio
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.gateway.router import ModelOnWorker, Router
@@ -134,3 +135,23 @@ def test_a_worker_status_gRPC_does_not_define_is_unknown():
 
     from xlaserve.gateway.upstream import status_named
     assert status_named(5) is Status.NOT_FOUND and status_named(99) is Status.UNKNOWN
+
+
+def test_ended_calls_do_not_pile_up_in_the_timer_heap():
+    """Every call's timeout is a heap entry; calls answered long before their deadline must not
+    keep their bytes (or their entries, past a bound) until it passes: at 5,000 requests/s and a
+    60 s timeout that held 300,000 requests' bytes (the gateway's RSS grew 45 MB/s)."""
+    from xlaserve.gateway.upstream import Upstream, _Call
+
+    async def main():
+        upstream = Upstream("w", "127.0.0.1", 1)
+        answered = []
+        for i in range(10_000):
+            call = _Call(b"h", b"x" * 1000, answered.append, trio.current_time() + 60, None)
+            upstream._timers.append((call.deadline, i, call))
+            upstream.outstanding += 1
+            upstream._finish(call, Reply(0, "", b""))
+            assert call.data == b"" and call.on_done is None
+        assert len(answered) == 10_000 and upstream.outstanding == 0
+        assert len(upstream._timers) <= 2 * 1024 + 2
+    trio.run(main)

@@ -172,6 +172,7 @@ class Upstream:
         self._timers: list[tuple[float, int, _Call]] = []
         self._timer_seq = itertools.count()
         self._timer_wake = trio.Event()
+        self._ended_timers = 0                   # entries of ended calls still in the heap (about)
         self._goaway = False
         self._retry = trio.Event()
 
@@ -572,8 +573,19 @@ class Upstream:
             return
         call.done = True
         self.outstanding -= 1
+        on_done = call.on_done
+        # what the call held goes now: its timer entry stays in the heap until its deadline
+        # comes up or the heap is compacted
+        call.data = call.block = b""
+        call.body = bytearray()
+        call.on_done = call.on_message = None
+        self._ended_timers += 1
+        if self._ended_timers > 1024 and self._ended_timers * 2 > len(self._timers):
+            self._timers = [entry for entry in self._timers if not entry[2].done]
+            heapq.heapify(self._timers)
+            self._ended_timers = 0
         try:
-            call.on_done(outcome)
+            on_done(outcome)
         except Exception:     # a bug above must not take the worker's connection down
             log.exception("gateway: a call's completion callback failed")
 
