@@ -456,3 +456,33 @@ def test_a_worker_stopped_gracefully_under_load_costs_no_request(examples_repo, 
     assert load.wrong == 0
     assert [o for o in outcomes if o[2]] == []
     assert len(outcomes) > 100
+
+
+def test_lpt_packing_reloads_a_placed_model_on_its_workers_only(examples_repo, tmp_path):
+    """Explicit mode: the first load of a model reaches every worker (it is not placed yet); once
+    placed, a load (a reload) reaches only the worker it is placed on."""
+    with ExitStack() as stack:
+        servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo, {"model_control_mode": "explicit"},
+                                             wait_ready=False)) for i in range(2)]
+        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
+        g = GatewayThread(workers, config("lpt_packing"))
+        stack.callback(g.stop)
+        client = grpcclient.InferenceServerClient(g.url)
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and not all(
+                trio.from_thread.run_sync(lambda: g.gateway.upstreams[w.name].up, trio_token=g.token) for w in workers):
+            time.sleep(0.05)
+        client.load_model("mlp")
+        g.wait_ready(models=1)
+        placement = None
+        while time.monotonic() < deadline and not (placement and "mlp" in placement.workers_of):
+            placement = trio.from_thread.run_sync(lambda: g.gateway.placement, trio_token=g.token)
+            time.sleep(0.05)
+        [home] = placement.workers_of["mlp"]
+        client.load_model("mlp")
+        versions = {}
+        for i, server in enumerate(servers):
+            index = grpcclient.InferenceServerClient(server.url).get_model_repository_index(as_json=True)
+            versions[f"worker{i}"] = next(m.get("version") for m in index["models"] if m["name"] == "mlp")
+        other = next(w.name for w in workers if w.name != home)
+        assert versions[home] == "2" and versions[other] == "1", versions

@@ -492,8 +492,12 @@ class GatewayService:
 
     async def _gather(self, path: str, request: _Raw, stream) -> dict[str, object]:
         """The call on every reachable worker at once: worker -> reply or GRPCError. Fails
-        UNAVAILABLE when none is reachable."""
+        UNAVAILABLE when none is reachable. Under ``lpt_packing`` a RepositoryModelLoad of a
+        model the placement has placed goes to the workers it is placed on only."""
         workers = [w for w in self.router.workers if self.upstreams[w].up]
+        if path == SERVICE + "RepositoryModelLoad" and self.router.mode == "lpt_packing":
+            placed = self.router.placed(pb.RepositoryModelLoadRequest.FromString(request.data).model_name)
+            workers = [w for w in workers if w in placed] or workers
         if not workers:
             raise GRPCError(Status.UNAVAILABLE, f"no worker is reachable: {self._down_text()}")
         replies: dict[str, object] = {}
