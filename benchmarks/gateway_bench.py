@@ -268,6 +268,36 @@ def faults(args) -> int:
     return 0
 
 
+def soak(args) -> int:
+    """The standalone gateway in front of one worker under ``mlp`` load at ``--concurrency`` for
+    ``--duration`` seconds: answers, errors and the gateway's RSS every 5 s (it must stay flat)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp) / "models"
+        export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
+        with xlaserve(repo) as (direct_url, _), gateway([direct_url], Path(tmp)) as (gw_url, gw_pid):
+            wait_ready(gw_url, time.monotonic() + 60, models=("mlp",))
+            plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(args.concurrency)]
+            rss = []
+            answered = errors = 0
+            for i in range(max(1, int(args.duration // 5))):
+                result = asyncio.run(loadgen.run_level(gw_url, plans, INPUTS, duration=5, warmup=0))
+                answered += result.answered
+                errors += sum(sum(t.errors.values()) for t in result.tallies.values())
+                rss.append(_rss_mib(gw_pid))
+                print(f"{5 * (i + 1):>4} s: {result.answered} answered, gateway RSS {rss[-1]} MiB", flush=True)
+    growth = (rss[-1] - rss[0]) / rss[0] * 100
+    print(f"\n{answered} answered, {errors} errors; gateway RSS {rss[0]} -> {rss[-1]} MiB ({growth:+.1f}% after the "
+          f"first 5 s)")
+    return 0 if errors == 0 and growth < 5 else 1
+
+
+def _rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def _child(parent: int, args: list[str]) -> int:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -297,7 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: rows per execution of a two-replica model, lpt_packing vs round_robin")
     parser.add_argument("--faults", action="store_true",
                         help="instead: SIGKILL one of two workers under load (supervisor restart)")
+    parser.add_argument("--soak", action="store_true",
+                        help="instead: the gateway's RSS and errors under load for --duration seconds")
     args = parser.parse_args(argv)
+    if args.soak:
+        args.concurrency = int(args.concurrency.split(",")[-1])
+        return soak(args)
     if args.faults:
         args.concurrency = int(args.concurrency.split(",")[-1])
         return faults(args)
