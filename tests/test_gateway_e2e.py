@@ -407,6 +407,8 @@ def test_lpt_packing_places_each_model_on_one_worker_and_frees_its_host_copy_els
                 break
             time.sleep(0.1)
         assert residency == "unpinned" and _residency(two_workers[int(home[-1])], "mlp") == "system"
+        page = trio.from_thread.run_sync(lambda: g.gateway.routes()["/metrics"](), trio_token=g.token)[2].decode()
+        assert f'xlaserve_gateway_placed{{model="mlp",worker="{home}"}} 1.0' in page
     finally:
         g.stop()
         for server in two_workers:          # leave the shared workers as they were

@@ -102,6 +102,12 @@ class Gateway:
                              ["cause"], registry=self.registry)
         self._replicas = Gauge("xlaserve_gateway_replicas", "workers with the model READY",
                                ["model"], registry=self.registry)
+        self._placed = Gauge("xlaserve_gateway_placed", "lpt_packing: 1 where the placement puts the model",
+                             ["model", "worker"], registry=self.registry)
+        self._placed_load = Gauge("xlaserve_gateway_placed_load", "lpt_packing: measured device-seconds per "
+                                  "second placed on the worker", ["worker"], registry=self.registry)
+        self._placed_bytes = Gauge("xlaserve_gateway_placed_bytes", "lpt_packing: weight bytes placed on the "
+                                   "worker", ["worker"], registry=self.registry)
         self.grpc_port = 0
         self.http_port = 0
         #: /healthz: (healthy, why); the embedded gateway adds the supervisor's view
@@ -384,6 +390,14 @@ class Gateway:
                 self._errors.labels(cause).set(n)
             for model in self.router.models():
                 self._replicas.labels(model).set(len(self.router.replicas(model)))
+            if self.placement is not None:
+                self._placed.clear()
+                for model, workers in self.placement.workers_of.items():
+                    for worker in workers:
+                        self._placed.labels(model, worker).set(1)
+                for worker, load in self.placement.load_of.items():
+                    self._placed_load.labels(worker).set(load)
+                    self._placed_bytes.labels(worker).set(self.placement.bytes_of[worker])
             page = generate_latest(self.registry)
             if self._scraped:
                 from xlaserve.gateway.scrape import relabel
