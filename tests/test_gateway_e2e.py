@@ -488,3 +488,35 @@ def test_lpt_packing_reloads_a_placed_model_on_its_workers_only(examples_repo, t
             versions[f"worker{i}"] = next(m.get("version") for m in index["models"] if m["name"] == "mlp")
         other = next(w.name for w in workers if w.name != home)
         assert versions[home] == "2" and versions[other] == "1", versions
+
+
+def test_the_standalone_gateway_follows_a_dns_name_and_stops_on_sigterm(two_workers, tmp_path):
+    """`xlaserve gateway FILE`: an endpoint named by DNS (localhost) resolves to the worker; the
+    Triton client is served through it; SIGTERM drains and exits 0."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+    config_file = tmp_path / "gateway.yaml"
+    config_file.write_text(yaml.safe_dump({"listen": {"grpc": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
+                                           "endpoints": [f"localhost:{two_workers[0].grpc_port}"],
+                                           "logging": {"level": "info"}}))
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "gateway", str(config_file), "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        url = f"127.0.0.1:{json.loads(ready.read_text())['grpc_port']}"
+        client = grpcclient.InferenceServerClient(url)
+        while time.monotonic() < deadline and not client.is_server_ready():
+            time.sleep(0.05)
+        assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, out
+    assert f"connected to worker localhost:{two_workers[0].grpc_port}@127.0.0.1" in out, out
+    assert "SIGTERM: draining" in out and "gateway stopped" in out
