@@ -36,13 +36,13 @@ log = logging.getLogger("xlaserve.gateway")
 
 __all__ = ["WorkerAddress", "Gateway", "serve_gateway", "embedded_gateway", "DISCOVERY_INTERVAL"]
 
-WATCH = "/xlaserve.control.WorkerControl/WatchStatus"
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
 STALE_AFTER = 2.0              # a worker silent this long is routed around (it may be stopped)
 SCRAPE_INTERVAL = 5.0          # seconds between scrapes of each worker's /metrics
 PLACEMENT_CHECK = 1.0          # lpt_packing: seconds between looks at the measured work
 SERVICE = "/inference.GRPCInferenceService/"
 CONTROL = "/xlaserve.control.WorkerControl/"
+WATCH = CONTROL + "WatchStatus"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +55,8 @@ class WorkerAddress:
 
 
 class _RoutedCollector:
-    """``xlaserve_gateway_requests_routed_total``, read from the service's own tally when scraped
-    (a labelled counter's increment per request cost the gateway measurable CPU)."""
+    """``xlaserve_gateway_requests_routed_total``, read from the service's own tally when scraped,
+    so routing a request does no metric work."""
 
     def __init__(self, service: GatewayService) -> None:
         self.service = service
