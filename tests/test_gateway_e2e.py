@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from benchmarks._servers import free_ports
-from benchmarks.gateway_bench import _consecutive_free_pair
+from benchmarks.gateway_bench import _child, _consecutive_free_pair
 from tests.conftest import infer_input, serve
 from xlaserve.config.gateway import parse_gateway_config
 from xlaserve.gateway.run import Gateway, WorkerAddress
@@ -304,7 +304,7 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         assert "[a]" in log and "[b]" in log          # both workers' lines, prefixed
         # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
         deadline = time.monotonic() + TIMEOUT
-        os.kill(_child_running(node.process.pid, ["--worker", "b"]), signal.SIGKILL)
+        os.kill(_child(node.process.pid, ["--worker", "b"]), signal.SIGKILL)
         while time.monotonic() < deadline and 'xlaserve_gateway_worker_up{worker="b"} 0.0' not in node.get("/metrics")[1]:
             time.sleep(0.02)    # (a request sent while b's process is still dying fails UNAVAILABLE)
         for _ in range(20):
@@ -316,23 +316,6 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
             time.sleep(0.1)
         assert re.search(r'xlaserve_gateway_worker_up\{worker="b"\} 1\.0', node.get("/metrics")[1])
         assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
-
-
-def _child_running(parent: int, args: list[str]) -> int:
-    """The pid of ``parent``'s child process whose command line ends with ``args``."""
-    from pathlib import Path
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-            cmdline = (proc / "cmdline").read_bytes().split(b"\0")[:-1]
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and [a.decode() for a in cmdline[-len(args):]] == args:
-            return int(proc.name)
-    raise AssertionError(f"no child of {parent} runs {args}")
 
 
 def test_the_gateway_checks_client_shm_peers_itself(two_workers, tmp_path):
