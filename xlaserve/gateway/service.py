@@ -105,6 +105,19 @@ def _names_region(data: bytes) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*request.inputs, *request.outputs))
 
 
+STREAM_WINDOW = 64      # ModelStreamInfer requests of one stream in flight through the gateway
+
+
+class _Pending:
+    """A stream request's outcome (``box``), once ``done`` is set."""
+
+    __slots__ = ("box", "done")
+
+    def __init__(self) -> None:
+        self.box: list = []
+        self.done = trio.Event()
+
+
 class _Raw:
     """A request or reply kept as its serialized bytes (the gateway forwards, it does not parse)."""
 
@@ -325,20 +338,35 @@ class GatewayService:
 
     # ---- ModelStreamInfer ------------------------------------------------------------------
     async def _stream_infer(self, stream) -> None:
-        """Each request of the stream goes to the worker its model routes to, as a ModelInfer;
-        replies come back in request order, wrapped as ModelStreamInferResponse (an error
-        becomes the response's error_message, as Triton's streaming does)."""
-        while True:
-            request = await stream.recv_message()
-            if request is None:
-                return
-            outcome = await self._unary_infer(stream, request)
-            response = pb.ModelStreamInferResponse()
-            if isinstance(outcome, GRPCError):
-                response.error_message = outcome.message or outcome.status.name
-            else:
-                response.infer_response.ParseFromString(outcome.data)
-            await stream.send_message(response)
+        """Each request of the stream goes to the worker its model routes to, as a ModelInfer, as
+        soon as it arrives (at most STREAM_WINDOW of a stream in flight); replies come back in
+        request order, wrapped as ModelStreamInferResponse (an error becomes the response's
+        error_message, as Triton's streaming does)."""
+        send, receive = trio.open_memory_channel[_Pending](STREAM_WINDOW)
+
+        async def forward(request: _Raw, pending: _Pending) -> None:
+            pending.box.append(await self._unary_infer(stream, request))
+            pending.done.set()
+
+        async def reply_in_order() -> None:
+            async with receive:
+                async for pending in receive:
+                    await pending.done.wait()
+                    outcome = pending.box[0]
+                    response = pb.ModelStreamInferResponse()
+                    if isinstance(outcome, GRPCError):
+                        response.error_message = outcome.message or outcome.status.name
+                    else:
+                        response.infer_response.ParseFromString(outcome.data)
+                    await stream.send_message(response)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reply_in_order)
+            async with send:
+                while (request := await stream.recv_message()) is not None:
+                    pending = _Pending()
+                    await send.send(pending)         # waits while STREAM_WINDOW are in flight
+                    nursery.start_soon(forward, request, pending)
 
     async def _unary_infer(self, stream, request: _Raw):
         done = trio.Event()
