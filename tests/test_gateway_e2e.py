@@ -81,8 +81,10 @@ class GatewayThread:
 @pytest.fixture(scope="module")
 def two_workers(examples_repo, tmp_path_factory):
     with ExitStack() as stack:
+        # fifo: what lpt_packing needs (the other modes do not mind)
         servers = [stack.enter_context(serve(tmp_path_factory.mktemp(f"w{i}"), examples_repo,
-                                             {"endpoints": {"allow_client_shm": True}}))
+                                             {"endpoints": {"allow_client_shm": True},
+                                              "scheduler": {"discipline": "fifo"}}))
                    for i in range(2)]
         yield servers
 
@@ -447,8 +449,8 @@ def test_lpt_packing_reloads_a_placed_model_on_its_workers_only(examples_repo, t
     """Explicit mode: the first load of a model reaches every worker (it is not placed yet); once
     placed, a load (a reload) reaches only the worker it is placed on."""
     with ExitStack() as stack:
-        servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo, {"model_control_mode": "explicit"},
-                                             wait_ready=False)) for i in range(2)]
+        servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo, {
+            "model_control_mode": "explicit", "scheduler": {"discipline": "fifo"}}, wait_ready=False)) for i in range(2)]
         workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
         g = GatewayThread(workers, config("lpt_packing"))
         stack.callback(g.stop)
@@ -503,3 +505,20 @@ def test_the_standalone_gateway_follows_a_dns_name_and_stops_on_sigterm(two_work
     assert proc.returncode == 0, out
     assert f"connected to worker localhost:{two_workers[0].grpc_port}@127.0.0.1" in out, out
     assert "SIGTERM: draining" in out and "gateway stopped" in out
+
+
+def test_a_standalone_lpt_packing_gateway_refuses_a_worker_that_runs_fair(examples_repo, tmp_path):
+    with serve(tmp_path / "fair", examples_repo) as fair:          # the default discipline: fair
+        g = GatewayThread([WorkerAddress("w0", "127.0.0.1", fair.grpc_port)], config("lpt_packing"))
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            why = ""
+            while time.monotonic() < deadline and "refused" not in why:
+                why = trio.from_thread.run_sync(lambda: g.gateway.ready_reason()[1], trio_token=g.token)
+                time.sleep(0.05)
+            assert "refused (they run scheduler.discipline fair): w0" in why
+            with pytest.raises(InferenceServerException) as err:
+                grpcclient.InferenceServerClient(g.url).infer("mlp", _mlp_input())
+            assert "w0: refused: it runs scheduler.discipline fair, lpt_packing needs fifo or edf" in str(err.value)
+        finally:
+            g.stop()

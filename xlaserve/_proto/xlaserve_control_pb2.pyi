@@ -52,18 +52,20 @@ class ModelControlStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelControlStatusResponse(_message.Message):
-    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes")
+    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISCIPLINE_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelControl]
     worker: str
     backend: str
     budget_bytes: int
     resident_bytes: int
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
+    discipline: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ...) -> None: ...
 
 class SetModelResidencyRequest(_message.Message):
     __slots__ = ("model", "residency")

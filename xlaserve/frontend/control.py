@@ -52,7 +52,8 @@ def status_snapshot(worker: WorkerPort) -> pb.ModelControlStatusResponse:
             batch_delay_seconds=policy.batch_delay_seconds, batch_target_rows=policy.batch_target_rows or 0,
             requests=stats.inference_count, executions=stats.execution_count))
     return pb.ModelControlStatusResponse(models=models, worker=worker.worker_name, backend=worker.backend,
-                                         budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes)
+                                         budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes,
+                                         discipline=worker.discipline)
 
 
 class WorkerControlService(WorkerControlBase):

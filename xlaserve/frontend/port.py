@@ -109,3 +109,5 @@ class WorkerPort:
     draining: trio.Event
     #: Client shared-memory regions, or None when ``endpoints.allow_client_shm`` is off.
     shared_memory: SharedMemoryRegistry | None = None
+    #: The scheduler's ``discipline`` (``WorkerControl`` status: a gateway checks it).
+    discipline: str = "fair"

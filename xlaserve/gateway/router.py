@@ -62,6 +62,7 @@ class Router:
         self._in_flight: dict[tuple[str, str], int] = {}     # (worker, model) -> requests
         self._models: dict[str, dict[str, ModelOnWorker]] = {w: {} for w in self.workers}
         self._up: dict[str, bool] = {w: False for w in self.workers}
+        self._why_down: dict[str, str] = {}
         self._replicas: dict[str, tuple[str, ...]] = {}
         self._turn: dict[str, int] = {}
 
@@ -88,10 +89,12 @@ class Router:
         self._models[worker] = {m.name: m for m in models}
         self._rebuild()
 
-    def worker_down(self, worker: str) -> None:
-        """``worker`` is unreachable (or stopping): route nothing to it until it is up again."""
+    def worker_down(self, worker: str, why: str = "unreachable") -> None:
+        """``worker`` is unreachable (or stopping, or refused: ``why``): route nothing to it
+        until it is up again."""
         if worker not in self._up:
             return
+        self._why_down[worker] = why
         self._up[worker] = False
         self._models[worker] = {}
         self._rebuild()
@@ -195,7 +198,7 @@ class Router:
         views = []
         for worker in self.workers:
             if not self._up[worker]:
-                views.append(f"{worker}: unreachable")
+                views.append(f"{worker}: {self._why_down.get(worker, 'unreachable')}")
                 continue
             seen = self._models[worker].get(model)
             if seen is None:

@@ -87,6 +87,7 @@ class Gateway:
         self._weight_bytes: dict[str, int] = {}              # model -> its weights (bytes)
         self._capacity_asked: set[str] = set()
         self._residency: dict[tuple[str, str], str] = {}     # (worker, model) -> as WatchStatus says
+        self._refused: set[str] = set()                      # lpt_packing: workers that run fair
         self.service = GatewayService(self.upstreams, self.router,
                                       max_per_worker=config.grpc.max_concurrent_requests_per_worker,
                                       shm_peers=config.grpc.client_shm_peers)
@@ -181,6 +182,19 @@ class Gateway:
 
             def on_message(data: bytes) -> None:
                 status = cpb.ModelControlStatusResponse.FromString(data)
+                if self.router.mode == "lpt_packing" and status.discipline == "fair":
+                    # the gateway places and balances; a worker sharing its device fair-ly on
+                    # its own would undo that: refused (the embedded gateway refuses at start-up)
+                    if name not in self._refused:
+                        self._refused.add(name)
+                        log.error("gateway: worker %s runs scheduler.discipline fair; lpt_packing needs fifo or "
+                                  "edf (the gateway places the models and balances the workers): it is not routed "
+                                  "to until it runs fifo or edf", name)
+                    self.router.worker_down(name, "refused: it runs scheduler.discipline fair, lpt_packing needs "
+                                                  "fifo or edf")
+                    heard[0].set()
+                    return
+                self._refused.discard(name)
                 self._budgets[name] = status.budget_bytes
                 for m in status.models:
                     self._residency[(name, m.name)] = m.residency
@@ -366,7 +380,9 @@ class Gateway:
         down = [w for w, u in self.upstreams.items() if not u.up]
         if not models:
             reachable = len(self.upstreams) - len(down)
-            return False, f"no model is served yet ({reachable} of {len(self.upstreams)} worker(s) reachable)"
+            refused = f"; refused (they run scheduler.discipline fair): {', '.join(sorted(self._refused))}" \
+                if self._refused else ""
+            return False, f"no model is served yet ({reachable} of {len(self.upstreams)} worker(s) reachable{refused})"
         missing = sorted(m for m in models if not self.router.replicas(m))
         if missing:
             return False, "; ".join(self.router.why_not(m) for m in missing[:5])

@@ -163,7 +163,8 @@ def worker_port(actors: Actors, bridge: Bridge, *, draining: trio.Event,
         statistics=actors.stats.get, scheduling=actors.scheduler, weights=actors.weights,
         submit=actors.service.submit, cancel=actors.service.cancel, bridge=bridge,
         load_model=control.load, unload_model=control.unload, observe_request=actors.metrics.observe_request,
-        spawn=actors.nursery.start_soon, draining=draining, shared_memory=shared_memory)
+        spawn=actors.nursery.start_soon, draining=draining, shared_memory=shared_memory,
+        discipline=actors.config.scheduler.discipline)
 
 
 def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
