@@ -29,6 +29,7 @@ __all__ = [
     "default_axes",
     "export_jax",
     "flatten_params",
+    "hooks_skeleton",
     "infer_outputs",
 ]
 
@@ -195,6 +196,39 @@ def infer_outputs(
     return specs, notes
 
 
+def hooks_skeleton(name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> str:
+    """A ``model.py`` for bundle ``name`` whose hooks pass every tensor through unchanged: a
+    starting point for the Python that does not belong in the module (docs/hooks-and-meta.md)."""
+    def listing(specs: Sequence[TensorSpec]) -> str:
+        return "\n".join(
+            f"    #   {spec.name}: {spec.dtype}"
+            f"[{','.join('B' if d == BATCH_AXIS else str(spec.dims[d]) for d in reversed(spec.shape))}]"
+            for spec in specs
+        )
+    return f'''"""{name}'s model.py: Python around the compiled module (docs/hooks-and-meta.md).
+
+Written by `xlaserve export --hooks`; both hooks return the tensors unchanged. When a hook changes
+what clients send or receive, declare that as client_inputs / client_outputs in manifest.yaml.
+"""
+from xlaserve import NamedTensor, register_model
+
+
+def preprocess(tensors: list[NamedTensor]) -> list[NamedTensor]:
+    # What a client sends, row-major, one request's rows; return the module's inputs:
+{listing(inputs)}
+    return tensors
+
+
+def postprocess(tensors: list[NamedTensor]) -> list[NamedTensor]:
+    # The module's outputs, row-major, one request's rows; return what the client receives:
+{listing(outputs)}
+    return tensors
+
+
+register_model({name!r}, preprocess=preprocess, postprocess=postprocess)
+'''
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class JaxExport:
     """What :func:`export_jax` wrote and found: the bundle directory, the output specs, the
@@ -220,6 +254,7 @@ def export_jax(
     output_axes: Mapping[str, str] | None = None,
     bytecode: bool = False,
     extra_files: Mapping[str, str] | None = None,
+    hooks: bool = False,
     verify: bool = True,
     atol: float | None = None,
     rtol: float | None = None,
@@ -232,13 +267,15 @@ def export_jax(
     (:func:`flatten_params`) and passed to each module in the order ``fn`` takes it. ``inputs``
     are the executable inputs, in ``fn``'s argument order. ``outputs`` may be given in full;
     otherwise they are inferred (:func:`infer_outputs` with ``output_names`` and
-    ``output_axes``), and what was defaulted is in the result's ``notes``.
+    ``output_axes``), and what was defaulted is in the result's ``notes``. ``hooks`` adds a
+    pass-through ``model.py`` (:func:`hooks_skeleton`) to ``extra_files``.
 
     With ``verify`` (the default) every module is then loaded the way the server loads it and
     run on seeded random inputs next to ``jax.jit(fn)`` with the in-memory ``params``; above the
     tolerance (``atol``/``rtol``, default per dtype, see :mod:`xlaserve.export_verify`) it raises
     :class:`xlaserve.export_verify.VerificationError` and the bundle stays written for
-    inspection. ``progress`` hears one line per module traced, compiled and verified.
+    inspection. ``progress`` hears the notes, then one line per module traced, compiled and
+    verified.
     """
     out_dir = Path(out_dir)
     inputs = list(inputs)
@@ -248,8 +285,12 @@ def export_jax(
     if outputs is None:
         outputs, notes = infer_outputs(fn, params, inputs, compiled_batch_sizes,
                                        names=output_names, axes=output_axes, bundle=out_dir.name)
+        for note in notes if progress is not None else ():
+            progress(f"note: {note}")
     outputs = list(outputs)
     count = len(weights)
+    if hooks:
+        extra_files = {**(extra_files or {}), "model.py": hooks_skeleton(out_dir.name, inputs, outputs)}
 
     def flat_fn(*args: Any) -> tuple[Any, ...]:
         tree = jax.tree_util.tree_unflatten(treedef, args[:count]) if params is not None else None
