@@ -83,7 +83,7 @@ def dtype_code(dtype: Any) -> str:
         by_name = {np_dtype.name: code for code, np_dtype in DTYPES.items()}
         if text in by_name:
             return by_name[text]
-    else:
+    elif dtype is not None:                  # np.dtype(None) is float64: never a user's choice
         try:
             found = np.dtype(dtype)
         except TypeError:
