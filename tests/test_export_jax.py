@@ -273,3 +273,17 @@ def test_hooks_skeleton_loads_and_passes_through(tmp_path, device):
     tensors = [object()]
     assert model.hooks.preprocess(tensors) is tensors and model.hooks.postprocess(tensors) is tensors
     assert hooks_skeleton("m", [], []).count("return tensors") == 2
+
+
+def test_64_bit_types_need_jax_x64(tmp_path):
+    i64 = TensorSpec("ids", "int64", "xn", {"x": 2})
+    with pytest.raises(ValueError, match=r"input 'ids' \(i64\): 64-bit, but JAX has 64-bit types off"):
+        export_jax(tmp_path / "ids", lambda _, x: x + 1, None, inputs=[i64], compiled_batch_sizes=[1])
+    with pytest.raises(ValueError, match=r"weight 's' \(f64\): 64-bit.*JAX_ENABLE_X64=1"):
+        export_bundle(tmp_path / "s", lambda s, x: (x * s[0],), inputs=[X], outputs=[X],
+                      weights={"s": np.ones(1)}, compiled_batch_sizes=[1])
+    assert list(tmp_path.iterdir()) == []
+    with jax.enable_x64(True):
+        result = export_jax(tmp_path / "ids", lambda p, x: x * p["k"], {"k": np.int64(3)}, inputs=[i64],
+                            compiled_batch_sizes=[2])
+    assert [(c.dtype, c.ok) for c in result.verification.checks] == [("i64", True)]

@@ -42,6 +42,7 @@ __all__ = [
     "ExportError",
     "TensorSpec",
     "TracingError",
+    "check_64_bit_types",
     "dtype_code",
     "export_bundle",
     "module_file_name",
@@ -230,6 +231,7 @@ def export_bundle(
     _check_unique("executable_outputs", outputs)
     weights = {k: np.ascontiguousarray(v) for k, v in (weights or {}).items()}
     order = _weights_order(weights, weights_order)
+    check_64_bit_types(inputs, weights)
     files: dict[str, bytes] = {}
 
     for index, batch in enumerate(sizes, 1):
@@ -272,6 +274,26 @@ def export_bundle(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+_64_BIT = {"i64", "u64", "f64"}
+
+
+def check_64_bit_types(inputs: Sequence[TensorSpec], weights: Mapping[str, np.ndarray]) -> None:
+    """Refuse 64-bit inputs and weights while JAX runs with 64-bit types off (its default): JAX
+    would trace them as their 32-bit kin, and the module would not take what the manifest and
+    the weights file say. The error names the tensor and both ways out."""
+    if jax.config.jax_enable_x64:
+        return
+    found = [f"input {spec.name!r} ({spec.dtype})" for spec in inputs if spec.dtype in _64_BIT]
+    found += [f"weight {name!r} ({dtype_code(a.dtype)})" for name, a in weights.items()
+              if dtype_code(a.dtype) in _64_BIT]
+    if found:
+        raise ExportError(
+            f"{', '.join(found)}: 64-bit, but JAX has 64-bit types off (jax_enable_x64), so it"
+            " would trace them as 32-bit; set JAX_ENABLE_X64=1 (or jax.config.update("
+            "'jax_enable_x64', True)) or give them a 32-bit dtype"
+        )
 
 
 def _check_batch_sizes(compiled_batch_sizes: Sequence[int]) -> list[int]:

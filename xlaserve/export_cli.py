@@ -185,14 +185,16 @@ def main(args: argparse.Namespace) -> int:
             bytecode=args.bytecode, hooks=args.hooks, verify=not args.no_verify,
             atol=args.atol, rtol=args.rtol, seed=args.seed,
             progress=lambda line: log.info("%s", line))
-    except VerificationError as exc:
+    except (VerificationError, BundleError) as exc:
+        # Written, then failed when run or loaded as the server would (BundleError: a module that
+        # disagrees with its manifest or weights).
         print(f"xlaserve export: {exc}\nthe bundle is left at {args.out} for inspection", file=sys.stderr)
         return 1
     except TracingError as exc:
         where = "".join(traceback.format_exception(exc.cause)).rstrip()
         print(f"xlaserve export: {exc}\n{where}", file=sys.stderr)
         return 2
-    except (ExportError, BundleError, ValueError) as exc:
+    except (ExportError, ValueError) as exc:
         print(f"xlaserve export: {exc}", file=sys.stderr)
         return 2
     if result.verification:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
-                             _check_batch_sizes, dtype_code, export_bundle)
+                             _check_batch_sizes, check_64_bit_types, dtype_code, export_bundle)
 from xlaserve.export_verify import Verification, verify_bundle
 from xlaserve.manifest import BATCH_AXIS
 
@@ -280,6 +280,7 @@ def export_jax(
     out_dir = Path(out_dir)
     inputs = list(inputs)
     weights = flatten_params(params) if params is not None else {}
+    check_64_bit_types(inputs, weights)
     treedef = jax.tree_util.tree_structure(params)
     notes: list[str] = []
     if outputs is None:
