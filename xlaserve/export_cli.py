@@ -199,8 +199,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if result.verification:
         checks = result.verification.checks
-        verified = (f"{len(checks)} outputs of {len({c.module for c in checks})} modules within tolerance"
-                    f" of {args.function}")
+        modules = len({c.module for c in checks})
+        outputs_each = len(checks) // modules
+        verified = (f"verified: {outputs_each} output{'s' if outputs_each != 1 else ''} of each module"
+                    f" within tolerance of {args.function}")
     else:
         verified = "not verified (--no-verify)"
     print(f"wrote {result.bundle}: {len(sizes)} modules, {len(result.weights_order)} weights, {verified}")
