@@ -77,6 +77,16 @@ def test_export_end_to_end(tmp_path, model_file, capsys, caplog):
     np.testing.assert_allclose(y, np.asarray(namespace["forward"](params, x)), rtol=1e-5, atol=1e-5)
 
 
+def test_a_model_file_does_not_shadow_an_imported_module(tmp_path, capsys):
+    # A file named like a module already imported (json) is imported under a private name.
+    (tmp_path / "json.py").write_text(textwrap.dedent(MODEL))
+    rc = main(["export", f"{tmp_path / 'json.py'}:forward", "--params", "init_params", "--input", "x:f32:3",
+               "--batch-sizes", "1", "--out", str(tmp_path / "j"), "--no-verify"])
+    assert rc == 0, capsys.readouterr().err
+    import json
+    assert json.dumps([1]) == "[1]" and hasattr(json, "JSONDecoder")
+
+
 def test_export_named_axes_and_outputs(tmp_path, model_file, capsys):
     out = tmp_path / "pix"
     rc = main(["export", f"{model_file}:pixels", "--input", "image:np.uint8:2x4x3:cwhn",

@@ -162,6 +162,10 @@ def test_tracing_error_names_the_signature_and_batch(tmp_path):
     out = TensorSpec("y", "f32", "xn", {"x": 4})
     with pytest.raises(TracingError, match=r"(?s)batch size 2: .*fn\(params=\{'w': f32\[3,4\]\}, x=f32\[2,5\]\)"):
         export_jax(tmp_path / "bad", wrong, params, inputs=[x], outputs=[out], compiled_batch_sizes=[2])
+    # Any leaf dtype shows as its code, unquoted.
+    mixed = {"ids": np.arange(3, dtype=np.int32), "scale": (np.ones(2, ml_dtypes.bfloat16),)}
+    with pytest.raises(TracingError, match=r"fn\(params=\{'ids': i32\[3\], 'scale': \(bf16\[2\],\)\}, x=f32\[1,5\]\)"):
+        export_jax(tmp_path / "bad", lambda p, v: v @ p["ids"], mixed, inputs=[x], compiled_batch_sizes=[1])
     # The flat API names weights and inputs in the module's argument order.
     with pytest.raises(TracingError, match=r"fn\(w: f32\[3,4\], x: f32\[8,5\]\)"):
         export_bundle(tmp_path / "bad", lambda w, v: (v @ w,), inputs=[x], outputs=[out],

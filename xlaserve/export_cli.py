@@ -98,12 +98,17 @@ def parse_batch_sizes(text: str) -> list[int]:
 def _import_module(spec: str, flag: str) -> ModuleType:
     """A dotted module name (importable from the current directory) or a ``.py`` file path."""
     if spec.endswith(".py") or "/" in spec:
-        path = Path(spec)
+        path = Path(spec).resolve()
         if not path.is_file():
             raise UsageError(f"{flag}: {spec} is not a file")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
+        # As `python path/to/model.py` would: its directory is importable (for its sibling
+        # modules). Its module name must not shadow one already imported (a model.py, a json.py).
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        name = path.stem if path.stem not in sys.modules else f"_xlaserve_export_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[path.stem] = module
+        sys.modules[name] = module
         module_spec.loader.exec_module(module)
         return module
     if "" not in sys.path:               # `python -m` would find the user's package here too

@@ -88,11 +88,22 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
     return flat
 
 
+class _Shown:
+    """A leaf shown as its abstract value, unquoted, when its container is printed."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def _abstract_tree(tree: Any) -> str:
     """A pytree of arrays as its abstract values: ``{'dense': {'kernel': f32[4,8]}}``."""
-    def leaf(x: Any) -> str:
-        return _abstract(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype))
-    return str(jax.tree_util.tree_map(leaf, tree)).replace("'f", "f").replace("]'", "]")
+    def leaf(x: Any) -> _Shown:
+        dtype = getattr(x, "dtype", None)
+        return _Shown(_abstract(np.shape(x), np.asarray(x).dtype if dtype is None else dtype))
+    return repr(jax.tree_util.tree_map(leaf, tree))
 
 
 def _signature(params: Any, inputs: Sequence[TensorSpec], batch: int) -> str:
@@ -265,7 +276,8 @@ def export_jax(
 
     ``params`` is any pytree of arrays (None for none); it is stored under dotted names
     (:func:`flatten_params`) and passed to each module in the order ``fn`` takes it. ``inputs``
-    are the executable inputs, in ``fn``'s argument order. ``outputs`` may be given in full;
+    are the executable inputs, in ``fn``'s argument order. ``outputs`` may be given in full (in
+    the order of ``fn``'s flattened result: a dict's keys sorted);
     otherwise they are inferred (:func:`infer_outputs` with ``output_names`` and
     ``output_axes``), and what was defaulted is in the result's ``notes``. ``hooks`` adds a
     pass-through ``model.py`` (:func:`hooks_skeleton`) to ``extra_files``.
