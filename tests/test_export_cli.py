@@ -164,3 +164,26 @@ def test_parse_output_and_batch_sizes():
     for bad in ("1,,2", "0", "2,2", "a"):
         with pytest.raises(UsageError, match="--batch-sizes"):
             parse_batch_sizes(bad)
+
+
+def test_an_exported_bundle_serves(tmp_path, model_file, capsys):
+    """Exported with the hooks skeleton, served by `xlaserve run`, queried with the Triton client:
+    a batch of 3 (padded to the compiled 4) answers what the function computes."""
+    import tritonclient.grpc as grpcclient
+
+    from tests.conftest import infer_input, serve
+
+    repo = tmp_path / "models"
+    rc = main(["export", f"{model_file}:forward", "--params", "init_params", "--input", "x:float32:3",
+               "--output", "y", "--batch-sizes", "1,4", "--out", str(repo / "tiny"), "--hooks"])
+    assert rc == 0, capsys.readouterr().err
+    namespace: dict = {}
+    exec(compile(textwrap.dedent(MODEL), "model", "exec"), namespace)
+    x = np.random.default_rng(5).standard_normal((3, 3)).astype(np.float32)
+    expected = np.asarray(namespace["forward"](namespace["init_params"](), x))
+    with serve(tmp_path / "server", repo) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        result = client.infer("tiny", [infer_input("x", x, "FP32")], outputs=[grpcclient.InferRequestedOutput("y")])
+        np.testing.assert_allclose(result.as_numpy("y"), expected, rtol=1e-5, atol=1e-5)
+        client.close()
+    assert server.process.returncode == 0, server.log()
