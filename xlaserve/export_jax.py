@@ -283,8 +283,9 @@ def export_jax(
     pass-through ``model.py`` (:func:`hooks_skeleton`) to ``extra_files``.
 
     With ``verify`` (the default) every module is then loaded the way the server loads it and
-    run on seeded random inputs next to ``jax.jit(fn)`` with the in-memory ``params``; above the
-    tolerance (``atol``/``rtol``, default per dtype, see :mod:`xlaserve.export_verify`) it raises
+    run on seeded random inputs next to ``jax.jit(fn)`` with the in-memory ``params``, both on
+    the ``cpu`` backend; above the tolerance (``atol``/``rtol``, default per dtype, see
+    :mod:`xlaserve.export_verify`) it raises
     :class:`xlaserve.export_verify.VerificationError` and the bundle stays written for
     inspection. ``progress`` hears the notes, then one line per module traced, compiled and
     verified.
@@ -320,7 +321,11 @@ def export_jax(
     verification = None
     if verify:
         def reference(*arrays: np.ndarray) -> list[np.ndarray]:
-            return [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.jit(fn)(params, *arrays))]
+            # On the cpu, like the modules under test: on a GPU, jax's default f32 matmul may
+            # use TF32 and differ from the modules by far more than the f32 tolerance.
+            with jax.default_device(jax.devices("cpu")[0]):
+                result = jax.jit(fn)(params, *arrays)
+            return [np.asarray(x) for x in jax.tree_util.tree_leaves(result)]
         verification = verify_bundle(out_dir, reference, atol=atol, rtol=rtol, seed=seed,
                                      progress=progress)
     return JaxExport(out_dir, tuple(outputs), tuple(weights), tuple(notes), verification)
