@@ -65,7 +65,7 @@ def test_row_major_shape_missing_dim():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"dtype": "float32"}, "dtype"),
+        ({"dtype": "float33"}, "unknown dtype 'float33'"),
         ({"shape": "xxn"}, "distinct"),
         ({"dims": {"x": 16, "y": 2}}, "non-batch axes"),
         ({"dims": {}}, "non-batch axes"),

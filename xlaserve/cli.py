@@ -158,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="path of the gateway YAML file (docs/gateway.md)")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
     p.set_defaults(func=cmd_gateway)
+    p = sub.add_parser("export", help="export a JAX function and its parameters as a bundle, verified against it",
+                       description="Trace fn(params, *inputs) once per compiled batch size, write the bundle, then "
+                                   "run every module as the server would and compare it with fn (docs/export.md).")
+    from xlaserve import export_cli
+    export_cli.add_arguments(p)
     p = sub.add_parser("bench", help="closed-loop load generator for any KServe V2 gRPC server",
                        description="Closed-loop load at given concurrencies; see xlaserve/bench/loadgen.py.")
     from xlaserve.bench import loadgen

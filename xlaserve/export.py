@@ -22,6 +22,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,7 +39,11 @@ from xlaserve.manifest import BATCH_AXIS, DEFAULT_WEIGHTS_FILE, FORMAT_VERSION
 
 __all__ = [
     "DTYPES",
+    "ExportError",
     "TensorSpec",
+    "TracingError",
+    "check_64_bit_types",
+    "dtype_code",
     "export_bundle",
     "module_file_name",
     "row_major_shape",
@@ -52,6 +57,46 @@ DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
     {code: BY_CODE[code].numpy for code in EXECUTABLE_CODES}
 )
 
+# "np.float32" and "jnp.bfloat16" written as text (a command line, a config) name the same type.
+_DTYPE_PREFIXES = ("numpy.", "np.", "jax.numpy.", "jnp.")
+
+
+class ExportError(ValueError):
+    """An export that cannot be done as asked: the message names the tensor, weight or batch size."""
+
+
+def dtype_code(dtype: Any) -> str:
+    """The manifest code (``f32``) of a dtype given the way users write one.
+
+    Accepted: a manifest code (``"f32"``), a NumPy/JAX name (``"float32"``, ``"bfloat16"``,
+    also as text with a ``np.``/``numpy.``/``jnp.``/``jax.numpy.`` prefix), or a type or dtype
+    object (``np.float32``, ``jnp.bfloat16``, ``np.dtype("int8")``). Anything else is a
+    ``ValueError`` that lists what is accepted.
+    """
+    if isinstance(dtype, str):
+        text = dtype.strip()
+        if text in DTYPES:
+            return text
+        for prefix in _DTYPE_PREFIXES:
+            if text.startswith(prefix):
+                text = text[len(prefix):]
+                break
+        by_name = {np_dtype.name: code for code, np_dtype in DTYPES.items()}
+        if text in by_name:
+            return by_name[text]
+    elif dtype is not None:                  # np.dtype(None) is float64: never a user's choice
+        try:
+            found = np.dtype(dtype)
+        except TypeError:
+            found = None
+        for code, np_dtype in DTYPES.items():
+            if found == np_dtype:
+                return code
+    names = ", ".join(f"{code} ({np_dtype.name})" for code, np_dtype in DTYPES.items())
+    raise ValueError(
+        f"unknown dtype {dtype!r}: expected a manifest code or its NumPy/JAX name: {names}"
+    )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TensorSpec:
@@ -61,6 +106,10 @@ class TensorSpec:
     batch axis and ``dims`` gives the size of every other letter. A row-major NumPy array lists
     the axes in reverse: NHWC ``[B, 224, 224, 3]`` is ``TensorSpec("x", "u8", "cwhn",
     {"c": 3, "w": 224, "h": 224})``.
+
+    ``dtype`` may be given any way :func:`dtype_code` accepts (``"float32"``, ``np.uint8``,
+    ``jnp.bfloat16``); the spec stores the manifest code, so ``TensorSpec("x", np.float32, ...)
+    == TensorSpec("x", "f32", ...)``.
     """
 
     name: str
@@ -73,10 +122,10 @@ class TensorSpec:
         object.__setattr__(self, "dims", types.MappingProxyType(dict(self.dims)))
         if not self.name:
             raise ValueError("tensor name must not be empty")
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"tensor {self.name!r}: dtype {self.dtype!r} is not one of {', '.join(DTYPES)}"
-            )
+        try:
+            object.__setattr__(self, "dtype", dtype_code(self.dtype))
+        except ValueError as exc:
+            raise ValueError(f"tensor {self.name!r}: {exc}") from None
         if not re.fullmatch(r"[a-z]*", self.shape) or len(set(self.shape)) != len(self.shape):
             raise ValueError(
                 f"tensor {self.name!r}: shape {self.shape!r} must be distinct lowercase letters,"
@@ -141,6 +190,7 @@ def export_bundle(
     client_inputs: Sequence[TensorSpec] | None = None,
     client_outputs: Sequence[TensorSpec] | None = None,
     extra_files: Mapping[str, str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Trace ``fn`` once per compiled batch size and write a complete bundle to ``out_dir``.
 
@@ -155,6 +205,10 @@ def export_bundle(
     which PJRT compiles directly. If in doubt, use text: it is diffable and reviewable.
 
     ``extra_files`` maps file names to text written beside the modules (a bundle's ``model.py``).
+    ``progress`` hears one line per compiled batch size traced.
+
+    An exception raised by ``fn`` while it is traced becomes a :class:`TracingError` naming the
+    batch size and the abstract signature ``fn`` was called with.
 
     With weights, the manifest always gets an explicit ``weights: {file, order}`` key recording
     the order ``fn`` takes them in (with the default order it is what the loader would pick
@@ -177,10 +231,15 @@ def export_bundle(
     _check_unique("executable_outputs", outputs)
     weights = {k: np.ascontiguousarray(v) for k, v in (weights or {}).items()}
     order = _weights_order(weights, weights_order)
+    check_64_bit_types(inputs, weights)
     files: dict[str, bytes] = {}
 
-    for batch in sizes:
+    for index, batch in enumerate(sizes, 1):
+        started = time.perf_counter()
         exported = _export_one(name, fn, weights, order, inputs, outputs, batch)
+        if progress is not None:
+            progress(f"{name}: traced compiled batch size {batch} ({index}/{len(sizes)})"
+                     f" in {time.perf_counter() - started:.2f}s")
         if bytecode:
             files[module_file_name(batch, bytecode=True)] = exported.mlir_module_serialized
         else:
@@ -215,6 +274,26 @@ def export_bundle(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+_64_BIT = {"i64", "u64", "f64"}
+
+
+def check_64_bit_types(inputs: Sequence[TensorSpec], weights: Mapping[str, np.ndarray]) -> None:
+    """Refuse 64-bit inputs and weights while JAX runs with 64-bit types off (its default): JAX
+    would trace them as their 32-bit kin, and the module would not take what the manifest and
+    the weights file say. The error names the tensor and both ways out."""
+    if jax.config.jax_enable_x64:
+        return
+    found = [f"input {spec.name!r} ({spec.dtype})" for spec in inputs if spec.dtype in _64_BIT]
+    found += [f"weight {name!r} ({dtype_code(a.dtype)})" for name, a in weights.items()
+              if dtype_code(a.dtype) in _64_BIT]
+    if found:
+        raise ExportError(
+            f"{', '.join(found)}: 64-bit, but JAX has 64-bit types off (jax_enable_x64), so it"
+            " would trace them as 32-bit; set JAX_ENABLE_X64=1 (or jax.config.update("
+            "'jax_enable_x64', True)) or give them a 32-bit dtype"
+        )
 
 
 def _check_batch_sizes(compiled_batch_sizes: Sequence[int]) -> list[int]:
@@ -295,6 +374,32 @@ class _Named:
         return cls(names, values)
 
 
+class TracingError(ExportError):
+    """The exported function raised while JAX traced it at one compiled batch size.
+
+    The message names the bundle, the batch size, the error and the abstract signature the
+    function was called with (``call``); ``__cause__`` is the function's own exception, with its
+    traceback into the user's code.
+    """
+
+    def __init__(self, bundle: str, batch: int, cause: BaseException, call: str) -> None:
+        self.bundle, self.batch, self.cause, self.call = bundle, batch, cause, call
+        reason = " ".join(str(cause).split())[:600] or "(no message)"
+        super().__init__(
+            f"bundle {bundle!r}: the function raised {type(cause).__name__} while being traced at"
+            f" compiled batch size {batch}: {reason}\n  it was called as {call}"
+        )
+
+
+def _abstract(shape: Sequence[int], dtype: Any) -> str:
+    """``f32[4,512]``: a dtype code and a row-major shape, as the signatures in messages read."""
+    try:
+        code = dtype_code(dtype)
+    except ValueError:
+        code = str(np.dtype(dtype))
+    return f"{code}[{','.join(str(d) for d in shape)}]"
+
+
 def _export_one(
     name: str,
     fn: Callable[..., Any],
@@ -321,7 +426,17 @@ def _export_one(
         [jax.ShapeDtypeStruct(spec.row_major(batch), DTYPES[spec.dtype]) for spec in inputs],
     )
     with _module_locations():
-        exported = jax.export.export(jax.jit(main))(weight_args, input_args)
+        try:
+            exported = jax.export.export(jax.jit(main))(weight_args, input_args)
+        except Exception as exc:
+            arguments = [f"{w}: {_abstract(weights[w].shape, weights[w].dtype)}" for w in order]
+            arguments += [
+                f"{spec.name}: {_abstract(spec.row_major(batch), DTYPES[spec.dtype])}"
+                for spec in inputs
+            ]
+            raise TracingError(
+                name, batch, exc, f"fn({', '.join(arguments)})  [weights, then inputs]"
+            ) from exc
 
     found = exported.out_avals
     if len(found) != len(outputs):

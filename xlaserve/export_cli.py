@@ -1,0 +1,214 @@
+"""``xlaserve export``: a JAX function and its parameters, from a Python module, as a verified bundle.
+
+    xlaserve export mypkg.model:forward --params init_params \\
+        --input image:uint8:224,224,3:cwhn --batch-sizes 1,4,16 --out models/classifier
+
+The function is ``forward(params, *inputs)``; ``--params`` names a function returning the
+parameter pytree (or the pytree itself). The work is :func:`xlaserve.export_jax.export_jax`;
+this module parses the command line into its arguments and reports what it did.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import re
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger("xlaserve.export")
+
+# The manifest's batch letter (xlaserve.manifest.BATCH_AXIS), restated so that building the
+# command's parser imports no NumPy.
+BATCH_AXIS = "n"
+
+_AXES = re.compile(r"[a-z]+")
+
+
+class UsageError(ValueError):
+    """A command-line value that cannot be used; the message names the flag."""
+
+
+def parse_input(text: str):
+    """``NAME:DTYPE:SHAPE[:AXES]`` as a :class:`~xlaserve.export.TensorSpec` and a note when the
+    axes were defaulted (else None).
+
+    SHAPE is the row-major shape of one sample, without the batch axis, sizes separated by ``,``
+    or ``x`` (``224,224,3``; empty for one scalar per sample). AXES names every axis, batch ``n``
+    included, fastest-varying first (``cwhn``); without it the axes get
+    :func:`~xlaserve.export_jax.default_axes` and the batch is row-major axis 0.
+    """
+    from xlaserve.export import TensorSpec
+    from xlaserve.export_jax import default_axes
+
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[0]:
+        raise UsageError(f"--input {text!r}: expected NAME:DTYPE:SHAPE[:AXES], e.g. image:uint8:224,224,3:cwhn")
+    name, dtype, shape_text = parts[:3]
+    try:
+        sizes = [int(d) for d in re.split(r"[,x]", shape_text)] if shape_text else []
+    except ValueError:
+        raise UsageError(f"--input {text!r}: SHAPE {shape_text!r} must be sizes separated by ','"
+                         " (row-major, one sample, without the batch axis), e.g. 224,224,3") from None
+    if any(d < 0 for d in sizes):
+        raise UsageError(f"--input {text!r}: SHAPE {shape_text!r} has a negative size")
+    note = None
+    if len(parts) == 4:
+        axes = parts[3]
+        if not _AXES.fullmatch(axes):
+            raise UsageError(f"--input {text!r}: AXES {axes!r} must be lowercase letters, one per axis,"
+                             f" fastest first, '{BATCH_AXIS}' for the batch (e.g. cwhn)")
+        others = [c for c in reversed(axes) if c != BATCH_AXIS]
+        if len(others) != len(sizes):
+            raise UsageError(f"--input {text!r}: AXES {axes!r} names {len(others)} non-batch axes,"
+                             f" SHAPE {shape_text!r} has {len(sizes)}")
+    else:
+        axes = default_axes(len(sizes))
+        note = (f"input {name!r}: axes not given, named {axes!r} (fastest first, batch first in"
+                f" row-major order); add :AXES to --input to choose")
+    dims = dict(zip([c for c in reversed(axes) if c != BATCH_AXIS], sizes))
+    try:
+        return TensorSpec(name, dtype, axes, dims), note
+    except ValueError as exc:
+        raise UsageError(f"--input {text!r}: {exc}") from None
+
+
+def parse_output(text: str) -> tuple[str, str | None]:
+    """``NAME[:AXES]``: an output's name and, optionally, its axes."""
+    name, _, axes = text.partition(":")
+    if not name or (axes and not _AXES.fullmatch(axes)):
+        raise UsageError(f"--output {text!r}: expected NAME or NAME:AXES (AXES lowercase letters, e.g. xn)")
+    return name, axes or None
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--batch-sizes {text!r}: expected positive integers separated by ',', e.g. 1,4,16") from None
+    if not sizes or any(s < 1 for s in sizes) or len(set(sizes)) != len(sizes):
+        raise UsageError(f"--batch-sizes {text!r}: expected distinct positive integers, e.g. 1,4,16")
+    return sizes
+
+
+def _import_module(spec: str, flag: str) -> ModuleType:
+    """A dotted module name (importable from the current directory) or a ``.py`` file path."""
+    if spec.endswith(".py") or "/" in spec:
+        path = Path(spec).resolve()
+        if not path.is_file():
+            raise UsageError(f"{flag}: {spec} is not a file")
+        # As `python path/to/model.py` would: its directory is importable (for its sibling
+        # modules). Its module name must not shadow one already imported (a model.py, a json.py).
+        if str(path.parent) not in sys.path:
+            sys.path.insert(0, str(path.parent))
+        name = path.stem if path.stem not in sys.modules else f"_xlaserve_export_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+        return module
+    if "" not in sys.path:               # `python -m` would find the user's package here too
+        sys.path.insert(0, "")
+    try:
+        return importlib.import_module(spec)
+    except ModuleNotFoundError as exc:
+        raise UsageError(f"{flag}: cannot import {spec!r}: {exc}") from None
+
+
+def resolve(target: str, flag: str, default_module: ModuleType | None = None) -> tuple[ModuleType, Any]:
+    """``MODULE:NAME`` (or ``NAME`` alone, in ``default_module``) as (module, attribute)."""
+    module_spec, colon, attr = target.rpartition(":")
+    if not colon and default_module is None:
+        raise UsageError(f"{flag} {target!r}: expected MODULE:NAME, e.g. mypkg.model:forward or model.py:forward")
+    module = _import_module(module_spec, flag) if module_spec else default_module
+    if module is None or not attr.isidentifier() or not hasattr(module, attr):
+        where = module.__name__ if module is not None else module_spec
+        raise UsageError(f"{flag} {target!r}: {where} has no attribute {attr!r}")
+    return module, getattr(module, attr)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("function", metavar="MODULE:FUNCTION",
+                   help="the JAX function fn(params, *inputs): a dotted module importable from here, or a .py file")
+    p.add_argument("--params", metavar="[MODULE:]NAME",
+                   help="a function returning the parameter pytree (called with no arguments), or the pytree; "
+                        "NAME alone is looked up in the function's module. Default: no parameters (fn(None, ...))")
+    p.add_argument("--input", action="append", required=True, metavar="NAME:DTYPE:SHAPE[:AXES]",
+                   help="one per input, in fn's argument order: SHAPE row-major per sample without the batch "
+                        "(224,224,3), AXES fastest first with n for the batch (cwhn); default axes xyz..n")
+    p.add_argument("--output", action="append", metavar="NAME[:AXES]",
+                   help="names the outputs in order (all of them); default: output, the returned dict's keys, "
+                        "or output0, output1...")
+    p.add_argument("--batch-sizes", required=True, help="compiled batch sizes, e.g. 1,4,16")
+    p.add_argument("--out", required=True, help="the bundle directory; its name is the model name")
+    p.add_argument("--atol", type=float, help="absolute tolerance of the verification (default per dtype)")
+    p.add_argument("--rtol", type=float, help="relative tolerance of the verification (default per dtype)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the verification's random inputs (default 0)")
+    p.add_argument("--no-verify", action="store_true", help="write the bundle without running it")
+    p.add_argument("--bytecode", action="store_true", help="write .mlirbc portable artifacts instead of text")
+    p.add_argument("--hooks", action="store_true", help="also write a pass-through model.py to start hooks from")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Exit status 0: written (and verified); 1: written, but the verification failed; 2: a
+    mistake on the command line or in the function, nothing written."""
+    from xlaserve.errors import BundleError
+    from xlaserve.export import ExportError, TracingError
+    from xlaserve.export_jax import export_jax
+    from xlaserve.export_verify import VerificationError
+
+    try:
+        module, fn = resolve(args.function, "MODULE:FUNCTION")
+        if not callable(fn):
+            raise UsageError(f"{args.function}: not a function")
+        params = None
+        if args.params:
+            _, params = resolve(args.params, "--params", module)
+            params = params() if callable(params) else params
+        parsed = [parse_input(text) for text in args.input]
+        outputs = [parse_output(text) for text in args.output or []]
+        sizes = parse_batch_sizes(args.batch_sizes)
+        for atol_or_rtol in (args.atol, args.rtol):
+            if atol_or_rtol is not None and not atol_or_rtol >= 0:
+                raise UsageError(f"--atol/--rtol {atol_or_rtol}: expected a number >= 0")
+    except UsageError as exc:
+        print(f"xlaserve export: {exc}", file=sys.stderr)
+        return 2
+    for _, note in parsed:
+        if note:
+            log.info("note: %s", note)
+    try:
+        result = export_jax(
+            args.out, fn, params, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
+            output_names=[name for name, _ in outputs] or None,
+            output_axes={name: axes for name, axes in outputs if axes},
+            bytecode=args.bytecode, hooks=args.hooks, verify=not args.no_verify,
+            atol=args.atol, rtol=args.rtol, seed=args.seed,
+            progress=lambda line: log.info("%s", line))
+    except (VerificationError, BundleError) as exc:
+        # Written, then failed when run or loaded as the server would (BundleError: a module that
+        # disagrees with its manifest or weights).
+        print(f"xlaserve export: {exc}\nthe bundle is left at {args.out} for inspection", file=sys.stderr)
+        return 1
+    except TracingError as exc:
+        where = "".join(traceback.format_exception(exc.cause)).rstrip()
+        print(f"xlaserve export: {exc}\n{where}", file=sys.stderr)
+        return 2
+    except (ExportError, ValueError) as exc:
+        print(f"xlaserve export: {exc}", file=sys.stderr)
+        return 2
+    if result.verification:
+        checks = result.verification.checks
+        modules = len({c.module for c in checks})
+        outputs_each = len(checks) // modules
+        verified = (f"verified: {outputs_each} output{'s' if outputs_each != 1 else ''} of each module"
+                    f" within tolerance of {args.function}")
+    else:
+        verified = "not verified (--no-verify)"
+    print(f"wrote {result.bundle}: {len(sizes)} modules, {len(result.weights_order)} weights, {verified}")
+    return 0
