@@ -9,11 +9,12 @@ from collections import deque
 from collections.abc import Callable
 
 from grpclib.exceptions import GRPCError, StreamTerminatedError
-from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.content import Content
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Sparkline, Static
 
@@ -72,7 +73,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(self.question)
+            yield Label(self.question, markup=False)
             with Horizontal(id="buttons"):
                 yield Button("yes (y)", id="yes", variant="warning")
                 yield Button("no (n)", id="no")
@@ -97,7 +98,7 @@ class ValueScreen(ModalScreen["float | None"]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
-            yield Label(self.question)
+            yield Label(self.question, markup=False)
             yield Input(value=self.current, id="value")
             yield Label("enter: apply   escape: cancel", id="problem")
 
@@ -106,7 +107,7 @@ class ValueScreen(ModalScreen["float | None"]):
         try:
             value = self.parse(event.value)
         except ValueError as exc:
-            self.query_one("#problem", Label).update(f"[red]{exc}[/red]")
+            self.query_one("#problem", Label).update(f"[red]{escape(str(exc))}[/red]")
             return
         self.dismiss(value)
 
@@ -244,12 +245,13 @@ class TopApp(App[None]):
         if self.connected:
             self._log_event(f"disconnected: {reason}")
         self.connected = False
-        self._set_header(f"[b red]disconnected[/b red] from {self.address}: {reason}; "
+        # reasons, names and answers come from the network: escaped, never read as markup
+        self._set_header(f"[b red]disconnected[/b red] from {self.address}: {escape(reason)}; "
                      f"retrying in {retry_in:.1f} s")
         await self._notify_change()
 
     def _set_header(self, markup: str) -> None:
-        self.status_line = Text.from_markup(markup).plain
+        self.status_line = Content.from_markup(markup).plain
         self._header.update(markup)
 
     # ---- rendering
@@ -260,7 +262,7 @@ class TopApp(App[None]):
         rate = "-" if w.rows_per_second is None else f"{w.rows_per_second:.1f}"
         # what matters first, so that an 80-column terminal cuts only the address
         self._set_header(
-            f"[green]connected[/green] [b]{w.worker}[/b] {w.backend}  "
+            f"[green]connected[/green] [b]{escape(w.worker)}[/b] {escape(w.backend)}  "
             f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
             f"{rate} rows/s  {self.address}")
 
@@ -270,7 +272,7 @@ class TopApp(App[None]):
         rows = visible(self.rows, self.name_filter, self.sort_key, self.descending)
         table.clear()
         for row in rows:
-            table.add_row(*cells(row), key=row.name)
+            table.add_row(*(escape(text) for text in cells(row)), key=row.name)
         names = [r.name for r in rows]
         if chosen in names:
             table.move_cursor(row=names.index(chosen), animate=False)
@@ -301,9 +303,9 @@ class TopApp(App[None]):
         hold = (f"{human_seconds(row.batch_delay_seconds)} for "
                 f"{row.batch_target_rows or 'the default'} rows" if row.batch_delay_seconds else "off")
         detail.update(
-            f"[b]{row.name}[/b] {row.state} v{row.version}\n"
-            + (f"reason: {row.reason}\n" if row.reason else "")
-            + f"residency {row.residency}: {human_bytes(row.resident_bytes)} of "
+            f"[b]{escape(row.name)}[/b] {escape(row.state)} v{row.version}\n"
+            + (f"reason: {escape(row.reason)}\n" if row.reason else "")
+            + f"residency {escape(row.residency)}: {human_bytes(row.resident_bytes)} of "
               f"{human_bytes(row.weight_bytes)} on the device\n"
               f"queue {row.queue_depth}; weight {row.weight:g}; max_batch_size "
               f"{row.max_batch_size or 'uncapped'}\n"
@@ -395,7 +397,8 @@ class TopApp(App[None]):
                 answer += f": {response.message} ({human_bytes(response.freed_bytes)} freed)"
         self.last_answer = answer
         self._log_event(answer)
-        self.notify(answer, severity="error" if "refused" in answer or "failed" in answer else "information")
+        failed = not answer.startswith(f"{method}: ")
+        self.notify(answer, markup=False, severity="error" if failed else "information")
         await self._notify_change()
 
     def _model_or_say(self) -> ModelRow | None:
