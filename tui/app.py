@@ -227,7 +227,8 @@ class TopApp(App[None]):
                     previous: pb.ModelControlStatusResponse | None, seconds: float) -> None:
         if not self.connected:
             self._log_event(f"connected to {self.address}")
-        self.connected = True
+        was_connected, self.connected = self.connected, True
+        rows_before = self.rows
         self.worker, self.rows = derive(status, previous, seconds if previous is not None else None)
         for event in changes(status, previous if previous is not None else self._last):
             self._log_event(event.text)
@@ -235,10 +236,14 @@ class TopApp(App[None]):
         if self.worker.rows_per_second is not None:
             self._throughput.append(self.worker.rows_per_second)
             # an idle worker's flat line would draw as full bars: draw nothing instead
-            self._sparkline.data = (
-                list(self._throughput) if max(self._throughput) > 0 else [])
+            data = list(self._throughput) if max(self._throughput) > 0 else []
+            if data or self._sparkline.data:
+                self._sparkline.data = data
         self._render_worker()
-        self._render_table()
+        # an idle worker's snapshots are all alike: redraw only what changed, so that a
+        # dashboard left open costs its terminal (and its SSH link) next to nothing
+        if self.rows != rows_before or not was_connected:
+            self._render_table()
         await self._notify_change()
 
     async def _lost(self, reason: str, retry_in: float) -> None:
@@ -251,8 +256,10 @@ class TopApp(App[None]):
         await self._notify_change()
 
     def _set_header(self, markup: str) -> None:
-        self.status_line = Content.from_markup(markup).plain
-        self._header.update(markup)
+        plain = Content.from_markup(markup).plain
+        if plain != self.status_line:
+            self.status_line = plain
+            self._header.update(markup)
 
     # ---- rendering
 
