@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
+import threading
 
 import numpy as np
 import pytest
@@ -261,3 +263,39 @@ def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys):
     assert "--json prints one snapshot; use it with --once" in capsys.readouterr().err
     assert main(["top", "--interval", "0.01", "localhost:1"]) == 2
     assert "--interval must be >= 0.05 s" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def _not_a_worker():
+    """A TCP port whose peer writes junk at every connection and hangs up: not HTTP/2."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):      # the listener closed: the test is over
+            while True:
+                peer, _ = listener.accept()
+                with peer:
+                    peer.sendall(b"SSH-2.0-not-grpc\r\n" * 64)
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield Address("127.0.0.1", listener.getsockname()[1])
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+
+
+def test_a_peer_that_is_not_a_worker(capsys):
+    with _not_a_worker() as address:
+        assert main(["top", "--once", "--json", str(address)]) == 1
+        assert f"xlaserve top: cannot reach {address}: " in capsys.readouterr().err
+
+        async def dashboard() -> None:
+            app = TopApp(address, interval=0.1, max_backoff=0.1)
+            async with app.run_test(size=(80, 24)):
+                # it keeps trying, and says why it cannot watch: no crash, no traceback
+                await _until(app, lambda: app.status_line.startswith(f"disconnected from {address}: ")
+                             and "retrying in 0.1 s" in app.status_line)
+                assert not app.connected and app.rows == ()
+        asyncio.run(dashboard())

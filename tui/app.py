@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 
-from grpclib.exceptions import GRPCError, StreamTerminatedError
+from grpclib.exceptions import GRPCError
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.content import Content
+from textual.logging import TextualHandler
 from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Sparkline, Static
@@ -204,7 +206,8 @@ class TopApp(App[None]):
     async def _watch(self) -> None:
         """Follow the worker's snapshots; on a lost connection show it and reconnect, waiting
         longer each time (up to ``max_backoff``), from the start again after a snapshot."""
-        delay = connection.INITIAL_BACKOFF_SECONDS
+        first_wait = min(connection.INITIAL_BACKOFF_SECONDS, self.max_backoff)
+        delay = first_wait
         while True:
             previous, previous_at = None, 0.0
             try:
@@ -213,11 +216,11 @@ class TopApp(App[None]):
                         now = time.monotonic()
                         await self._show(status, previous, now - previous_at)
                         previous, previous_at = status, now
-                        delay = connection.INITIAL_BACKOFF_SECONDS
+                        delay = first_wait
                 reason = "the worker ended the stream (it is draining)"
             except GRPCError as exc:
-                reason = f"{exc.status.name}: {exc.message}"
-            except (OSError, StreamTerminatedError, TimeoutError) as exc:
+                reason = f"{exc.status.name}: {exc.message or ''}"
+            except connection.CONNECTION_ERRORS as exc:
                 reason = str(exc) or type(exc).__name__
             await self._lost(reason, delay)
             await asyncio.sleep(delay)
@@ -395,8 +398,8 @@ class TopApp(App[None]):
         try:
             response = await connection.call(self.address, method, request)
         except GRPCError as exc:
-            answer = f"{method} refused: {exc.status.name}: {exc.message}"
-        except (OSError, StreamTerminatedError, TimeoutError) as exc:
+            answer = f"{method} refused: {exc.status.name}: {exc.message or ''}"
+        except connection.CONNECTION_ERRORS as exc:
             answer = f"{method} failed: {exc or type(exc).__name__}"
         else:
             answer = f"{method}: {done}"
@@ -458,5 +461,13 @@ class TopApp(App[None]):
 
 
 def run_top(address: Address, interval: float = 1.0) -> None:
-    """Run the dashboard in this terminal until the operator quits."""
-    TopApp(address, interval).run()
+    """Run the dashboard in this terminal until the operator quits. While it runs, log records go
+    to Textual's log (``textual console``) rather than stderr, which would write over the screen;
+    the dashboard shows connection problems itself."""
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers[:] = [TextualHandler()]
+    try:
+        TopApp(address, interval).run()
+    finally:
+        root.handlers[:] = saved

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from grpclib.client import Channel
+from grpclib.exceptions import ProtocolError, StreamTerminatedError
 
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlStub
@@ -21,6 +22,10 @@ CALL_TIMEOUT_SECONDS = 10.0
 # Reconnects wait INITIAL, then twice as long each time, up to MAX; a snapshot resets it.
 INITIAL_BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 10.0
+# What a call raises when the worker is not there or not a gRPC server (anything else is a bug):
+# refused or reset connections, no answer in time, a peer that closes the connection or speaks
+# something other than HTTP/2. A worker's refusal is grpclib's GRPCError, handled apart.
+CONNECTION_ERRORS = (OSError, TimeoutError, StreamTerminatedError, ProtocolError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +67,9 @@ def next_backoff(seconds: float) -> float:
 
 
 async def fetch_status(address: Address, timeout: float = CALL_TIMEOUT_SECONDS) -> pb.ModelControlStatusResponse:
-    """One snapshot (``ModelControlStatus``). Connection errors raise ``OSError``; the worker's
-    refusals raise grpclib's ``GRPCError``; no answer in ``timeout`` s raises ``TimeoutError``."""
+    """One snapshot (``ModelControlStatus``). A worker that cannot be reached raises one of
+    :data:`CONNECTION_ERRORS` (``TimeoutError`` after ``timeout`` s); its refusals raise grpclib's
+    ``GRPCError``."""
     async with Channel(address.host, address.port) as channel:
         return await WorkerControlStub(channel).ModelControlStatus(
             pb.ModelControlStatusRequest(), timeout=timeout)
@@ -71,8 +77,8 @@ async def fetch_status(address: Address, timeout: float = CALL_TIMEOUT_SECONDS) 
 
 async def watch_status(address: Address, interval: float) -> AsyncIterator[pb.ModelControlStatusResponse]:
     """The worker's snapshots, one every ``interval`` s, until the worker ends the stream (it
-    drains) or the connection fails (``OSError``, grpclib's ``StreamTerminatedError`` or
-    ``GRPCError``). A worker that sends nothing for three intervals (at least 5 s more than one)
+    drains), the connection fails (:data:`CONNECTION_ERRORS`) or the worker refuses the stream
+    (``GRPCError``). A worker that sends nothing for three intervals (at least 5 s more than one)
     is taken as lost: ``TimeoutError``, so a silently dead connection does not freeze the view."""
     stale_after = max(3 * interval, interval + 5.0)
     async with Channel(address.host, address.port) as channel:

@@ -142,9 +142,9 @@ def cmd_top(args: argparse.Namespace) -> int:
     try:
         status = asyncio.run(connection.fetch_status(address))
     except GRPCError as exc:
-        print(f"xlaserve top: {address} answered {exc.status.name}: {exc.message}", file=sys.stderr)
+        print(f"xlaserve top: {address} answered {exc.status.name}: {exc.message or ''}", file=sys.stderr)
         return 1
-    except (OSError, TimeoutError) as exc:
+    except connection.CONNECTION_ERRORS as exc:
         print(f"xlaserve top: cannot reach {address}: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
     if args.json:
