@@ -136,9 +136,10 @@ class TopApp(App[None]):
     seconds. ``max_backoff`` caps the wait between reconnects (tests shorten it).
 
     State an operator (or a test) can read: :attr:`connected`, :attr:`rows` (the latest rows,
-    unfiltered), :attr:`worker`, :attr:`status_line` (the header's text), :attr:`events` (the event log's lines, newest last) and
-    :attr:`last_answer` (the worker's answer to the last action). :meth:`wait_until` waits for
-    the next change that makes a condition true."""
+    unfiltered), :attr:`worker` (the worker's line), :attr:`status_line` (the header's text),
+    :attr:`events` (the event log's lines, newest last) and :attr:`last_answer` (the worker's
+    answer to the last action). :meth:`wait_until` waits for the next change that makes a
+    condition true."""
 
     CSS_PATH = "top.tcss"
     TITLE = "xlaserve top"
