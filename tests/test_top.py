@@ -50,6 +50,19 @@ def test_rates_come_from_counter_deltas_over_the_interval():
     assert (b.rows_per_second, b.rows_per_execution) == (0.0, None)   # idle: no executions to divide by
     assert (c.rows_per_second, c.rows_per_execution) == (None, None)  # new: no previous count
     assert worker.rows_per_second == 30.0
+    assert a.latency_seconds is None and a.batch_mix == ()       # no answered-request counters moved
+
+
+def test_latency_failures_and_batch_mix_come_from_counter_deltas():
+    before = _status(_model("a", successes=10, success_seconds=1.0, queue_seconds=0.5, failures=1,
+                            executions_by_batch_size={1: 4, 8: 2}))
+    after = _status(_model("a", successes=30, success_seconds=1.6, queue_seconds=0.7, failures=5,
+                           executions_by_batch_size={1: 4, 8: 4, 4: 3}))
+    _, (row,) = derive(after, before, 2.0)
+    assert row.latency_seconds == pytest.approx(0.03) and row.queue_wait_seconds == pytest.approx(0.01)
+    assert row.failures_per_second == 2.0
+    assert row.batch_mix == ((4, 3), (8, 2))
+    assert (row.successes, row.failures) == (30, 5)
     first_worker, first = derive(after, None, None)
     assert first_worker.rows_per_second is None and all(r.rows_per_second is None for r in first)
 
@@ -185,8 +198,15 @@ async def _dashboard(repo, tmp_path) -> None:
 
             # load: the rate of the model that ran moves
             await asyncio.to_thread(_infer, server.url, 20)
-            await _until(app, lambda: (_row(app, "simple").rows_per_second or 0) > 0)
+            await _until(app, lambda: (_row(app, "simple").rows_per_second or 0) > 0
+                         and (_row(app, "simple").latency_seconds or 0) > 0
+                         and _row(app, "simple").batch_mix != ())
             await _until(app, lambda: _row(app, "simple").requests == 20)
+            assert _row(app, "simple").successes == 20 and _row(app, "simple").failures == 0
+            # the worker's new counters: 20 answered, their executions by batch size add up
+            simple = await _server_model(address, "simple")
+            assert simple.successes == 20 and simple.success_seconds > simple.queue_seconds >= 0
+            assert sum(simple.executions_by_batch_size.values()) == simple.executions > 0
 
             # sort: reversed by name, simple comes first
             await pilot.press("S")

@@ -13,7 +13,7 @@ from grpclib.exceptions import GRPCError
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.logging import TextualHandler
 from textual.markup import escape
@@ -47,8 +47,8 @@ h        its batch hold, batch_delay_seconds (0: off)
 c        compact the worker's device memory (CompactMemory)
 
 Each action asks first; the worker's answer goes to the event log.
-rows/s and rows/exec: over the last update (the worker counts rows).
-cost: the learned cost of the largest batch size learned (1.2ms@8)."""
+rows/s, rows/exec, latency (the mean, receipt to answer), fail/s: over the
+last update. cost: the learned cost of the largest batch size learned (1.2ms@8)."""
 
 
 class HelpScreen(ModalScreen[None]):
@@ -182,7 +182,8 @@ class TopApp(App[None]):
         yield DataTable(id="models", cursor_type="row", zebra_stripes=True)
         yield Sparkline([], id="throughput", summary_function=max)
         with Horizontal(id="bottom"):
-            yield Static("no model chosen", id="detail")
+            with VerticalScroll(id="detail-box"):
+                yield Static("no model chosen", id="detail")
             yield Log(id="events", max_lines=EVENT_LOG_LINES)
         yield Input(placeholder="filter by model name; enter: keep, escape: clear", id="filter")
         yield Footer()
@@ -311,6 +312,12 @@ class TopApp(App[None]):
             detail.update("no model chosen")
             return
         costs = ", ".join(f"{b}: {human_seconds(s)}" for b, s in row.learned_cost_seconds) or "none yet"
+        if row.latency_seconds is None or row.queue_wait_seconds is None:
+            latency = "nothing answered"
+        else:
+            latency = (f"mean latency {human_seconds(row.latency_seconds)} "
+                       f"(queued {human_seconds(row.queue_wait_seconds)})")
+        mix = ", ".join(f"{n}x{size}" for size, n in row.batch_mix) or "none"
         hold = (f"{human_seconds(row.batch_delay_seconds)} for "
                 f"{row.batch_target_rows or 'the default'} rows" if row.batch_delay_seconds else "off")
         detail.update(
@@ -322,7 +329,9 @@ class TopApp(App[None]):
               f"{row.max_batch_size or 'uncapped'}\n"
               f"batch hold: {hold}\n"
               f"learned cost by batch size: {costs}\n"
-              f"since start: {row.requests} rows in {row.executions} executions")
+              f"last update: {latency}; batch sizes run: {mix}\n"
+              f"since start: {row.requests} rows in {row.executions} executions; "
+              f"{row.successes} answered, {row.failures} failed")
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self) -> None:

@@ -22,6 +22,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("queue_depth", "queue"),
     ("rows_per_second", "rows/s"),
     ("rows_per_execution", "rows/exec"),
+    ("latency_seconds", "latency"),
+    ("failures_per_second", "fail/s"),
     ("cost_seconds", "cost"),
     ("weight", "weight"),
     ("max_batch_size", "max_bs"),
@@ -34,10 +36,13 @@ SORT_KEYS = tuple(key for key, _ in COLUMNS)
 
 @dataclass(frozen=True, slots=True)
 class ModelRow:
-    """One model as the table shows it. ``rows_per_second`` and ``rows_per_execution`` are over
-    the last interval; ``None`` until two snapshots exist (or when nothing ran in the interval,
-    for ``rows_per_execution``). ``cost_seconds`` is the learned cost of the largest compiled
-    batch size the worker has learned a cost for (``None`` before the first execution)."""
+    """One model as the table shows it. The rates and means are over the last interval, from
+    the changes of the worker's counters; ``None`` until two snapshots exist, and the means also
+    when nothing was answered (or run) in the interval: ``latency_seconds`` and
+    ``queue_wait_seconds`` are the mean time of the requests answered, from receipt to answer and
+    queued; ``batch_mix`` is the executions of each compiled batch size. ``cost_seconds`` is the
+    learned cost of the largest compiled batch size the worker has learned a cost for (``None``
+    before the first execution)."""
     name: str
     state: str
     version: int
@@ -45,6 +50,10 @@ class ModelRow:
     queue_depth: int
     rows_per_second: float | None
     rows_per_execution: float | None
+    latency_seconds: float | None
+    queue_wait_seconds: float | None
+    failures_per_second: float | None
+    batch_mix: tuple[tuple[int, int], ...]
     cost_batch_size: int | None
     cost_seconds: float | None
     learned_cost_seconds: tuple[tuple[int, float], ...]
@@ -57,6 +66,8 @@ class ModelRow:
     weight_bytes: int
     requests: int
     executions: int
+    successes: int
+    failures: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,21 +98,33 @@ def _per(delta: int, seconds: float) -> float | None:
 
 def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float | None) -> ModelRow:
     costs = tuple(sorted((int(k), float(v)) for k, v in model.learned_cost_seconds.items()))
-    rate = per_execution = None
+    rate = per_execution = latency = queue_wait = failure_rate = None
+    mix: tuple[tuple[int, int], ...] = ()
     if before is not None and seconds is not None:
         rate = _per(model.requests - before.requests, seconds)
+        failure_rate = _per(model.failures - before.failures, seconds)
         executions = model.executions - before.executions
         rows = model.requests - before.requests
         if executions > 0 and rows >= 0:
             per_execution = rows / executions
+        answered = model.successes - before.successes
+        if answered > 0:
+            latency = (model.success_seconds - before.success_seconds) / answered
+            queue_wait = (model.queue_seconds - before.queue_seconds) / answered
+        ran = {int(size): count - before.executions_by_batch_size.get(size, 0)
+               for size, count in model.executions_by_batch_size.items()}
+        mix = tuple(sorted((size, n) for size, n in ran.items() if n > 0))
     return ModelRow(
         name=model.name, state=model.state, version=model.version, reason=model.reason,
         queue_depth=model.queue_depth, rows_per_second=rate, rows_per_execution=per_execution,
+        latency_seconds=latency, queue_wait_seconds=queue_wait, failures_per_second=failure_rate,
+        batch_mix=mix,
         cost_batch_size=costs[-1][0] if costs else None, cost_seconds=costs[-1][1] if costs else None,
         learned_cost_seconds=costs, weight=model.weight, max_batch_size=model.max_batch_size,
         batch_delay_seconds=model.batch_delay_seconds, batch_target_rows=model.batch_target_rows,
         residency=model.residency, resident_bytes=model.resident_bytes,
-        weight_bytes=model.weight_bytes, requests=model.requests, executions=model.executions)
+        weight_bytes=model.weight_bytes, requests=model.requests, executions=model.executions,
+        successes=model.successes, failures=model.failures)
 
 
 def derive(current: pb.ModelControlStatusResponse, previous: pb.ModelControlStatusResponse | None,
@@ -181,7 +204,9 @@ def cells(row: ModelRow) -> tuple[str, ...]:
         return "-" if value is None else format(value, fmt)
     cost = "-" if row.cost_seconds is None else f"{human_seconds(row.cost_seconds)}@{row.cost_batch_size}"
     return (row.name, row.state, str(row.version), str(row.queue_depth),
-            opt(row.rows_per_second, ".1f"), opt(row.rows_per_execution, ".2f"), cost,
+            opt(row.rows_per_second, ".1f"), opt(row.rows_per_execution, ".2f"),
+            "-" if row.latency_seconds is None else human_seconds(row.latency_seconds),
+            opt(row.failures_per_second, ".1f"), cost,
             f"{row.weight:g}", str(row.max_batch_size) if row.max_batch_size else "uncapped",
             row.residency, human_bytes(row.resident_bytes), human_bytes(row.weight_bytes))
 
@@ -200,6 +225,9 @@ def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
             "weight": m.weight, "max_batch_size": m.max_batch_size,
             "batch_delay_seconds": m.batch_delay_seconds, "batch_target_rows": m.batch_target_rows,
             "requests": m.requests, "executions": m.executions,
+            "successes": m.successes, "success_seconds": m.success_seconds,
+            "failures": m.failures, "queue_seconds": m.queue_seconds,
+            "executions_by_batch_size": {str(k): v for k, v in sorted(m.executions_by_batch_size.items())},
         })
     return {"worker": status.worker, "backend": status.backend,
             "budget_bytes": status.budget_bytes, "resident_bytes": status.resident_bytes,
