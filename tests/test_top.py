@@ -245,7 +245,7 @@ async def _dashboard(repo, tmp_path) -> None:
             await _until(app, lambda: app.last_answer == "SetModelPolicy: mlp weight = 3")
             assert (await _server_model(address, "mlp")).weight == 3.0
 
-            await pilot.press("c", "y")
+            await pilot.press("c", "enter")      # enter confirms too
             await _until(app, lambda: app.last_answer.startswith("CompactMemory: done: "))
 
             await pilot.press("question_mark")
