@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable
 
 from grpclib.exceptions import GRPCError
+from rich.text import Text  # DataTable's column labels are Rich text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -256,7 +257,7 @@ class TopApp(App[None]):
             self._log_event(f"disconnected: {reason}")
         self.connected = False
         # reasons, names and answers come from the network: escaped, never read as markup
-        self._set_header(f"[b red]disconnected[/b red] from {self.address}: {escape(reason)}; "
+        self._set_header(f"[b red]disconnected[/b red] from {escape(str(self.address))}: {escape(reason)}; "
                      f"retrying in {retry_in:.1f} s")
         await self._notify_change()
 
@@ -276,7 +277,7 @@ class TopApp(App[None]):
         self._set_header(
             f"[green]connected[/green] [b]{escape(w.worker)}[/b] {escape(w.backend)}  "
             f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
-            f"{rate} rows/s  {self.address}")
+            f"{rate} rows/s  {escape(str(self.address))}")
 
     def _render_table(self) -> None:
         table = self._table
@@ -290,7 +291,7 @@ class TopApp(App[None]):
             table.move_cursor(row=names.index(chosen), animate=False)
         for key, heading in COLUMNS:
             marker = (" v" if self.descending else " ^") if key == self.sort_key else ""
-            table.columns[key].label = heading + marker  # type: ignore[index]
+            table.columns[key].label = Text(heading + marker)  # type: ignore[index]
         self._render_detail()
 
     def _chosen_name(self) -> str | None:
