@@ -195,6 +195,14 @@ async def _dashboard(repo, tmp_path) -> None:
             assert table.get_row("mlp")[:2] == ["mlp", "READY"]
             assert app.status_line.startswith("connected worker0 cpu")
             assert "connected to 127.0.0.1:" in "\n".join(app.events)
+            # 80x24: every model's row is on screen; a larger terminal gives the table the room
+            small = table.size
+            assert small.height >= 1 + 4
+            await pilot.resize_terminal(160, 48)
+            await pilot.pause()
+            assert (table.size.width, table.size.height) == (small.width + 80, small.height + 24)
+            await pilot.resize_terminal(80, 24)
+            await pilot.pause()
 
             # load: the rate of the model that ran moves
             await asyncio.to_thread(_infer, server.url, 20)
