@@ -1,5 +1,5 @@
-"""The ``xlaserve`` command: ``run`` and ``worker`` serve a node file, ``bench`` loads any KServe V2
-server. ``--help`` says what xlaserve is and where its manual is."""
+"""The ``xlaserve`` command: ``run`` and ``worker`` serve a node file, ``top`` watches a worker,
+``bench`` loads any KServe V2 server. ``--help`` says what xlaserve is and where its manual is."""
 from __future__ import annotations
 
 import argparse
@@ -113,6 +113,53 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return _serving(lambda: trio.run(lambda: serve_gateway(config, ready_file=args.ready_file)))
 
 
+def cmd_top(args: argparse.Namespace) -> int:
+    """The operator's dashboard of one worker (tui/, docs/top.md); ``--once`` prints one snapshot
+    and exits, as JSON with ``--json``, without starting the dashboard."""
+    import asyncio
+    import json
+
+    from tui import connection
+    try:
+        address = connection.parse_address(args.address)
+    except ValueError as exc:
+        print(f"xlaserve top: {exc}", file=sys.stderr)
+        return 2
+    if args.json and not args.once:
+        print("xlaserve top: --json prints one snapshot; use it with --once", file=sys.stderr)
+        return 2
+    if not args.interval >= connection.MIN_INTERVAL_SECONDS:
+        print(f"xlaserve top: --interval must be >= {connection.MIN_INTERVAL_SECONDS} s "
+              f"(the worker's fastest stream), got {args.interval:g}", file=sys.stderr)
+        return 2
+    if not args.once:
+        from tui.app import run_top
+        run_top(address, args.interval)
+        return 0
+    from grpclib.exceptions import GRPCError
+
+    from tui.status import COLUMNS, cells, derive, human_bytes, snapshot_dict
+    try:
+        status = asyncio.run(connection.fetch_status(address))
+    except GRPCError as exc:
+        print(f"xlaserve top: {address} answered {exc.status.name}: {exc.message or ''}", file=sys.stderr)
+        return 1
+    except connection.CONNECTION_ERRORS as exc:
+        print(f"xlaserve top: cannot reach {address}: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(snapshot_dict(status), indent=2))
+        return 0
+    worker, rows = derive(status, None, None)
+    print(f"{worker.worker} at {address}, backend {worker.backend}, budget "
+          f"{human_bytes(worker.resident_bytes)} / {human_bytes(worker.budget_bytes)}")
+    table = [[heading for _, heading in COLUMNS]] + [list(cells(row)) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    return 0
+
+
 DESCRIPTION = ("xlaserve serves XLA-compiled models (bundles of StableHLO modules and safetensors weights) over "
                "the KServe V2 gRPC protocol, so Triton and KServe clients work unchanged. Try `xlaserve run "
                "examples/node.yaml` after `python examples/export_examples.py`.")
@@ -163,6 +210,16 @@ def main(argv: list[str] | None = None) -> int:
                                    "run every module as the server would and compare it with fn (docs/export.md).")
     from xlaserve import export_cli
     export_cli.add_arguments(p)
+    p = sub.add_parser("top", help="a live terminal dashboard of a worker (docs/top.md)",
+                       description="A live dashboard of one worker's models, from its WatchStatus "
+                                   "stream, with pin/unpin, policy and compaction actions.")
+    p.add_argument("address", nargs="?", default="localhost:8001",
+                   help="the worker's gRPC address, HOST:PORT (default localhost:8001)")
+    p.add_argument("--interval", type=float, default=1.0,
+                   help="seconds between updates (default 1, at least 0.05)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="with --once: the snapshot as JSON")
+    p.set_defaults(func=cmd_top)
     p = sub.add_parser("bench", help="closed-loop load generator for any KServe V2 gRPC server",
                        description="Closed-loop load at given concurrencies; see xlaserve/bench/loadgen.py.")
     from xlaserve.bench import loadgen

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelControl(_message.Message):
-    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows")
+    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows", "successes", "success_seconds", "failures", "queue_seconds", "executions_by_batch_size")
     class LearnedCostSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,13 @@ class ModelControl(_message.Message):
         key: int
         value: float
         def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
+    class ExecutionsByBatchSizeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +37,11 @@ class ModelControl(_message.Message):
     EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
     BATCH_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TARGET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    SUCCESSES_FIELD_NUMBER: _ClassVar[int]
+    SUCCESS_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_BY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     version: int
@@ -45,7 +57,12 @@ class ModelControl(_message.Message):
     executions: int
     batch_delay_seconds: float
     batch_target_rows: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ...) -> None: ...
+    successes: int
+    success_seconds: float
+    failures: int
+    queue_seconds: float
+    executions_by_batch_size: _containers.ScalarMap[int, int]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ..., successes: _Optional[int] = ..., success_seconds: _Optional[float] = ..., failures: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., executions_by_batch_size: _Optional[_Mapping[int, int]] = ...) -> None: ...
 
 class ModelControlStatusRequest(_message.Message):
     __slots__ = ()

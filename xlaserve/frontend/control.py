@@ -50,7 +50,10 @@ def status_snapshot(worker: WorkerPort) -> pb.ModelControlStatusResponse:
             queue_depth=scheduler.depth(entry.name), learned_cost_seconds=costs.get(entry.name, {}),
             weight=policy.weight, max_batch_size=_cap(policy.max_batch_size),
             batch_delay_seconds=policy.batch_delay_seconds, batch_target_rows=policy.batch_target_rows or 0,
-            requests=stats.inference_count, executions=stats.execution_count))
+            requests=stats.inference_count, executions=stats.execution_count,
+            successes=stats.success.count, success_seconds=stats.success.ns / 1e9,
+            failures=stats.fail.count, queue_seconds=stats.queue.ns / 1e9,
+            executions_by_batch_size={size: b.compute_infer.count for size, b in stats.batches.items()}))
     return pb.ModelControlStatusResponse(models=models, worker=worker.worker_name, backend=worker.backend,
                                          budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes,
                                          discipline=worker.discipline)

@@ -1,0 +1,329 @@
+"""``xlaserve top``: the status arithmetic (rates, events, sorting) as pure functions, and the
+Textual app driven by its pilot against a real worker: it shows "disconnected" until the worker
+listens, then fills; its actions reach the worker; it shows the worker going away."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from benchmarks._servers import free_port
+from tests.conftest import infer_input, serve
+from tui import connection
+from tui.app import ConfirmScreen, HelpScreen, TopApp, ValueScreen, _number
+from tui.connection import Address, next_backoff, parse_address
+from tui.status import changes, derive, human_bytes, snapshot_dict, visible
+from xlaserve._proto import xlaserve_control_pb2 as pb
+from xlaserve.cli import main
+
+# Every wait on the app or the worker is bounded: a broken dashboard fails, never hangs.
+WAIT = 20.0
+
+
+def _status(*models: pb.ModelControl, budget: int = 100, resident: int = 0) -> pb.ModelControlStatusResponse:
+    return pb.ModelControlStatusResponse(models=models, worker="w0", backend="cpu",
+                                         budget_bytes=budget, resident_bytes=resident)
+
+
+def _model(name: str, **fields) -> pb.ModelControl:
+    fields.setdefault("state", "READY")
+    fields.setdefault("version", 1)
+    return pb.ModelControl(name=name, **fields)
+
+
+# ---- pure logic
+
+def test_rates_come_from_counter_deltas_over_the_interval():
+    before = _status(_model("a", requests=100, executions=10), _model("b", requests=5, executions=5))
+    after = _status(_model("a", requests=160, executions=25, learned_cost_seconds={1: 0.001, 8: 0.004}),
+                    _model("b", requests=5, executions=5), _model("c", requests=7, executions=1))
+    worker, rows = derive(after, before, 2.0)
+    a, b, c = rows
+    assert (a.rows_per_second, a.rows_per_execution) == (30.0, 4.0)
+    assert (a.cost_batch_size, a.cost_seconds) == (8, 0.004)
+    assert (b.rows_per_second, b.rows_per_execution) == (0.0, None)   # idle: no executions to divide by
+    assert (c.rows_per_second, c.rows_per_execution) == (None, None)  # new: no previous count
+    assert worker.rows_per_second == 30.0
+    assert a.latency_seconds is None and a.batch_mix == ()       # no answered-request counters moved
+
+
+def test_latency_failures_and_batch_mix_come_from_counter_deltas():
+    before = _status(_model("a", successes=10, success_seconds=1.0, queue_seconds=0.5, failures=1,
+                            executions_by_batch_size={1: 4, 8: 2}))
+    after = _status(_model("a", successes=30, success_seconds=1.6, queue_seconds=0.7, failures=5,
+                           executions_by_batch_size={1: 4, 8: 4, 4: 3}))
+    _, (row,) = derive(after, before, 2.0)
+    assert row.latency_seconds == pytest.approx(0.03) and row.queue_wait_seconds == pytest.approx(0.01)
+    assert row.failures_per_second == 2.0
+    assert row.batch_mix == ((4, 3), (8, 2))
+    assert (row.successes, row.failures) == (30, 5)
+    first_worker, first = derive(after, None, None)
+    assert first_worker.rows_per_second is None and all(r.rows_per_second is None for r in first)
+
+
+def test_a_counter_going_down_gives_no_rate():
+    # the worker restarted between two snapshots: its counters started again from 0
+    _, (row,) = derive(_status(_model("a", requests=3, executions=1)),
+                       _status(_model("a", requests=50, executions=9)), 1.0)
+    assert row.rows_per_second is None and row.rows_per_execution is None
+
+
+def test_events_are_appearances_state_changes_and_departures():
+    first = _status(_model("a"), _model("b"))
+    assert [e.text for e in changes(first, None)] == ["a: READY v1", "b: READY v1"]
+    second = _status(_model("a", state="LOADING", version=2), _model("b", queue_depth=9, requests=40))
+    assert [e.text for e in changes(second, first)] == ["a: READY v1 -> LOADING v2"]
+    third = _status(_model("a", version=2, reason="reload failed, still serving version 2: bad"))
+    assert [e.text for e in changes(third, second)] == [
+        "a: LOADING v2 -> READY v2: reload failed, still serving version 2: bad", "b: gone"]
+
+
+def test_visible_filters_by_name_and_sorts_with_missing_figures_last():
+    before = _status(_model("alpha", requests=0), _model("beta", requests=0), _model("gamma"))
+    after = _status(_model("alpha", requests=10, queue_depth=3), _model("beta", requests=30),
+                    _model("gamma"), _model("Alps", queue_depth=1))
+    _, rows = derive(after, before, 1.0)
+    assert [r.name for r in visible(rows, "", "rows_per_second", True)] == ["beta", "alpha", "gamma", "Alps"]
+    assert [r.name for r in visible(rows, "", "rows_per_second", False)] == ["gamma", "alpha", "beta", "Alps"]
+    assert [r.name for r in visible(rows, "AL", "queue_depth", True)] == ["alpha", "Alps"]
+    assert [r.name for r in visible(rows, "zzz", "name", False)] == []
+    with pytest.raises(ValueError, match="unknown sort column 'nope'; expected one of name, "):
+        visible(rows, "", "nope", False)
+
+
+def test_addresses():
+    assert parse_address("localhost:8001") == Address("localhost", 8001)
+    assert parse_address("example.org") == Address("example.org", 8001)
+    assert parse_address("[::1]:9000") == Address("::1", 9000)
+    assert str(parse_address("[::1]")) == "[::1]:8001"
+    for bad, why in [("host:0", "the port must be 1-65535"), ("host:http", "the port must be 1-65535"),
+                     (":8001", "no host"), ("::1", "an IPv6 address goes in brackets"),
+                     ("[::1", "bad address"), ("[::1]x", "bad address"), ("", "no host")]:
+        with pytest.raises(ValueError, match=why):
+            parse_address(bad)
+
+
+def test_backoff_doubles_up_to_its_cap():
+    waits = [connection.INITIAL_BACKOFF_SECONDS]
+    for _ in range(8):
+        waits.append(next_backoff(waits[-1]))
+    assert waits[:4] == [0.5, 1.0, 2.0, 4.0]
+    assert waits[-1] == connection.MAX_BACKOFF_SECONDS
+
+
+def test_policy_values_are_checked_before_they_are_sent():
+    weight = _number(float, 0.0, positive=True)
+    assert weight(" 2.5 ") == 2.5
+    with pytest.raises(ValueError, match="must be > 0, got 0"):
+        weight("0")
+    with pytest.raises(ValueError, match="'x' is not a number"):
+        weight("x")
+    size = _number(int, 0)
+    assert size("0") == 0
+    with pytest.raises(ValueError, match="'1.5' is not an integer"):
+        size("1.5")
+    with pytest.raises(ValueError, match="must be >= 0, got -1"):
+        size("-1")
+
+
+def test_snapshot_json_keeps_integers_as_numbers():
+    data = snapshot_dict(_status(_model("a", weight_bytes=2**40, learned_cost_seconds={4: 0.5}), budget=2**41))
+    assert data["budget_bytes"] == 2**41 and data["models"][0]["weight_bytes"] == 2**40
+    assert data["models"][0]["learned_cost_seconds"] == {"4": 0.5}
+    assert human_bytes(1536) == "1.5 KiB" and human_bytes(12) == "12 B"
+
+
+# ---- the app against a real worker
+
+@contextlib.asynccontextmanager
+async def _serving(*args, **kwargs):
+    """conftest's ``serve``, entered and left in a thread so the app's event loop keeps running."""
+    context = serve(*args, **kwargs)
+    server = await asyncio.to_thread(context.__enter__)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(context.__exit__, None, None, None)
+
+
+async def _until(app: TopApp, predicate) -> None:
+    async with asyncio.timeout(WAIT):
+        await app.wait_until(predicate)
+
+
+def _row(app: TopApp, name: str):
+    return next((r for r in app.rows if r.name == name), None)
+
+
+async def _server_model(address: Address, name: str) -> pb.ModelControl:
+    status = await connection.fetch_status(address)
+    return {m.name: m for m in status.models}[name]
+
+
+def _infer(url: str, count: int) -> None:
+    client = grpcclient.InferenceServerClient(url)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    for _ in range(count):
+        client.infer("simple", [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", a, "INT32")])
+    client.close()
+
+
+def test_dashboard_against_a_worker(examples_repo, tmp_path):
+    asyncio.run(_dashboard(examples_repo, tmp_path))
+
+
+async def _dashboard(repo, tmp_path) -> None:
+    port = free_port()
+    address = Address("127.0.0.1", port)
+    app = TopApp(address, interval=0.1, max_backoff=0.2)
+    async with app.run_test(size=(80, 24)) as pilot:
+        # nothing listens there yet: the dashboard says so and keeps trying
+        await _until(app, lambda: app.status_line.startswith("disconnected from 127.0.0.1:"))
+        assert not app.connected and app.rows == ()
+        async with _serving(tmp_path / "srv", repo, listen={"grpc": f"127.0.0.1:{port}",
+                                                            "http": "127.0.0.1:0"}) as server:
+            # ... until the worker comes up: the table fills
+            await _until(app, lambda: app.connected and len(app.rows) == 4)
+            table = app._table
+            assert table.row_count == 4
+            assert table.get_row("mlp")[:2] == ["mlp", "READY"]
+            assert app.status_line.startswith("connected worker0 cpu")
+            assert "connected to 127.0.0.1:" in "\n".join(app.events)
+            # 80x24: every model's row is on screen; a larger terminal gives the table the room
+            small = table.size
+            assert small.height >= 1 + 4
+            await pilot.resize_terminal(160, 48)
+            await pilot.pause()
+            assert (table.size.width, table.size.height) == (small.width + 80, small.height + 24)
+            await pilot.resize_terminal(80, 24)
+            await pilot.pause()
+
+            # load: the rate of the model that ran moves
+            await asyncio.to_thread(_infer, server.url, 20)
+            await _until(app, lambda: (_row(app, "simple").rows_per_second or 0) > 0
+                         and (_row(app, "simple").latency_seconds or 0) > 0
+                         and _row(app, "simple").batch_mix != ())
+            await _until(app, lambda: _row(app, "simple").requests == 20)
+            assert _row(app, "simple").successes == 20 and _row(app, "simple").failures == 0
+            # the worker's new counters: 20 answered, their executions by batch size add up
+            simple = await _server_model(address, "simple")
+            assert simple.successes == 20 and simple.success_seconds > simple.queue_seconds >= 0
+            assert sum(simple.executions_by_batch_size.values()) == simple.executions > 0
+
+            # sort: reversed by name, simple comes first
+            await pilot.press("S")
+            assert table.coordinate_to_cell_key((0, 0)).row_key.value == "simple"
+
+            # filter to mlp: it is the only row, and the model the actions apply to
+            await pilot.press("slash", "m", "l", "enter")
+            assert table.row_count == 1 and app.chosen().name == "mlp"
+
+            # pin, confirmed: the worker pins it, and the table shows it
+            await pilot.press("p")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await _until(app, lambda: app.last_answer == "SetModelResidency: mlp pinned (device)")
+            assert (await _server_model(address, "mlp")).residency == "device"
+            await _until(app, lambda: _row(app, "mlp").residency == "device")
+
+            # unpin, declined: nothing is sent
+            await pilot.press("u", "n")
+            assert not isinstance(app.screen, ConfirmScreen)
+            assert (await _server_model(address, "mlp")).residency == "device"
+            # ... confirmed: unpinned
+            await pilot.press("u", "y")
+            await _until(app, lambda: app.last_answer == "SetModelResidency: mlp unpinned (system)")
+            assert (await _server_model(address, "mlp")).residency == "system"
+
+            # a weight: a bad value is refused in the dialog; a good one, confirmed, is set
+            await pilot.press("w")
+            dialog = app.screen
+            assert isinstance(dialog, ValueScreen)
+            dialog.query_one("Input").value = "-2"
+            await pilot.press("enter")
+            assert app.screen is dialog and "must be > 0" in str(dialog.query_one("#problem").render())
+            dialog.query_one("Input").value = "3"
+            await pilot.press("enter", "y")
+            await _until(app, lambda: app.last_answer == "SetModelPolicy: mlp weight = 3")
+            assert (await _server_model(address, "mlp")).weight == 3.0
+
+            await pilot.press("c", "enter")      # enter confirms too
+            await _until(app, lambda: app.last_answer.startswith("CompactMemory: done: "))
+
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("x")
+            assert not isinstance(app.screen, HelpScreen)
+        # the worker drained and stopped: the dashboard says so, and keeps the last figures
+        await _until(app, lambda: app.status_line.startswith("disconnected from 127.0.0.1:"))
+        assert not app.connected and len(app.rows) == 4
+        # (the stream ends with OK as the worker drains, or the connection closes first)
+        assert any(" disconnected: " in e for e in app.events), list(app.events)
+    assert server.process.returncode == 0, server.log()
+
+
+def test_once_prints_one_snapshot(example_server, capsys):
+    assert main(["top", "--once", "--json", example_server.url]) == 0
+    snapshot = json.loads(capsys.readouterr().out)
+    assert snapshot["worker"] == "worker0" and snapshot["backend"] == "cpu"
+    models = {m["name"]: m for m in snapshot["models"]}
+    assert set(models) == {"simple", "mlp", "img_mean", "cnn"}
+    assert models["mlp"]["state"] == "READY" and models["mlp"]["weight_bytes"] > 0
+    assert main(["top", "--once", example_server.url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("worker0 at 127.0.0.1:") and lines[1].split()[:3] == ["model", "state", "ver"]
+    assert sorted(line.split()[0] for line in lines[2:]) == ["cnn", "img_mean", "mlp", "simple"]
+
+
+def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys):
+    port = free_port()      # nothing listens on it
+    assert main(["top", "--once", "--json", f"127.0.0.1:{port}"]) == 1
+    assert f"xlaserve top: cannot reach 127.0.0.1:{port}: " in capsys.readouterr().err
+    assert main(["top", "--once", "host:99999"]) == 2
+    assert "bad address 'host:99999': the port must be 1-65535" in capsys.readouterr().err
+    assert main(["top", "--json", "localhost:1"]) == 2
+    assert "--json prints one snapshot; use it with --once" in capsys.readouterr().err
+    assert main(["top", "--interval", "0.01", "localhost:1"]) == 2
+    assert "--interval must be >= 0.05 s" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def _not_a_worker():
+    """A TCP port whose peer writes junk at every connection and hangs up: not HTTP/2."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        with contextlib.suppress(OSError):      # the listener closed: the test is over
+            while True:
+                peer, _ = listener.accept()
+                with peer:
+                    peer.sendall(b"SSH-2.0-not-grpc\r\n" * 64)
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield Address("127.0.0.1", listener.getsockname()[1])
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+
+
+def test_a_peer_that_is_not_a_worker(capsys):
+    with _not_a_worker() as address:
+        assert main(["top", "--once", "--json", str(address)]) == 1
+        assert f"xlaserve top: cannot reach {address}: " in capsys.readouterr().err
+
+        async def dashboard() -> None:
+            app = TopApp(address, interval=0.1, max_backoff=0.1)
+            async with app.run_test(size=(80, 24)):
+                # it keeps trying, and says why it cannot watch: no crash, no traceback
+                await _until(app, lambda: app.status_line.startswith(f"disconnected from {address}: ")
+                             and "retrying in 0.1 s" in app.status_line)
+                assert not app.connected and app.rows == ()
+        asyncio.run(dashboard())
