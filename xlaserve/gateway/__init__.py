@@ -1,1 +1,6 @@
-"""The gateway (issue 15): routing clients' calls to workers. So far its placement function."""
+"""The gateway: several workers behind one KServe V2 endpoint (docs/gateway.md).
+
+``upstream`` (the HTTP/2 client of one worker), ``router`` (which worker serves a request),
+``placement`` (``lpt_packing``'s packer), ``service`` (the KServe V2 service), ``scrape`` (the
+workers' metrics), ``endpoints`` (DNS endpoints) and ``run`` (the actors; the standalone and the
+embedded gateway)."""
