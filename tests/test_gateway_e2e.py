@@ -522,3 +522,15 @@ def test_a_standalone_lpt_packing_gateway_refuses_a_worker_that_runs_fair(exampl
             assert "w0: refused: it runs scheduler.discipline fair, lpt_packing needs fifo or edf" in str(err.value)
         finally:
             g.stop()
+
+
+def test_a_malformed_metadata_request_is_invalid_argument_at_the_gateway(gateway):
+    import grpc
+    with grpc.insecure_channel(gateway.url) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata",
+                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x0a\xff", timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid inference.ModelMetadataRequest message" in err.value.details()
+    assert grpcclient.InferenceServerClient(gateway.url).is_server_live()

@@ -429,7 +429,7 @@ class GatewayService:
         """A handler that forwards the call to a worker with the request's model READY."""
         async def handler(stream) -> None:
             request = await stream.recv_message()
-            name = request_type.FromString(request.data).name
+            name = _parsed(request_type, request).name
             worker = self.router.pick(name)
             if worker is None:
                 why = self.router.why_not(name)
@@ -473,7 +473,7 @@ class GatewayService:
                 raise GRPCError(reply.status, f"{worker}: {reply.message}")
             parsed[worker] = pb.ModelStatisticsResponse.FromString(reply.data)
         if not parsed:
-            name = pb.ModelStatisticsRequest.FromString(request.data).name
+            name = _parsed(pb.ModelStatisticsRequest, request).name
             raise GRPCError(Status.NOT_FOUND, self.router.why_not(name) if name else "no worker answered")
         await stream.send_message(merge_statistics(parsed))
 
@@ -524,7 +524,7 @@ class GatewayService:
         model the placement has placed goes to the workers it is placed on only."""
         workers = [w for w in self.router.workers if self.upstreams[w].up]
         if path == SERVICE + "RepositoryModelLoad" and self.router.mode == "lpt_packing":
-            placed = self.router.placed(pb.RepositoryModelLoadRequest.FromString(request.data).model_name)
+            placed = self.router.placed(_parsed(pb.RepositoryModelLoadRequest, request).model_name)
             workers = [w for w in workers if w in placed] or workers
         if not workers:
             raise GRPCError(Status.UNAVAILABLE, f"no worker is reachable: {self._down_text()}")
@@ -539,6 +539,16 @@ class GatewayService:
 
 
 _FORWARDED: dict[int, tuple] = {}
+
+
+def _parsed(message_type, request: _Raw):
+    """``request``'s bytes as ``message_type``; INVALID_ARGUMENT naming the type when they are not
+    one (the worker would say the same; the gateway needs a field first)."""
+    try:
+        return message_type.FromString(request.data)
+    except Exception as exc:
+        raise GRPCError(Status.INVALID_ARGUMENT, f"the request is not a valid {message_type.DESCRIPTOR.full_name} "
+                                                 f"message: {exc}") from None
 
 
 def _forwarded(metadata) -> tuple[tuple[str, str], ...]:
