@@ -436,9 +436,9 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
     Ports: a one-worker node's worker binds ``listen.grpc`` and ``listen.http`` itself (an
     explicit ``port`` moves its gRPC endpoint to ``endpoints.host:port``). With two or more
     workers, worker i binds gRPC on ``endpoints.host:(port or base_port + i)`` and HTTP on
-    ``endpoints.host:metrics_base_port + i``; the ``listen`` addresses are then reserved for
-    the gateway (which does not exist yet) and bound by no worker, but still checked. Any two
-    equal ports are a ConfigError.
+    ``endpoints.host:metrics_base_port + i``; the ``listen`` addresses are then the embedded
+    gateway's, bound by no worker, and checked with the rest. Any two equal ports are a
+    ConfigError.
     """
     entries = _worker_entries(node, worker_count)
     names = [entry.name for entry in entries]
