@@ -25,13 +25,12 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-import yaml
 
 from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _Invalid, _is_int, _join,
                                     _key, _mapping, _merge, _parse_partial, _reject_unknown,
                                     _show, _value)
-from xlaserve.config.resolve import (ENV_PREFIX, GATEWAY_ENV_PREFIX, NODE_CHECKS, _DuplicateKey, _from_text,
-                                     _NodeLoader, _yaml_problem, resolve_worker)
+from xlaserve.config.resolve import (GATEWAY_ENV_PREFIX, NODE_CHECKS, _from_text, load_yaml_file,
+                                     resolve_worker)
 from xlaserve.config.resolve import worker_count as _node_worker_count
 from xlaserve.config.schema import (MAX_PORT, NodeConfig, _join_address, _parse_address, _parse_networks,
                                     split_address)
@@ -424,23 +423,7 @@ def load_gateway_file(path: str | Path, environ: Mapping[str, str] | None = None
     the process environment. None means no overrides. A mistake in the file is a ConfigError
     starting with the file's name; one in a variable starts with the variable's.
     """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read the gateway file: {error.strerror}") from None
-    try:
-        data = yaml.load(text, Loader=_NodeLoader)  # a SafeLoader subclass
-    except _DuplicateKey as error:
-        raise ConfigError(f"{path}:{error}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}:{_yaml_problem(error)}") from None
-    try:
-        return parse_gateway_config(data, environ)
-    except ConfigError as error:
-        if str(error).startswith(ENV_PREFIX):  # about a variable, not about the file
-            raise
-        raise ConfigError(f"{path}: {error}") from None
+    return load_yaml_file(Path(path), "gateway file", lambda data: parse_gateway_config(data, environ))
 
 
 # --- the embedded gateway ------------------------------------------------------------------------

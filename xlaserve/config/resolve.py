@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -162,10 +162,17 @@ def load_node_config(path: str | Path, environ: Mapping[str, str] | None = None)
     process environment. None means no overrides.
     """
     path = Path(path)
+    return load_yaml_file(path, "node file", lambda data: parse_node_config(data, path.absolute().parent, environ))
+
+
+def load_yaml_file(path: Path, what: str, parse: Callable[[Any], Any]) -> Any:
+    """``parse`` of the YAML in ``path`` (duplicate keys refused). A mistake in the file is a
+    ConfigError starting with the file's name (``what`` names the kind of file when it cannot be
+    read); one in an ``INFERENCE_SERVER_*`` variable starts with the variable's."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
-        raise ConfigError(f"{path}: cannot read the node file: {error.strerror}") from None
+        raise ConfigError(f"{path}: cannot read the {what}: {error.strerror}") from None
     try:
         data = yaml.load(text, Loader=_NodeLoader)  # a SafeLoader subclass
     except _DuplicateKey as error:
@@ -173,7 +180,7 @@ def load_node_config(path: str | Path, environ: Mapping[str, str] | None = None)
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}:{_yaml_problem(error)}") from None
     try:
-        return parse_node_config(data, path.absolute().parent, environ)
+        return parse(data)
     except ConfigError as error:
         if str(error).startswith(ENV_PREFIX):  # about a variable, not about the file
             raise
