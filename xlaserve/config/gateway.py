@@ -25,7 +25,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
-
 from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _Invalid, _is_int, _join,
                                     _key, _mapping, _merge, _parse_partial, _reject_unknown,
                                     _show, _value)
