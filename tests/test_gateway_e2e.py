@@ -17,6 +17,7 @@ from tritonclient.utils import InferenceServerException
 from benchmarks._servers import free_ports
 from benchmarks.gateway_bench import _child, _consecutive_free_pair
 from tests.conftest import infer_input, serve
+from tests.trio_thread import TrioServerThread
 from xlaserve.config.gateway import parse_gateway_config
 from xlaserve.gateway.run import Gateway, WorkerAddress
 
@@ -29,33 +30,31 @@ def config(mode: str = "round_robin", **worker_client):
                                  "endpoints": ["127.0.0.1:1"]})
 
 
-class GatewayThread:
+def addresses(servers) -> list[WorkerAddress]:
+    """The gateway's view of ``servers``: worker0, worker1, ... at their gRPC ports."""
+    return addresses(servers)
+
+
+def gateway_over(stack: ExitStack, servers, settings) -> "GatewayThread":
+    """A gateway in front of ``servers``, stopped when ``stack`` closes."""
+    g = GatewayThread(addresses(servers), settings)
+    stack.callback(g.stop)
+    return g
+
+
+class GatewayThread(TrioServerThread):
     """A :class:`Gateway` run by ``trio.run`` in a daemon thread."""
+
+    thread_name = "gateway"
 
     def __init__(self, workers: list[WorkerAddress], settings) -> None:
         self.gateway = Gateway(workers, settings)
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
-        self._thread.start()
-        assert self._ready.wait(TIMEOUT), "the gateway did not start"
-        if self._error is not None:
-            raise self._error
-        self.url = f"127.0.0.1:{self.gateway.grpc_port}"
+        super().__init__()
+        self.url = f"127.0.0.1:{self.port}"
 
-    def _run(self) -> None:
-        try:
-            trio.run(self._main)
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self.token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            await nursery.start(self.gateway.run)
-            self._ready.set()
+    async def _serve(self, nursery: trio.Nursery) -> int:
+        grpc_port, _ = await nursery.start(self.gateway.run)
+        return grpc_port
 
     def wait_ready(self, models: int, timeout: float = TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
@@ -95,8 +94,7 @@ def _mlp_input(batch: int = 1):
 
 @pytest.fixture
 def gateway(two_workers):
-    workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
-    g = GatewayThread(workers, config("round_robin"))
+    g = GatewayThread(addresses(two_workers), config("round_robin"))
     try:
         g.wait_ready(models=2)
         yield g
@@ -167,8 +165,7 @@ def test_system_shared_memory_works_through_the_gateway(gateway):
 
 
 def test_least_outstanding_routes_to_the_idle_worker(two_workers):
-    workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
-    g = GatewayThread(workers, config("least_outstanding"))
+    g = GatewayThread(addresses(two_workers), config("least_outstanding"))
     try:
         g.wait_ready(models=2)
         client = grpcclient.InferenceServerClient(g.url)
@@ -222,9 +219,7 @@ class Load:
 def test_a_killed_worker_costs_only_its_in_flight_requests_and_is_used_again_after_its_restart(examples_repo, tmp_path):
     with ExitStack() as stack:
         servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
-        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
-        g = GatewayThread(workers, config("round_robin"))
-        stack.callback(g.stop)
+        g = gateway_over(stack, servers, config("round_robin"))
         g.wait_ready(models=2)
         load = Load(g.url, clients=6)
         time.sleep(1.0)
@@ -254,9 +249,7 @@ def test_a_killed_worker_costs_only_its_in_flight_requests_and_is_used_again_aft
 def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_continues(examples_repo, tmp_path):
     with ExitStack() as stack:
         servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
-        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
-        g = GatewayThread(workers, config("round_robin", request_timeout_seconds=1.0))
-        stack.callback(g.stop)
+        g = gateway_over(stack, servers, config("round_robin", request_timeout_seconds=1.0))
         g.wait_ready(models=2)
         load = Load(g.url, clients=4)
         time.sleep(0.5)
@@ -326,7 +319,7 @@ def test_the_gateway_checks_client_shm_peers_itself(two_workers, tmp_path):
     """The workers see the gateway (loopback) as the peer: the gateway refuses shared memory to a
     client outside its grpc.client_shm_peers, and serves that client otherwise."""
     from tests.test_access import SourceRelay
-    workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
+    workers = addresses(two_workers)
     cfg = parse_gateway_config({"grpc": {"client_shm_peers": ["127.0.0.1/32"]}, "endpoints": ["127.0.0.1:1"]})
     g = GatewayThread(workers, cfg)
     try:
@@ -369,8 +362,7 @@ def test_stream_infer_goes_through_the_gateway_in_order(gateway):
 
 
 def test_lpt_packing_places_each_model_on_one_worker_and_frees_its_host_copy_elsewhere(two_workers):
-    workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(two_workers)]
-    g = GatewayThread(workers, config("lpt_packing"))
+    g = GatewayThread(addresses(two_workers), config("lpt_packing"))
     try:
         g.wait_ready(models=2)
         deadline = time.monotonic() + TIMEOUT
@@ -432,9 +424,7 @@ def test_a_worker_stopped_gracefully_under_load_costs_no_request(examples_repo, 
     what the worker refused (never ran) to the other one, and every client call succeeds."""
     with ExitStack() as stack:
         servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo)) for i in range(2)]
-        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
-        g = GatewayThread(workers, config("round_robin"))
-        stack.callback(g.stop)
+        g = gateway_over(stack, servers, config("round_robin"))
         g.wait_ready(models=2)
         load = Load(g.url, clients=6)
         time.sleep(1.0)
@@ -453,9 +443,8 @@ def test_lpt_packing_reloads_a_placed_model_on_its_workers_only(examples_repo, t
     with ExitStack() as stack:
         servers = [stack.enter_context(serve(tmp_path / f"w{i}", examples_repo, {
             "model_control_mode": "explicit", "scheduler": {"discipline": "fifo"}}, wait_ready=False)) for i in range(2)]
-        workers = [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
-        g = GatewayThread(workers, config("lpt_packing"))
-        stack.callback(g.stop)
+        workers = addresses(servers)
+        g = gateway_over(stack, servers, config("lpt_packing"))
         client = grpcclient.InferenceServerClient(g.url)
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline and not all(

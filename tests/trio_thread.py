@@ -40,9 +40,13 @@ class TrioServerThread:
         self.token = trio.lowlevel.current_trio_token()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.port = await nursery.start(self.server.serve, "127.0.0.1", 0)
+            self.port = await self._serve(nursery)
             self._ready.set()
             await trio.sleep_forever()
+
+    async def _serve(self, nursery: trio.Nursery) -> int:
+        """Start what the thread serves in ``nursery``; its gRPC port."""
+        return await nursery.start(self.server.serve, "127.0.0.1", 0)
 
 
 def load_fuzzer():
