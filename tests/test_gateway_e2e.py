@@ -32,7 +32,7 @@ def config(mode: str = "round_robin", **worker_client):
 
 def addresses(servers) -> list[WorkerAddress]:
     """The gateway's view of ``servers``: worker0, worker1, ... at their gRPC ports."""
-    return addresses(servers)
+    return [WorkerAddress(f"worker{i}", "127.0.0.1", s.grpc_port) for i, s in enumerate(servers)]
 
 
 def gateway_over(stack: ExitStack, servers, settings) -> "GatewayThread":
