@@ -547,13 +547,13 @@ def test_supervisor_refuses_duplicate_names():
 
 
 def test_a_worker_writes_its_ports_to_the_supervisors_descriptor_once():
-    from xlaserve.node import _ready_writer
+    from xlaserve.node import ready_writer
     read, write = os.pipe()
-    report = _ready_writer(None, str(write))
+    report = ready_writer(None, str(write))
     report(7001, 7101)
     with os.fdopen(read) as pipe:
         assert json.loads(pipe.read()) == {"grpc_port": 7001, "http_port": 7101, "pid": os.getpid()}
-    assert _ready_writer(None, None) is None
+    assert ready_writer(None, None) is None
 
 
 def test_the_worker_command_accepts_the_count_gpus_auto_detected(tmp_path):

@@ -141,13 +141,13 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
         from xlaserve.runtime.backend import open_backend
         config = dataclasses.replace(config, runtime=open_backend(config.runtime))
         from xlaserve.worker.server import serve
-        ready = _ready_writer(ready_file, os.environ.get(READY_FD_ENV))
+        ready = ready_writer(ready_file, os.environ.get(READY_FD_ENV))
         trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=ready))
     finally:
         claimed.close()
 
 
-def _ready_writer(path: str | None, fd: str | None = None):
+def ready_writer(path: str | None, fd: str | None = None):
     """The ready callback: the bound ports as JSON, written atomically to the file ``path``
     and as one line to the inherited descriptor ``fd`` (a supervisor's pipe; closed after)."""
     if not path and not fd:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -171,6 +170,13 @@ class Gateway:
     def close(self) -> None:
         """Stop accepting and drain (in-flight calls finish; see GrpcServer.close)."""
         self.server.close()
+
+    async def drain(self, seconds: float) -> None:
+        """:meth:`close`, then wait until every client connection has finished its calls and
+        closed, for at most ``seconds``."""
+        self.close()
+        with trio.move_on_after(seconds):
+            await self.server.wait_closed()
 
     async def _discover(self, name: str, upstream: Upstream) -> None:
         request = cpb.WatchStatusRequest(interval_seconds=DISCOVERY_INTERVAL).SerializeToString()
@@ -433,6 +439,7 @@ async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | No
 
     from xlaserve.config.schema import split_address
     from xlaserve.gateway.endpoints import follow
+    from xlaserve.node import ready_writer
 
     gateway = Gateway(workers or [], config)
     grpc_host, grpc_port = split_address(config.listen.grpc)
@@ -447,14 +454,11 @@ async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | No
                 nursery.start_soon(_apply_changes, gateway, changes)
             grpc_port, http_port = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
             if ready_file:
-                _write_ready(ready_file, grpc_port, http_port)
+                ready_writer(ready_file)(grpc_port, http_port)
             async for signum in signals:
                 log.info("gateway: %s: draining (no new calls; up to %g s for those in flight)",
                          signal.Signals(signum).name, drain_seconds)
-                gateway.close()
-                with trio.move_on_after(drain_seconds):
-                    while gateway.service.in_flight:
-                        await trio.sleep(0.05)
+                await gateway.drain(drain_seconds)
                 nursery.cancel_scope.cancel()
                 break
     log.info("gateway stopped")
@@ -475,34 +479,23 @@ def embedded_gateway(config: GatewayConfig, workers: list[WorkerAddress], *, rea
     before the supervisor signals the workers, reconnects to a worker as soon as the supervisor
     reports it ready again after a restart, and answers ``/healthz`` 503 once the node stops."""
     from xlaserve.config.schema import split_address
+    from xlaserve.node import ready_writer
     from xlaserve.supervisor import WorkerReady
 
     async def run(supervisor) -> None:
         gateway = Gateway(workers, config, metrics_names=[w.name for w in workers])
         gateway.health = lambda: (not supervisor.stopping, "stopping" if supervisor.stopping else "ok")
 
-        async def drain() -> None:
-            gateway.close()
-            with trio.move_on_after(drain_seconds):
-                while gateway.service.in_flight:
-                    await trio.sleep(0.05)
-        supervisor.add_before_stop(drain)
+        supervisor.add_before_stop(lambda: gateway.drain(drain_seconds))
         events = supervisor.subscribe()
         grpc_host, grpc_port = split_address(config.listen.grpc)
         http_host, http_port = split_address(config.listen.metrics)
         async with trio.open_nursery() as nursery:
             ports = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
             if ready_file:
-                _write_ready(ready_file, *ports)
+                ready_writer(ready_file)(*ports)
             async with events:
                 async for event in events:
                     if isinstance(event, WorkerReady) and event.name in gateway.upstreams:
                         gateway.upstreams[event.name].reconnect_now()
     return run
-
-
-def _write_ready(path: str, grpc_port: int, http_port: int) -> None:
-    import json
-    with open(path + ".tmp", "w") as f:
-        json.dump({"grpc_port": grpc_port, "http_port": http_port}, f)
-    os.replace(path + ".tmp", path)
