@@ -108,14 +108,21 @@ def _names_region(data: bytes) -> bool:
 STREAM_WINDOW = 64      # ModelStreamInfer requests of one stream in flight through the gateway
 
 
-class _Pending:
-    """A stream request's outcome (``box``), once ``done`` is set."""
+class _Relay:
+    """What :meth:`GatewayService.infer_now` needs of a call, for a ModelInfer made from a task:
+    the task's stream's metadata, deadline and peer, and ``complete`` keeping the outcome."""
 
-    __slots__ = ("box", "done")
+    __slots__ = ("metadata", "deadline", "peer", "on_cancel", "outcome", "done")
 
-    def __init__(self) -> None:
-        self.box: list = []
+    def __init__(self, stream) -> None:
+        self.metadata, self.deadline, self.peer = stream.metadata, stream.deadline, stream.peer
+        self.on_cancel = None
+        self.outcome = None
         self.done = trio.Event()
+
+    def complete(self, outcome) -> None:
+        self.outcome = outcome
+        self.done.set()
 
 
 class _Raw:
@@ -293,7 +300,8 @@ class GatewayService:
         def done(outcome: Reply | UpstreamError) -> None:
             self.in_flight -= 1
             self.router.finished(worker, model)
-            if retries and isinstance(outcome, UpstreamError) and outcome.unprocessed and not call_gone():
+            if retries and isinstance(outcome, UpstreamError) and outcome.unprocessed \
+                    and not getattr(call, "finished", False):
                 # the worker did not run it (refused, stopping, never sent): another one may
                 self._count("retried")
                 try:
@@ -303,9 +311,6 @@ class GatewayService:
                     call.complete(exc)
                     return
             call.complete(self._outcome(outcome, worker))
-
-        def call_gone() -> bool:
-            return bool(getattr(call, "finished", False))
         handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
                                 timeout=_time_left(call, upstream.request_timeout))
         if not handle.done:
@@ -342,17 +347,13 @@ class GatewayService:
         soon as it arrives (at most STREAM_WINDOW of a stream in flight); replies come back in
         request order, wrapped as ModelStreamInferResponse (an error becomes the response's
         error_message, as Triton's streaming does)."""
-        send, receive = trio.open_memory_channel[_Pending](STREAM_WINDOW)
-
-        async def forward(request: _Raw, pending: _Pending) -> None:
-            pending.box.append(await self._unary_infer(stream, request))
-            pending.done.set()
+        send, receive = trio.open_memory_channel[_Relay](STREAM_WINDOW)
 
         async def reply_in_order() -> None:
             async with receive:
-                async for pending in receive:
-                    await pending.done.wait()
-                    outcome = pending.box[0]
+                async for relay in receive:
+                    await relay.done.wait()
+                    outcome = relay.outcome
                     response = pb.ModelStreamInferResponse()
                     if isinstance(outcome, GRPCError):
                         response.error_message = outcome.message or outcome.status.name
@@ -364,30 +365,23 @@ class GatewayService:
             nursery.start_soon(reply_in_order)
             async with send:
                 while (request := await stream.recv_message()) is not None:
-                    pending = _Pending()
-                    await send.send(pending)         # waits while STREAM_WINDOW are in flight
-                    nursery.start_soon(forward, request, pending)
+                    relay = _Relay(stream)
+                    await send.send(relay)           # waits while STREAM_WINDOW are in flight
+                    self._start_relay(relay, request)
 
     async def _unary_infer(self, stream, request: _Raw):
-        done = trio.Event()
-        box: list = []
+        """One ModelInfer made from a task (the task path of ModelInfer): its outcome, the
+        reply or a GRPCError."""
+        relay = _Relay(stream)
+        self._start_relay(relay, request)
+        await relay.done.wait()
+        return relay.outcome
 
-        class _Shim:
-            metadata = stream.metadata
-            deadline = stream.deadline
-            peer = stream.peer
-            on_cancel = None
-
-            @staticmethod
-            def complete(outcome) -> None:
-                box.append(outcome)
-                done.set()
+    def _start_relay(self, relay: "_Relay", request: _Raw) -> None:
         try:
-            self.infer_now(_Shim, request)
-        except GRPCError as exc:
-            return exc
-        await done.wait()
-        return box[0]
+            self.infer_now(relay, request)
+        except GRPCError as exc:        # refused before it was sent: the outcome at once
+            relay.complete(exc)
 
     # ---- health and metadata ---------------------------------------------------------------
     async def _server_live(self, stream) -> None:
@@ -502,21 +496,10 @@ class GatewayService:
         return outcome
 
     async def _raw_call(self, worker: str, path: str, request: _Raw, stream):
-        done = trio.Event()
-        box: list = []
-
-        def on_done(outcome) -> None:
-            box.append(outcome)
-            done.set()
         upstream = self.upstreams[worker]
-        handle = upstream.start(path, request.data, on_done, metadata=_forwarded(stream.metadata),
-                                timeout=_time_left(stream, upstream.request_timeout))
-        try:
-            await done.wait()
-        finally:
-            if not handle.done:
-                upstream.abort(handle)
-        return self._outcome(box[0], worker)
+        outcome = await upstream.request(path, request.data, metadata=_forwarded(stream.metadata),
+                                         timeout=_time_left(stream, upstream.request_timeout))
+        return self._outcome(outcome, worker)
 
     async def _gather(self, path: str, request: _Raw, stream) -> dict[str, object]:
         """The call on every reachable worker at once: worker -> reply or GRPCError. Fails

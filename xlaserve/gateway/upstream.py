@@ -217,18 +217,27 @@ class Upstream:
             self._queue.append(call)
         return call
 
-    async def unary(self, path: str, request, reply_type, *, timeout: float | None = None):
-        """One unary call as a coroutine: the parsed reply, or UpstreamError (transport
-        failures and non-OK statuses alike, with the worker's status and message)."""
+    async def request(self, path: str, message: bytes, *, metadata: Iterable[tuple[str, str]] = (),
+                      timeout: float | None = None) -> Reply | UpstreamError:
+        """:meth:`start` as a coroutine: the outcome. Cancelled, it resets the worker's stream."""
         done = trio.Event()
         box: list = []
 
         def on_done(outcome) -> None:
             box.append(outcome)
             done.set()
-        self.start(path, request.SerializeToString(), on_done, timeout=timeout)
-        await done.wait()
-        outcome = box[0]
+        handle = self.start(path, message, on_done, metadata=metadata, timeout=timeout)
+        try:
+            await done.wait()
+        finally:
+            if not handle.done:
+                self.abort(handle)
+        return box[0]
+
+    async def unary(self, path: str, request, reply_type, *, timeout: float | None = None):
+        """One unary call as a coroutine: the parsed reply, or UpstreamError (transport
+        failures and non-OK statuses alike, with the worker's status and message)."""
+        outcome = await self.request(path, request.SerializeToString(), timeout=timeout)
         if isinstance(outcome, UpstreamError):
             raise outcome
         if outcome.status != 0:
