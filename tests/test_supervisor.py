@@ -547,7 +547,7 @@ def test_supervisor_refuses_duplicate_names():
 
 
 def test_a_worker_writes_its_ports_to_the_supervisors_descriptor_once():
-    from xlaserve.node import ready_writer
+    from xlaserve.supervisor import ready_writer
     read, write = os.pipe()
     report = ready_writer(None, str(write))
     report(7001, 7101)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import trio
 
 from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_count
 from xlaserve.config.schema import split_address
-from xlaserve.supervisor import DEVICE_ISOLATED_ENV, READY_FD_ENV
+from xlaserve.supervisor import DEVICE_ISOLATED_ENV, READY_FD_ENV, ready_writer
 
 log = logging.getLogger("xlaserve.node")
 
@@ -147,25 +146,3 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
         claimed.close()
 
 
-def ready_writer(path: str | None, fd: str | None = None):
-    """The ready callback: the bound ports as JSON, written atomically to the file ``path``
-    and as one line to the inherited descriptor ``fd`` (a supervisor's pipe; closed after)."""
-    if not path and not fd:
-        return None
-
-    def write(grpc_port: int, http_port: int) -> None:
-        nonlocal fd
-        report = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}
-        if path:
-            tmp = f"{path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(report, f)
-            os.replace(tmp, path)
-        if fd:
-            try:
-                with open(int(fd), "w", closefd=True) as pipe:
-                    pipe.write(json.dumps(report) + "\n")
-            except (OSError, ValueError) as exc:
-                log.warning("cannot write the ready report to %s=%s: %s", READY_FD_ENV, fd, exc)
-            fd = None   # the descriptor is closed now; its number may be reused by another file
-    return write

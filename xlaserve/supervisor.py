@@ -64,6 +64,31 @@ MAX_PENDING_EVENTS = 1024
 _CANNOT_START = 127     # the returncode given to a worker whose program could not be run (as sh's)
 
 
+def ready_writer(path: str | None, fd: str | None = None):
+    """The ready callback of a worker or a gateway: the bound ports as JSON, written atomically
+    to the file ``path`` and as one line to the inherited descriptor ``fd`` (a supervisor's pipe,
+    ``READY_FD_ENV``; closed after)."""
+    if not path and not fd:
+        return None
+
+    def write(grpc_port: int, http_port: int) -> None:
+        nonlocal fd
+        report = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}
+        if path:
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(report, f)
+            os.replace(tmp, path)
+        if fd:
+            try:
+                with open(int(fd), "w", closefd=True) as pipe:
+                    pipe.write(json.dumps(report) + "\n")
+            except (OSError, ValueError) as exc:
+                log.warning("cannot write the ready report to %s=%s: %s", READY_FD_ENV, fd, exc)
+            fd = None   # the descriptor is closed now; its number may be reused by another file
+    return write
+
+
 # --- what to run ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)

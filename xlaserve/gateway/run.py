@@ -439,7 +439,7 @@ async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | No
 
     from xlaserve.config.schema import split_address
     from xlaserve.gateway.endpoints import follow
-    from xlaserve.node import ready_writer
+    from xlaserve.supervisor import ready_writer
 
     gateway = Gateway(workers or [], config)
     grpc_host, grpc_port = split_address(config.listen.grpc)
@@ -479,8 +479,7 @@ def embedded_gateway(config: GatewayConfig, workers: list[WorkerAddress], *, rea
     before the supervisor signals the workers, reconnects to a worker as soon as the supervisor
     reports it ready again after a restart, and answers ``/healthz`` 503 once the node stops."""
     from xlaserve.config.schema import split_address
-    from xlaserve.node import ready_writer
-    from xlaserve.supervisor import WorkerReady
+    from xlaserve.supervisor import WorkerReady, ready_writer
 
     async def run(supervisor) -> None:
         gateway = Gateway(workers, config, metrics_names=[w.name for w in workers])
