@@ -212,12 +212,28 @@ def calm(what: str, key: str, limit) -> ConnectionError_:
     return ConnectionError_(ENHANCE_YOUR_CALM, f"{what}; the limit is {limit} (endpoints.{key})")
 
 
+class FramedReply:
+    """A unary reply that is one uncompressed gRPC message already carrying its 5-byte length
+    prefix (as a peer sent it): :meth:`Call.complete` sends ``framed`` as it is, without cutting
+    and prefixing the message again. ``message`` is a view of the message without the prefix."""
+
+    __slots__ = ("framed", "message")
+
+    def __init__(self, framed: bytes) -> None:
+        self.framed = framed
+        self.message = memoryview(framed)[5:]
+
+    def SerializeToString(self) -> bytes:
+        """The message (for a path that sends it as any other reply)."""
+        return bytes(self.message)
+
+
 class Call:
     """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
 
     __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
                  "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
-                 "unacked", "arrived", "scope", "drained", "fast", "on_cancel", "zombie")
+                 "unacked", "arrived", "scope", "drained", "fast", "on_cancel", "zombie", "streaming_in")
 
     def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
                  deadline: Deadline | None, encoding: str) -> None:
@@ -241,6 +257,7 @@ class Call:
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
         self.fast = None                # the method's task-free entry point, if it has one
+        self.streaming_in = False       # the method takes a stream of requests (set with method)
         #: Called once (Trio thread), with no arguments, when the call is cancelled: the client
         #: reset the stream, the server reset it, or the connection closed or broke. A task-free
         #: handler sets it to take back work it handed on; it is not called once the call ended.
@@ -283,6 +300,9 @@ class Call:
             return
         if isinstance(outcome, BaseException):
             self.conn._finish(self, *status_of(outcome))
+            return
+        if type(outcome) is FramedReply:
+            self.conn.reply_unary(self, outcome.message, outcome.framed)
             return
         self.conn.reply_unary(self, outcome.SerializeToString())
 
@@ -894,6 +914,8 @@ class Connection:
         method = self.server.methods.get(path)
         call = Call(self, sid, method, head.metadata, None, head.encoding)
         call.fast = self.server.fast.get(path)
+        # a set lookup: the Cardinality enum's .value is a slow descriptor, once per request
+        call.streaming_in = path in self.server.client_streaming
         self.calls[sid] = call
         if flags & END_STREAM:
             call.remote_closed = True
@@ -912,7 +934,7 @@ class Connection:
             call.deadline = Deadline.from_timeout(verdict)
         if call.remote_closed:
             self._end_of_request(call)      # no request message at all
-        elif method.cardinality.value.client_streaming:
+        elif call.streaming_in:
             self._start(call)
 
     def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
@@ -1034,7 +1056,7 @@ class Connection:
         if call.arrived is not None:
             call.arrived.set()
         if not call.started:
-            if not call.method.cardinality.value.client_streaming and len(call.messages) != 1:
+            if not call.streaming_in and len(call.messages) != 1:
                 self._fail(call, Status.INVALID_ARGUMENT, f"a unary call carries exactly one request message; "
                                                           f"got {len(call.messages)}")
                 return
@@ -1100,9 +1122,10 @@ class Connection:
         self.waiting_bytes += len(message)
         self._flush_call(call)
 
-    def reply_unary(self, call: Call, data: bytes) -> None:
+    def reply_unary(self, call: Call, data: bytes, framed: bytes | None = None) -> None:
         """The whole answer of a unary call: HEADERS, the message, OK trailers; one write when
-        the windows allow (the common case)."""
+        the windows allow (the common case). ``framed``, when given, is ``data`` with its
+        length prefix already (a :class:`FramedReply`), sent as it is."""
         n = len(data) + 5
         if (call.headers_sent or call.pending or n > call.send_window or n > self.send_window
                 or n > self.peer_max_frame or len(data) > self.server.max_send_bytes):
@@ -1119,7 +1142,8 @@ class Connection:
         sid = call.id
         pack = _FRAME_HEADER.pack
         self._write(b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
-                              pack(n << 8 | DATA, 0, sid), _MESSAGE_PREFIX.pack(0, len(data)), data,
+                              pack(n << 8 | DATA, 0, sid),
+                              *((_MESSAGE_PREFIX.pack(0, len(data)), data) if framed is None else (framed,)),
                               pack(len(_OK_TRAILERS) << 8 | HEADERS, END_HEADERS | END_STREAM, sid), _OK_TRAILERS)))
         if not call.remote_closed:
             self._write(frame(RST_STREAM, 0, sid, _U32.pack(NO_ERROR)))
@@ -1256,6 +1280,8 @@ class GrpcServer:
             if fast is not None:
                 self.fast.update(fast())
         self.service_names = sorted({path.split("/")[1] for path in self.methods})
+        self.client_streaming = frozenset(path for path, handler in self.methods.items()
+                                          if handler.cardinality.value.client_streaming)
         #: path -> the endpoints.restricted rule a call must pass; with ``access`` given, every
         #: served method must be in an API group (ValueError otherwise)
         self.restricted = access.for_methods(self.methods) if access is not None else {}

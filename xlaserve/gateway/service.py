@@ -36,6 +36,7 @@ from grpclib.exceptions import GRPCError
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
+from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
 
@@ -310,7 +311,7 @@ class GatewayService:
                 except GRPCError as exc:
                     call.complete(exc)
                     return
-            call.complete(self._outcome(outcome, worker))
+            call.complete(self._outcome(outcome, worker, framed=True))
         handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
                                 timeout=_time_left(call, upstream.request_timeout))
         if not handle.done:
@@ -323,15 +324,19 @@ class GatewayService:
             raise outcome
         await stream.send_message(outcome)
 
-    def _outcome(self, outcome: Reply | UpstreamError, worker: str):
-        """What the client gets: the reply's message, or the error (the worker's status and
-        message as they are; the gateway's own, naming the worker)."""
+    def _outcome(self, outcome: Reply | UpstreamError, worker: str, framed: bool = False):
+        """What the client gets: the reply's message (a :class:`_Raw`; with ``framed``, a
+        :class:`FramedReply` when the body is one plain message), or the error (the worker's
+        status and message as they are; the gateway's own, naming the worker)."""
         if isinstance(outcome, UpstreamError):
             self._count("unavailable" if outcome.status is Status.UNAVAILABLE else
                         "timeout" if outcome.status is Status.DEADLINE_EXCEEDED else "cancelled")
             return GRPCError(outcome.status, outcome.message)
         if outcome.status != 0:
             return GRPCError(status_named(outcome.status), outcome.message)
+        body = outcome.body
+        if framed and len(body) >= 5 and body[0] == 0 and int.from_bytes(body[1:5], "big") == len(body) - 5:
+            return FramedReply(body)        # one uncompressed message: relayed as it came
         messages = outcome.messages()
         if len(messages) != 1:
             self._count("bad_reply")
@@ -358,7 +363,7 @@ class GatewayService:
                     if isinstance(outcome, GRPCError):
                         response.error_message = outcome.message or outcome.status.name
                     else:
-                        response.infer_response.ParseFromString(outcome.data)
+                        response.infer_response.ParseFromString(outcome.SerializeToString())
                     await stream.send_message(response)
 
         async with trio.open_nursery() as nursery:

@@ -57,7 +57,7 @@ _FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, 
 _SETTING = struct.Struct(">HI")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)        # not frozen: made once per call, and a frozen init costs 3x
 class Reply:
     """A worker's answer to one call: gRPC status and message, and the response body (the
     length-prefixed messages as sent)."""
@@ -169,7 +169,11 @@ class Upstream:
         self._header_sid = 0
         self._header_parts: list[bytes] = []
         self._header_flags = 0
-        self._timers: list[tuple[float, int, _Call]] = []
+        self._wire_timeout = "" if math.isinf(request_timeout) else grpc_timeout(request_timeout)
+        #: calls with the request timeout, in start (so deadline) order; ended ones leave the head
+        self._in_order: deque[_Call] = deque()
+        self._timers: list[tuple[float, int, _Call]] = []   # calls with a shorter timeout, a heap
+        self._timer_at = math.inf               # when the timer task wakes next (unless woken)
         self._timer_seq = itertools.count()
         self._timer_wake = trio.Event()
         self._ended_timers = 0                   # entries of ended calls still in the heap (about)
@@ -186,8 +190,11 @@ class Upstream:
         as ``grpc-timeout``.
         ``on_message``, for server-streaming methods, gets each response message as it arrives
         (the final :class:`Reply` then has an empty body). Returns a handle for :meth:`abort`."""
-        timeout = self.request_timeout if timeout is None else timeout
-        wire_timeout = "" if math.isinf(timeout) else grpc_timeout(timeout)
+        usual = timeout is None or timeout == self.request_timeout
+        if usual:
+            timeout, wire_timeout = self.request_timeout, self._wire_timeout
+        else:
+            wire_timeout = "" if math.isinf(timeout) else grpc_timeout(timeout)
         metadata = tuple(metadata)
         key = (path, wire_timeout, metadata)
         block = self._blocks.get(key)
@@ -208,8 +215,11 @@ class Upstream:
             self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
             return call
         if not math.isinf(timeout):
-            heapq.heappush(self._timers, (call.deadline, next(self._timer_seq), call))
-            if self._timers[0][2] is call:
+            if usual:       # the request timeout: deadlines come in start order, a queue keeps them sorted
+                self._in_order.append(call)
+            else:
+                heapq.heappush(self._timers, (call.deadline, next(self._timer_seq), call))
+            if call.deadline < self._timer_at:
                 self._timer_wake.set()
         if len(self._calls) < min(self.max_streams, self._peer_max_streams):
             self._open(call)
@@ -341,12 +351,23 @@ class Upstream:
 
     # ---- sending ---------------------------------------------------------------------------
     def _open(self, call: _Call) -> None:
-        call.id = self._next_id
+        sid = call.id = self._next_id
         self._next_id += 2
-        call.send_window = self._peer_window
-        self._calls[call.id] = call
-        self._out += frame(HEADERS, END_HEADERS, call.id, call.block)
-        self._send_data(call)
+        window = call.send_window = self._peer_window
+        self._calls[sid] = call
+        data, block = call.data, call.block
+        n = len(data)
+        if 0 < n <= window and n <= self._conn_window and n <= self._peer_frame:
+            # the usual request: HEADERS and one DATA frame that ends the stream, in one append
+            call.sent = n
+            call.send_window -= n
+            self._conn_window -= n
+            pack = _FRAME_HEADER.pack
+            self._out += b"".join((pack(len(block) << 8 | HEADERS, END_HEADERS, sid), block,
+                                   pack(n << 8 | DATA, END_STREAM, sid), data))
+        else:
+            self._out += frame(HEADERS, END_HEADERS, sid, block)
+            self._send_data(call)
         self._kick()
 
     def _kick(self) -> None:
@@ -588,6 +609,9 @@ class Upstream:
         call.data = call.block = b""
         call.body = bytearray()
         call.on_done = call.on_message = None
+        in_order = self._in_order
+        while in_order and in_order[0].done:
+            in_order.popleft()
         self._ended_timers += 1
         if self._ended_timers > 1024 and self._ended_timers * 2 > len(self._timers):
             self._timers = [entry for entry in self._timers if not entry[2].done]
@@ -600,18 +624,22 @@ class Upstream:
 
     async def _timer_loop(self) -> None:
         """Fails calls whose timeout passed (DEADLINE_EXCEEDED; the stream is reset)."""
+        in_order = self._in_order
         while True:
-            while self._timers and (self._timers[0][2].done or self._timers[0][0] <= trio.current_time()):
-                _, _, call = heapq.heappop(self._timers)
-                if call.done:
-                    continue
-                self._give_up(call, UpstreamError(Status.DEADLINE_EXCEEDED, f"worker {self.name} did not "
-                                                                            "answer within the request's timeout"))
+            expired: list[_Call] = []
+            now = trio.current_time()
+            while in_order and (in_order[0].done or in_order[0].deadline <= now):
+                expired.append(in_order.popleft())
+            while self._timers and (self._timers[0][2].done or self._timers[0][0] <= now):
+                expired.append(heapq.heappop(self._timers)[2])
+            for call in expired:
+                if not call.done:
+                    self._give_up(call, UpstreamError(Status.DEADLINE_EXCEEDED, f"worker {self.name} did not "
+                                                                                "answer within the request's timeout"))
             self._timer_wake = trio.Event()
-            if self._timers:
-                with trio.move_on_at(self._timers[0][0]):
-                    await self._timer_wake.wait()
-            else:
+            self._timer_at = min(in_order[0].deadline if in_order else math.inf,
+                                 self._timers[0][0] if self._timers else math.inf)
+            with trio.move_on_at(self._timer_at):
                 await self._timer_wake.wait()
 
     def abort(self, call: _Call) -> None:
