@@ -19,7 +19,7 @@ from xlaserve.config import (ConfigError, GatewayConfig, effective_config_lines,
                              parse_node_config)
 from xlaserve.config.gateway import (GatewayGrpcConfig, GatewayListenConfig, GatewayLoggingConfig,
                                      ModelReplicasConfig, SchedulingConfig, WorkerClientConfig)
-from xlaserve.gateway.endpoints import (Endpoint, EndpointsChanged, ResolveError, diff, follow,
+from xlaserve.gateway.endpoints import (Endpoint, EndpointsChanged, ResolveError, diff, follow, unique,
                                         resolve)
 
 BASE = Path("/srv/node")
@@ -524,6 +524,44 @@ def test_resolve_names_the_first_endpoint_that_fails():
     assert str(caught.value) == "endpoint gone:1: cannot resolve: Name or service not known"
     with pytest.raises(ResolveError, match="^endpoint empty:1: cannot resolve: no IPv4 or IPv6 address$"):
         trio.run(main, ["empty:1"])
+
+
+def test_endpoints_that_reach_one_worker_are_one_worker():
+    """A name and its IP address, or two names of one Service: one worker (the first in the
+    list names it), not two connections that would each count its load."""
+    dns = FakeDns({"svc": ["10.0.0.7", "10.0.0.8"], "alias": ["10.0.0.8"]})
+
+    async def main():
+        return await resolve(["10.0.0.7:9001", "svc:9001", "alias:9001", "svc:9002"], dns)
+
+    endpoints = trio.run(main)
+    assert [e.name for e in endpoints] == ["10.0.0.7:9001", "svc:9001@10.0.0.8", "svc:9002@10.0.0.7",
+                                           "svc:9002@10.0.0.8"], "one per address and port"
+    one = Endpoint("svc:9001", "10.0.0.7", 9001)
+    assert unique([one, Endpoint("10.0.0.7:9001", "10.0.0.7", 9001)]) == (one,)
+
+
+def test_follow_warns_once_about_an_endpoint_that_duplicates_another(caplog: pytest.LogCaptureFixture):
+    dns = FakeDns({"svc": ["10.0.0.1"], "alias": ["10.0.0.1"]})
+    messages: list[EndpointsChanged] = []
+
+    async def main():
+        send, receive = trio.open_memory_channel[EndpointsChanged](10)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(follow, ["svc:1", "alias:1"], 5.0, send, dns)
+            await trio.sleep(12)               # two more refreshes find the same duplicate
+            dns.table["alias"] = ["10.0.0.2"]  # now a worker of its own
+            await trio.sleep(5)
+            nursery.cancel_scope.cancel()
+        async for message in receive:
+            messages.append(message)
+
+    with caplog.at_level(logging.WARNING, logger="xlaserve.gateway.endpoints"):
+        trio.run(main, clock=MockClock(autojump_threshold=0))
+    assert [e.name for e in messages[0].endpoints] == ["svc:1@10.0.0.1"]
+    assert [e.name for e in messages[-1].endpoints] == ["svc:1@10.0.0.1", "alias:1@10.0.0.2"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "endpoint alias:1 resolves to 10.0.0.1:1, already the worker svc:1@10.0.0.1: one worker, not two"]
 
 
 def test_diff_is_added_and_removed_in_order():

@@ -7,6 +7,9 @@ that the same pod keeps the same name from one resolution to the next.
 
 - :func:`resolve` resolves a list once;
 - :func:`diff` says what changed between two resolutions (pure);
+- :func:`unique` keeps one worker per address and port: two endpoints that resolve to the same
+  worker (a name and its IP address, two names of one Service) are one worker, named by the
+  first of them in the list, not two connections that would each count its load;
 - :func:`follow` is an actor: it resolves the list every ``endpoint_refresh_seconds`` and sends
   an :class:`EndpointsChanged` message whenever the set of workers changes. A name that stops
   resolving keeps the addresses it last resolved to (a DNS outage must not empty the gateway),
@@ -24,7 +27,7 @@ import trio
 
 from xlaserve.config.schema import split_address
 
-__all__ = ["Endpoint", "EndpointsChanged", "ResolveError", "diff", "follow", "resolve"]
+__all__ = ["Endpoint", "EndpointsChanged", "ResolveError", "diff", "follow", "resolve", "unique"]
 
 log = logging.getLogger("xlaserve.gateway.endpoints")
 
@@ -126,6 +129,19 @@ async def resolve(endpoints: Iterable[str],
         if isinstance(result, ResolveError):
             raise result
         out.extend(result)
+    return unique(out)
+
+
+def unique(endpoints: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
+    """``endpoints`` with one per address and port, the first (in order) kept: a worker reached
+    through two endpoints is one worker."""
+    seen: set[tuple[int, int, int]] = set()
+    out: list[Endpoint] = []
+    for endpoint in endpoints:
+        key = (*_address_key(endpoint.address), endpoint.port)
+        if key not in seen:
+            seen.add(key)
+            out.append(endpoint)
     return tuple(out)
 
 
@@ -159,6 +175,7 @@ async def follow(endpoints: Sequence[str], refresh_seconds: float,
     endpoints = list(endpoints)
     known: dict[str, tuple[Endpoint, ...]] = {name: () for name in endpoints}
     failing: set[str] = set()
+    twins: set[Endpoint] = set()            # endpoints left out as duplicates (warned once each)
     current: tuple[Endpoint, ...] = ()
 
     async def refresh(configured: str) -> None:
@@ -192,7 +209,15 @@ async def follow(endpoints: Sequence[str], refresh_seconds: float,
             async with trio.open_nursery() as nursery:
                 for configured in endpoints:
                     nursery.start_soon(refresh, configured)
-            resolved = tuple(e for name in endpoints for e in known[name])
+            every = [e for name in endpoints for e in known[name]]
+            resolved = unique(every)
+            for twin in set(every) - set(resolved):
+                if twin not in twins:
+                    twins.add(twin)
+                    first_of = next(e for e in resolved if e.target == twin.target)
+                    log.warning("endpoint %s resolves to %s, already the worker %s: one worker, not two",
+                                twin.configured, twin.target, first_of.name)
+            twins.intersection_update(every)
             added, removed = diff(current, resolved)
             current = resolved
             if first:

@@ -56,6 +56,9 @@ _HOP_BY_HOP = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", 
 def model_name_of(data: bytes) -> str:
     """The ``model_name`` (field 1) of a serialized ModelInferRequest, read without parsing the
     rest. Raises ValueError when the bytes are not a protobuf message or have no model name."""
+    if len(data) > 2 and data[0] == 0x0A and data[1] < 0x80 and data[1] + 2 <= len(data):
+        # the usual encoding: field 1 first, a name shorter than 128 bytes
+        return bytes(data[2:2 + data[1]]).decode("utf-8")
     pos, end = 0, len(data)
     while pos < end:
         tag, pos = _varint(data, pos)
