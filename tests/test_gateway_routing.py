@@ -1,8 +1,12 @@
 """The gateway's pure parts: routing, the model-name peek, merging statistics and indexes."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import trio
+import trio.testing
+from grpclib.const import Status
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.gateway.router import ModelOnWorker, Router
@@ -109,6 +113,63 @@ def test_the_index_is_ready_where_any_worker_is_and_names_each_workers_state():
 def test_reply_messages_and_timeouts_on_the_wire():
     assert Reply(0, "", b"\0\0\0\0\x02hi\0\0\0\0\x00").messages() == [b"hi", b""]
     assert grpc_timeout(0.0001) == "1m" and grpc_timeout(2.5) == "2500m" and grpc_timeout(1e6) == "1000000S"
+
+
+def test_the_worker_is_told_a_clients_deadline_never_the_gateways_request_timeout():
+    """Without a client deadline no grpc-timeout goes to the worker (an edf worker would order
+    every request by the gateway's 60 s); the gateway still fails the call after its request
+    timeout. A client's deadline is forwarded as what is left of it."""
+    from types import SimpleNamespace
+
+    from xlaserve.frontend.hpack import Decoder
+    from xlaserve.gateway.service import _time_left
+    from xlaserve.gateway.upstream import Upstream
+
+    async def main():
+        upstream = Upstream("w", "127.0.0.1", 1, request_timeout=60.0)
+        upstream.up = True
+        upstream._reset_state()
+        plain = upstream.start("/p", b"x", lambda outcome: None)
+        timed = upstream.start("/p", b"x", lambda outcome: None, timeout=2.5)
+        decode = Decoder(max_header_list_size=1 << 16).decode
+        assert "grpc-timeout" not in dict(decode(plain.block))
+        assert dict(decode(timed.block))["grpc-timeout"] == "2500m"
+        assert plain.deadline == trio.current_time() + 60.0 and timed.deadline == trio.current_time() + 2.5
+        assert upstream._timer_at == math.inf   # the timer task has not run yet: it is woken
+    trio.run(main, clock=trio.testing.MockClock())
+    assert _time_left(SimpleNamespace(deadline=None), 60.0) is None
+    assert _time_left(SimpleNamespace(deadline=SimpleNamespace(time_remaining=lambda: 300.0)), 60.0) == 60.0
+    assert _time_left(SimpleNamespace(deadline=SimpleNamespace(time_remaining=lambda: 1.5)), 60.0) == 1.5
+
+
+def test_calls_with_the_request_timeout_expire_in_order_and_ended_ones_do_not_pile_up():
+    """The usual timeout's deadlines are kept in start order; an unanswered call at the head
+    must not keep every answered call behind it until its deadline."""
+    from xlaserve.gateway.upstream import Upstream, UpstreamError
+
+    async def main():
+        upstream = Upstream("w", "127.0.0.1", 1, request_timeout=60.0)
+        upstream.up = True
+        upstream._reset_state()
+        outcomes: dict[int, object] = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(upstream._timer_loop)
+            stuck = upstream.start("/p", b"x", lambda o: outcomes.__setitem__(0, o))
+            await trio.sleep(1)
+            for i in range(1, 10_001):
+                call = upstream.start("/p", b"x", lambda o, i=i: outcomes.__setitem__(i, o))
+                upstream._end(call, UpstreamError(Status.CANCELLED, "answered"))
+            assert len(upstream._in_order) <= 2 * upstream.outstanding + 2049
+            late = upstream.start("/p", b"x", lambda o: outcomes.__setitem__(-1, o))
+            await trio.sleep(58.5)
+            assert 0 not in outcomes                     # at 59.5 s; it started at 0
+            await trio.sleep(1)
+            assert outcomes[0].status is Status.DEADLINE_EXCEEDED and stuck.done
+            assert -1 not in outcomes                    # started 1 s later: due at 61 s
+            await trio.sleep(1)
+            assert outcomes[-1].status is Status.DEADLINE_EXCEEDED and late.done
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_worker_pages_merge_into_one_exposition_with_a_worker_label():

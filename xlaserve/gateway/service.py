@@ -558,10 +558,11 @@ def _forwarded(metadata) -> tuple[tuple[str, str], ...]:
     return forwarded
 
 
-def _time_left(call, request_timeout: float) -> float:
-    """The worker's timeout for a client's call: the request timeout, or less when the client's
-    own deadline comes sooner."""
+def _time_left(call, request_timeout: float) -> float | None:
+    """The worker's timeout for a client's call: None when the client set no deadline (the
+    gateway's request timeout then applies at the gateway alone), else what is left of it,
+    at most the request timeout."""
     deadline = getattr(call, "deadline", None)
     if deadline is None:
-        return request_timeout
+        return None
     return min(max(deadline.time_remaining(), 0.001), request_timeout)

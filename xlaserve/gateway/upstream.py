@@ -169,7 +169,6 @@ class Upstream:
         self._header_sid = 0
         self._header_parts: list[bytes] = []
         self._header_flags = 0
-        self._wire_timeout = "" if math.isinf(request_timeout) else grpc_timeout(request_timeout)
         #: calls with the request timeout, in start (so deadline) order; ended ones leave the head
         self._in_order: deque[_Call] = deque()
         self._timers: list[tuple[float, int, _Call]] = []   # calls with a shorter timeout, a heap
@@ -186,13 +185,15 @@ class Upstream:
               on_message: Callable[[bytes], None] | None = None) -> _Call:
         """Call ``path`` with ``message`` (one serialized request message) and call
         ``on_done`` exactly once, on the Trio thread, with the outcome. ``timeout`` (seconds;
-        ``math.inf`` for none) defaults to the upstream's request timeout; the worker is told it
-        as ``grpc-timeout``.
+        ``math.inf`` for none) is told to the worker as ``grpc-timeout`` (a client's deadline);
+        without it the upstream's request timeout applies here alone (the stream is reset when it
+        passes), so that a worker's deadline-aware scheduling (``edf``) sees only the deadlines
+        clients set.
         ``on_message``, for server-streaming methods, gets each response message as it arrives
         (the final :class:`Reply` then has an empty body). Returns a handle for :meth:`abort`."""
-        usual = timeout is None or timeout == self.request_timeout
+        usual = timeout is None
         if usual:
-            timeout, wire_timeout = self.request_timeout, self._wire_timeout
+            timeout, wire_timeout = self.request_timeout, ""
         else:
             wire_timeout = "" if math.isinf(timeout) else grpc_timeout(timeout)
         metadata = tuple(metadata)
@@ -612,6 +613,9 @@ class Upstream:
         in_order = self._in_order
         while in_order and in_order[0].done:
             in_order.popleft()
+        if len(in_order) > 2 * self.outstanding + 2048:
+            # a call that stays unanswered at the head keeps those ended behind it: drop them
+            self._in_order = deque(c for c in in_order if not c.done)
         self._ended_timers += 1
         if self._ended_timers > 1024 and self._ended_timers * 2 > len(self._timers):
             self._timers = [entry for entry in self._timers if not entry[2].done]
@@ -624,8 +628,8 @@ class Upstream:
 
     async def _timer_loop(self) -> None:
         """Fails calls whose timeout passed (DEADLINE_EXCEEDED; the stream is reset)."""
-        in_order = self._in_order
         while True:
+            in_order = self._in_order       # (replaced when compacted)
             expired: list[_Call] = []
             now = trio.current_time()
             while in_order and (in_order[0].done or in_order[0].deadline <= now):
