@@ -439,15 +439,18 @@ class Upstream:
                 del buf[:pos]
                 pos = 0
             buf += data
-            with self._batch():
-                while len(buf) - pos >= 9:
+            end = len(buf)
+            with self._batch(), memoryview(buf) as view:      # (released before buf is resized)
+                while end - pos >= 9:
                     lt, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
-                    length = lt >> 8
-                    if len(buf) - pos < 9 + length:
+                    stop = pos + 9 + (lt >> 8)
+                    if stop > end:
                         break
-                    payload = bytes(buf[pos + 9:pos + 9 + length])
-                    pos += 9 + length
-                    self._frame(lt & 0xFF, flags, sid & 0x7FFFFFFF, payload)
+                    ftype = lt & 0xFF
+                    # DATA is copied once, into its call's body; other frames become bytes
+                    self._frame(ftype, flags, sid & 0x7FFFFFFF,
+                                view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
+                    pos = stop
                 if self._out:
                     self._kick()
             if self._goaway and not self._calls:
