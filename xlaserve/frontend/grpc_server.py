@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
-from grpclib.const import Status
+from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline
 
@@ -210,6 +210,10 @@ def calm(what: str, key: str, limit) -> ConnectionError_:
     """The connection error for a client past one of :class:`H2Limits`: ENHANCE_YOUR_CALM, with
     a message naming the node-file key."""
     return ConnectionError_(ENHANCE_YOUR_CALM, f"{what}; the limit is {limit} (endpoints.{key})")
+
+
+# methods that take a stream of requests (client streaming)
+_STREAMING_IN = frozenset(c for c in Cardinality if c.value.client_streaming)
 
 
 class FramedReply:
@@ -1281,7 +1285,7 @@ class GrpcServer:
                 self.fast.update(fast())
         self.service_names = sorted({path.split("/")[1] for path in self.methods})
         self.client_streaming = frozenset(path for path, handler in self.methods.items()
-                                          if handler.cardinality.value.client_streaming)
+                                          if getattr(handler, "cardinality", None) in _STREAMING_IN)
         #: path -> the endpoints.restricted rule a call must pass; with ``access`` given, every
         #: served method must be in an API group (ValueError otherwise)
         self.restricted = access.for_methods(self.methods) if access is not None else {}
