@@ -6,7 +6,11 @@ logger, a list in a test) takes it unchanged; a progress bar reads how far its s
 """
 from __future__ import annotations
 
-__all__ = ["Step"]
+import logging
+import sys
+from typing import TextIO
+
+__all__ = ["ProgressReport", "Step", "bar"]
 
 
 class Step(str):
@@ -24,3 +28,40 @@ class Step(str):
         step = super().__new__(cls, line)
         step.stage, step.done, step.total = stage, done, total
         return step
+
+
+def bar(step: Step, width: int = 24) -> str:
+    """``compile [########........] 2/6``: how far ``step``'s stage is, ``width`` cells wide."""
+    filled = width * step.done // step.total if step.total > 0 else width
+    return f"{step.stage} [{'#' * filled}{'.' * (width - filled)}] {step.done}/{step.total}"
+
+
+class ProgressReport:
+    """Where long work's lines go: each is logged to ``log`` (a line per step, as on any
+    stream); when ``stream`` (default stderr, where the log goes) is a terminal, a bar under the
+    lines shows how far the current stage is while its next step runs, and is erased before
+    the next line and by :meth:`close`."""
+
+    def __init__(self, log: logging.Logger, stream: TextIO | None = None) -> None:
+        self._log = log
+        self._stream = stream if stream is not None else sys.stderr
+        self._terminal = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._shown = False
+
+    def __call__(self, line: str) -> None:
+        self._erase()
+        self._log.info("%s", line)
+        if self._terminal and isinstance(line, Step):
+            self._stream.write(bar(line))
+            self._stream.flush()
+            self._shown = True
+
+    def close(self) -> None:
+        """Erase the bar (if one is shown): what follows starts on a clean line."""
+        self._erase()
+
+    def _erase(self) -> None:
+        if self._shown:
+            self._stream.write("\r\x1b[K")      # back to the line's start, clear to its end
+            self._stream.flush()
+            self._shown = False
