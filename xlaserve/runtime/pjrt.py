@@ -184,7 +184,8 @@ def read_signature(module: bytes) -> Signature:
     """The ``@main`` signature of a StableHLO module given as text, MLIR bytecode or a portable
     (VHLO) artifact."""
     with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
-        main = _main(_parse(module, ctx))
+        parsed = _parse(module, ctx)      # held while its ops are read: they die with it
+        main = _main(parsed)
         ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
         return Signature(tuple(_tensor_type(t) for t in ftype.inputs),
                          tuple(_tensor_type(t) for t in ftype.results))
@@ -236,8 +237,7 @@ def specialize(module: bytes, arguments: Sequence[TensorType]) -> bytes:
                                                      validate_static_shapes=True,
                                                      enable_shardy=jax_config.use_shardy_partitioner.value)
     except Exception as exc:  # jaxlib's JaxRuntimeError, with MLIR's diagnostics in the message
-        raise ModuleError(f"its shapes do not resolve at {', '.join(map(str, arguments))}: {_first_line(exc)}"
-                          ) from None
+        raise ModuleError(f"its shapes do not all resolve: {_first_line(exc)}") from None
     return bytes(refined)
 
 
