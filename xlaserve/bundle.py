@@ -195,8 +195,9 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def find_modules(path: Path, manifest: Manifest) -> dict[int, Path]:
-    """The module file of each compiled batch size: every size needs exactly one, either its own
-    ``model.b{N}.mlir`` or the bundle's one dynamic-batch ``model.mlir`` (never both forms)."""
+    """The module file of each compiled batch size, smallest first: every size needs exactly one,
+    either its own ``model.b{N}.mlir`` or the bundle's one dynamic-batch ``model.mlir`` (never
+    both forms)."""
     found: dict[int, Path] = {}
     dynamic: list[Path] = []
     for f in sorted(path.iterdir()):
@@ -228,7 +229,7 @@ def find_modules(path: Path, manifest: Manifest) -> dict[int, Path]:
     if extra:
         raise BundleError(manifest.bundle, f"module(s) {', '.join(found[n].name for n in extra)} for batch size(s) "
                           f"{extra} not listed in batching.compiled_batch_sizes {list(manifest.compiled_batch_sizes)}")
-    return found
+    return dict(sorted(found.items()))          # smallest size first, as progress counts them
 
 
 _SAFETENSORS_DTYPES = {
