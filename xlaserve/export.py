@@ -1,8 +1,9 @@
 """Export a JAX function as an xlaserve bundle.
 
 A bundle is a directory ``<model_repo>/<name>/`` holding ``manifest.yaml``, one StableHLO module
-per compiled batch size (``model.b{N}.mlir`` text or ``model.b{N}.mlirbc`` bytecode) and, when the
-model has weights, ``weights.safetensors``. ``docs/bundles.md`` is the full contract.
+per compiled batch size (``model.b{N}.mlir`` text or ``model.b{N}.mlirbc`` bytecode) or one
+dynamic-batch module for them all (``model.mlir``, ``dynamic_batch=True``) and, when the model has
+weights, ``weights.safetensors``. ``docs/bundles.md`` is the full contract.
 
 The function to export works on row-major arrays, exactly as the server's executable will::
 
