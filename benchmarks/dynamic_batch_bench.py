@@ -32,9 +32,12 @@ SIZES = (1, 2, 4, 8, 16, 32)
 FORMS = ("per_size", "dynamic")
 
 
-def export_both(repo: Path) -> None:
-    """Both forms as text (``per_size``, ``dynamic``) and as bytecode (``per_size_bc``, ...)."""
-    from examples.flax_classifier import create_model
+def export_both(repo: Path, blocks: int) -> None:
+    """Both forms as text (``per_size``, ``dynamic``) and as bytecode (``per_size_bc``, ...) of
+    the example with ``blocks`` residual blocks (the example has 2)."""
+    from flax import nnx
+
+    from examples.flax_classifier import Classifier
     from xlaserve.export import TensorSpec
     from xlaserve.export_flax import export_flax
 
@@ -42,7 +45,8 @@ def export_both(repo: Path) -> None:
     for suffix in ("", "_bc"):
         for form in FORMS:
             started = time.perf_counter()
-            export_flax(repo / f"{form}{suffix}", create_model(), inputs=[image], compiled_batch_sizes=SIZES,
+            model = Classifier(nnx.Rngs(0), blocks=blocks)
+            export_flax(repo / f"{form}{suffix}", model, inputs=[image], compiled_batch_sizes=SIZES,
                         output_names=["logits", "label"], dynamic_batch=form == "dynamic", verify=False,
                         bytecode=bool(suffix))
             print(f"exported {form}{suffix}: {time.perf_counter() - started:.2f}s")
@@ -80,10 +84,11 @@ def load_in_server(bundle: Path, work: Path) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each measurement (default 5)")
+    parser.add_argument("--blocks", type=int, default=2, help="residual blocks of the model (default 2, the example's)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="xlaserve-dynamic-bench-") as tmp:
         root = Path(tmp)
-        export_both(root / "models")
+        export_both(root / "models", args.blocks)
         for suffix, what in (("", "text"), ("_bc", "bytecode")):
             found = {form: sizes(root / "models" / f"{form}{suffix}") for form in FORMS}
             for form in FORMS:
