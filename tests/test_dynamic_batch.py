@@ -289,3 +289,23 @@ def test_progress_bar_on_a_terminal_lines_elsewhere(caplog):
                                    "trace [########################] 2/2\r\x1b[K")
     assert pipe.getvalue() == ""                     # not a terminal: the log lines only
     assert caplog.messages == ["note: a note", "m: traced 1", "m: traced 2"] * 2
+
+
+def test_a_specialization_whose_batch_comes_out_wrong_is_refused_naming_it(tmp_path, device):
+    """Valid with '?' batch axes, but the output's batch is twice the input's once refined."""
+    bundle = tmp_path / "doubled"
+    bundle.mkdir()
+    (bundle / "manifest.yaml").write_text(yaml.safe_dump({
+        "format_version": "2.0",
+        "executable_inputs": [{"name": "x", "dtype": "f32", "shape": "xn", "dims": {"x": 4}}],
+        "executable_outputs": [{"name": "y", "dtype": "f32", "shape": "xn", "dims": {"x": 4}}],
+        "batching": {"compiled_batch_sizes": [2]}}))
+    (bundle / "model.mlir").write_text("""
+func.func public @main(%arg0: tensor<?x4xf32>) -> tensor<?x4xf32> {
+  %0 = stablehlo.concatenate %arg0, %arg0, dim = 0 : (tensor<?x4xf32>, tensor<?x4xf32>) -> tensor<?x4xf32>
+  return %0 : tensor<?x4xf32>
+}
+""")
+    assert load_error(bundle, device) == (
+        "bundle 'doubled': model.mlir@b2: output 'y' (result 0 of @main): expected tensor<2x4xf32> (FP32[2,4]),"
+        " found tensor<4x4xf32> (FP32[4,4])")
