@@ -29,11 +29,16 @@ from xlaserve._hooks import Registration, collecting_registrations
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
-from xlaserve.runtime.pjrt import CompiledMemory, Device, ModuleError, Signature, TensorType, read_signature
+from xlaserve.progress import Step
+from xlaserve.runtime.pjrt import (CompiledMemory, Device, ModuleError, Signature, TensorType, read_signature,
+                                   specialize)
 
 MANIFEST = "manifest.yaml"
 HOOKS_FILE = "model.py"
 _MODULE_RE = re.compile(r"^model\.b(\d+)\.(mlir|mlirbc)$")
+#: The one module of a dynamic-batch bundle: its batch axes are dynamic (``?``) and the loader
+#: specializes it to every compiled batch size.
+DYNAMIC_MODULES = ("model.mlir", "model.mlirbc")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +128,20 @@ class HostWeights:
 
 @dataclass(frozen=True, slots=True)
 class CompiledModule:
+    """One compiled batch size. ``path`` is its module file: ``model.b{N}.mlir``, or for a
+    dynamic-batch bundle the one ``model.mlir`` every size was specialized from (``dynamic``)."""
+
     batch_size: int
     path: Path
     executable: object = field(repr=False)
     memory: CompiledMemory
     cache_hit: bool = False
+    dynamic: bool = False
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``model.b4.mlir``, or ``model.mlir@b4`` when specialized."""
+        return f"{self.path.name}@b{self.batch_size}" if self.dynamic else self.path.name
 
 
 @dataclass(frozen=True, slots=True, weakref_slot=True)   # the weight cache watches a replaced one die
@@ -181,9 +195,15 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def find_modules(path: Path, manifest: Manifest) -> dict[int, Path]:
-    """The module file of each compiled batch size; every size needs exactly one."""
+    """The module file of each compiled batch size, smallest first: every size needs exactly one,
+    either its own ``model.b{N}.mlir`` or the bundle's one dynamic-batch ``model.mlir`` (never
+    both forms)."""
     found: dict[int, Path] = {}
+    dynamic: list[Path] = []
     for f in sorted(path.iterdir()):
+        if f.name in DYNAMIC_MODULES:
+            dynamic.append(f)
+            continue
         m = _MODULE_RE.match(f.name)
         if not m:
             continue
@@ -191,16 +211,25 @@ def find_modules(path: Path, manifest: Manifest) -> dict[int, Path]:
         if size in found:
             raise BundleError(manifest.bundle, f"batch size {size} has two modules: {found[size].name} and {f.name}")
         found[size] = f
+    if len(dynamic) > 1:
+        raise BundleError(manifest.bundle, f"two dynamic-batch modules, {dynamic[0].name} and {dynamic[1].name}; "
+                          "keep one")
+    if dynamic and found:
+        raise BundleError(manifest.bundle, f"{dynamic[0].name} (one module for every batch size) and "
+                          f"{', '.join(f.name for f in found.values())} (one per size) are both present; keep one form")
+    if dynamic:
+        return {size: dynamic[0] for size in manifest.compiled_batch_sizes}
     sizes = set(manifest.compiled_batch_sizes)
     missing = sorted(sizes - set(found))
     if missing:
         raise BundleError(manifest.bundle, "no module for compiled batch size(s) "
-                          f"{missing}: expected {', '.join(f'model.b{n}.mlir' for n in missing)} (or .mlirbc)")
+                          f"{missing}: expected {', '.join(f'model.b{n}.mlir' for n in missing)} (or .mlirbc), "
+                          "or one dynamic-batch model.mlir for every size")
     extra = sorted(set(found) - sizes)
     if extra:
         raise BundleError(manifest.bundle, f"module(s) {', '.join(found[n].name for n in extra)} for batch size(s) "
                           f"{extra} not listed in batching.compiled_batch_sizes {list(manifest.compiled_batch_sizes)}")
-    return found
+    return dict(sorted(found.items()))          # smallest size first, as progress counts them
 
 
 _SAFETENSORS_DTYPES = {
@@ -271,8 +300,15 @@ def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
     return HostWeights(file.resolve(), tuple(table[n] for n in order), declared)
 
 
-def _type_of_decl(decl: TensorDecl, batch: int) -> TensorType:
+def _type_of_decl(decl: TensorDecl, batch: int | None) -> TensorType:
+    """The tensor's type at ``batch``; ``None`` leaves the batch axis dynamic (``?``)."""
     return TensorType(decl.row_major_shape(batch), decl.dtype.mlir or "?")
+
+
+def _argument_types(manifest: Manifest, weights: HostWeights | None, batch: int | None) -> list[TensorType]:
+    """What ``@main`` takes at ``batch``: the weights, then the executable inputs."""
+    types = [TensorType(t.shape, from_numpy(t.dtype).mlir or "?") for t in weights.tensors] if weights else []
+    return types + [_type_of_decl(d, batch) for d in manifest.executable_inputs]
 
 
 def _describe(t: TensorType) -> str:
@@ -290,11 +326,13 @@ def _listing(items: list[str], limit: int = 8) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def validate_signature(manifest: Manifest, module: Path, batch: int, sig: Signature,
-                       weights: HostWeights | None) -> None:
-    """Check one module's ``@main`` against the manifest and weights; raise on the first mismatch."""
+def validate_signature(manifest: Manifest, module: Path, batch: int | None, sig: Signature,
+                       weights: HostWeights | None, shown_as: str | None = None) -> None:
+    """Check one module's ``@main`` against the manifest and weights; raise on the first mismatch.
+    ``batch`` None checks a dynamic-batch module: every batch axis ``?``, all else as at any size.
+    Errors name the module as ``shown_as`` (default: its file name)."""
     def fail(msg: str) -> BundleError:
-        return BundleError(manifest.bundle, f"{module.name}: {msg}")
+        return BundleError(manifest.bundle, f"{shown_as or module.name}: {msg}")
 
     expected_in: list[tuple[str, TensorType]] = []
     if weights is not None:
@@ -379,9 +417,12 @@ Compile = Callable[[Path, bytes], tuple[object, bool]]
 def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
                 progress: Callable[[str], None] | None = None, fingerprint: str | None = None) -> ModelVersion:
     """Read, validate and compile one bundle. ``compile_module(path, module_bytes)`` returns
-    ``(executable, cache_hit)``; by default it compiles with ``device`` directly. ``progress``
-    hears one line per module XLA compiled (the slow part; executable-cache hits are left to the
-    caller's summary). ``fingerprint``:
+    ``(executable, cache_hit)``; by default it compiles with ``device`` directly. A dynamic-batch
+    bundle's ``model.mlir`` is specialized to each compiled batch size first
+    (:func:`xlaserve.runtime.pjrt.specialize`), and ``compile_module`` gets the specialized
+    module, so an executable cache keys on it. ``progress`` hears one
+    :class:`~xlaserve.progress.Step` per module XLA compiled (the slow part; executable-cache
+    hits are left to the caller's summary). ``fingerprint``:
     the bundle's :func:`bundle_fingerprint` when the caller has just taken it (else taken here)."""
     fingerprint = fingerprint or bundle_fingerprint(path)
     manifest = read_manifest(path)
@@ -392,30 +433,49 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
     module_files = find_modules(path, manifest)
     weights = read_weights(path, manifest)
     texts: dict[int, bytes] = {}
-    for size, file in module_files.items():
+    dynamic = any(f.name in DYNAMIC_MODULES for f in module_files.values())
+    source = b""
+    if dynamic:
+        # One module for every size: its @main must match the manifest with every batch axis
+        # dynamic, then each specialization is validated like a module of that size.
+        file = next(iter(module_files.values()))
         try:
-            texts[size] = file.read_bytes()
-            sig = read_signature(texts[size])
+            source = file.read_bytes()
+            sig = read_signature(source)
         except OSError as exc:
             raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
         except ModuleError as exc:
             raise BundleError(manifest.bundle, f"{file.name}: {exc}") from None
-        validate_signature(manifest, file, size, sig, weights)
+        validate_signature(manifest, file, None, sig, weights, f"{file.name} (the dynamic-batch module)")
+    for size, file in module_files.items():
+        try:
+            texts[size] = (specialize(source, _argument_types(manifest, weights, size)) if dynamic
+                           else file.read_bytes())
+            sig = read_signature(texts[size])
+        except OSError as exc:
+            raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
+        except ModuleError as exc:
+            where = f"{file.name} cannot be specialized to batch size {size}" if dynamic else file.name
+            raise BundleError(manifest.bundle, f"{where}: {exc}") from None
+        validate_signature(manifest, file, size, sig, weights, f"{file.name}@b{size}" if dynamic else None)
     if compile_module is None:
         def compile_module(_file: Path, data: bytes) -> tuple[object, bool]:
             return device.compile(data), False
     modules: dict[int, CompiledModule] = {}
-    for size, file in module_files.items():
+    for index, (size, file) in enumerate(module_files.items(), 1):
+        label = f"{file.name}@b{size}" if dynamic else file.name
         started = time.perf_counter()
         try:
             executable, hit = compile_module(file, texts[size])
         except BundleError:
             raise
         except Exception as exc:
-            raise BundleError(manifest.bundle, f"{file.name}: XLA could not compile it: {_oneline(exc)}") from None
-        modules[size] = CompiledModule(size, file, executable, device.compiled_memory(executable), hit)
+            raise BundleError(manifest.bundle, f"{label}: XLA could not compile it: {_oneline(exc)}") from None
+        modules[size] = CompiledModule(size, file, executable, device.compiled_memory(executable), hit, dynamic)
         if progress and not hit:
-            progress(f"{manifest.bundle}: {file.name} compiled in {time.perf_counter() - started:.2f}s")
+            progress(Step("compile", index, len(module_files),
+                          f"{manifest.bundle}: {label} compiled in {time.perf_counter() - started:.2f}s"
+                          f" ({index}/{len(module_files)})"))
     return ModelVersion(manifest.bundle, version, path, manifest, fingerprint, weights,
                         weights.nbytes if weights else 0, MappingProxyType(modules), hooks, time.time())
 

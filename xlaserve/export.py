@@ -1,8 +1,9 @@
 """Export a JAX function as an xlaserve bundle.
 
 A bundle is a directory ``<model_repo>/<name>/`` holding ``manifest.yaml``, one StableHLO module
-per compiled batch size (``model.b{N}.mlir`` text or ``model.b{N}.mlirbc`` bytecode) and, when the
-model has weights, ``weights.safetensors``. ``docs/bundles.md`` is the full contract.
+per compiled batch size (``model.b{N}.mlir`` text or ``model.b{N}.mlirbc`` bytecode) or one
+dynamic-batch module for them all (``model.mlir``, ``dynamic_batch=True``) and, when the model has
+weights, ``weights.safetensors``. ``docs/bundles.md`` is the full contract.
 
 The function to export works on row-major arrays, exactly as the server's executable will::
 
@@ -36,6 +37,7 @@ from safetensors.numpy import save_file
 from xlaserve.bundle import MANIFEST
 from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES
 from xlaserve.manifest import BATCH_AXIS, DEFAULT_WEIGHTS_FILE, FORMAT_VERSION
+from xlaserve.progress import Step
 
 __all__ = [
     "DTYPES",
@@ -172,9 +174,10 @@ def row_major_shape(shape: str, dims: Mapping[str, int], batch: int) -> tuple[in
         raise ValueError(f"shape {shape!r}: no size in dims for axis {e.args[0]!r}") from None
 
 
-def module_file_name(batch: int, *, bytecode: bool = False) -> str:
-    """``model.b{N}.mlir`` (StableHLO text) or ``model.b{N}.mlirbc`` (bytecode)."""
-    return f"model.b{batch}.{'mlirbc' if bytecode else 'mlir'}"
+def module_file_name(batch: int | None, *, bytecode: bool = False) -> str:
+    """``model.b{N}.mlir`` (StableHLO text) or ``model.b{N}.mlirbc`` (bytecode); ``batch`` None
+    names the one module of a dynamic-batch bundle, ``model.mlir`` (``model.mlirbc``)."""
+    return f"model{'' if batch is None else f'.b{batch}'}.{'mlirbc' if bytecode else 'mlir'}"
 
 
 def export_bundle(
@@ -191,6 +194,7 @@ def export_bundle(
     client_outputs: Sequence[TensorSpec] | None = None,
     extra_files: Mapping[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
+    dynamic_batch: bool = False,
 ) -> Path:
     """Trace ``fn`` once per compiled batch size and write a complete bundle to ``out_dir``.
 
@@ -204,8 +208,15 @@ def export_bundle(
     (``Exported.mlir_module_serialized``, VHLO bytecode with StableHLO's compatibility window),
     which PJRT compiles directly. If in doubt, use text: it is diffable and reviewable.
 
+    ``dynamic_batch=True`` traces ``fn`` once instead, with a symbolic batch size ``b``
+    (``jax.export.symbolic_shape``, ``b >= 1``), and writes that one module as ``model.mlir``
+    (``model.mlirbc``); the loader specializes it to each of ``compiled_batch_sizes``
+    (docs/export.md, "One module for every batch size"). ``fn`` must then work at any batch
+    size: an operation that needs the batch as a number (a Python ``range`` over it, a reshape
+    that folds it into another axis) is a :class:`TracingError` here.
+
     ``extra_files`` maps file names to text written beside the modules (a bundle's ``model.py``).
-    ``progress`` hears one line per compiled batch size traced.
+    ``progress`` hears one :class:`~xlaserve.progress.Step` per module traced.
 
     An exception raised by ``fn`` while it is traced becomes a :class:`TracingError` naming the
     batch size and the abstract signature ``fn`` was called with.
@@ -234,12 +245,15 @@ def export_bundle(
     check_64_bit_types(inputs, weights)
     files: dict[str, bytes] = {}
 
-    for index, batch in enumerate(sizes, 1):
+    traced: list[int | None] = [None] if dynamic_batch else list(sizes)
+    for index, batch in enumerate(traced, 1):
         started = time.perf_counter()
         exported = _export_one(name, fn, weights, order, inputs, outputs, batch)
         if progress is not None:
-            progress(f"{name}: traced compiled batch size {batch} ({index}/{len(sizes)})"
-                     f" in {time.perf_counter() - started:.2f}s")
+            what = (f"traced with a symbolic batch size for compiled batch sizes {sizes}" if batch is None
+                    else f"traced compiled batch size {batch} ({index}/{len(traced)})")
+            progress(Step("trace", index, len(traced),
+                          f"{name}: {what} in {time.perf_counter() - started:.2f}s"))
         if bytecode:
             files[module_file_name(batch, bytecode=True)] = exported.mlir_module_serialized
         else:
@@ -377,8 +391,8 @@ class _Named:
 class TracingError(ExportError):
     """The exported function raised while JAX traced it at one compiled batch size.
 
-    The message names the bundle, the batch size, the error and the abstract signature the
-    function was called with (``call``); ``__cause__`` is the function's own exception, with its
+    The message names the bundle, the batch size (the symbolic ``b`` of a dynamic-batch export),
+    the error and the abstract signature the function was called with (``call``); ``__cause__`` is the function's own exception, with its
     traceback into the user's code.
     """
 
@@ -387,7 +401,8 @@ class TracingError(ExportError):
         reason = " ".join(str(cause).split())[:600] or "(no message)"
         super().__init__(
             f"bundle {bundle!r}: the function raised {type(cause).__name__} while being traced at"
-            f" compiled batch size {batch}: {reason}\n  it was called as {call}"
+            f" {'compiled batch size' if isinstance(batch, int) else 'the symbolic batch size'} {batch}:"
+            f" {reason}\n  it was called as {call}"
         )
 
 
@@ -400,6 +415,10 @@ def _abstract(shape: Sequence[int], dtype: Any) -> str:
     return f"{code}[{','.join(str(d) for d in shape)}]"
 
 
+#: The symbolic batch size of a dynamic-batch module, as messages show it.
+SYMBOLIC_BATCH = "b"
+
+
 def _export_one(
     name: str,
     fn: Callable[..., Any],
@@ -407,8 +426,11 @@ def _export_one(
     order: list[str],
     inputs: list[TensorSpec],
     outputs: list[TensorSpec],
-    batch: int,
+    batch: int | None,
 ) -> jax.export.Exported:
+    """One module at ``batch``, or with a symbolic batch size (``batch`` None)."""
+    if batch is None:
+        (batch,) = jax.export.symbolic_shape(SYMBOLIC_BATCH)
     def main(weights: _Named, inputs: _Named):
         result = fn(*weights.values, *inputs.values)
         results = tuple(result) if isinstance(result, (tuple, list)) else (result,)

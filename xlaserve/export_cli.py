@@ -1,10 +1,13 @@
-"""``xlaserve export``: a JAX function and its parameters, from a Python module, as a verified bundle.
+"""``xlaserve export``: a JAX function and its parameters, or a Flax model, from a Python module,
+as a verified bundle.
 
     xlaserve export mypkg.model:forward --params init_params \\
         --input image:uint8:224,224,3:cwhn --batch-sizes 1,4,16 --out models/classifier
 
 The function is ``forward(params, *inputs)``; ``--params`` names a function returning the
-parameter pytree (or the pytree itself). The work is :func:`xlaserve.export_jax.export_jax`;
+parameter pytree (or the pytree itself). A Flax model object in its place (or, with ``--flax``,
+a function returning one) is exported through :mod:`xlaserve.export_flax`, ``--params`` then
+naming a Linen model's variables. The work is :func:`xlaserve.export_jax.export_jax`;
 this module parses the command line into its arguments and reports what it did.
 """
 from __future__ import annotations
@@ -151,6 +154,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify", action="store_true", help="write the bundle without running it")
     p.add_argument("--bytecode", action="store_true", help="write .mlirbc portable artifacts instead of text")
     p.add_argument("--hooks", action="store_true", help="also write a pass-through model.py to start hooks from")
+    p.add_argument("--flax", action="store_true",
+                   help="MODULE:FUNCTION is a function returning a Flax model (NNX, or Linen with --params naming "
+                        "its variables), called with no arguments; a Flax model object is recognised without it")
+    p.add_argument("--dynamic-batch", action="store_true",
+                   help="write one module with a symbolic batch size, model.mlir, which the server specializes to "
+                        "every size of --batch-sizes, instead of one module per size")
     p.set_defaults(func=main)
 
 
@@ -161,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
     from xlaserve.export import ExportError, TracingError
     from xlaserve.export_jax import export_jax
     from xlaserve.export_verify import VerificationError
+    from xlaserve.progress import ProgressReport
 
     try:
         module, fn = resolve(args.function, "MODULE:FUNCTION")
@@ -170,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
         if args.params:
             _, params = resolve(args.params, "--params", module)
             params = params() if callable(params) else params
+        fn, params = _flax_source(args, fn, params)
         parsed = [parse_input(text) for text in args.input]
         outputs = [parse_output(text) for text in args.output or []]
         sizes = parse_batch_sizes(args.batch_sizes)
@@ -179,17 +190,21 @@ def main(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"xlaserve export: {exc}", file=sys.stderr)
         return 2
+    progress = ProgressReport(log)          # a bar under the lines on a terminal
     for _, note in parsed:
         if note:
-            log.info("note: %s", note)
+            progress(f"note: {note}")
     try:
-        result = export_jax(
-            args.out, fn, params, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
-            output_names=[name for name, _ in outputs] or None,
-            output_axes={name: axes for name, axes in outputs if axes},
-            bytecode=args.bytecode, hooks=args.hooks, verify=not args.no_verify,
-            atol=args.atol, rtol=args.rtol, seed=args.seed,
-            progress=lambda line: log.info("%s", line))
+        try:
+            result = export_jax(
+                args.out, fn, params, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
+                output_names=[name for name, _ in outputs] or None,
+                output_axes={name: axes for name, axes in outputs if axes},
+                bytecode=args.bytecode, hooks=args.hooks, verify=not args.no_verify,
+                atol=args.atol, rtol=args.rtol, seed=args.seed, dynamic_batch=args.dynamic_batch,
+                progress=progress)
+        finally:
+            progress.close()
     except (VerificationError, BundleError) as exc:
         # Written, then failed when run or loaded as the server would (BundleError: a module that
         # disagrees with its manifest or weights).
@@ -210,5 +225,30 @@ def main(args: argparse.Namespace) -> int:
                     f" within tolerance of {args.function}")
     else:
         verified = "not verified (--no-verify)"
-    print(f"wrote {result.bundle}: {len(sizes)} modules, {len(result.weights_order)} weights, {verified}")
+    modules = (f"1 dynamic-batch module for sizes {','.join(map(str, sorted(sizes)))}" if args.dynamic_batch
+               else f"{len(sizes)} modules")
+    print(f"wrote {result.bundle}: {modules}, {len(result.weights_order)} weights, {verified}")
     return 0
+
+
+def _flax_source(args: argparse.Namespace, target: Any, params: Any) -> tuple[Any, Any]:
+    """``(fn, params)`` for export_jax: a Flax model (the object MODULE:FUNCTION names, or with
+    ``--flax`` what it returns) as :func:`xlaserve.export_flax.flax_function` runs it, with
+    ``--params`` as a Linen model's variables; anything else as it is."""
+    from xlaserve.export_flax import flax_function, flax_kind
+
+    if args.flax:
+        try:
+            target = target()
+        except Exception as exc:
+            raise UsageError(f"--flax: {args.function}() raised {type(exc).__name__}: {exc}") from None
+        if flax_kind(target) is None:
+            raise UsageError(f"--flax: {args.function}() returned {type(target).__name__}, not a Flax model"
+                             " (an instance of flax.nnx.Module or flax.linen.Module)")
+    if flax_kind(target) is None:
+        return target, params
+    from xlaserve.export import ExportError
+    try:
+        return flax_function(target, params)
+    except ExportError as exc:
+        raise UsageError(f"{args.function}: {exc}") from None

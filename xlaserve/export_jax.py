@@ -271,6 +271,7 @@ def export_jax(
     rtol: float | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    dynamic_batch: bool = False,
 ) -> JaxExport:
     """Export ``fn(params, *inputs)`` as a bundle at ``out_dir`` and verify it against ``fn``.
 
@@ -288,7 +289,11 @@ def export_jax(
     :mod:`xlaserve.export_verify`) it raises
     :class:`xlaserve.export_verify.VerificationError` and the bundle stays written for
     inspection. ``progress`` hears the notes, then one line per module traced, compiled and
-    verified.
+    verified (each a :class:`~xlaserve.progress.Step` but the notes).
+
+    ``dynamic_batch=True`` writes one module with a symbolic batch size, ``model.mlir``, instead
+    of one per size (see :func:`xlaserve.export.export_bundle`); the verification then runs it
+    specialized to each compiled batch size, as the server will.
     """
     out_dir = Path(out_dir)
     inputs = list(inputs)
@@ -313,7 +318,8 @@ def export_jax(
     try:
         export_bundle(out_dir, flat_fn, inputs=inputs, outputs=outputs, weights=weights or None,
                       compiled_batch_sizes=compiled_batch_sizes, weights_order=list(weights),
-                      bytecode=bytecode, extra_files=extra_files, progress=progress)
+                      bytecode=bytecode, extra_files=extra_files, progress=progress,
+                      dynamic_batch=dynamic_batch)
     except TracingError as exc:
         # Name the call as the user wrote it (a params pytree), not as the flattened module.
         raise TracingError(exc.bundle, exc.batch, exc.cause,

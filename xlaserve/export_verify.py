@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from xlaserve.export import DTYPES, ExportError
+from xlaserve.progress import Step
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -50,7 +51,7 @@ class VerificationError(ExportError):
 class OutputCheck:
     """One output of one module compared with the reference."""
 
-    module: str               # model.b4.mlir
+    module: str               # model.b4.mlir, or model.mlir@b4 (a dynamic-batch module specialized)
     batch: int
     output: str
     dtype: str                # manifest code
@@ -147,7 +148,7 @@ def verify_bundle(
     :class:`VerificationError` whose message lists each failing output of each module with its
     largest errors. A bundle that does not load (its modules disagree with its manifest or
     weights) raises the loader's :class:`xlaserve.errors.BundleError`. ``progress`` hears one
-    line per compiled module and one per output compared.
+    :class:`~xlaserve.progress.Step` per compiled module and one per output compared.
     """
     from xlaserve.bundle import load_bundle
     from xlaserve.runtime.pjrt import Device
@@ -158,6 +159,7 @@ def verify_bundle(
     weights = list(model.weights.read()) if model.weights is not None else []
     specs = model.manifest.executable_inputs
     checks = []
+    total = len(model.modules) * len(model.manifest.executable_outputs)
     for batch, module in sorted(model.modules.items()):
         arrays = sample_inputs(specs, batch, seed + batch)
         found = device.execute(module.executable, [*weights, *arrays])
@@ -167,15 +169,15 @@ def verify_bundle(
             raise ExportError(f"the reference returned {len(expected)} outputs, the bundle declares {len(declared)}")
         for decl, want, got in zip(declared, expected, found):
             if want.shape != got.shape:
-                raise ExportError(f"{module.path.name} {decl.name}: the module returns shape {list(got.shape)},"
+                raise ExportError(f"{module.label} {decl.name}: the module returns shape {list(got.shape)},"
                                   f" the reference {list(want.shape)}")
             atol_, rtol_ = tolerance(decl.dtype.code, atol, rtol)
             abs_err, rel_err, bad = compare(want, got, atol_, rtol_)
-            check = OutputCheck(module.path.name, batch, decl.name, decl.dtype.code, abs_err, rel_err,
+            check = OutputCheck(module.label, batch, decl.name, decl.dtype.code, abs_err, rel_err,
                                 atol_, rtol_, bad, int(want.size))
             checks.append(check)
             if progress is not None:
-                progress(f"{bundle.name}: verify {check.line()}")
+                progress(Step("verify", len(checks), total, f"{bundle.name}: verify {check.line()}"))
     verification = Verification(bundle, tuple(checks))
     if not verification.ok:
         failed = [check.line() for check in checks if not check.ok]

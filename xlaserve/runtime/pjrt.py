@@ -3,7 +3,9 @@
 Everything xlaserve needs from JAX's PJRT client lives here: finding out whether jax's CUDA
 plugin can be used (:func:`probe_cuda`), setting up the client before it exists
 (:func:`configure_client`), opening a backend (``jax.extend.backend``), reading a StableHLO
-module's ``@main`` signature (jaxlib's MLIR bindings), compiling (``compile_and_load``),
+module's ``@main`` signature (jaxlib's MLIR bindings), specializing a module exported with a
+symbolic batch to one static size (:func:`specialize`: StableHLO shape refinement, as jax does for
+its own shape-polymorphic modules), compiling (``compile_and_load``),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
 ``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
 (de)serializing executables. The jax version is pinned in pyproject.toml because these names
@@ -18,7 +20,7 @@ import importlib.util
 import re
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +35,7 @@ from jax._src import hardware_utils, xla_bridge
 from jax._src.interpreters import mlir as jax_mlir_internal
 from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
 
 JAX_VERSION = jax.__version__
 JAXLIB_VERSION = jaxlib.__version__
@@ -153,30 +156,89 @@ class ModuleError(ValueError):
 _context_lock = threading.Lock()
 
 
+def _parse(module: bytes, ctx) -> ir.Module:
+    """A StableHLO module given as text, MLIR bytecode or a portable (VHLO) artifact, parsed
+    into ``ctx`` as StableHLO."""
+    try:
+        parsed = ir.Module.parse(module, context=ctx)
+    except Exception as exc:  # MLIR raises a bare Exception subclass with diagnostics
+        raise ModuleError(f"not a parsable StableHLO module: {_first_line(exc)}") from None
+    if any(op.operation.name.startswith("vhlo.") for op in parsed.body.operations):
+        try:
+            parsed = jax_mlir.deserialize_portable_artifact(module)
+        except Exception as exc:
+            raise ModuleError(f"not a readable portable StableHLO artifact: {_first_line(exc)}") from None
+        if isinstance(parsed, (str, bytes)):
+            parsed = ir.Module.parse(parsed, context=ctx)
+    return parsed
+
+
+def _main(parsed: ir.Module):
+    for op in parsed.body.operations:
+        if op.operation.name == "func.func" and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+            return op
+    raise ModuleError("the module has no func.func @main")
+
+
 def read_signature(module: bytes) -> Signature:
     """The ``@main`` signature of a StableHLO module given as text, MLIR bytecode or a portable
     (VHLO) artifact."""
     with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
-        try:
-            parsed = ir.Module.parse(module, context=ctx)
-        except Exception as exc:  # MLIR raises a bare Exception subclass with diagnostics
-            raise ModuleError(f"not a parsable StableHLO module: {_first_line(exc)}") from None
-        if any(op.operation.name.startswith("vhlo.") for op in parsed.body.operations):
-            try:
-                parsed = jax_mlir.deserialize_portable_artifact(module)
-            except Exception as exc:
-                raise ModuleError(f"not a readable portable StableHLO artifact: {_first_line(exc)}") from None
-            if isinstance(parsed, (str, bytes)):
-                parsed = ir.Module.parse(parsed, context=ctx)
-        for op in parsed.body.operations:
-            if op.operation.name != "func.func":
-                continue
-            if ir.StringAttr(op.attributes["sym_name"]).value != "main":
-                continue
-            ftype = ir.FunctionType(ir.TypeAttr(op.attributes["function_type"]).value)
-            return Signature(tuple(_tensor_type(t) for t in ftype.inputs),
-                             tuple(_tensor_type(t) for t in ftype.results))
-    raise ModuleError("the module has no func.func @main")
+        parsed = _parse(module, ctx)      # held while its ops are read: they die with it
+        main = _main(parsed)
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        return Signature(tuple(_tensor_type(t) for t in ftype.inputs),
+                         tuple(_tensor_type(t) for t in ftype.results))
+
+
+def specialize(module: bytes, arguments: Sequence[TensorType]) -> bytes:
+    """``module`` (text, bytecode or portable artifact) with ``@main`` taking exactly the static
+    ``arguments`` types, its dynamic dimensions resolved throughout: StableHLO bytecode that
+    :meth:`Device.compile` takes like any module.
+
+    ``@main``'s arguments get the static types; each argument whose type changed is converted
+    back to its old (dynamic) type for the body (``stablehlo.convert``, as jax's own calls of
+    exported functions do), and StableHLO's shape refinement, the one jax runs on its own
+    shape-polymorphic modules, then propagates the static shapes through the program, checks its
+    shape assertions (a module exported with ``b <= 8`` refuses 16) and verifies that no dynamic
+    shape is left. Deterministic: the same module and arguments give the same bytes, so an
+    executable cache keyed on them finds its entry again.
+
+    Raises :class:`ModuleError` naming what did not fit: an argument count or type that is not a
+    specialization of ``@main``'s (a static dimension or element type changed), or a module
+    whose shapes do not all resolve (a shape computed from data, a failing shape assertion).
+    """
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        parsed = _parse(module, ctx)
+        main = _main(parsed)
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        if len(ftype.inputs) != len(arguments):
+            raise ModuleError(f"@main takes {len(ftype.inputs)} argument(s), {len(arguments)} given")
+        static = []
+        for index, (old, new) in enumerate(zip(ftype.inputs, arguments)):
+            found = _tensor_type(old)
+            fits = (len(found.shape) == len(new.shape) and found.element == new.element
+                    and all(d is None or d == n for d, n in zip(found.shape, new.shape)))
+            if not fits or any(n is None for n in new.shape):
+                raise ModuleError(f"argument {index} of @main is {found}, which {new} does not specialize")
+            static.append(ir.RankedTensorType.get(list(new.shape), ir.RankedTensorType(old).element_type))
+        block = main.regions[0].blocks[0]
+        with ir.InsertionPoint.at_block_begin(block):
+            for argument, old, new in zip(block.arguments, ftype.inputs, static):
+                if new == old:
+                    continue
+                argument.set_type(new)
+                converted = hlo.ConvertOp(old, argument)
+                argument.replace_all_uses_except(converted.result, converted.operation)
+        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(static, ftype.results))
+        bytecode = jax_mlir_internal.module_to_bytecode(parsed)
+    try:
+        refined = jax_mlir.refine_polymorphic_shapes(bytecode, enable_shape_assertions=True,
+                                                     validate_static_shapes=True,
+                                                     enable_shardy=jax_config.use_shardy_partitioner.value)
+    except Exception as exc:  # jaxlib's JaxRuntimeError, with MLIR's diagnostics in the message
+        raise ModuleError(f"its shapes do not all resolve: {_first_line(exc)}") from None
+    return bytes(refined)
 
 
 def _tensor_type(t) -> TensorType:
