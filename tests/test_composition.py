@@ -123,6 +123,7 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
     # own service, never the worker's), and its schema reads the same access tables.
     gateway = {m for m in outside if m.startswith("xlaserve.gateway.")}
     assert gateway == {"xlaserve.gateway.upstream", "xlaserve.gateway.run", "xlaserve.gateway.service"}
+    assert not any(dep.startswith("xlaserve.frontend") for dep in graph["xlaserve.gateway.control"])
     assert not any(dep in {"xlaserve.frontend.kserve", "xlaserve.frontend.control", "xlaserve.frontend.port"}
                    for m in gateway for dep in graph[m])
     assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.config.gateway",

@@ -93,7 +93,7 @@ def test_visible_filters_by_name_and_sorts_with_missing_figures_last():
     assert [r.name for r in visible(rows, "", "rows_per_second", False)] == ["gamma", "alpha", "beta", "Alps"]
     assert [r.name for r in visible(rows, "AL", "queue_depth", True)] == ["alpha", "Alps"]
     assert [r.name for r in visible(rows, "zzz", "name", False)] == []
-    with pytest.raises(ValueError, match="unknown sort column 'nope'; expected one of name, "):
+    with pytest.raises(ValueError, match="unknown sort column 'nope'; expected one of worker, name, "):
         visible(rows, "", "nope", False)
 
 
@@ -200,7 +200,9 @@ async def _dashboard(repo, tmp_path) -> None:
             assert small.height >= 1 + 4
             await pilot.resize_terminal(160, 48)
             await pilot.pause()
-            assert (table.size.width, table.size.height) == (small.width + 80, small.height + 24)
+            # the table takes the width; of the height, all but the 5 lines more that the detail
+            # pane and the event log get at 40 lines and more
+            assert (table.size.width, table.size.height) == (small.width + 80, small.height + 24 - 5)
             await pilot.resize_terminal(80, 24)
             await pilot.pause()
 
@@ -275,9 +277,13 @@ def test_once_prints_one_snapshot(example_server, capsys):
     models = {m["name"]: m for m in snapshot["models"]}
     assert set(models) == {"simple", "mlp", "img_mean", "cnn"}
     assert models["mlp"]["state"] == "READY" and models["mlp"]["weight_bytes"] > 0
+    # the figures beyond ModelStatistics': one latency count per bucket and one above them
+    assert len(models["mlp"]["latency_bucket_counts"]) == len(snapshot["latency_bucket_bounds"]) + 1
+    assert snapshot["discipline"] == "fair" and snapshot["uptime_seconds"] > 0
+    assert models["mlp"]["rejections"] == {} and models["mlp"]["in_flight"] == 0
     assert main(["top", "--once", example_server.url]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("worker0 at 127.0.0.1:") and lines[1].split()[:3] == ["model", "state", "ver"]
+    assert lines[0].startswith("worker0 at 127.0.0.1:") and lines[1].split()[:3] == ["model", "state", "queue"]
     assert sorted(line.split()[0] for line in lines[2:]) == ["cnn", "img_mean", "mlp", "simple"]
 
 

@@ -88,7 +88,7 @@ class ModelControlStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelControlStatusResponse(_message.Message):
-    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline", "latency_bucket_bounds", "uptime_seconds", "executable_cache", "in_flight")
+    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline", "latency_bucket_bounds", "uptime_seconds", "executable_cache", "in_flight", "workers")
     class ExecutableCacheEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class ModelControlStatusResponse(_message.Message):
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXECUTABLE_CACHE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelControl]
     worker: str
     backend: str
@@ -116,41 +117,48 @@ class ModelControlStatusResponse(_message.Message):
     uptime_seconds: float
     executable_cache: _containers.ScalarMap[str, int]
     in_flight: int
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ..., uptime_seconds: _Optional[float] = ..., executable_cache: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[ModelControlStatusResponse]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ..., uptime_seconds: _Optional[float] = ..., executable_cache: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[ModelControlStatusResponse, _Mapping]]] = ...) -> None: ...
 
 class SetModelResidencyRequest(_message.Message):
-    __slots__ = ("model", "residency")
+    __slots__ = ("model", "residency", "worker")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RESIDENCY_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     model: str
     residency: str
-    def __init__(self, model: _Optional[str] = ..., residency: _Optional[str] = ...) -> None: ...
+    worker: str
+    def __init__(self, model: _Optional[str] = ..., residency: _Optional[str] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class SetModelResidencyResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SetModelPolicyRequest(_message.Message):
-    __slots__ = ("model", "weight", "max_batch_size", "batch_delay_seconds", "batch_target_rows")
+    __slots__ = ("model", "weight", "max_batch_size", "batch_delay_seconds", "batch_target_rows", "worker")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     BATCH_DELAY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TARGET_ROWS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     model: str
     weight: float
     max_batch_size: int
     batch_delay_seconds: float
     batch_target_rows: int
-    def __init__(self, model: _Optional[str] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ...) -> None: ...
+    worker: str
+    def __init__(self, model: _Optional[str] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class SetModelPolicyResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class CompactMemoryRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("worker",)
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    def __init__(self, worker: _Optional[str] = ...) -> None: ...
 
 class CompactMemoryResponse(_message.Message):
     __slots__ = ("message", "freed_bytes")

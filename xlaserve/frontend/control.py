@@ -86,6 +86,13 @@ class WorkerControlService(WorkerControlBase):
         self._worker = worker
         self._admission = admission
 
+    def _addressed(self, request) -> None:
+        """A request naming a worker (``worker``, set for a gateway) is for this one only."""
+        name = self._worker.worker_name
+        if request.worker and request.worker != name:
+            raise InvalidArgument(f"this is worker '{name}', the request names worker '{request.worker}' "
+                                  "(leave worker empty, or send it through the gateway that fronts it)")
+
     def _known(self, name: str) -> None:
         table = self._worker.models.snapshot
         if name not in table:
@@ -125,6 +132,7 @@ class WorkerControlService(WorkerControlBase):
     @rpc
     async def SetModelResidency(self, stream) -> None:
         request = await stream.recv_message()
+        self._addressed(request)
         self._known(request.model)
         # an unknown floor: Floor.parse's ValueError, answered INVALID_ARGUMENT
         await self._in_trio_task(lambda: self._worker.weights.set_residency(request.model, request.residency))
@@ -134,6 +142,7 @@ class WorkerControlService(WorkerControlBase):
     @rpc
     async def SetModelPolicy(self, stream) -> None:
         request = await stream.recv_message()
+        self._addressed(request)
         self._known(request.model)
         weight = request.weight if request.HasField("weight") else None
         max_batch = request.max_batch_size if request.HasField("max_batch_size") else None
@@ -161,7 +170,7 @@ class WorkerControlService(WorkerControlBase):
 
     @rpc
     async def CompactMemory(self, stream) -> None:
-        await stream.recv_message()
+        self._addressed(await stream.recv_message())
         message, freed = await self._in_trio_task(self._worker.weights.compact)
         log.info("control: CompactMemory: %s (%d bytes freed)", message, freed)
         await stream.send_message(pb.CompactMemoryResponse(message=message, freed_bytes=freed))
