@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -333,3 +335,85 @@ def test_a_peer_that_is_not_a_worker(capsys):
                              and "retrying in 0.1 s" in app.status_line)
                 assert not app.connected and app.rows == ()
         asyncio.run(dashboard())
+
+
+# ---- the layout, from fixed data (no server): a changed layout fails
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def _fixed_worker(name: str, step: int) -> pb.ModelControlStatusResponse:
+    """A worker's snapshot number ``step`` (0 or 1), one second apart: mlp busy and thrashing,
+    cnn queued and rejecting, simple idle, img_mean failed to load."""
+    buckets = [0] * (len(BOUNDS) + 1)
+    buckets[2], buckets[3], buckets[6] = 400 * step, 90 * step, 10 * step
+    mlp = _model("mlp", queue_depth=3 + step, in_flight=35, requests=1000 + 6400 * step,
+                 executions=100 + 800 * step, successes=1000 + 500 * step, success_seconds=2.0 + 1.5 * step,
+                 queue_seconds=0.5 + 0.4 * step, executions_by_batch_size={8: 90 + 790 * step, 1: 10 + 10 * step},
+                 latency_bucket_counts=buckets, device_seconds=4.0 + 0.6 * step, weight=2.0,
+                 learned_cost_seconds={1: 0.0004, 8: 0.0012}, residency="system", resident_bytes=1 << 20,
+                 weight_bytes=1 << 20, weight_loads=10 + 3 * step, evictions=9 + 3 * step)
+    cnn = _model("cnn", queue_depth=12, in_flight=12, requests=50 + 10 * step, executions=50 + 10 * step,
+                 successes=50 + 10 * step, success_seconds=5.0, device_seconds=1.0 + 0.2 * step, weight=1.0,
+                 rejections={"queue_full": 4 + 6 * step}, residency="device", resident_bytes=5 << 20,
+                 weight_bytes=5 << 20, weight_loads=1, max_batch_size=4)
+    simple = _model("simple", residency="system", weight_bytes=128, weight=1.0)
+    failed = _model("img_mean", state="UNAVAILABLE", version=0, reason="weights.safetensors is missing",
+                    weight=1.0)
+    return pb.ModelControlStatusResponse(
+        models=[mlp, cnn, simple, failed], worker=name, backend="cpu", discipline="fair",
+        budget_bytes=64 << 20, resident_bytes=6 << 20, latency_bucket_bounds=BOUNDS, in_flight=47,
+        uptime_seconds=3725.0 + step, executable_cache={"hit": 7, "miss": 1, "rejected": 0})
+
+
+def _fixed_source(gateway: bool):
+    """A status stream of two snapshots a second apart (through a gateway: two workers'), then
+    nothing more, as a quiet stream."""
+    async def source(address, interval):
+        for step in (0, 1):
+            if gateway:
+                for name in ("worker0", "worker1"):
+                    yield pb.ModelControlStatusResponse(workers=[_fixed_worker(name, step)])
+            else:
+                yield _fixed_worker("worker0", step)
+        await asyncio.Event().wait()
+    return source
+
+
+def _screen_text(app: TopApp) -> str:
+    """What the terminal shows, as text: the layout without its colours (which follow the
+    terminal; see docs/top.md)."""
+    return "\n".join(strip.text.rstrip() for strip in app.screen._compositor.render_strips()) + "\n"
+
+
+async def _fixed_app(size: tuple[int, int], gateway: bool, svg: Path | None = None) -> str:
+    # the clock is read once per worker snapshot: a round of them is one second on
+    ticks = iter([0.0, 0.0, 1.0, 1.0] if gateway else [0.0, 1.0])
+    app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=_fixed_source(gateway),
+                 clock=lambda: next(ticks), stamp=lambda: "12:00:00")
+    async with app.run_test(size=size) as pilot:
+        await _until(app, lambda: len(app.rows) == (8 if gateway else 4)
+                     and all(r.rows_per_second is not None for r in app.rows))
+        await pilot.pause()
+        if svg is not None:
+            svg.write_text(app.export_screenshot(title="xlaserve top"))
+        return _screen_text(app)
+
+
+@pytest.mark.parametrize("size, gateway", [((80, 24), False), ((160, 48), False), ((160, 48), True)])
+def test_layout_matches_its_reference(size, gateway):
+    """The screen at 80x24 and 160x48 (and a gateway's two workers at 160x48) against the text
+    committed under tests/snapshots/. After a deliberate layout change, regenerate them with
+    ``XLASERVE_UPDATE_SNAPSHOTS=1 pytest tests/test_top.py -k layout`` and review the diff."""
+    name = f"top-{'gateway-' if gateway else ''}{size[0]}x{size[1]}.txt"
+    text = asyncio.run(_fixed_app(size, gateway))
+    reference = SNAPSHOTS / name
+    if os.environ.get("XLASERVE_UPDATE_SNAPSHOTS"):
+        reference.write_text(text)
+    assert text == reference.read_text(), f"the layout changed; compare with {reference}"
+    # what any layout must show: mlp's device share over the update against its weight's due
+    # (0.6 s of 0.8 s; weight 2 of the busy models' 3), loads/evictions marked as thrashing
+    assert "75%/67%" in text and "13/12!" in text
+    if gateway:
+        assert text.count("worker0") >= 5 and text.count("worker1") >= 5    # each row labelled

@@ -9,7 +9,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from grpclib.exceptions import GRPCError
@@ -189,9 +189,16 @@ class TopApp(App[None]):
     STALE_UPDATES = 3
 
     def __init__(self, address: Address, interval: float = 1.0,
-                 max_backoff: float = connection.MAX_BACKOFF_SECONDS) -> None:
+                 max_backoff: float = connection.MAX_BACKOFF_SECONDS, *,
+                 source: Callable[[Address, float], AsyncIterator[pb.ModelControlStatusResponse]] = connection.watch_status,
+                 clock: Callable[[], float] = time.monotonic,
+                 stamp: Callable[[], str] = lambda: time.strftime("%H:%M:%S")) -> None:
+        """``source(address, interval)`` is the status stream (the worker's ``WatchStatus``);
+        ``clock`` the seconds that rates are taken over and ``stamp`` the event log's time of day.
+        Tests give fixed ones, so that a screenshot is the same every time."""
         super().__init__()
         self.address, self.interval, self.max_backoff = address, interval, max_backoff
+        self._source, self._clock, self._stamp = source, clock, stamp
         self.connected = False
         self.gateway = False
         self.worker: WorkerView | None = None
@@ -257,9 +264,9 @@ class TopApp(App[None]):
         while True:
             self._seen = {}         # rates start again after a reconnect
             try:
-                async with contextlib.aclosing(connection.watch_status(self.address, self.interval)) as stream:
+                async with contextlib.aclosing(self._source(self.address, self.interval)) as stream:
                     async for message in stream:
-                        now = time.monotonic()
+                        now = self._clock()
                         if message.workers:
                             self.gateway = True
                         for status in (message.workers or [message]):
@@ -432,7 +439,7 @@ class TopApp(App[None]):
         self._render_table()
 
     def _log_event(self, text: str) -> None:
-        line = f"{time.strftime('%H:%M:%S')} {text}"
+        line = f"{self._stamp()} {text}"
         self.events.append(line)
         self._log.write_line(line)
 
