@@ -20,10 +20,11 @@ from tests.conftest import infer_input, serve
 from tui import connection
 from tui.app import ConfirmScreen, HelpScreen, TopApp, ValueScreen, _number
 from tui.connection import Address, next_backoff, parse_address
-from tui.status import changes, derive, human_bytes, snapshot_dict, visible
+from tui.status import COLUMNS, cells, changes, derive, human_bytes, percentile, snapshot_dict, visible
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve.cli import main
 
+COLUMN_KEYS = [key for key, _ in COLUMNS]
 # Every wait on the app or the worker is bounded: a broken dashboard fails, never hangs.
 WAIT = 20.0
 
@@ -67,6 +68,49 @@ def test_latency_failures_and_batch_mix_come_from_counter_deltas():
     assert (row.successes, row.failures) == (30, 5)
     first_worker, first = derive(after, None, None)
     assert first_worker.rows_per_second is None and all(r.rows_per_second is None for r in first)
+
+
+def test_percentiles_interpolate_within_the_bucket_the_rank_falls_in():
+    bounds = (0.001, 0.002, 0.005)
+    assert percentile(bounds, [0, 10, 0, 0], 0.5) == pytest.approx(0.0015)   # halfway into (1, 2] ms
+    assert percentile(bounds, [90, 0, 10, 0], 0.99) == pytest.approx(0.0047)  # 9 of 10 into (2, 5] ms
+    assert percentile(bounds, [0, 0, 0, 3], 0.5) == 0.005                    # above the largest: at least it
+    assert percentile(bounds, [0, 0, 0, 0], 0.5) is None                     # nothing answered
+    assert percentile(bounds, [1, 2], 0.5) is None                           # a shape that does not fit
+
+
+def test_p50_p99_share_and_thrashing_come_from_the_changes_over_the_interval():
+    bounds = (0.001, 0.002, 0.005)
+    before = pb.ModelControlStatusResponse(worker="w0", discipline="fair", latency_bucket_bounds=bounds, models=[
+        _model("a", latency_bucket_counts=[5, 0, 0, 0], device_seconds=1.0, weight=3.0, weight_loads=4, evictions=3,
+               rejections={"queue_full": 1}),
+        _model("b", device_seconds=1.0, weight=1.0, weight_loads=1),
+        _model("idle", device_seconds=0.5, weight=4.0)])
+    after = pb.ModelControlStatusResponse(worker="w0", discipline="fair", latency_bucket_bounds=bounds, models=[
+        _model("a", latency_bucket_counts=[5, 100, 0, 0], device_seconds=1.3, weight=3.0, weight_loads=6, evictions=5,
+               rejections={"queue_full": 3, "deadline_expired": 2}),
+        _model("b", device_seconds=1.1, weight=1.0, weight_loads=1, queue_depth=2),
+        _model("idle", device_seconds=0.5, weight=4.0)])
+    _, (a, b, idle) = derive(after, before, 2.0)
+    # only the 100 answered in the interval count: all in (1, 2] ms
+    assert (a.p50_seconds, a.p99_seconds) == (pytest.approx(0.0015), pytest.approx(0.00199))
+    # 0.3 s of the device's 0.4 s; weight 3 of the busy models' 4 (idle neither ran nor waited)
+    assert (a.device_share, a.weight_share) == (pytest.approx(0.75), pytest.approx(0.75))
+    assert (b.device_share, b.weight_share) == (pytest.approx(0.25), pytest.approx(0.25))
+    assert (idle.device_share, idle.weight_share) == (0.0, None)
+    assert a.thrashing and not b.thrashing and (a.loads_delta, a.evictions_delta) == (2, 2)
+    assert a.rejected_per_second == 2.0 and a.rejections == (("deadline_expired", 2), ("queue_full", 3))
+    assert cells(a)[COLUMN_KEYS.index("weight_loads")] == "6/5!"
+    assert cells(a)[COLUMN_KEYS.index("device_share")] == "75%/75%"
+    # under fifo or edf weights do not share the device: no figure to compare with
+    fifo = pb.ModelControlStatusResponse()
+    fifo.CopyFrom(after)
+    fifo.discipline = "fifo"
+    _, (a, _, _) = derive(fifo, before, 2.0)
+    assert (a.device_share, a.weight_share) == (pytest.approx(0.75), None)
+    # the event log: the loads and evictions, and the rejections by reason
+    texts = [e.text for e in changes(after, before)]
+    assert texts == ["a: weights loaded onto the device 2x, evicted 2x", "a: rejected 2 deadline_expired, 2 queue_full"]
 
 
 def test_a_counter_going_down_gives_no_rate():
@@ -176,6 +220,25 @@ def _infer(url: str, count: int) -> None:
     client.close()
 
 
+def _infer_at_once(url: str, count: int) -> None:
+    """``count`` requests to ``simple`` sent together; returns once all are answered."""
+    client = grpcclient.InferenceServerClient(url)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    answered = threading.Semaphore(0)
+    errors: list = []
+
+    def done(result, error) -> None:
+        if error is not None:
+            errors.append(error)
+        answered.release()
+    for _ in range(count):
+        client.async_infer("simple", [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", a, "INT32")], done)
+    for _ in range(count):
+        assert answered.acquire(timeout=WAIT)
+    client.close()
+    assert not errors, errors
+
+
 def test_dashboard_against_a_worker(examples_repo, tmp_path):
     asyncio.run(_dashboard(examples_repo, tmp_path))
 
@@ -215,9 +278,23 @@ async def _dashboard(repo, tmp_path) -> None:
                          and _row(app, "simple").batch_mix != ())
             await _until(app, lambda: _row(app, "simple").requests == 20)
             assert _row(app, "simple").successes == 20 and _row(app, "simple").failures == 0
-            # the worker's new counters: 20 answered, their executions by batch size add up
+            await _until(app, lambda: _row(app, "simple").p99_seconds is not None)
+            assert 0 < _row(app, "simple").p50_seconds <= _row(app, "simple").p99_seconds
+
+            # the queue moves: with a batch hold of 1.5 s, 5 requests sent at once (fewer than its
+            # largest batch, 8, which would end the hold) wait in the queue and are in flight,
+            # then are answered together and the queue empties
+            await connection.call(address, "SetModelPolicy", pb.SetModelPolicyRequest(
+                model="simple", batch_delay_seconds=1.5))
+            load = asyncio.create_task(asyncio.to_thread(_infer_at_once, server.url, 5))
+            await _until(app, lambda: _row(app, "simple").queue_depth > 0 and _row(app, "simple").in_flight > 0)
+            await load
+            await _until(app, lambda: _row(app, "simple").queue_depth == 0 and _row(app, "simple").in_flight == 0)
+            await connection.call(address, "SetModelPolicy", pb.SetModelPolicyRequest(
+                model="simple", batch_delay_seconds=0.0))
+            # the worker's new counters: 25 answered, their executions by batch size add up
             simple = await _server_model(address, "simple")
-            assert simple.successes == 20 and simple.success_seconds > simple.queue_seconds >= 0
+            assert simple.successes == 25 and simple.success_seconds > simple.queue_seconds >= 0
             assert sum(simple.executions_by_batch_size.values()) == simple.executions > 0
 
             # sort: reversed by name, simple comes first
@@ -262,14 +339,44 @@ async def _dashboard(repo, tmp_path) -> None:
 
             await pilot.press("question_mark")
             assert isinstance(app.screen, HelpScreen)
-            await pilot.press("x")
-            assert not isinstance(app.screen, HelpScreen)
+            help_text = str(app.screen.query_one("#help").render())
+            for binding in app.BINDINGS:       # every key is on the help screen
+                key = {"question_mark": "?", "slash": "/"}.get(binding.key, binding.key)
+                assert f"\n{key} " in help_text or f" {key} " in help_text, binding.key
+            await pilot.press("x")             # any key closes it, and does only that
+            assert app.screen is app.screen_stack[0]
         # the worker drained and stopped: the dashboard says so, and keeps the last figures
         await _until(app, lambda: app.status_line.startswith("disconnected from 127.0.0.1:"))
         assert not app.connected and len(app.rows) == 4
         # (the stream ends with OK as the worker drains, or the connection closes first)
         assert any(" disconnected: " in e for e in app.events), list(app.events)
-    assert server.process.returncode == 0, server.log()
+        assert server.process.returncode == 0, server.log()
+
+        # the worker restarts on the same port (in explicit mode, nothing loaded): the
+        # dashboard reconnects by itself and shows what changed while it was away
+        async with _serving(tmp_path / "srv2", repo, {"model_control_mode": "explicit"}, wait_ready=False,
+                            listen={"grpc": f"127.0.0.1:{port}", "http": "127.0.0.1:0"}):
+            await _until(app, lambda: app.connected and app.rows == ())
+            assert "mlp: gone" in "\n".join(app.events)
+            # load, by name, confirmed: the worker loads it and the table shows it
+            await pilot.press("l")
+            dialog = app.screen
+            assert isinstance(dialog, ValueScreen)
+            dialog.query_one("Input").value = "mlp"
+            await pilot.press("enter")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await _until(app, lambda: app.last_answer == "RepositoryModelLoad: mlp loaded")
+            await _until(app, lambda: _row(app, "mlp") is not None and _row(app, "mlp").state == "READY")
+            # unload the chosen model, confirmed
+            await pilot.press("x", "y")
+            await _until(app, lambda: app.last_answer == "RepositoryModelUnload: mlp unloaded")
+            await _until(app, lambda: _row(app, "mlp") is None or _row(app, "mlp").state != "READY")
+            # a load the worker refuses: its answer, shown
+            await pilot.press("l")
+            app.screen.query_one("Input").value = "no_such_model"
+            await pilot.press("enter", "y")
+            await _until(app, lambda: app.last_answer.startswith("RepositoryModelLoad refused: "))
 
 
 def test_once_prints_one_snapshot(example_server, capsys):

@@ -68,7 +68,10 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         yield Static(HELP, id="help")
 
-    def on_key(self) -> None:
+    def on_key(self, event) -> None:
+        # the key only closes the help: it must not go on to the dashboard's own bindings
+        event.stop()
+        event.prevent_default()
         self.dismiss(None)
 
     def on_click(self) -> None:
