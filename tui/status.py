@@ -395,12 +395,13 @@ def once_text(status: pb.ModelControlStatusResponse, address: str) -> str:
 
 
 def human_duration(seconds: float) -> str:
-    """An uptime: ``42s``, ``12m03s``, ``5h02m``, ``3d04h``."""
+    """An uptime to the minute (so that a line showing it changes once a minute, not at every
+    update): ``<1m``, ``12m``, ``5h02m``, ``3d04h``."""
     whole = int(seconds)
     if whole < 60:
-        return f"{whole}s"
+        return "<1m"
     if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
+        return f"{whole // 60}m"
     if whole < 86400:
         return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
