@@ -14,10 +14,11 @@ streams at 1 update a second and doing with each snapshot what the app does befo
 count the median req/s, the ratio to no dashboard with its spread over the rounds (each round's
 ratio to that round's own no-dashboard run), and the worker's CPU per request.
 
-Idle: runs ``xlaserve top`` itself in a 100x30 pseudo-terminal against an idle worker for
-``--duration`` seconds at 1 update a second and prints the dashboard process's CPU as a share of
-one core; and the worker's CPU over the same time with ten headless dashboards attached and with
-none.
+Idle: runs ``xlaserve top`` itself in a 100x30 pseudo-terminal against an idle worker of four
+models for ``--duration`` seconds at 1 update a second and prints the dashboard process's CPU as
+a share of one core and the bytes it drew; then the worker's CPU per snapshot (ten headless
+dashboards at 20 updates a second), and the worker's CPU with ten headless dashboards at 1 update
+a second and with none.
 """
 from __future__ import annotations
 
@@ -146,8 +147,9 @@ def idle(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
         repo.mkdir()
-        export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
-        with xlaserve(repo) as (url, pid):
+        for name in ("mlp", "mlp2", "mlp3", "mlp4"):      # four models, as the examples have
+            export_mlp_as(repo, name, (1, 2, 4, 8, 16, 32))
+        with xlaserve(repo, source=Path(args.server_source)) as (url, pid):
             # the dashboard itself, in a 100x30 pseudo-terminal, drawing at 1 update a second
             primary, secondary = pty.openpty()
             fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
@@ -184,6 +186,16 @@ def idle(args: argparse.Namespace) -> int:
                               "dashboard_core_share_pct": round(100 * (c1 - c0) / span, 2),
                               "bytes_drawn_per_s": round((b1 - b0) / span, 1),
                               "worker_cpu_s": round(w1 - w0, 3)}), flush=True)
+            # the worker's CPU per snapshot: ten headless dashboards at 20 updates a second
+            with dashboards(url, 10, interval=0.05):
+                w0, t0 = _cpu_seconds(pid), time.monotonic()
+                time.sleep(args.duration / 2)
+                w1, t1 = _cpu_seconds(pid), time.monotonic()
+            snapshots = 10 * (t1 - t0) / 0.05
+            print(json.dumps({"what": "worker CPU per snapshot (10 streams at 0.05 s, 4 models)",
+                              "seconds": round(t1 - t0, 1), "worker_cpu_s": round(w1 - w0, 3),
+                              "snapshots": int(snapshots),
+                              "worker_cpu_us_per_snapshot": round(1e6 * (w1 - w0) / snapshots, 1)}), flush=True)
             # the worker's CPU, idle otherwise, with ten headless dashboards and with none
             for count in (0, 10, 0, 10):
                 with dashboards(url, count):
@@ -203,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--dashboards", default="0,1,10", help="dashboard counts to compare (0 first)")
     p.add_argument("--idle", action="store_true", help="instead: the dashboard's own CPU while idle")
+    p.add_argument("--server-source", default=str(ROOT),
+                   help="--idle: the checkout whose worker runs (e.g. an older commit's, extracted with git "
+                        "archive, to compare the worker's cost per snapshot)")
     p.add_argument("--headless", metavar="ADDRESS", help=argparse.SUPPRESS)
     p.add_argument("--count", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)

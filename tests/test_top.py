@@ -396,7 +396,7 @@ def test_once_prints_one_snapshot(example_server, capsys):
     assert sorted(line.split()[0] for line in lines[2:]) == ["cnn", "img_mean", "mlp", "simple"]
 
 
-def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys):
+def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys, monkeypatch):
     port = free_port()      # nothing listens on it
     assert main(["top", "--once", "--json", f"127.0.0.1:{port}"]) == 1
     assert f"xlaserve top: cannot reach 127.0.0.1:{port}: " in capsys.readouterr().err
@@ -406,6 +406,10 @@ def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys):
     assert "--json prints one snapshot; use it with --once" in capsys.readouterr().err
     assert main(["top", "--interval", "0.01", "localhost:1"]) == 2
     assert "--interval must be >= 0.05 s" in capsys.readouterr().err
+    # a terminal that cannot draw a dashboard: refused with what to do instead
+    monkeypatch.setenv("TERM", "dumb")
+    assert main(["top", "localhost:1"]) == 2
+    assert "TERM=dumb cannot draw a full-screen dashboard; use --once" in capsys.readouterr().err
 
 
 @contextlib.contextmanager

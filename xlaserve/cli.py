@@ -132,6 +132,11 @@ def cmd_top(args: argparse.Namespace) -> int:
         print(f"xlaserve top: --interval must be >= {connection.MIN_INTERVAL_SECONDS} s "
               f"(the worker's fastest stream), got {args.interval:g}", file=sys.stderr)
         return 2
+    if not args.once and os.environ.get("TERM", "").lower() in ("dumb", "unknown"):
+        # Textual draws with escape sequences whatever TERM says: refused, rather than garbage
+        print(f"xlaserve top: TERM={os.environ['TERM']} cannot draw a full-screen dashboard; use --once "
+              "(or --once --json), or a terminal that can (NO_COLOR=1 for one without colours)", file=sys.stderr)
+        return 2
     if not args.once:
         from tui.app import run_top
         run_top(address, args.interval)
