@@ -307,6 +307,17 @@ def test_worker_control_reads_and_changes_the_worker_through_the_port():
             assert bad.value.status is Status.INVALID_ARGUMENT
             compacted = await _call(control.CompactMemory, cpb.CompactMemoryRequest())
             assert (compacted.message, compacted.freed_bytes) == ("2 buffers moved", 300)
+            # a request naming another worker (meant for a gateway) is refused, naming both
+            for method, request in ((control.SetModelResidency, cpb.SetModelResidencyRequest(
+                    model="cnn", residency="device", worker="w1")),
+                    (control.SetModelPolicy, cpb.SetModelPolicyRequest(model="cnn", weight=1.0, worker="w1")),
+                    (control.CompactMemory, cpb.CompactMemoryRequest(worker="w1"))):
+                with pytest.raises(GRPCError) as elsewhere:
+                    await _call(method, request)
+                assert elsewhere.value.status is Status.INVALID_ARGUMENT
+                assert "this is worker 'w0', the request names worker 'w1'" in elsewhere.value.message
+            assert port.weights.floor_of("cnn") is Floor.UNPINNED        # nothing changed
+            await _call(control.CompactMemory, cpb.CompactMemoryRequest(worker="w0"))   # its own name: fine
     trio.run(main)
 
 
