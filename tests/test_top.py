@@ -20,7 +20,8 @@ from tests.conftest import infer_input, serve
 from tui import connection
 from tui.app import ConfirmScreen, HelpScreen, TopApp, ValueScreen, _number
 from tui.connection import Address, next_backoff, parse_address
-from tui.status import COLUMNS, cells, changes, derive, human_bytes, percentile, snapshot_dict, visible
+from tui.status import (COLUMNS, cells, changes, derive, human_bytes, percentile, snapshot_dict, spark,
+                        visible)
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve.cli import main
 
@@ -111,6 +112,11 @@ def test_p50_p99_share_and_thrashing_come_from_the_changes_over_the_interval():
     # the event log: the loads and evictions, and the rejections by reason
     texts = [e.text for e in changes(after, before)]
     assert texts == ["a: weights loaded onto the device 2x, evicted 2x", "a: rejected 2 deadline_expired, 2 queue_full"]
+
+
+def test_spark_scales_to_the_largest_and_draws_nothing_for_an_idle_model():
+    assert spark([0.0, 4.0, 8.0, 1.0]) == " ▄█▁"
+    assert spark([0.0, 0.0]) == spark([]) == ""
 
 
 def test_a_counter_going_down_gives_no_rate():

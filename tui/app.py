@@ -27,12 +27,14 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Sparkl
 from tui import connection
 from tui.connection import Address
 from tui.status import (COLUMNS, WORKER_COLUMN, ModelRow, WorkerView, cells, changes, derive,
-                        human_bytes, human_duration, human_seconds, loads_text, share_text, visible)
+                        human_bytes, human_duration, human_seconds, loads_text, share_text, spark, visible)
 from xlaserve._proto import grpc_service_pb2 as kpb
 from xlaserve._proto import xlaserve_control_pb2 as pb
 
 # Samples the worker's sparkline keeps: two minutes at the default interval.
 SPARKLINE_SAMPLES = 120
+# Updates a model's own sparkline (in the detail pane) keeps: one line of a narrow pane.
+MODEL_SPARK_SAMPLES = 30
 # Lines the event log keeps; older ones scroll away.
 EVENT_LOG_LINES = 500
 
@@ -215,6 +217,8 @@ class TopApp(App[None]):
         self.status_line = f"connecting to {self.address}"
         self.sort_key, self.descending, self.name_filter = "name", False, ""
         self._throughput: deque[float] = deque(maxlen=SPARKLINE_SAMPLES)
+        # each model's rows per second, the last MODEL_SPARK_SAMPLES updates, by table key
+        self._model_rates: dict[str, deque[float]] = {}
         # Each worker's last snapshot, kept across a reconnect so that the event log then shows
         # what changed while disconnected rather than every model again.
         self._last: dict[str, pb.ModelControlStatusResponse] = {}
@@ -299,6 +303,13 @@ class TopApp(App[None]):
         for event in changes(status, previous if previous is not None else self._last.get(name)):
             self._log_event(prefix + event.text)
         self._last[name] = status
+        for row in rows:
+            if row.rows_per_second is not None:
+                key = self._key(row)
+                rates = self._model_rates.get(key)
+                if rates is None:
+                    rates = self._model_rates[key] = deque(maxlen=MODEL_SPARK_SAMPLES)
+                rates.append(row.rows_per_second)
         rows_changed = rows != self._rows_of.get(name)
         self._rows_of[name] = rows
         if rows_changed:
@@ -415,8 +426,10 @@ class TopApp(App[None]):
         rejected = ", ".join(f"{n} {reason}" for reason, n in row.rejections) or "none"
         thrash = "  [b red]thrashing[/b red]: loaded and evicted within the last update" if row.thrashing else ""
         on = f" on {escape(row.worker)}" if self.gateway else ""
+        history = spark(self._model_rates.get(self._key(row), ()))
         detail.update(
-            f"[b]{escape(row.name)}[/b]{on} {escape(row.state)} v{row.version}\n"
+            f"[b]{escape(row.name)}[/b]{on} {escape(row.state)} v{row.version}"
+            + (f"  rows/s {history}" if history else "") + "\n"
             + (f"reason: {escape(row.reason)}\n" if row.reason else "")
             + f"residency {escape(row.residency)}: {human_bytes(row.resident_bytes)} of "
               f"{human_bytes(row.weight_bytes)} on the device; loads/evictions {loads_text(row)}{thrash}\n"

@@ -405,3 +405,16 @@ def human_duration(seconds: float) -> str:
     if whole < 86400:
         return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
     return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+SPARK_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def spark(values: Sequence[float]) -> str:
+    """``values`` as one line of block characters, scaled to their largest (a blank for 0, a
+    full block for the largest); empty when all are 0, so that an idle model draws nothing."""
+    top = max(values, default=0.0)
+    if top <= 0:
+        return ""
+    last = len(SPARK_BLOCKS) - 1
+    return "".join(SPARK_BLOCKS[0 if v <= 0 else max(1, round(last * v / top))] for v in values)
