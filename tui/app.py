@@ -195,7 +195,8 @@ class TopApp(App[None]):
 
     def __init__(self, address: Address, interval: float = 1.0,
                  max_backoff: float = connection.MAX_BACKOFF_SECONDS, *,
-                 source: Callable[[Address, float], AsyncIterator[pb.ModelControlStatusResponse]] = connection.watch_status,
+                 source: Callable[[Address, float], AsyncIterator[pb.ModelControlStatusResponse]]
+                 = connection.watch_status,
                  clock: Callable[[], float] = time.monotonic,
                  stamp: Callable[[], str] = lambda: time.strftime("%H:%M:%S")) -> None:
         """``source(address, interval)`` is the status stream (the worker's ``WatchStatus``);

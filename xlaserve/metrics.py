@@ -9,7 +9,8 @@ from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# public: the control status sends these bounds with its latency counts
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -32,7 +33,7 @@ class Metrics:
                                 ["model", "status"], registry=r)
         self.request_seconds = Histogram("xlaserve_request_duration_seconds",
                                          "Time from receiving an inference request to answering it",
-                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.executions = Counter("xlaserve_executions", "Model executions on the device, by compiled batch size",
                                   ["model", "batch_size"], registry=r)
         self.batch_rows = Histogram("xlaserve_batch_rows", "Request rows coalesced into one execution",
@@ -44,10 +45,10 @@ class Metrics:
                                     ["model"], buckets=_ROW_BUCKETS, registry=r)
         self.queue_seconds = Histogram("xlaserve_queue_duration_seconds",
                                        "Time from receiving a request to its dispatch to the device",
-                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+                                       ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.compute_seconds = Histogram("xlaserve_compute_duration_seconds",
                                          "Time of one execution (assemble inputs, run, split outputs)",
-                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.rejections = Counter("xlaserve_rejections",
                                   "Requests the scheduler answered without running them, by reason "
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "

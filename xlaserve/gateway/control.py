@@ -5,8 +5,8 @@ worker.
 - **WatchStatus** streams each worker's ``ModelControlStatusResponse``, with ``worker`` set to the
   gateway's name for it, as the one entry of a message's ``workers`` (so a client knows a
   gateway's stream from a worker's by its first message): every worker's latest at once, then
-  each worker's next as discovery receives it, at most one per worker per ``interval_seconds``. The snapshots are the ones
-  discovery already subscribes to (:class:`StatusBoard`, fed by
+  each worker's next as discovery receives it, at most one per worker per ``interval_seconds``.
+  The snapshots are the ones discovery already subscribes to (:class:`StatusBoard`, fed by
   :class:`~xlaserve.gateway.run.Gateway`'s discovery), serialized once per snapshot, so a
   dashboard adds no stream to the workers and costs the gateway one send per worker snapshot.
 - **ModelControlStatus** answers ``workers``: the latest status of each worker.
