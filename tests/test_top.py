@@ -534,3 +534,24 @@ def test_layout_matches_its_reference(size, gateway):
     assert "75%/67%" in text and "13/12!" in text
     if gateway:
         assert text.count("worker0") >= 5 and text.count("worker1") >= 5    # each row labelled
+
+
+def test_a_gateway_worker_that_goes_quiet_is_marked_silent_and_keeps_its_rows():
+    async def source(address, interval):
+        for step in range(6):
+            names = ("worker0", "worker1") if step < 2 else ("worker0",)     # worker1 stops at 1 s
+            for name in names:
+                yield pb.ModelControlStatusResponse(workers=[_fixed_worker(name, min(step, 1))])
+        await asyncio.Event().wait()
+    ticks = iter([0.0, 0.0, 1.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+
+    async def run() -> None:
+        app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=source, clock=lambda: next(ticks),
+                     stamp=lambda: "12:00:00")
+        async with app.run_test(size=(160, 48)):
+            await _until(app, lambda: "silent 4 s" in app.status_line)
+            lines = app.status_line.splitlines()
+            assert lines[1].startswith("worker0 cpu fair  budget") and "silent" not in lines[1]
+            assert lines[2].startswith("worker1 cpu fair  silent 4 s  budget")
+            assert len(app.rows) == 8          # its rows stay, with their last figures
+    asyncio.run(run())
