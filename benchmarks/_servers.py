@@ -61,8 +61,10 @@ def free_ports(n: int) -> list[int]:
 
 
 @contextmanager
-def xlaserve(repo: Path, scheduler: dict | None = None, log_path: Path | None = None, timeout: float = 300):
-    """Run ``xlaserve run`` on ``repo``; yields (url, pid)."""
+def xlaserve(repo: Path, scheduler: dict | None = None, log_path: Path | None = None, timeout: float = 300,
+             source: Path = ROOT):
+    """Run ``xlaserve run`` on ``repo``; yields (url, pid). ``source``: the checkout whose
+    ``xlaserve`` runs (another commit's, to compare with)."""
     work = Path(tempfile.mkdtemp(prefix="xlaserve-bench-"))
     node = {"model_repo": str(repo), "listen": {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0"},
             "global": {"runtime": {"backend": "cpu"}, "model_control_mode": "static",
@@ -72,7 +74,7 @@ def xlaserve(repo: Path, scheduler: dict | None = None, log_path: Path | None = 
     log = open(log_path or work / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "--log-level", "warning", "run",
                              str(work / "node.yaml"), "--ready-file", str(ready)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=source)
     try:
         deadline = time.monotonic() + timeout
         while not ready.exists():

@@ -123,6 +123,7 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
     # own service, never the worker's), and its schema reads the same access tables.
     gateway = {m for m in outside if m.startswith("xlaserve.gateway.")}
     assert gateway == {"xlaserve.gateway.upstream", "xlaserve.gateway.run", "xlaserve.gateway.service"}
+    assert not any(dep.startswith("xlaserve.frontend") for dep in graph["xlaserve.gateway.control"])
     assert not any(dep in {"xlaserve.frontend.kserve", "xlaserve.frontend.control", "xlaserve.frontend.port"}
                    for m in gateway for dep in graph[m])
     assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.config.gateway",
@@ -291,6 +292,11 @@ def test_worker_control_reads_and_changes_the_worker_through_the_port():
             assert (mlp.residency, mlp.resident_bytes, mlp.queue_depth, mlp.max_batch_size, mlp.requests) == \
                 ("device", 400, 3, 8, 4)
             assert dict(mlp.learned_cost_seconds) == {8: 0.002}
+            # the figures a dashboard needs beyond ModelStatistics': zeros without a tally,
+            # the cache's loads and evictions, the bucket bounds
+            assert (mlp.weight_loads, mlp.evictions, mlp.in_flight) == (1, 0, 0)
+            assert list(mlp.latency_bucket_counts) == [0] * (len(status.latency_bucket_bounds) + 1)
+            assert (status.uptime_seconds, dict(status.executable_cache)) == (0.0, {})
 
             await _call(control.SetModelPolicy, cpb.SetModelPolicyRequest(model="cnn", weight=5.0))
             assert port.scheduling.policy("cnn").weight == 5.0
@@ -301,6 +307,60 @@ def test_worker_control_reads_and_changes_the_worker_through_the_port():
             assert bad.value.status is Status.INVALID_ARGUMENT
             compacted = await _call(control.CompactMemory, cpb.CompactMemoryRequest())
             assert (compacted.message, compacted.freed_bytes) == ("2 buffers moved", 300)
+            # a request naming another worker (meant for a gateway) is refused, naming both
+            for method, request in ((control.SetModelResidency, cpb.SetModelResidencyRequest(
+                    model="cnn", residency="device", worker="w1")),
+                    (control.SetModelPolicy, cpb.SetModelPolicyRequest(model="cnn", weight=1.0, worker="w1")),
+                    (control.CompactMemory, cpb.CompactMemoryRequest(worker="w1"))):
+                with pytest.raises(GRPCError) as elsewhere:
+                    await _call(method, request)
+                assert elsewhere.value.status is Status.INVALID_ARGUMENT
+                assert "this is worker 'w0', the request names worker 'w1'" in elsewhere.value.message
+            assert port.weights.floor_of("cnn") is Floor.UNPINNED        # nothing changed
+            await _call(control.CompactMemory, cpb.CompactMemoryRequest(worker="w0"))   # its own name: fine
+    trio.run(main)
+
+
+def test_worker_control_reports_the_tally_in_flight_device_time_and_uptime():
+    from xlaserve.frontend.admission import Admission
+    from xlaserve.metrics import LATENCY_BUCKETS, Metrics
+    from xlaserve.worker.stats import BatchStats
+
+    metrics = Metrics()
+    for seconds in (0.0004, 0.0015, 0.0015, 40.0):
+        metrics.observe_request("mlp", "OK", seconds)
+    metrics.observe_request("mlp", "NOT_FOUND", 1.0)            # not answered OK: no bucket
+    metrics.observe_rejection("mlp", "queue_full")
+    metrics.observe_rejection("mlp", "queue_full")
+    metrics.observe_rejection("mlp", "deadline_expired")
+    admission = Admission(0, 1 << 20)
+    for name in ("mlp", "mlp", "cnn"):
+        admission.enter()
+        admission.found(name)
+    admission.leave(0)
+    admission.lost("cnn")
+    stats = ModelStats(batches=MappingProxyType({8: BatchStats(Duration(1, 1_000_000), Duration(2, 2_000_000),
+                                                              Duration(1, 500_000))}))
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery, tally=metrics.tally, uptime=lambda: 12.5,
+                         executable_cache=lambda: {"hit": 3, "miss": 1, "rejected": 0},
+                         statistics=lambda name: stats)
+            status = await _call(WorkerControlService(port, admission).ModelControlStatus,
+                                 cpb.ModelControlStatusRequest())
+            assert list(status.latency_bucket_bounds) == list(LATENCY_BUCKETS)
+            assert (status.uptime_seconds, dict(status.executable_cache), status.in_flight) == (
+                12.5, {"hit": 3, "miss": 1, "rejected": 0}, 2)
+            models = {m.name: m for m in status.models}
+            mlp, cnn = models["mlp"], models["cnn"]
+            counts = list(mlp.latency_bucket_counts)
+            assert counts[0] == 1 and counts[LATENCY_BUCKETS.index(0.002)] == 2 and counts[-1] == 1
+            assert sum(counts) == 4
+            assert dict(mlp.rejections) == {"queue_full": 2, "deadline_expired": 1}
+            assert (mlp.in_flight, cnn.in_flight) == (2, 0)
+            assert mlp.device_seconds == pytest.approx(0.0035)
+            assert admission.by_model == {"mlp": 2}             # a model with none in flight leaves
     trio.run(main)
 
 

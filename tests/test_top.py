@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +20,12 @@ from tests.conftest import infer_input, serve
 from tui import connection
 from tui.app import ConfirmScreen, HelpScreen, TopApp, ValueScreen, _number
 from tui.connection import Address, next_backoff, parse_address
-from tui.status import changes, derive, human_bytes, snapshot_dict, visible
+from tui.status import (COLUMNS, cells, changes, derive, human_bytes, percentile, snapshot_dict, spark,
+                        visible)
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve.cli import main
 
+COLUMN_KEYS = [key for key, _ in COLUMNS]
 # Every wait on the app or the worker is bounded: a broken dashboard fails, never hangs.
 WAIT = 20.0
 
@@ -67,6 +71,54 @@ def test_latency_failures_and_batch_mix_come_from_counter_deltas():
     assert first_worker.rows_per_second is None and all(r.rows_per_second is None for r in first)
 
 
+def test_percentiles_interpolate_within_the_bucket_the_rank_falls_in():
+    bounds = (0.001, 0.002, 0.005)
+    assert percentile(bounds, [0, 10, 0, 0], 0.5) == pytest.approx(0.0015)   # halfway into (1, 2] ms
+    assert percentile(bounds, [90, 0, 10, 0], 0.99) == pytest.approx(0.0047)  # 9 of 10 into (2, 5] ms
+    assert percentile(bounds, [0, 0, 0, 3], 0.5) == 0.005                    # above the largest: at least it
+    assert percentile(bounds, [0, 0, 0, 0], 0.5) is None                     # nothing answered
+    assert percentile(bounds, [1, 2], 0.5) is None                           # a shape that does not fit
+
+
+def test_p50_p99_share_and_thrashing_come_from_the_changes_over_the_interval():
+    bounds = (0.001, 0.002, 0.005)
+    before = pb.ModelControlStatusResponse(worker="w0", discipline="fair", latency_bucket_bounds=bounds, models=[
+        _model("a", latency_bucket_counts=[5, 0, 0, 0], device_seconds=1.0, weight=3.0, weight_loads=4, evictions=3,
+               rejections={"queue_full": 1}),
+        _model("b", device_seconds=1.0, weight=1.0, weight_loads=1),
+        _model("idle", device_seconds=0.5, weight=4.0)])
+    after = pb.ModelControlStatusResponse(worker="w0", discipline="fair", latency_bucket_bounds=bounds, models=[
+        _model("a", latency_bucket_counts=[5, 100, 0, 0], device_seconds=1.3, weight=3.0, weight_loads=6, evictions=5,
+               rejections={"queue_full": 3, "deadline_expired": 2}),
+        _model("b", device_seconds=1.1, weight=1.0, weight_loads=1, queue_depth=2),
+        _model("idle", device_seconds=0.5, weight=4.0)])
+    _, (a, b, idle) = derive(after, before, 2.0)
+    # only the 100 answered in the interval count: all in (1, 2] ms
+    assert (a.p50_seconds, a.p99_seconds) == (pytest.approx(0.0015), pytest.approx(0.00199))
+    # 0.3 s of the device's 0.4 s; weight 3 of the busy models' 4 (idle neither ran nor waited)
+    assert (a.device_share, a.weight_share) == (pytest.approx(0.75), pytest.approx(0.75))
+    assert (b.device_share, b.weight_share) == (pytest.approx(0.25), pytest.approx(0.25))
+    assert (idle.device_share, idle.weight_share) == (0.0, None)
+    assert a.thrashing and not b.thrashing and (a.loads_delta, a.evictions_delta) == (2, 2)
+    assert a.rejected_per_second == 2.0 and a.rejections == (("deadline_expired", 2), ("queue_full", 3))
+    assert cells(a)[COLUMN_KEYS.index("weight_loads")] == "6/5!"
+    assert cells(a)[COLUMN_KEYS.index("device_share")] == "75%/75%"
+    # under fifo or edf weights do not share the device: no figure to compare with
+    fifo = pb.ModelControlStatusResponse()
+    fifo.CopyFrom(after)
+    fifo.discipline = "fifo"
+    _, (a, _, _) = derive(fifo, before, 2.0)
+    assert (a.device_share, a.weight_share) == (pytest.approx(0.75), None)
+    # the event log: the loads and evictions, and the rejections by reason
+    texts = [e.text for e in changes(after, before)]
+    assert texts == ["a: weights loaded onto the device 2x, evicted 2x", "a: rejected 2 deadline_expired, 2 queue_full"]
+
+
+def test_spark_scales_to_the_largest_and_draws_nothing_for_an_idle_model():
+    assert spark([0.0, 4.0, 8.0, 1.0]) == " ▄█▁"
+    assert spark([0.0, 0.0]) == spark([]) == ""
+
+
 def test_a_counter_going_down_gives_no_rate():
     # the worker restarted between two snapshots: its counters started again from 0
     _, (row,) = derive(_status(_model("a", requests=3, executions=1)),
@@ -93,7 +145,7 @@ def test_visible_filters_by_name_and_sorts_with_missing_figures_last():
     assert [r.name for r in visible(rows, "", "rows_per_second", False)] == ["gamma", "alpha", "beta", "Alps"]
     assert [r.name for r in visible(rows, "AL", "queue_depth", True)] == ["alpha", "Alps"]
     assert [r.name for r in visible(rows, "zzz", "name", False)] == []
-    with pytest.raises(ValueError, match="unknown sort column 'nope'; expected one of name, "):
+    with pytest.raises(ValueError, match="unknown sort column 'nope'; expected one of worker, name, "):
         visible(rows, "", "nope", False)
 
 
@@ -174,6 +226,25 @@ def _infer(url: str, count: int) -> None:
     client.close()
 
 
+def _infer_at_once(url: str, count: int) -> None:
+    """``count`` requests to ``simple`` sent together; returns once all are answered."""
+    client = grpcclient.InferenceServerClient(url)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    answered = threading.Semaphore(0)
+    errors: list = []
+
+    def done(result, error) -> None:
+        if error is not None:
+            errors.append(error)
+        answered.release()
+    for _ in range(count):
+        client.async_infer("simple", [infer_input("INPUT0", a, "INT32"), infer_input("INPUT1", a, "INT32")], done)
+    for _ in range(count):
+        assert answered.acquire(timeout=WAIT)
+    client.close()
+    assert not errors, errors
+
+
 def test_dashboard_against_a_worker(examples_repo, tmp_path):
     asyncio.run(_dashboard(examples_repo, tmp_path))
 
@@ -200,7 +271,9 @@ async def _dashboard(repo, tmp_path) -> None:
             assert small.height >= 1 + 4
             await pilot.resize_terminal(160, 48)
             await pilot.pause()
-            assert (table.size.width, table.size.height) == (small.width + 80, small.height + 24)
+            # the table takes the width; of the height, all but the 5 lines more that the detail
+            # pane and the event log get at 40 lines and more
+            assert (table.size.width, table.size.height) == (small.width + 80, small.height + 24 - 5)
             await pilot.resize_terminal(80, 24)
             await pilot.pause()
 
@@ -211,9 +284,23 @@ async def _dashboard(repo, tmp_path) -> None:
                          and _row(app, "simple").batch_mix != ())
             await _until(app, lambda: _row(app, "simple").requests == 20)
             assert _row(app, "simple").successes == 20 and _row(app, "simple").failures == 0
-            # the worker's new counters: 20 answered, their executions by batch size add up
+            await _until(app, lambda: _row(app, "simple").p99_seconds is not None)
+            assert 0 < _row(app, "simple").p50_seconds <= _row(app, "simple").p99_seconds
+
+            # the queue moves: with a batch hold of 1.5 s, 5 requests sent at once (fewer than its
+            # largest batch, 8, which would end the hold) wait in the queue and are in flight,
+            # then are answered together and the queue empties
+            await connection.call(address, "SetModelPolicy", pb.SetModelPolicyRequest(
+                model="simple", batch_delay_seconds=1.5))
+            load = asyncio.create_task(asyncio.to_thread(_infer_at_once, server.url, 5))
+            await _until(app, lambda: _row(app, "simple").queue_depth > 0 and _row(app, "simple").in_flight > 0)
+            await load
+            await _until(app, lambda: _row(app, "simple").queue_depth == 0 and _row(app, "simple").in_flight == 0)
+            await connection.call(address, "SetModelPolicy", pb.SetModelPolicyRequest(
+                model="simple", batch_delay_seconds=0.0))
+            # the worker's new counters: 25 answered, their executions by batch size add up
             simple = await _server_model(address, "simple")
-            assert simple.successes == 20 and simple.success_seconds > simple.queue_seconds >= 0
+            assert simple.successes == 25 and simple.success_seconds > simple.queue_seconds >= 0
             assert sum(simple.executions_by_batch_size.values()) == simple.executions > 0
 
             # sort: reversed by name, simple comes first
@@ -258,14 +345,44 @@ async def _dashboard(repo, tmp_path) -> None:
 
             await pilot.press("question_mark")
             assert isinstance(app.screen, HelpScreen)
-            await pilot.press("x")
-            assert not isinstance(app.screen, HelpScreen)
+            help_text = str(app.screen.query_one("#help").render())
+            for binding in app.BINDINGS:       # every key is on the help screen
+                key = {"question_mark": "?", "slash": "/"}.get(binding.key, binding.key)
+                assert f"\n{key} " in help_text or f" {key} " in help_text, binding.key
+            await pilot.press("x")             # any key closes it, and does only that
+            assert app.screen is app.screen_stack[0]
         # the worker drained and stopped: the dashboard says so, and keeps the last figures
         await _until(app, lambda: app.status_line.startswith("disconnected from 127.0.0.1:"))
         assert not app.connected and len(app.rows) == 4
         # (the stream ends with OK as the worker drains, or the connection closes first)
         assert any(" disconnected: " in e for e in app.events), list(app.events)
-    assert server.process.returncode == 0, server.log()
+        assert server.process.returncode == 0, server.log()
+
+        # the worker restarts on the same port (in explicit mode, nothing loaded): the
+        # dashboard reconnects by itself and shows what changed while it was away
+        async with _serving(tmp_path / "srv2", repo, {"model_control_mode": "explicit"}, wait_ready=False,
+                            listen={"grpc": f"127.0.0.1:{port}", "http": "127.0.0.1:0"}):
+            await _until(app, lambda: app.connected and app.rows == ())
+            assert "mlp: gone" in "\n".join(app.events)
+            # load, by name, confirmed: the worker loads it and the table shows it
+            await pilot.press("l")
+            dialog = app.screen
+            assert isinstance(dialog, ValueScreen)
+            dialog.query_one("Input").value = "mlp"
+            await pilot.press("enter")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+            await _until(app, lambda: app.last_answer == "RepositoryModelLoad: mlp loaded")
+            await _until(app, lambda: _row(app, "mlp") is not None and _row(app, "mlp").state == "READY")
+            # unload the chosen model, confirmed
+            await pilot.press("x", "y")
+            await _until(app, lambda: app.last_answer == "RepositoryModelUnload: mlp unloaded")
+            await _until(app, lambda: _row(app, "mlp") is None or _row(app, "mlp").state != "READY")
+            # a load the worker refuses: its answer, shown
+            await pilot.press("l")
+            app.screen.query_one("Input").value = "no_such_model"
+            await pilot.press("enter", "y")
+            await _until(app, lambda: app.last_answer.startswith("RepositoryModelLoad refused: "))
 
 
 def test_once_prints_one_snapshot(example_server, capsys):
@@ -275,13 +392,17 @@ def test_once_prints_one_snapshot(example_server, capsys):
     models = {m["name"]: m for m in snapshot["models"]}
     assert set(models) == {"simple", "mlp", "img_mean", "cnn"}
     assert models["mlp"]["state"] == "READY" and models["mlp"]["weight_bytes"] > 0
+    # the figures beyond ModelStatistics': one latency count per bucket and one above them
+    assert len(models["mlp"]["latency_bucket_counts"]) == len(snapshot["latency_bucket_bounds"]) + 1
+    assert snapshot["discipline"] == "fair" and snapshot["uptime_seconds"] > 0
+    assert models["mlp"]["rejections"] == {} and models["mlp"]["in_flight"] == 0
     assert main(["top", "--once", example_server.url]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("worker0 at 127.0.0.1:") and lines[1].split()[:3] == ["model", "state", "ver"]
+    assert lines[0].startswith("worker0 at 127.0.0.1:") and lines[1].split()[:3] == ["model", "state", "queue"]
     assert sorted(line.split()[0] for line in lines[2:]) == ["cnn", "img_mean", "mlp", "simple"]
 
 
-def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys):
+def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys, monkeypatch):
     port = free_port()      # nothing listens on it
     assert main(["top", "--once", "--json", f"127.0.0.1:{port}"]) == 1
     assert f"xlaserve top: cannot reach 127.0.0.1:{port}: " in capsys.readouterr().err
@@ -291,6 +412,10 @@ def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys):
     assert "--json prints one snapshot; use it with --once" in capsys.readouterr().err
     assert main(["top", "--interval", "0.01", "localhost:1"]) == 2
     assert "--interval must be >= 0.05 s" in capsys.readouterr().err
+    # a terminal that cannot draw a dashboard: refused with what to do instead
+    monkeypatch.setenv("TERM", "dumb")
+    assert main(["top", "localhost:1"]) == 2
+    assert "TERM=dumb cannot draw a full-screen dashboard; use --once" in capsys.readouterr().err
 
 
 @contextlib.contextmanager
@@ -327,3 +452,106 @@ def test_a_peer_that_is_not_a_worker(capsys):
                              and "retrying in 0.1 s" in app.status_line)
                 assert not app.connected and app.rows == ()
         asyncio.run(dashboard())
+
+
+# ---- the layout, from fixed data (no server): a changed layout fails
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def _fixed_worker(name: str, step: int) -> pb.ModelControlStatusResponse:
+    """A worker's snapshot number ``step`` (0 or 1), one second apart: mlp busy and thrashing,
+    cnn queued and rejecting, simple idle, img_mean failed to load."""
+    buckets = [0] * (len(BOUNDS) + 1)
+    buckets[2], buckets[3], buckets[6] = 400 * step, 90 * step, 10 * step
+    mlp = _model("mlp", queue_depth=3 + step, in_flight=35, requests=1000 + 6400 * step,
+                 executions=100 + 800 * step, successes=1000 + 500 * step, success_seconds=2.0 + 1.5 * step,
+                 queue_seconds=0.5 + 0.4 * step, executions_by_batch_size={8: 90 + 790 * step, 1: 10 + 10 * step},
+                 latency_bucket_counts=buckets, device_seconds=4.0 + 0.6 * step, weight=2.0,
+                 learned_cost_seconds={1: 0.0004, 8: 0.0012}, residency="system", resident_bytes=1 << 20,
+                 weight_bytes=1 << 20, weight_loads=10 + 3 * step, evictions=9 + 3 * step)
+    cnn = _model("cnn", queue_depth=12, in_flight=12, requests=50 + 10 * step, executions=50 + 10 * step,
+                 successes=50 + 10 * step, success_seconds=5.0, device_seconds=1.0 + 0.2 * step, weight=1.0,
+                 rejections={"queue_full": 4 + 6 * step}, residency="device", resident_bytes=5 << 20,
+                 weight_bytes=5 << 20, weight_loads=1, max_batch_size=4)
+    simple = _model("simple", residency="system", weight_bytes=128, weight=1.0)
+    failed = _model("img_mean", state="UNAVAILABLE", version=0, reason="weights.safetensors is missing",
+                    weight=1.0)
+    return pb.ModelControlStatusResponse(
+        models=[mlp, cnn, simple, failed], worker=name, backend="cpu", discipline="fair",
+        budget_bytes=64 << 20, resident_bytes=6 << 20, latency_bucket_bounds=BOUNDS, in_flight=47,
+        uptime_seconds=3725.0 + step, executable_cache={"hit": 7, "miss": 1, "rejected": 0})
+
+
+def _fixed_source(gateway: bool):
+    """A status stream of two snapshots a second apart (through a gateway: two workers'), then
+    nothing more, as a quiet stream."""
+    async def source(address, interval):
+        for step in (0, 1):
+            if gateway:
+                for name in ("worker0", "worker1"):
+                    yield pb.ModelControlStatusResponse(workers=[_fixed_worker(name, step)])
+            else:
+                yield _fixed_worker("worker0", step)
+        await asyncio.Event().wait()
+    return source
+
+
+def _screen_text(app: TopApp) -> str:
+    """What the terminal shows, as text: the layout without its colours (which follow the
+    terminal; see docs/top.md)."""
+    return "\n".join(strip.text.rstrip() for strip in app.screen._compositor.render_strips()) + "\n"
+
+
+async def _fixed_app(size: tuple[int, int], gateway: bool, svg: Path | None = None) -> str:
+    # the clock is read once per worker snapshot: a round of them is one second on
+    ticks = iter([0.0, 0.0, 1.0, 1.0] if gateway else [0.0, 1.0])
+    app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=_fixed_source(gateway),
+                 clock=lambda: next(ticks), stamp=lambda: "12:00:00")
+    async with app.run_test(size=size) as pilot:
+        await _until(app, lambda: len(app.rows) == (8 if gateway else 4)
+                     and all(r.rows_per_second is not None for r in app.rows))
+        await pilot.pause()
+        if svg is not None:
+            svg.write_text(app.export_screenshot(title="xlaserve top"))
+        return _screen_text(app)
+
+
+@pytest.mark.parametrize("size, gateway", [((80, 24), False), ((160, 48), False), ((160, 48), True)])
+def test_layout_matches_its_reference(size, gateway):
+    """The screen at 80x24 and 160x48 (and a gateway's two workers at 160x48) against the text
+    committed under tests/snapshots/. After a deliberate layout change, regenerate them with
+    ``XLASERVE_UPDATE_SNAPSHOTS=1 pytest tests/test_top.py -k layout`` and review the diff."""
+    name = f"top-{'gateway-' if gateway else ''}{size[0]}x{size[1]}.txt"
+    text = asyncio.run(_fixed_app(size, gateway))
+    reference = SNAPSHOTS / name
+    if os.environ.get("XLASERVE_UPDATE_SNAPSHOTS"):
+        reference.write_text(text)
+    assert text == reference.read_text(), f"the layout changed; compare with {reference}"
+    # what any layout must show: mlp's device share over the update against its weight's due
+    # (0.6 s of 0.8 s; weight 2 of the busy models' 3), loads/evictions marked as thrashing
+    assert "75%/67%" in text and "13/12!" in text
+    if gateway:
+        assert text.count("worker0") >= 5 and text.count("worker1") >= 5    # each row labelled
+
+
+def test_a_gateway_worker_that_goes_quiet_is_marked_silent_and_keeps_its_rows():
+    async def source(address, interval):
+        for step in range(6):
+            names = ("worker0", "worker1") if step < 2 else ("worker0",)     # worker1 stops at 1 s
+            for name in names:
+                yield pb.ModelControlStatusResponse(workers=[_fixed_worker(name, min(step, 1))])
+        await asyncio.Event().wait()
+    ticks = iter([0.0, 0.0, 1.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+
+    async def run() -> None:
+        app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=source, clock=lambda: next(ticks),
+                     stamp=lambda: "12:00:00")
+        async with app.run_test(size=(160, 48)):
+            await _until(app, lambda: "silent 4 s" in app.status_line)
+            lines = app.status_line.splitlines()
+            assert lines[1].startswith("worker0 cpu fair  budget") and "silent" not in lines[1]
+            assert lines[2].startswith("worker1 cpu fair  silent 4 s  budget")
+            assert len(app.rows) == 8          # its rows stay, with their last figures
+    asyncio.run(run())

@@ -1,13 +1,16 @@
-"""The Textual app behind ``xlaserve top``: one worker's models, live from its ``WatchStatus``
-stream, and the control API's actions, each confirmed first and answered in the event log."""
+"""The Textual app behind ``xlaserve top``: a worker's models (a gateway's: every worker's,
+labelled by worker), live from the ``WatchStatus`` stream, and the control API's actions, each
+confirmed first and answered in the event log."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from grpclib.exceptions import GRPCError
 from rich.text import Text  # DataTable's column labels are Rich text
@@ -23,33 +26,42 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Sparkl
 
 from tui import connection
 from tui.connection import Address
-from tui.status import (COLUMNS, SORT_KEYS, ModelRow, WorkerView, cells, changes, derive,
-                        human_bytes, human_seconds, visible)
+from tui.status import (COLUMNS, WORKER_COLUMN, ModelRow, WorkerView, cells, changes, derive,
+                        human_bytes, human_duration, human_seconds, loads_text, share_text, spark, visible)
+from xlaserve._proto import grpc_service_pb2 as kpb
 from xlaserve._proto import xlaserve_control_pb2 as pb
 
 # Samples the worker's sparkline keeps: two minutes at the default interval.
 SPARKLINE_SAMPLES = 120
+# Updates a model's own sparkline (in the detail pane) keeps: one line of a narrow pane.
+MODEL_SPARK_SAMPLES = 30
 # Lines the event log keeps; older ones scroll away.
 EVENT_LOG_LINES = 500
 
 HELP = """\
-[b]xlaserve top[/b]: one worker's models, from its WatchStatus stream.
+[b]xlaserve top[/b]: a worker's models (a gateway's: every worker's), from WatchStatus.
 
 q        quit                       ?       this help (any key closes it)
 up/down  choose a model (the detail pane shows it)
 s        sort by the next column    S       reverse the order
          (or click a column's heading)
-/        filter by model name       escape  clear the filter
+/        filter by model or worker  escape  clear the filter
 p        pin the model: SetModelResidency device
 u        unpin it: residency system (on the device on demand)
 w        its weight (SetModelPolicy; > 0)
 b        its max_batch_size (0: uncapped)
 h        its batch hold, batch_delay_seconds (0: off)
+l        load a model by name: RepositoryModelLoad (explicit mode)
+x        unload the model: RepositoryModelUnload (explicit mode)
 c        compact the worker's device memory (CompactMemory)
 
-Each action asks first; the worker's answer goes to the event log.
-rows/s, rows/exec, latency (the mean, receipt to answer), fail/s: over the
-last update. cost: the learned cost of the largest batch size learned (1.2ms@8)."""
+Each action asks first; the answer goes to the event log. Through a gateway,
+p u w b h c go to the chosen row's worker; l and x to every worker.
+Over the last update: rows/s, p50/p99 (receipt to answer, from the latency
+buckets), rej/s (scheduler rejections), fail/s, rows/exec. share/wt: device
+time it had / what its weight is due under fair. ld/ev: weight loads and
+evictions since start, ! when both moved in the last update (thrashing).
+cost: the learned cost of the largest batch size learned (1.2ms@8)."""
 
 
 class HelpScreen(ModalScreen[None]):
@@ -58,7 +70,10 @@ class HelpScreen(ModalScreen[None]):
     def compose(self) -> ComposeResult:
         yield Static(HELP, id="help")
 
-    def on_key(self) -> None:
+    def on_key(self, event) -> None:
+        # the key only closes the help: it must not go on to the dashboard's own bindings
+        event.stop()
+        event.prevent_default()
         self.dismiss(None)
 
     def on_click(self) -> None:
@@ -89,13 +104,13 @@ class ConfirmScreen(ModalScreen[bool]):
         self.dismiss(event.button.id == "yes")
 
 
-class ValueScreen(ModalScreen["float | None"]):
-    """Asks for one number; enter submits it once ``parse`` accepts it, escape cancels.
-    ``parse`` raises ``ValueError`` with the message to show."""
+class ValueScreen(ModalScreen[object]):
+    """Asks for one value (a number, a name); enter submits it once ``parse`` accepts it, escape
+    cancels (``None``). ``parse`` raises ``ValueError`` with the message to show."""
 
     BINDINGS = [Binding("escape", "cancel", "cancel")]
 
-    def __init__(self, question: str, current: str, parse: Callable[[str], float]) -> None:
+    def __init__(self, question: str, current: str, parse: Callable[[str], object]) -> None:
         super().__init__()
         self.question, self.current, self.parse = question, current, parse
 
@@ -118,6 +133,13 @@ class ValueScreen(ModalScreen["float | None"]):
         self.dismiss(None)
 
 
+def _model_name(text: str) -> str:
+    name = text.strip()
+    if not name:
+        raise ValueError("a model name, as in the model repository")
+    return name
+
+
 def _number(kind: type, at_least: float, positive: bool = False) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
@@ -132,13 +154,21 @@ def _number(kind: type, at_least: float, positive: bool = False) -> Callable[[st
     return parse
 
 
-class TopApp(App[None]):
-    """``xlaserve top`` against the worker at ``address``, one snapshot every ``interval``
-    seconds. ``max_backoff`` caps the wait between reconnects (tests shorten it).
+@dataclass(frozen=True, slots=True)
+class _Seen:
+    """A worker's last snapshot and when it came (``time.monotonic()``)."""
+    status: pb.ModelControlStatusResponse
+    at: float
 
-    State an operator (or a test) can read: :attr:`connected`, :attr:`rows` (the latest rows,
-    unfiltered), :attr:`worker` (the worker's line), :attr:`status_line` (the header's text),
-    :attr:`events` (the event log's lines, newest last) and :attr:`last_answer` (the worker's
+
+class TopApp(App[None]):
+    """``xlaserve top`` against the worker (or gateway) at ``address``, one snapshot every
+    ``interval`` seconds. ``max_backoff`` caps the wait between reconnects (tests shorten it).
+
+    State an operator (or a test) can read: :attr:`connected`, :attr:`gateway` (the stream is a
+    gateway's), :attr:`rows` (the latest rows of every worker, unfiltered), :attr:`worker_views` (each
+    worker's line) and :attr:`worker` (the last one updated), :attr:`status_line` (the header's
+    text), :attr:`events` (the event log's lines, newest last) and :attr:`last_answer` (the
     answer to the last action). :meth:`wait_until` waits for the next change that makes a
     condition true."""
 
@@ -156,24 +186,43 @@ class TopApp(App[None]):
         Binding("w", "weight", "weight"),
         Binding("b", "max_batch_size", "max batch"),
         Binding("h", "hold", "hold"),
+        Binding("l", "load", "load"),
+        Binding("x", "unload", "unload"),
         Binding("c", "compact", "compact"),
     ]
+    # Rows from a worker silent this long (through a gateway) are marked stale in its line.
+    STALE_UPDATES = 3
 
     def __init__(self, address: Address, interval: float = 1.0,
-                 max_backoff: float = connection.MAX_BACKOFF_SECONDS) -> None:
+                 max_backoff: float = connection.MAX_BACKOFF_SECONDS, *,
+                 source: Callable[[Address, float], AsyncIterator[pb.ModelControlStatusResponse]]
+                 = connection.watch_status,
+                 clock: Callable[[], float] = time.monotonic,
+                 stamp: Callable[[], str] = lambda: time.strftime("%H:%M:%S")) -> None:
+        """``source(address, interval)`` is the status stream (the worker's ``WatchStatus``);
+        ``clock`` the seconds that rates are taken over and ``stamp`` the event log's time of day.
+        Tests give fixed ones, so that a screenshot is the same every time."""
         super().__init__()
         self.address, self.interval, self.max_backoff = address, interval, max_backoff
+        self._source, self._clock, self._stamp = source, clock, stamp
         self.connected = False
+        self.gateway = False
         self.worker: WorkerView | None = None
+        self.worker_views: dict[str, WorkerView] = {}
         self.rows: tuple[ModelRow, ...] = ()
+        self._rows_of: dict[str, tuple[ModelRow, ...]] = {}
+        self._seen: dict[str, _Seen] = {}
+        self._worker_column = False
         self.events: deque[str] = deque(maxlen=EVENT_LOG_LINES)
         self.last_answer = ""
         self.status_line = f"connecting to {self.address}"
         self.sort_key, self.descending, self.name_filter = "name", False, ""
         self._throughput: deque[float] = deque(maxlen=SPARKLINE_SAMPLES)
-        # The last snapshot seen, kept across a reconnect so that the event log then shows what
-        # changed while disconnected rather than every model again.
-        self._last: pb.ModelControlStatusResponse | None = None
+        # each model's rows per second, the last MODEL_SPARK_SAMPLES updates, by table key
+        self._model_rates: dict[str, deque[float]] = {}
+        # Each worker's last snapshot, kept across a reconnect so that the event log then shows
+        # what changed while disconnected rather than every model again.
+        self._last: dict[str, pb.ModelControlStatusResponse] = {}
         self._changed = asyncio.Condition()
 
     # ---- layout
@@ -197,11 +246,20 @@ class TopApp(App[None]):
         self._log = self.query_one("#events", Log)
         self._filter = self.query_one("#filter", Input)
         self._header = self.query_one("#worker", Static)
-        table = self._table
-        for key, heading in COLUMNS:
-            table.add_column(heading, key=key)
+        self._add_columns()
         self._filter.display = False
         self._watch()
+
+    def _columns(self) -> tuple[tuple[str, str], ...]:
+        return ((WORKER_COLUMN,) if self._worker_column else ()) + COLUMNS
+
+    def _add_columns(self) -> None:
+        for key, heading in self._columns():
+            self._table.add_column(heading, key=key)
+
+    def on_resize(self, event) -> None:
+        # a tall terminal gives the detail pane and the event log room for all their lines
+        self.set_class(event.size.height >= 40, "-tall")
 
     # ---- the status stream
 
@@ -212,13 +270,15 @@ class TopApp(App[None]):
         first_wait = min(connection.INITIAL_BACKOFF_SECONDS, self.max_backoff)
         delay = first_wait
         while True:
-            previous, previous_at = None, 0.0
+            self._seen = {}         # rates start again after a reconnect
             try:
-                async with contextlib.aclosing(connection.watch_status(self.address, self.interval)) as stream:
-                    async for status in stream:
-                        now = time.monotonic()
-                        await self._show(status, previous, now - previous_at)
-                        previous, previous_at = status, now
+                async with contextlib.aclosing(self._source(self.address, self.interval)) as stream:
+                    async for message in stream:
+                        now = self._clock()
+                        if message.workers:
+                            self.gateway = True
+                        for status in (message.workers or [message]):
+                            await self._show(status, now)
                         delay = first_wait
                 reason = "the worker ended the stream (it is draining)"
             except GRPCError as exc:
@@ -229,26 +289,43 @@ class TopApp(App[None]):
             await asyncio.sleep(delay)
             delay = min(connection.next_backoff(delay), self.max_backoff)
 
-    async def _show(self, status: pb.ModelControlStatusResponse,
-                    previous: pb.ModelControlStatusResponse | None, seconds: float) -> None:
+    async def _show(self, status: pb.ModelControlStatusResponse, now: float) -> None:
+        """One worker's snapshot: its rows, its line, its events, the sparkline."""
         if not self.connected:
-            self._log_event(f"connected to {self.address}")
+            self._log_event(f"connected to {self.address}" + (" (a gateway)" if self.gateway else ""))
         was_connected, self.connected = self.connected, True
-        rows_before = self.rows
-        self.worker, self.rows = derive(status, previous, seconds if previous is not None else None)
-        for event in changes(status, previous if previous is not None else self._last):
-            self._log_event(event.text)
-        self._last = status
-        if self.worker.rows_per_second is not None:
-            self._throughput.append(self.worker.rows_per_second)
+        name = status.worker
+        seen = self._seen.get(name)
+        previous = seen.status if seen is not None else None
+        view, rows = derive(status, previous, now - seen.at if seen is not None else None)
+        self._seen[name] = _Seen(status, now)
+        self.worker, self.worker_views[name] = view, view
+        prefix = f"{name}: " if self.gateway else ""
+        for event in changes(status, previous if previous is not None else self._last.get(name)):
+            self._log_event(prefix + event.text)
+        self._last[name] = status
+        for row in rows:
+            if row.rows_per_second is not None:
+                key = self._key(row)
+                rates = self._model_rates.get(key)
+                if rates is None:
+                    rates = self._model_rates[key] = deque(maxlen=MODEL_SPARK_SAMPLES)
+                rates.append(row.rows_per_second)
+        rows_changed = rows != self._rows_of.get(name)
+        self._rows_of[name] = rows
+        if rows_changed:
+            self.rows = tuple(r for w in sorted(self._rows_of) for r in self._rows_of[w])
+        # once a round: a gateway's workers each send one an update
+        if view.rows_per_second is not None and name == min(self._seen):
+            self._throughput.append(math.fsum(w.rows_per_second or 0.0 for w in self.worker_views.values()))
             # an idle worker's flat line would draw as full bars: draw nothing instead
             data = list(self._throughput) if max(self._throughput) > 0 else []
             if data or self._sparkline.data:
                 self._sparkline.data = data
-        self._render_worker()
+        self._render_worker(now)
         # an idle worker's snapshots are all alike: redraw only what changed, so that a
         # dashboard left open costs its terminal (and its SSH link) next to nothing
-        if self.rows != rows_before or not was_connected:
+        if rows_changed or not was_connected:
             self._render_table()
         await self._notify_change()
 
@@ -269,27 +346,51 @@ class TopApp(App[None]):
 
     # ---- rendering
 
-    def _render_worker(self) -> None:
-        w = self.worker
-        assert w is not None
+    def _worker_text(self, w: WorkerView, now: float) -> str:
         rate = "-" if w.rows_per_second is None else f"{w.rows_per_second:.1f}"
-        # what matters first, so that an 80-column terminal cuts only the address
-        self._set_header(
-            f"[green]connected[/green] [b]{escape(w.worker)}[/b] {escape(w.backend)}  "
-            f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
-            f"{rate} rows/s  {escape(str(self.address))}")
+        cache = f"  cache {w.cache_hits}/{w.cache_lookups}" if w.cache_lookups else ""
+        seen = self._seen.get(w.worker)
+        silent = now - seen.at if seen is not None else 0.0
+        stale = (f"  [b red]silent {silent:.0f} s[/b red]"
+                 if silent > max(self.STALE_UPDATES * self.interval, 2.0) else "")
+        # what matters first, so that an 80-column terminal cuts only the least useful end
+        return (f"[b]{escape(w.worker)}[/b] {escape(w.backend)} {escape(w.discipline)}{stale}  "
+                f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
+                f"{rate} rows/s  {w.in_flight} in flight  up {human_duration(w.uptime_seconds)}{cache}")
+
+    def _render_worker(self, now: float) -> None:
+        if not self.gateway:
+            assert self.worker is not None
+            self._set_header(f"[green]connected[/green] {self._worker_text(self.worker, now)}  "
+                             f"{escape(str(self.address))}")
+            return
+        total = math.fsum(w.rows_per_second or 0.0 for w in self.worker_views.values())
+        lines = [f"[green]connected[/green] gateway {escape(str(self.address))}: {len(self.worker_views)} "
+                 f"worker(s)  {total:.1f} rows/s"]
+        lines += [self._worker_text(self.worker_views[name], now) for name in sorted(self.worker_views)]
+        self._set_header("\n".join(lines))
+
+    def _key(self, row: ModelRow) -> str:
+        return f"{row.worker}/{row.name}" if self.gateway else row.name
 
     def _render_table(self) -> None:
         table = self._table
         chosen = self._chosen_name()
+        if self._worker_column != (self.gateway and len(self.worker_views) > 1):
+            self._worker_column = not self._worker_column
+            table.clear(columns=True)
+            self._add_columns()
+        if not self._worker_column and self.sort_key == WORKER_COLUMN[0]:
+            self.sort_key = "name"
         rows = visible(self.rows, self.name_filter, self.sort_key, self.descending)
         table.clear()
         for row in rows:
-            table.add_row(*(escape(text) for text in cells(row)), key=row.name)
-        names = [r.name for r in rows]
-        if chosen in names:
-            table.move_cursor(row=names.index(chosen), animate=False)
-        for key, heading in COLUMNS:
+            texts = ((row.worker,) if self._worker_column else ()) + cells(row)
+            table.add_row(*(escape(text) for text in texts), key=self._key(row))
+        keys = [self._key(r) for r in rows]
+        if chosen in keys:
+            table.move_cursor(row=keys.index(chosen), animate=False)
+        for key, heading in self._columns():
             marker = (" v" if self.descending else " ^") if key == self.sort_key else ""
             table.columns[key].label = Text(heading + marker)  # type: ignore[index]
         self._render_detail()
@@ -303,8 +404,8 @@ class TopApp(App[None]):
 
     def chosen(self) -> ModelRow | None:
         """The model under the table's cursor, from the latest snapshot."""
-        name = self._chosen_name()
-        return next((r for r in self.rows if r.name == name), None)
+        key = self._chosen_name()
+        return next((r for r in self.rows if self._key(r) == key), None)
 
     def _render_detail(self) -> None:
         row = self.chosen()
@@ -318,21 +419,28 @@ class TopApp(App[None]):
         else:
             latency = (f"mean latency {human_seconds(row.latency_seconds)} "
                        f"(queued {human_seconds(row.queue_wait_seconds)})")
+        if row.p50_seconds is not None and row.p99_seconds is not None:
+            latency += f", p50 {human_seconds(row.p50_seconds)}, p99 {human_seconds(row.p99_seconds)}"
         mix = ", ".join(f"{n}x{size}" for size, n in row.batch_mix) or "none"
         hold = (f"{human_seconds(row.batch_delay_seconds)} for "
                 f"{row.batch_target_rows or 'the default'} rows" if row.batch_delay_seconds else "off")
+        rejected = ", ".join(f"{n} {reason}" for reason, n in row.rejections) or "none"
+        thrash = "  [b red]thrashing[/b red]: loaded and evicted within the last update" if row.thrashing else ""
+        on = f" on {escape(row.worker)}" if self.gateway else ""
+        history = spark(self._model_rates.get(self._key(row), ()))
         detail.update(
-            f"[b]{escape(row.name)}[/b] {escape(row.state)} v{row.version}\n"
+            f"[b]{escape(row.name)}[/b]{on} {escape(row.state)} v{row.version}"
+            + (f"  rows/s {history}" if history else "") + "\n"
             + (f"reason: {escape(row.reason)}\n" if row.reason else "")
             + f"residency {escape(row.residency)}: {human_bytes(row.resident_bytes)} of "
-              f"{human_bytes(row.weight_bytes)} on the device\n"
-              f"queue {row.queue_depth}; weight {row.weight:g}; max_batch_size "
-              f"{row.max_batch_size or 'uncapped'}\n"
+              f"{human_bytes(row.weight_bytes)} on the device; loads/evictions {loads_text(row)}{thrash}\n"
+              f"queue {row.queue_depth}, in flight {row.in_flight}; weight {row.weight:g} "
+              f"(device share/due {share_text(row)}); max_batch_size {row.max_batch_size or 'uncapped'}\n"
               f"batch hold: {hold}\n"
               f"learned cost by batch size: {costs}\n"
               f"last update: {latency}; batch sizes run: {mix}\n"
               f"since start: {row.requests} rows in {row.executions} executions; "
-              f"{row.successes} answered, {row.failures} failed")
+              f"{row.successes} answered, {row.failures} failed; rejected: {rejected}")
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self) -> None:
@@ -348,7 +456,7 @@ class TopApp(App[None]):
         self._render_table()
 
     def _log_event(self, text: str) -> None:
-        line = f"{time.strftime('%H:%M:%S')} {text}"
+        line = f"{self._stamp()} {text}"
         self.events.append(line)
         self._log.write_line(line)
 
@@ -365,7 +473,8 @@ class TopApp(App[None]):
     # ---- sorting and filtering
 
     def action_sort(self) -> None:
-        self.sort_key = SORT_KEYS[(SORT_KEYS.index(self.sort_key) + 1) % len(SORT_KEYS)]
+        keys = [key for key, _ in self._columns()]
+        self.sort_key = keys[(keys.index(self.sort_key) + 1) % len(keys)] if self.sort_key in keys else keys[0]
         self._render_table()
 
     def action_reverse(self) -> None:
@@ -407,7 +516,10 @@ class TopApp(App[None]):
     @work(group="actions")
     async def _send(self, method: str, request, done: str) -> None:
         try:
-            response = await connection.call(self.address, method, request)
+            if method in connection.KSERVE_METHODS:
+                response = await connection.kserve_call(self.address, method, request)
+            else:
+                response = await connection.call(self.address, method, request)
         except GRPCError as exc:
             answer = f"{method} refused: {exc.status.name}: {exc.message or ''}"
         except connection.CONNECTION_ERRORS as exc:
@@ -428,26 +540,34 @@ class TopApp(App[None]):
             self.notify("no model chosen", severity="warning")
         return row
 
+    def _on(self, row: ModelRow) -> str:
+        """`` on worker1`` through a gateway (where the action goes), else nothing."""
+        return f" on {row.worker}" if self.gateway else ""
+
+    def _worker_of(self, row: ModelRow) -> str:
+        """The request's ``worker`` field: the row's worker through a gateway, else empty."""
+        return row.worker if self.gateway else ""
+
     def action_pin(self) -> None:
         if row := self._model_or_say():
-            self._ask(f"Pin {row.name} on the device (residency device)?", "SetModelResidency",
-                      pb.SetModelResidencyRequest(model=row.name, residency="device"),
-                      f"{row.name} pinned (device)")
+            self._ask(f"Pin {row.name}{self._on(row)} on the device (residency device)?", "SetModelResidency",
+                      pb.SetModelResidencyRequest(model=row.name, residency="device", worker=self._worker_of(row)),
+                      f"{row.name}{self._on(row)} pinned (device)")
 
     def action_unpin(self) -> None:
         if row := self._model_or_say():
-            self._ask(f"Unpin {row.name} (residency system: on the device on demand)?",
+            self._ask(f"Unpin {row.name}{self._on(row)} (residency system: on the device on demand)?",
                       "SetModelResidency",
-                      pb.SetModelResidencyRequest(model=row.name, residency="system"),
-                      f"{row.name} unpinned (system)")
+                      pb.SetModelResidencyRequest(model=row.name, residency="system", worker=self._worker_of(row)),
+                      f"{row.name}{self._on(row)} unpinned (system)")
 
     def _policy(self, row: ModelRow, field: str, question: str, current: str,
                 parse: Callable[[str], float]) -> None:
         def entered(value: float | None) -> None:
             if value is not None:
-                self._ask(f"Set {row.name}'s {field} to {value:g}?", "SetModelPolicy",
-                          pb.SetModelPolicyRequest(model=row.name, **{field: value}),
-                          f"{row.name} {field} = {value:g}")
+                self._ask(f"Set {row.name}'s {field}{self._on(row)} to {value:g}?", "SetModelPolicy",
+                          pb.SetModelPolicyRequest(model=row.name, worker=self._worker_of(row), **{field: value}),
+                          f"{row.name}{self._on(row)} {field} = {value:g}")
         self.push_screen(ValueScreen(question, current, parse), entered)
 
     def action_weight(self) -> None:
@@ -466,9 +586,29 @@ class TopApp(App[None]):
                          f"{row.name}: batch hold, batch_delay_seconds (0: off)",
                          f"{row.batch_delay_seconds:g}", _number(float, 0.0))
 
+    def action_load(self) -> None:
+        chosen = self.chosen()
+        where = "every worker" if self.gateway else "the worker"
+
+        def entered(name: object) -> None:
+            if name is not None:
+                self._ask(f"Load {name} on {where} (RepositoryModelLoad; a loaded model is reloaded)?",
+                          "RepositoryModelLoad", kpb.RepositoryModelLoadRequest(model_name=str(name)),
+                          f"{name} loaded")
+        self.push_screen(ValueScreen("model to load (model_control_mode explicit)",
+                                     chosen.name if chosen else "", _model_name), entered)
+
+    def action_unload(self) -> None:
+        if row := self._model_or_say():
+            where = " on every worker" if self.gateway else ""
+            self._ask(f"Unload {row.name}{where} (RepositoryModelUnload)?", "RepositoryModelUnload",
+                      kpb.RepositoryModelUnloadRequest(model_name=row.name), f"{row.name} unloaded")
+
     def action_compact(self) -> None:
-        self._ask("Compact the worker's device memory (CompactMemory)?", "CompactMemory",
-                  pb.CompactMemoryRequest(), "done")
+        row = self.chosen() if self.gateway else None
+        where = f"{row.worker}'s" if row is not None else "the worker's"
+        self._ask(f"Compact {where} device memory (CompactMemory)?", "CompactMemory",
+                  pb.CompactMemoryRequest(worker=row.worker if row is not None else ""), "done")
 
 
 def run_top(address: Address, interval: float = 1.0) -> None:

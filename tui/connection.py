@@ -1,6 +1,7 @@
 """The dashboard's side of the worker control API (``xlaserve.control.WorkerControl``): where
-the worker is, one snapshot, the snapshot stream, and the back-off between reconnects. asyncio,
-like grpclib's client and Textual's event loop."""
+the worker (or gateway) is, one snapshot, the snapshot stream, the actions (and the two KServe
+repository calls, for load and unload), and the back-off between reconnects. asyncio, like
+grpclib's client and Textual's event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from grpclib.client import Channel
 from grpclib.exceptions import ProtocolError, StreamTerminatedError
 
 from xlaserve._proto import xlaserve_control_pb2 as pb
+from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceStub
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlStub
 
 DEFAULT_ADDRESS = "localhost:8001"
@@ -98,3 +100,15 @@ async def call(address: Address, method: str, request) -> object:
     async with Channel(address.host, address.port) as channel:
         rpc = getattr(WorkerControlStub(channel), method)
         return await rpc(request, timeout=CALL_TIMEOUT_SECONDS)
+
+
+# The actions that are KServe calls rather than control calls.
+KSERVE_METHODS = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+
+
+async def kserve_call(address: Address, method: str, request) -> object:
+    """One KServe unary call by name (``RepositoryModelLoad``, ``RepositoryModelUnload``) on a
+    channel of its own. A load answers once the model is ready (or failed), so it may take as
+    long as loading does: no timeout but the worker's own."""
+    async with Channel(address.host, address.port) as channel:
+        return await getattr(GRPCInferenceServiceStub(channel), method)(request)

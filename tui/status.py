@@ -8,41 +8,60 @@ here is a small frozen value, so the app and the tests compare snapshots, never 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from xlaserve._proto import xlaserve_control_pb2 as pb
 
 # Columns the model table shows, in order: (key, heading). A key is a ModelRow field; sorting
 # by a column sorts by that field.
+# What an operator looks at first comes first, so that 80 columns show it without scrolling.
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("name", "model"),
     ("state", "state"),
-    ("version", "ver"),
     ("queue_depth", "queue"),
+    ("in_flight", "infl"),
     ("rows_per_second", "rows/s"),
-    ("rows_per_execution", "rows/exec"),
-    ("latency_seconds", "latency"),
+    ("p50_seconds", "p50"),
+    ("p99_seconds", "p99"),
+    ("device_share", "share/wt"),
+    ("weight_loads", "ld/ev"),
+    ("rejected_per_second", "rej/s"),
     ("failures_per_second", "fail/s"),
+    ("rows_per_execution", "rows/exec"),
     ("cost_seconds", "cost"),
     ("weight", "weight"),
     ("max_batch_size", "max_bs"),
     ("residency", "residency"),
     ("resident_bytes", "resident"),
     ("weight_bytes", "weights"),
+    ("version", "ver"),
 )
-SORT_KEYS = tuple(key for key, _ in COLUMNS)
+# Shown first when the dashboard watches more than one worker (a gateway).
+WORKER_COLUMN = ("worker", "worker")
+SORT_KEYS = tuple(key for key, _ in (WORKER_COLUMN, *COLUMNS))
 
 
 @dataclass(frozen=True, slots=True)
 class ModelRow:
-    """One model as the table shows it. The rates and means are over the last interval, from
-    the changes of the worker's counters; ``None`` until two snapshots exist, and the means also
-    when nothing was answered (or run) in the interval: ``latency_seconds`` and
+    """One model of one worker as the table shows it. The rates and means are over the last
+    interval, from the changes of the worker's counters; ``None`` until two snapshots exist, and
+    the means also when nothing was answered (or run) in the interval: ``latency_seconds`` and
     ``queue_wait_seconds`` are the mean time of the requests answered, from receipt to answer and
-    queued; ``batch_mix`` is the executions of each compiled batch size. ``cost_seconds`` is the
-    learned cost of the largest compiled batch size the worker has learned a cost for (``None``
-    before the first execution)."""
+    queued; ``p50_seconds`` and ``p99_seconds`` their percentiles, estimated from the latency
+    buckets' changes (:func:`percentile`); ``batch_mix`` is the executions of each compiled batch
+    size. ``cost_seconds`` is the learned cost of the largest compiled batch size the worker has
+    learned a cost for (``None`` before the first execution).
+
+    ``device_share`` is the model's part of the device time its worker spent executing over the
+    interval (``None`` when the device was idle); ``weight_share`` what its weight entitles it to
+    under ``fair`` among the models that ran or waited then (``None`` for a model that did
+    neither, or another discipline). ``loads_delta``/``evictions_delta`` are the weight copies
+    onto the device and evictions over the interval; ``thrashing`` when both moved.
+    ``rejections`` are the scheduler's since the worker started, by reason; ``rejected_per_second``
+    over the interval, all reasons."""
+    worker: str
     name: str
     state: str
     version: int
@@ -68,17 +87,35 @@ class ModelRow:
     executions: int
     successes: int
     failures: int
+    in_flight: int = 0
+    p50_seconds: float | None = None
+    p99_seconds: float | None = None
+    device_share: float | None = None
+    weight_share: float | None = None
+    weight_loads: int = 0
+    evictions: int = 0
+    loads_delta: int | None = None
+    evictions_delta: int | None = None
+    thrashing: bool = False
+    rejections: tuple[tuple[str, int], ...] = ()
+    rejected_per_second: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerView:
-    """The worker's line: its name, backend, weight budget and the bytes of it in use, and the
-    rows per second summed over its models (``None`` until two snapshots exist)."""
+    """A worker's line: its name, backend, discipline, weight budget and the bytes of it in use,
+    requests in flight, uptime, executable-cache hits of its lookups, and the rows per second
+    summed over its models (``None`` until two snapshots exist)."""
     worker: str
     backend: str
     budget_bytes: int
     resident_bytes: int
     rows_per_second: float | None
+    discipline: str = ""
+    in_flight: int = 0
+    uptime_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_lookups: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +133,33 @@ def _per(delta: int, seconds: float) -> float | None:
     return delta / seconds
 
 
-def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float | None) -> ModelRow:
+def percentile(bounds: Sequence[float], counts: Sequence[int], q: float) -> float | None:
+    """The ``q`` quantile (0 < q <= 1) of a histogram: ``counts[i]`` observations at most
+    ``bounds[i]`` (and above the previous bound), ``counts[-1]`` above the largest bound. As
+    Prometheus' ``histogram_quantile``: linear within the bucket the rank falls in, from 0 for
+    the first; the largest bound when it falls above it (so a figure there means "at least").
+    ``None`` when there are no observations or the shapes disagree."""
+    total = sum(counts)
+    if total <= 0 or len(counts) != len(bounds) + 1 or any(n < 0 for n in counts):
+        return None
+    rank = q * total
+    below = 0
+    for i, n in enumerate(counts):
+        if n and below + n >= rank:
+            if i == len(bounds):
+                return bounds[-1] if bounds else None
+            lower = bounds[i - 1] if i else 0.0
+            return lower + (bounds[i] - lower) * (rank - below) / n
+        below += n
+    return bounds[-1] if bounds else None
+
+
+def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float | None,
+         worker: str = "", bounds: Sequence[float] = ()) -> ModelRow:
     costs = tuple(sorted((int(k), float(v)) for k, v in model.learned_cost_seconds.items()))
     rate = per_execution = latency = queue_wait = failure_rate = None
+    p50 = p99 = rejected_rate = None
+    loads_delta = evictions_delta = None
     mix: tuple[tuple[int, int], ...] = ()
     if before is not None and seconds is not None:
         rate = _per(model.requests - before.requests, seconds)
@@ -114,8 +175,14 @@ def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float 
         ran = {int(size): count - before.executions_by_batch_size.get(size, 0)
                for size, count in model.executions_by_batch_size.items()}
         mix = tuple(sorted((size, n) for size, n in ran.items() if n > 0))
+        if len(model.latency_bucket_counts) == len(before.latency_bucket_counts):
+            moved = [a - b for a, b in zip(model.latency_bucket_counts, before.latency_bucket_counts)]
+            p50, p99 = percentile(bounds, moved, 0.5), percentile(bounds, moved, 0.99)
+        rejected_rate = _per(sum(model.rejections.values()) - sum(before.rejections.values()), seconds)
+        loads_delta = model.weight_loads - before.weight_loads
+        evictions_delta = model.evictions - before.evictions
     return ModelRow(
-        name=model.name, state=model.state, version=model.version, reason=model.reason,
+        worker=worker, name=model.name, state=model.state, version=model.version, reason=model.reason,
         queue_depth=model.queue_depth, rows_per_second=rate, rows_per_execution=per_execution,
         latency_seconds=latency, queue_wait_seconds=queue_wait, failures_per_second=failure_rate,
         batch_mix=mix,
@@ -124,22 +191,55 @@ def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float 
         batch_delay_seconds=model.batch_delay_seconds, batch_target_rows=model.batch_target_rows,
         residency=model.residency, resident_bytes=model.resident_bytes,
         weight_bytes=model.weight_bytes, requests=model.requests, executions=model.executions,
-        successes=model.successes, failures=model.failures)
+        successes=model.successes, failures=model.failures, in_flight=model.in_flight,
+        p50_seconds=p50, p99_seconds=p99, weight_loads=model.weight_loads, evictions=model.evictions,
+        loads_delta=loads_delta, evictions_delta=evictions_delta,
+        # a model whose weights are copied in and evicted again within one update: its worker's
+        # budget is too small for what it serves at once
+        thrashing=bool(loads_delta and evictions_delta and loads_delta > 0 and evictions_delta > 0),
+        rejections=tuple(sorted(model.rejections.items())), rejected_per_second=rejected_rate)
+
+
+def _shares(current: pb.ModelControlStatusResponse, before: dict[str, pb.ModelControl],
+            rows: tuple[ModelRow, ...]) -> tuple[ModelRow, ...]:
+    """``rows`` with their device-time share over the interval and, under ``fair``, the share
+    their weight entitles them to among the models that ran or waited."""
+    spent: dict[str, float] = {}
+    for m in current.models:
+        old = before.get(m.name)
+        if old is not None:
+            spent[m.name] = max(0.0, m.device_seconds - old.device_seconds)
+    total = math.fsum(spent.values())
+    busy = {m.name: m.weight for m in current.models if spent.get(m.name, 0.0) > 0 or m.queue_depth > 0}
+    weights = math.fsum(busy.values())
+    out = []
+    for row in rows:
+        share = spent[row.name] / total if total > 0 and row.name in spent else None
+        entitled = (busy[row.name] / weights if current.discipline == "fair" and row.name in busy
+                    and weights > 0 else None)
+        out.append(replace(row, device_share=share, weight_share=entitled))
+    return tuple(out)
 
 
 def derive(current: pb.ModelControlStatusResponse, previous: pb.ModelControlStatusResponse | None,
            seconds: float | None) -> tuple[WorkerView, tuple[ModelRow, ...]]:
     """The worker's line and one row per model of ``current``, with rates over the ``seconds``
     since ``previous`` (pass ``None`` for both on the first snapshot). A model new in ``current``
-    has no rate yet."""
+    has no rate yet. Both snapshots are of one worker."""
     before = {m.name: m for m in previous.models} if previous is not None else {}
-    rows = tuple(_row(m, before.get(m.name), seconds if previous is not None else None)
-                 for m in current.models)
+    bounds = tuple(current.latency_bucket_bounds)
+    rows = tuple(_row(m, before.get(m.name), seconds if previous is not None else None,
+                      current.worker, bounds) for m in current.models)
+    if previous is not None and seconds is not None:
+        rows = _shares(current, before, rows)
     rates = [r.rows_per_second for r in rows if r.rows_per_second is not None]
     total = math.fsum(rates) if previous is not None and rates else (0.0 if previous is not None else None)
+    lookups = current.executable_cache
     worker = WorkerView(worker=current.worker, backend=current.backend,
                         budget_bytes=current.budget_bytes, resident_bytes=current.resident_bytes,
-                        rows_per_second=total)
+                        rows_per_second=total, discipline=current.discipline, in_flight=current.in_flight,
+                        uptime_seconds=current.uptime_seconds, cache_hits=lookups.get("hit", 0),
+                        cache_lookups=sum(lookups.values()))
     return worker, rows
 
 
@@ -147,7 +247,9 @@ def changes(current: pb.ModelControlStatusResponse,
             previous: pb.ModelControlStatusResponse | None) -> tuple[StatusEvent, ...]:
     """The event log's lines for what changed from ``previous`` to ``current``: a model that
     appeared (every model, on the first snapshot), went away, or changed state, version or
-    reason. Levels and counters that move all the time (queue depth, bytes) are not events."""
+    reason; its weights copied onto the device or evicted; requests the scheduler rejected, by
+    reason. Levels and counters that move all the time (queue depth, bytes, rows) are not
+    events."""
     before = {m.name: m for m in previous.models} if previous is not None else {}
     now = {m.name: m for m in current.models}
     events: list[StatusEvent] = []
@@ -158,20 +260,31 @@ def changes(current: pb.ModelControlStatusResponse,
             events.append(StatusEvent(name, f"{name}: {state}"))
         elif (old.state, old.version, old.reason) != (model.state, model.version, model.reason):
             events.append(StatusEvent(name, f"{name}: {old.state} v{old.version} -> {state}"))
-    for name in before.keys() - now.keys():
+        if old is not None:
+            loaded, evicted = model.weight_loads - old.weight_loads, model.evictions - old.evictions
+            if loaded > 0 or evicted > 0:
+                events.append(StatusEvent(name, f"{name}: weights loaded onto the device {max(loaded, 0)}x, "
+                                                f"evicted {max(evicted, 0)}x"))
+            rejected = {r: n - old.rejections.get(r, 0) for r, n in model.rejections.items()}
+            rejected = {r: n for r, n in rejected.items() if n > 0}
+            if rejected:
+                events.append(StatusEvent(name, f"{name}: rejected " + ", ".join(
+                    f"{n} {reason}" for reason, n in sorted(rejected.items()))))
+    for name in sorted(before.keys() - now.keys()):
         events.append(StatusEvent(name, f"{name}: gone"))
     return tuple(events)
 
 
 def visible(rows: Iterable[ModelRow], name_filter: str, sort_key: str,
             descending: bool) -> list[ModelRow]:
-    """The rows whose name contains ``name_filter`` (case-insensitive), sorted by the column
-    ``sort_key`` (a :data:`SORT_KEYS` entry), then by name. Rows without a figure (``None``)
+    """The rows whose model or worker name contains ``name_filter`` (case-insensitive), sorted by
+    the column ``sort_key`` (a :data:`SORT_KEYS` entry), then by name and worker. Rows without a figure (``None``)
     sort last either way."""
     if sort_key not in SORT_KEYS:
         raise ValueError(f"unknown sort column {sort_key!r}; expected one of {', '.join(SORT_KEYS)}")
     needle = name_filter.lower()
-    chosen = sorted((r for r in rows if needle in r.name.lower()), key=lambda r: r.name)
+    chosen = sorted((r for r in rows if needle in r.name.lower() or needle in r.worker.lower()),
+                    key=lambda r: (r.name, r.worker))
     present = [r for r in chosen if getattr(r, sort_key) is not None]
     missing = [r for r in chosen if getattr(r, sort_key) is None]
     present.sort(key=lambda r: getattr(r, sort_key), reverse=descending)
@@ -203,18 +316,40 @@ def cells(row: ModelRow) -> tuple[str, ...]:
     def opt(value: float | None, fmt: str) -> str:
         return "-" if value is None else format(value, fmt)
     cost = "-" if row.cost_seconds is None else f"{human_seconds(row.cost_seconds)}@{row.cost_batch_size}"
-    return (row.name, row.state, str(row.version), str(row.queue_depth),
-            opt(row.rows_per_second, ".1f"), opt(row.rows_per_execution, ".2f"),
-            "-" if row.latency_seconds is None else human_seconds(row.latency_seconds),
-            opt(row.failures_per_second, ".1f"), cost,
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else human_seconds(value)
+    return (row.name, row.state, str(row.queue_depth), str(row.in_flight),
+            opt(row.rows_per_second, ".1f"), seconds(row.p50_seconds), seconds(row.p99_seconds),
+            share_text(row), loads_text(row), opt(row.rejected_per_second, ".1f"),
+            opt(row.failures_per_second, ".1f"), opt(row.rows_per_execution, ".2f"), cost,
             f"{row.weight:g}", str(row.max_batch_size) if row.max_batch_size else "uncapped",
-            row.residency, human_bytes(row.resident_bytes), human_bytes(row.weight_bytes))
+            row.residency, human_bytes(row.resident_bytes), human_bytes(row.weight_bytes), str(row.version))
+
+
+def share_text(row: ModelRow) -> str:
+    """``62%/50%``: the device time it had over the last update, and what its weight entitles
+    it to under ``fair`` (``-`` where there is no figure)."""
+    had = "-" if row.device_share is None else f"{row.device_share:.0%}"
+    due = "-" if row.weight_share is None else f"{row.weight_share:.0%}"
+    return f"{had}/{due}"
+
+
+# The thrash marker: weights copied onto the device and evicted within one update.
+THRASH_MARK = "!"
+
+
+def loads_text(row: ModelRow) -> str:
+    """``12/11!``: weight loads and evictions since the worker started, marked while thrashing."""
+    return f"{row.weight_loads}/{row.evictions}" + (THRASH_MARK if row.thrashing else "")
 
 
 def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
     """One snapshot as plain JSON-ready data, for ``xlaserve top --once --json``: the proto's
     field names, integers as numbers (not the strings protobuf's JSON mapping gives int64), the
-    learned costs as ``{"batch size": seconds}``."""
+    learned costs as ``{"batch size": seconds}``. A gateway's answer (``workers`` set) is
+    ``{"workers": [one worker's snapshot, ...]}``."""
+    if status.workers:
+        return {"workers": [snapshot_dict(w) for w in status.workers]}
     models = []
     for m in status.models:
         models.append({
@@ -228,7 +363,58 @@ def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
             "successes": m.successes, "success_seconds": m.success_seconds,
             "failures": m.failures, "queue_seconds": m.queue_seconds,
             "executions_by_batch_size": {str(k): v for k, v in sorted(m.executions_by_batch_size.items())},
+            "in_flight": m.in_flight, "latency_bucket_counts": list(m.latency_bucket_counts),
+            "device_seconds": m.device_seconds, "rejections": dict(sorted(m.rejections.items())),
+            "weight_loads": m.weight_loads, "evictions": m.evictions,
         })
-    return {"worker": status.worker, "backend": status.backend,
+    return {"worker": status.worker, "backend": status.backend, "discipline": status.discipline,
             "budget_bytes": status.budget_bytes, "resident_bytes": status.resident_bytes,
-            "models": models}
+            "in_flight": status.in_flight, "uptime_seconds": status.uptime_seconds,
+            "executable_cache": dict(sorted(status.executable_cache.items())),
+            "latency_bucket_bounds": list(status.latency_bucket_bounds), "models": models}
+
+
+def once_text(status: pb.ModelControlStatusResponse, address: str) -> str:
+    """``xlaserve top --once`` without ``--json``: for each worker (a gateway's answer has
+    several) its line, then its models as a text table."""
+    lines: list[str] = []
+    for one in (status.workers or [status]):
+        worker, rows = derive(one, None, None)
+        if lines:
+            lines.append("")
+        cache = (f", executable cache {worker.cache_hits}/{worker.cache_lookups} hits"
+                 if worker.cache_lookups else "")
+        lines.append(f"{worker.worker} at {address}, backend {worker.backend}, {worker.discipline or '-'}, "
+                     f"budget {human_bytes(worker.resident_bytes)} / {human_bytes(worker.budget_bytes)}, "
+                     f"{worker.in_flight} in flight, up {human_duration(worker.uptime_seconds)}{cache}")
+        table = [[heading for _, heading in COLUMNS]] + [list(cells(row)) for row in rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+        for line in table:
+            lines.append("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def human_duration(seconds: float) -> str:
+    """An uptime to the minute (so that a line showing it changes once a minute, not at every
+    update): ``<1m``, ``12m``, ``5h02m``, ``3d04h``."""
+    whole = int(seconds)
+    if whole < 60:
+        return "<1m"
+    if whole < 3600:
+        return f"{whole // 60}m"
+    if whole < 86400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86400}d{whole % 86400 // 3600:02d}h"
+
+
+SPARK_BLOCKS = " ▁▂▃▄▅▆▇█"
+
+
+def spark(values: Sequence[float]) -> str:
+    """``values`` as one line of block characters, scaled to their largest (a blank for 0, a
+    full block for the largest); empty when all are 0, so that an idle model draws nothing."""
+    top = max(values, default=0.0)
+    if top <= 0:
+        return ""
+    last = len(SPARK_BLOCKS) - 1
+    return "".join(SPARK_BLOCKS[0 if v <= 0 else max(1, round(last * v / top))] for v in values)

@@ -114,7 +114,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    """The operator's dashboard of one worker (tui/, docs/top.md); ``--once`` prints one snapshot
+    """The operator's dashboard of a worker or a gateway's workers (tui/, docs/top.md); ``--once`` prints one snapshot
     and exits, as JSON with ``--json``, without starting the dashboard."""
     import asyncio
     import json
@@ -132,13 +132,18 @@ def cmd_top(args: argparse.Namespace) -> int:
         print(f"xlaserve top: --interval must be >= {connection.MIN_INTERVAL_SECONDS} s "
               f"(the worker's fastest stream), got {args.interval:g}", file=sys.stderr)
         return 2
+    if not args.once and os.environ.get("TERM", "").lower() in ("dumb", "unknown"):
+        # Textual draws with escape sequences whatever TERM says: refused, rather than garbage
+        print(f"xlaserve top: TERM={os.environ['TERM']} cannot draw a full-screen dashboard; use --once "
+              "(or --once --json), or a terminal that can (NO_COLOR=1 for one without colours)", file=sys.stderr)
+        return 2
     if not args.once:
         from tui.app import run_top
         run_top(address, args.interval)
         return 0
     from grpclib.exceptions import GRPCError
 
-    from tui.status import COLUMNS, cells, derive, human_bytes, snapshot_dict
+    from tui.status import once_text, snapshot_dict
     try:
         status = asyncio.run(connection.fetch_status(address))
     except GRPCError as exc:
@@ -150,13 +155,7 @@ def cmd_top(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snapshot_dict(status), indent=2))
         return 0
-    worker, rows = derive(status, None, None)
-    print(f"{worker.worker} at {address}, backend {worker.backend}, budget "
-          f"{human_bytes(worker.resident_bytes)} / {human_bytes(worker.budget_bytes)}")
-    table = [[heading for _, heading in COLUMNS]] + [list(cells(row)) for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
-    for line in table:
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    print(once_text(status, str(address)))
     return 0
 
 
@@ -210,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
                                    "run every module as the server would and compare it with fn (docs/export.md).")
     from xlaserve import export_cli
     export_cli.add_arguments(p)
-    p = sub.add_parser("top", help="a live terminal dashboard of a worker (docs/top.md)",
-                       description="A live dashboard of one worker's models, from its WatchStatus "
-                                   "stream, with pin/unpin, policy and compaction actions.")
+    p = sub.add_parser("top", help="a live terminal dashboard of a worker or a gateway (docs/top.md)",
+                       description="A live dashboard of a worker's models (a gateway's: every worker's), from "
+                                   "the WatchStatus stream, with pin/unpin, policy, load/unload and compaction "
+                                   "actions.")
     p.add_argument("address", nargs="?", default="localhost:8001",
-                   help="the worker's gRPC address, HOST:PORT (default localhost:8001)")
+                   help="the worker's or gateway's gRPC address, HOST:PORT (default localhost:8001)")
     p.add_argument("--interval", type=float, default=1.0,
                    help="seconds between updates (default 1, at least 0.05)")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")

@@ -2,10 +2,27 @@
 process in tests). Metric names follow the node-file vocabulary."""
 from __future__ import annotations
 
+import bisect
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+# public: the control status sends these bounds with its latency counts
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTally:
+    """What the worker counted of one model's requests since it started, as a frozen value
+    (``WorkerControl`` status reads it): the requests answered OK per latency bucket (one count
+    per :data:`LATENCY_BUCKETS` bound, then one above the largest) and the scheduler's
+    rejections by reason."""
+
+    latency_counts: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS) + 1)
+    rejections: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class Metrics:
@@ -16,7 +33,7 @@ class Metrics:
                                 ["model", "status"], registry=r)
         self.request_seconds = Histogram("xlaserve_request_duration_seconds",
                                          "Time from receiving an inference request to answering it",
-                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.executions = Counter("xlaserve_executions", "Model executions on the device, by compiled batch size",
                                   ["model", "batch_size"], registry=r)
         self.batch_rows = Histogram("xlaserve_batch_rows", "Request rows coalesced into one execution",
@@ -28,10 +45,10 @@ class Metrics:
                                     ["model"], buckets=_ROW_BUCKETS, registry=r)
         self.queue_seconds = Histogram("xlaserve_queue_duration_seconds",
                                        "Time from receiving a request to its dispatch to the device",
-                                       ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+                                       ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.compute_seconds = Histogram("xlaserve_compute_duration_seconds",
                                          "Time of one execution (assemble inputs, run, split outputs)",
-                                         ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.rejections = Counter("xlaserve_rejections",
                                   "Requests the scheduler answered without running them, by reason "
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
@@ -44,11 +61,27 @@ class Metrics:
                                         registry=r)
         self.requests_in_flight = Gauge("xlaserve_requests_in_flight",
                                         "Inference requests accepted and not yet answered", registry=r)
+        # The same counts kept as plain numbers too, so that a status snapshot reads them without
+        # walking Prometheus' registry: per model, OK latencies by bucket and rejections by reason.
+        self._latency: dict[str, list[int]] = {}
+        self._rejected: dict[str, dict[str, int]] = {}
 
     def observe_request(self, model: str, status: str, seconds: float) -> None:
         self.requests.labels(model, status).inc()
         if status == "OK":
             self.request_seconds.labels(model).observe(seconds)
+            counts = self._latency.get(model)
+            if counts is None:
+                counts = self._latency[model] = [0] * (len(LATENCY_BUCKETS) + 1)
+            # a bound is inclusive, as Prometheus' le
+            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+
+    def tally(self, model: str) -> RequestTally:
+        """``model``'s :class:`RequestTally` now (zeros for a model never seen)."""
+        counts = self._latency.get(model)
+        rejected = self._rejected.get(model)
+        return RequestTally(tuple(counts) if counts is not None else RequestTally().latency_counts,
+                            MappingProxyType(dict(rejected)) if rejected else MappingProxyType({}))
 
     def observe_execution(self, model: str, size: int, rows: int) -> None:
         self.executions.labels(model, str(size)).inc()
@@ -68,6 +101,8 @@ class Metrics:
 
     def observe_rejection(self, model: str, reason: str) -> None:
         self.rejections.labels(model, reason).inc()
+        reasons = self._rejected.setdefault(model, {})
+        reasons[reason] = reasons.get(reason, 0) + 1
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,13 +23,29 @@ class Admission:
     ``max_concurrent_requests`` 0 is uncapped; ``max_held_request_bytes`` is always a limit.
     """
 
-    __slots__ = ("max_concurrent_requests", "max_held_request_bytes", "in_flight", "held_bytes")
+    __slots__ = ("max_concurrent_requests", "max_held_request_bytes", "in_flight", "held_bytes", "by_model")
 
     def __init__(self, max_concurrent_requests: int, max_held_request_bytes: int) -> None:
         self.max_concurrent_requests = max_concurrent_requests
         self.max_held_request_bytes = max_held_request_bytes
         self.in_flight = 0       #: requests entered and not yet left
         self.held_bytes = 0      #: bytes held by requests past :meth:`hold`, not yet left
+        #: requests in flight per model, of those found (:meth:`found`); a model leaves the
+        #: mapping when it has none, so it holds only models with requests in flight
+        self.by_model: dict[str, int] = {}
+
+    def found(self, model: str) -> None:
+        """The request just entered is for ``model`` (a model the worker knows): count it there
+        too, until :meth:`lost` when it is answered."""
+        self.by_model[model] = self.by_model.get(model, 0) + 1
+
+    def lost(self, model: str) -> None:
+        """A request counted by :meth:`found` for ``model`` is answered."""
+        left = self.by_model[model] - 1
+        if left:
+            self.by_model[model] = left
+        else:
+            del self.by_model[model]
 
     def enter(self) -> None:
         """Count one more request in flight. Past ``max_concurrent_requests`` raise

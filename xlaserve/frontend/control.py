@@ -19,8 +19,10 @@ import trio
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
 from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError, internal_message
+from xlaserve.frontend.admission import Admission
 from xlaserve.frontend.port import WorkerPort
 from xlaserve.frontend.statuses import rpc
+from xlaserve.metrics import LATENCY_BUCKETS, RequestTally
 
 log = logging.getLogger("xlaserve.control")
 
@@ -28,14 +30,21 @@ DEFAULT_WATCH_INTERVAL = 1.0
 MIN_WATCH_INTERVAL = 0.05
 
 
-def status_snapshot(worker: WorkerPort) -> pb.ModelControlStatusResponse:
-    """One consistent snapshot of every model the worker knows (no awaits while it is built)."""
+def status_snapshot(worker: WorkerPort, admission: Admission | None = None) -> pb.ModelControlStatusResponse:
+    """One consistent snapshot of every model the worker knows (no awaits while it is built).
+    ``admission``: the KServe service's, for the requests in flight (0 without it)."""
     scheduler = worker.scheduling
     weights = worker.weights
     cache = weights.snapshot()
     resident: dict[str, int] = {}
+    loads: dict[str, int] = {}
+    evictions: dict[str, int] = {}
     for r in cache.models:
         resident[r.model] = resident.get(r.model, 0) + r.resident_bytes
+        loads[r.model] = loads.get(r.model, 0) + r.loads
+        evictions[r.model] = evictions.get(r.model, 0) + r.evictions
+    in_flight = admission.by_model if admission is not None else {}
+    no_tally = RequestTally()
     costs: dict[str, dict[int, float]] = {}
     for c in scheduler.costs():
         costs.setdefault(c.model, {})[c.size] = c.seconds
@@ -43,6 +52,10 @@ def status_snapshot(worker: WorkerPort) -> pb.ModelControlStatusResponse:
     for entry in worker.models.snapshot.values():
         policy = scheduler.policy(entry.name)
         stats = worker.statistics(entry.name)
+        tally = worker.tally(entry.name) if worker.tally is not None else no_tally
+        device_ns = 0
+        for b in stats.batches.values():
+            device_ns += b.compute_input.ns + b.compute_infer.ns + b.compute_output.ns
         models.append(pb.ModelControl(
             name=entry.name, state=entry.state.value, version=entry.version or 0, reason=entry.reason,
             residency=weights.floor_of(entry.name).value, resident_bytes=resident.get(entry.name, 0),
@@ -53,17 +66,32 @@ def status_snapshot(worker: WorkerPort) -> pb.ModelControlStatusResponse:
             requests=stats.inference_count, executions=stats.execution_count,
             successes=stats.success.count, success_seconds=stats.success.ns / 1e9,
             failures=stats.fail.count, queue_seconds=stats.queue.ns / 1e9,
-            executions_by_batch_size={size: b.compute_infer.count for size, b in stats.batches.items()}))
-    return pb.ModelControlStatusResponse(models=models, worker=worker.worker_name, backend=worker.backend,
-                                         budget_bytes=cache.budget_bytes, resident_bytes=cache.resident_bytes,
-                                         discipline=worker.discipline)
+            executions_by_batch_size={size: b.compute_infer.count for size, b in stats.batches.items()},
+            in_flight=in_flight.get(entry.name, 0), latency_bucket_counts=tally.latency_counts,
+            device_seconds=device_ns / 1e9, rejections=tally.rejections,
+            weight_loads=loads.get(entry.name, 0), evictions=evictions.get(entry.name, 0)))
+    return pb.ModelControlStatusResponse(
+        models=models, worker=worker.worker_name, backend=worker.backend, budget_bytes=cache.budget_bytes,
+        resident_bytes=cache.resident_bytes, discipline=worker.discipline, latency_bucket_bounds=LATENCY_BUCKETS,
+        uptime_seconds=worker.uptime() if worker.uptime is not None else 0.0,
+        executable_cache=worker.executable_cache() if worker.executable_cache is not None else {},
+        in_flight=admission.in_flight if admission is not None else 0)
 
 
 class WorkerControlService(WorkerControlBase):
-    """The ``WorkerControl`` service of one worker, reached through ``worker``."""
+    """The ``WorkerControl`` service of one worker, reached through ``worker``; ``admission``
+    (the KServe service's) gives the requests in flight."""
 
-    def __init__(self, worker: WorkerPort) -> None:
+    def __init__(self, worker: WorkerPort, admission: Admission | None = None) -> None:
         self._worker = worker
+        self._admission = admission
+
+    def _addressed(self, request) -> None:
+        """A request naming a worker (``worker``, set for a gateway) is for this one only."""
+        name = self._worker.worker_name
+        if request.worker and request.worker != name:
+            raise InvalidArgument(f"this is worker '{name}', the request names worker '{request.worker}' "
+                                  "(leave worker empty, or send it through the gateway that fronts it)")
 
     def _known(self, name: str) -> None:
         table = self._worker.models.snapshot
@@ -99,11 +127,12 @@ class WorkerControlService(WorkerControlBase):
     @rpc
     async def ModelControlStatus(self, stream) -> None:
         await stream.recv_message()
-        await stream.send_message(status_snapshot(self._worker))
+        await stream.send_message(status_snapshot(self._worker, self._admission))
 
     @rpc
     async def SetModelResidency(self, stream) -> None:
         request = await stream.recv_message()
+        self._addressed(request)
         self._known(request.model)
         # an unknown floor: Floor.parse's ValueError, answered INVALID_ARGUMENT
         await self._in_trio_task(lambda: self._worker.weights.set_residency(request.model, request.residency))
@@ -113,6 +142,7 @@ class WorkerControlService(WorkerControlBase):
     @rpc
     async def SetModelPolicy(self, stream) -> None:
         request = await stream.recv_message()
+        self._addressed(request)
         self._known(request.model)
         weight = request.weight if request.HasField("weight") else None
         max_batch = request.max_batch_size if request.HasField("max_batch_size") else None
@@ -140,7 +170,7 @@ class WorkerControlService(WorkerControlBase):
 
     @rpc
     async def CompactMemory(self, stream) -> None:
-        await stream.recv_message()
+        self._addressed(await stream.recv_message())
         message, freed = await self._in_trio_task(self._worker.weights.compact)
         log.info("control: CompactMemory: %s (%d bytes freed)", message, freed)
         await stream.send_message(pb.CompactMemoryResponse(message=message, freed_bytes=freed))
@@ -154,7 +184,7 @@ class WorkerControlService(WorkerControlBase):
         # stream is not work in flight, so a drain does not wait for it.
         draining = self._worker.draining
         while not draining.is_set():
-            await stream.send_message(status_snapshot(self._worker))
+            await stream.send_message(status_snapshot(self._worker, self._admission))
             with trio.move_on_after(interval):
                 await draining.wait()
 

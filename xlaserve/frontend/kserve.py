@@ -262,6 +262,8 @@ class KServeService(GRPCInferenceServiceBase):
 
         def finish(outcome) -> None:
             admission.leave(held)
+            if model is not None:
+                admission.lost(model.name)
             if cancellable:
                 stream.on_cancel = None
             if isinstance(outcome, InferResult) and cancelled:
@@ -282,6 +284,7 @@ class KServeService(GRPCInferenceServiceBase):
         try:
             admission.enter()
             model = self._ready(request.model_name, request.model_version)
+            admission.found(model.name)
             max_rows = None if model.is_meta else model.manifest.max_batch_size
             shm = worker.shared_memory
             # the peer is checked only when an input names a region: other requests pay nothing

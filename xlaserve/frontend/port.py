@@ -23,6 +23,7 @@ from xlaserve.frontend.bridge import Bridge
 
 if TYPE_CHECKING:   # the value types the views hand out; the frontend only reads them
     from xlaserve.frontend.shm import SharedMemoryRegistry
+    from xlaserve.metrics import RequestTally
     from xlaserve.runtime.residency import Floor
     from xlaserve.runtime.weights import CacheSnapshot
     from xlaserve.worker.inference import ClientRequest
@@ -111,3 +112,11 @@ class WorkerPort:
     shared_memory: SharedMemoryRegistry | None = None
     #: The scheduler's ``discipline`` (``WorkerControl`` status: a gateway checks it).
     discipline: str = "fair"
+    #: A model's requests as counted since the worker started (latency buckets, rejections by
+    #: reason), as a frozen value; None: not counted (the status says zeros).
+    tally: Callable[[str], RequestTally] | None = None
+    #: Seconds since the worker started; None: unknown (the status says 0).
+    uptime: Callable[[], float] | None = None
+    #: Compiled-executable cache lookups so far by result (``hit``, ``miss``, ``rejected``), a
+    #: copy; None: no cache.
+    executable_cache: Callable[[], Mapping[str, int]] | None = None

@@ -26,6 +26,7 @@ from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.admin import serve_admin
 from xlaserve.config.gateway import GatewayConfig
 from xlaserve.frontend.grpc_server import GrpcServer
+from xlaserve.gateway.control import GatewayControlService, StatusBoard
 from xlaserve.gateway.placement import ModelLoad, Placement, WorkerBudget, place
 from xlaserve.gateway.router import ModelOnWorker, Router
 from xlaserve.gateway.service import GatewayService
@@ -90,7 +91,12 @@ class Gateway:
         self.service = GatewayService(self.upstreams, self.router,
                                       max_per_worker=config.grpc.max_concurrent_requests_per_worker,
                                       shm_peers=config.grpc.client_shm_peers)
-        self.server = GrpcServer([self.service], max_recv_bytes=config.grpc.max_recv_msg_bytes,
+        #: each worker's latest status, as discovery receives it: the gateway's WorkerControl
+        #: service streams it to dashboards (xlaserve top) without a subscription of its own
+        self.board = StatusBoard()
+        self._draining = trio.Event()
+        self.control = GatewayControlService(self.upstreams, self.board, self._draining)
+        self.server = GrpcServer([self.service, self.control], max_recv_bytes=config.grpc.max_recv_msg_bytes,
                                  max_send_bytes=config.grpc.max_send_msg_bytes)
         self.registry = CollectorRegistry()
         self.registry.register(_RoutedCollector(self.service))
@@ -141,6 +147,7 @@ class Gateway:
         if scope is not None:
             scope.cancel()
         del self.upstreams[name]
+        self.board.forget(name)
         log.info("gateway: worker %s removed", name)
 
     async def _worker_tasks(self, name: str) -> None:
@@ -168,7 +175,9 @@ class Gateway:
             task_status.started((self.grpc_port, self.http_port))
 
     def close(self) -> None:
-        """Stop accepting and drain (in-flight calls finish; see GrpcServer.close)."""
+        """Stop accepting and drain (in-flight calls finish; see GrpcServer.close). Status
+        streams end, as a worker's do when it drains."""
+        self._draining.set()
         self.server.close()
 
     async def drain(self, seconds: float) -> None:
@@ -188,6 +197,7 @@ class Gateway:
 
             def on_message(data: bytes) -> None:
                 status = cpb.ModelControlStatusResponse.FromString(data)
+                self.board.publish(name, status)
                 if self.router.mode == "lpt_packing" and status.discipline == "fair":
                     # the gateway places and balances; a worker sharing its device fair-ly on
                     # its own would undo that: refused (the embedded gateway refuses at start-up)
@@ -238,6 +248,7 @@ class Gateway:
                                 "answers again", name, STALE_AFTER)
             if self.router.is_up(name):
                 self.router.worker_down(name)
+            self.board.forget(name)
             outcome = box[0]
             if upstream.up:
                 # the stream ended with the connection still up: the worker is stopping (its

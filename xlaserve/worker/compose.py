@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import trio
@@ -28,7 +29,7 @@ from xlaserve.frontend.port import WorkerPort
 from xlaserve.frontend.shm import SharedMemoryRegistry
 from xlaserve.frontend.tls import describe as describe_tls
 from xlaserve.metrics import Metrics, WeightCacheMetrics
-from xlaserve.runtime.excache import open_executable_cache
+from xlaserve.runtime.excache import ExecutableCache, open_executable_cache
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.weights import WeightCache, budget_for
 from xlaserve.worker.inference import InferenceService
@@ -55,6 +56,8 @@ class Actors:
     lifecycle: trio.MemorySendChannel[LifecycleMessage]   #: the lifecycle actor's inbox
     nursery: trio.Nursery                                 #: where the actors run
     http_port: int                                        #: the admin HTTP port bound
+    started: float = 0.0                                  #: time.monotonic() when the worker started
+    excache: ExecutableCache | None = None                #: the compiled-executable cache, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +123,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
     """The worker's actors. Reports them as :class:`Actors` once they are up (models may still
     be loading) and runs until cancelled. The admin HTTP port serves ``admin_listeners`` when
     given, else binds ``config.http_host:http_port``."""
+    started = time.monotonic()
     device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
     log.info("device: %s (%s), jax PJRT %s; host copies of weights in %s memory", device.backend, device.kind,
              device.platform_version, device.host_memory_kind)
@@ -150,7 +154,18 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
             listeners=admin_listeners))
         await nursery.start(lifecycle.run, lifecycle_inbox)
         task_status.started(Actors(config, device, table, stats, metrics, scheduler, service, weights,
-                                   to_lifecycle, nursery, http_port))
+                                   to_lifecycle, nursery, http_port, started, excache))
+
+
+def _lookups(excache: ExecutableCache | None):
+    """The executable cache's lookups by result, for the control status; None without a cache."""
+    if excache is None:
+        return None
+
+    def lookups() -> dict[str, int]:
+        s = excache.statistics()
+        return {"hit": s.hits, "miss": s.misses, "rejected": s.rejected}
+    return lookups
 
 
 def worker_port(actors: Actors, bridge: Bridge, *, draining: trio.Event,
@@ -164,7 +179,8 @@ def worker_port(actors: Actors, bridge: Bridge, *, draining: trio.Event,
         submit=actors.service.submit, cancel=actors.service.cancel, bridge=bridge,
         load_model=control.load, unload_model=control.unload, observe_request=actors.metrics.observe_request,
         spawn=actors.nursery.start_soon, draining=draining, shared_memory=shared_memory,
-        discipline=actors.config.scheduler.discipline)
+        discipline=actors.config.scheduler.discipline, tally=actors.metrics.tally,
+        uptime=lambda: time.monotonic() - actors.started, executable_cache=_lookups(actors.excache))
 
 
 def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
@@ -181,7 +197,7 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
     admission = kserve.admission
     actors.metrics.held_request_bytes.set_function(lambda: admission.held_bytes)
     actors.metrics.requests_in_flight.set_function(lambda: admission.in_flight)
-    server = GrpcServer([kserve, WorkerControlService(port)],
+    server = GrpcServer([kserve, WorkerControlService(port, admission)],
                         max_recv_bytes=endpoints.max_recv_msg_bytes,
                         max_send_bytes=endpoints.max_send_msg_bytes,
                         too_large_request=request_too_large, too_large_response=response_too_large,
