@@ -173,6 +173,7 @@ pid1=$("${engine[@]}" exec "$name" sh -c 'tr "\0" " " < /proc/1/cmdline; echo; a
 say "user: $("${engine[@]}" exec "$name" id) (not root); PID 1: $(echo "$pid1" | head -1)"
 
 "$PYTHON" deploy/container_check.py query "$grpc" || fail "a query failed"
+say "memory after the queries: $("${engine[@]}" stats --no-stream --format '{{.MemUsage}}' "$name" 2>/dev/null || echo 'not available from this engine')"
 
 t0=$(date +%s)
 "$PYTHON" deploy/container_check.py drain "$grpc" "$http" -- "${engine[@]}" kill --signal TERM "$name" \
