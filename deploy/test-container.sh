@@ -11,9 +11,13 @@
 #    batch_delay_seconds hold on mlp (so a request can be caught in flight), waits for /readyz,
 #    runs the image's HEALTHCHECK, checks the server does not run as root, queries simple, mlp and
 #    cnn with the Triton client from the host and compares them with examples/reference.py;
-# 4. sends SIGTERM while an mlp request is held in the queue: the request must still be answered,
-#    and the container must exit with status 0;
-# 5. prints the image's size and removes the container (the image stays, for layer caching).
+# 4. runs the standalone gateway of deploy/k8s/gateway.yaml from the same image, read-only, on a
+#    container network where the node answers to the DNS name xlaserve-workers, queries the models
+#    through it, and stops it with SIGTERM (exit status 0);
+# 5. sends SIGTERM to the node while an mlp request is held in the queue: the request must still be
+#    answered, and the container must exit with status 0;
+# 6. prints the image's size and removes the containers and the network (the image stays, for
+#    layer caching).
 #
 # Environment: PYTHON (an interpreter with xlaserve's bench extra; default .venv/bin/python),
 # BASE (default localhost/debian:bookworm-min; made with debootstrap if missing), IMAGE (default
@@ -31,6 +35,8 @@ VARIANT=${VARIANT:-cpu}
 ready_timeout=${READY_TIMEOUT:-300}
 work=$(mktemp -d "${TMPDIR:-/tmp}/xlaserve-container-test.XXXXXX")
 name=xlaserve-test-$$
+gateway_name=xlaserve-test-gateway-$$
+network=xlaserve-test-$$
 started=$(date +%s)
 
 say() { echo "test-container: $*"; }
@@ -44,7 +50,10 @@ fail() {
 }
 cleanup() {
     if [ -n "${engine:-}" ]; then
-        "${engine[@]}" rm -f -t 0 "$name" >/dev/null 2>&1 || "${engine[@]}" rm -f "$name" >/dev/null 2>&1 || true
+        for container in "$gateway_name" "$name"; do
+            "${engine[@]}" rm -f -t 0 "$container" >/dev/null 2>&1 || "${engine[@]}" rm -f "$container" >/dev/null 2>&1 || true
+        done
+        "${engine[@]}" network rm "$network" >/dev/null 2>&1 || true
     fi
     rm -rf "$work"
 }
@@ -149,7 +158,8 @@ if [ "$choice" = podman ] && [ ! -S /run/systemd/private ]; then
     # errors at each start and schedules none, so this script runs the check itself (below).
     say "no systemd: podman will not run the HEALTHCHECK on a timer (it says so below); this script runs it once"
 fi
-"${engine[@]}" run -d --name "$name" \
+"${engine[@]}" network create "$network" >/dev/null || fail "cannot create the network $network"
+"${engine[@]}" run -d --name "$name" --network "$network" --network-alias xlaserve-workers \
     -p 127.0.0.1::8001 -p 127.0.0.1::8002 \
     -v "$work/models:/models:ro" -v "$work/drain-test.yaml:/etc/xlaserve/drain-test.yaml:ro" \
     "$IMAGE" /etc/xlaserve/drain-test.yaml >/dev/null || fail "the container did not start"
@@ -173,6 +183,35 @@ pid1=$("${engine[@]}" exec "$name" sh -c 'tr "\0" " " < /proc/1/cmdline; echo; a
 say "user: $("${engine[@]}" exec "$name" id) (not root); PID 1: $(echo "$pid1" | head -1)"
 
 "$PYTHON" deploy/container_check.py query "$grpc" || fail "a query failed"
+
+# The standalone gateway of deploy/k8s/gateway.yaml in front of it, as in Kubernetes: its file from
+# the ConfigMap with the endpoint's DNS name made this network's alias of the node, and a
+# read-only root filesystem, as the Deployment sets.
+"$PYTHON" - "$checkout/deploy/k8s/gateway.yaml" "$work/gateway.yaml" <<'EOF2'
+import sys, yaml
+(configmap,) = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"]
+gateway = yaml.safe_load(configmap["data"]["gateway.yaml"])
+port = gateway["endpoints"][0].rsplit(":", 1)[1]
+gateway["endpoints"] = [f"xlaserve-workers:{port}"]     # the network alias of the node container
+with open(sys.argv[2], "w") as f:
+    yaml.safe_dump(gateway, f, sort_keys=False)
+EOF2
+chmod a+r "$work/gateway.yaml"
+"${engine[@]}" run -d --name "$gateway_name" --network "$network" --read-only \
+    -p 127.0.0.1::8001 -p 127.0.0.1::8002 -v "$work/gateway.yaml:/etc/xlaserve/gateway/gateway.yaml:ro" \
+    --entrypoint xlaserve "$IMAGE" gateway /etc/xlaserve/gateway/gateway.yaml >/dev/null 2>&1 \
+    || fail "the gateway container did not start"
+gateway_grpc=$("${engine[@]}" port "$gateway_name" 8001/tcp | head -1)
+gateway_http=$("${engine[@]}" port "$gateway_name" 8002/tcp | head -1)
+"$PYTHON" deploy/container_check.py ready "$gateway_http" --timeout 60 \
+    || { "${engine[@]}" logs --tail 20 "$gateway_name" >&2; fail "the gateway is not ready"; }
+"$PYTHON" deploy/container_check.py query "$gateway_grpc" \
+    || { "${engine[@]}" logs --tail 20 "$gateway_name" >&2; fail "a query through the gateway failed"; }
+say "gateway (deploy/k8s/gateway.yaml, read-only root, endpoint xlaserve-workers:8001 by DNS): the queries above went through it"
+"${engine[@]}" kill --signal TERM "$gateway_name" >/dev/null
+code=$("${engine[@]}" wait "$gateway_name")
+[ "$code" = 0 ] || { "${engine[@]}" logs --tail 20 "$gateway_name" >&2; fail "the gateway exited with status $code after SIGTERM"; }
+say "gateway: exit status 0 after SIGTERM"
 say "memory after the queries: $("${engine[@]}" stats --no-stream --format '{{.MemUsage}}' "$name" 2>/dev/null || echo 'not available from this engine')"
 
 t0=$(date +%s)
