@@ -128,8 +128,12 @@ def drain(grpc: str, http: str, stop_command: list[str], timeout: float = 30.0) 
                               "batch_delay_seconds hold is missing, so the drain cannot be observed")
         time.sleep(_POLL_SECONDS)
     print(f"drain: one mlp request queued (held by batch_delay_seconds) after {time.monotonic() - sent:.2f} s")
+    if not answers.empty():
+        raise CheckFailed("the mlp request was answered before SIGTERM could be sent: no drain to observe")
     signalled = time.monotonic()
-    subprocess.run(stop_command, check=True, stdout=subprocess.DEVNULL)
+    stopped = subprocess.run(stop_command, stdout=subprocess.DEVNULL)
+    if stopped.returncode != 0:
+        raise CheckFailed(f"the stop command {' '.join(stop_command)} exited with status {stopped.returncode}")
     print(f"drain: SIGTERM sent ({' '.join(stop_command)})")
     try:
         result, error = answers.get(timeout=timeout)
