@@ -16,7 +16,10 @@
 #    through it, and stops it with SIGTERM (exit status 0);
 # 5. sends SIGTERM to the node while an mlp request is held in the queue: the request must still be
 #    answered, and the container must exit with status 0;
-# 6. prints the image's size and removes the containers and the network (the image stays, for
+# 6. runs a node of two workers (deploy/node.yaml with gpus: 2, as the cuda image is on a machine
+#    with two GPUs): PID 1 is then the supervisor with the embedded gateway; queries it, sends
+#    SIGTERM, expects exit status 0 and both workers' "stopped" lines;
+# 7. prints the image's size and removes the containers and the network (the image stays, for
 #    layer caching).
 #
 # Environment: PYTHON (an interpreter with xlaserve's bench extra; default .venv/bin/python),
@@ -36,6 +39,7 @@ ready_timeout=${READY_TIMEOUT:-300}
 work=$(mktemp -d "${TMPDIR:-/tmp}/xlaserve-container-test.XXXXXX")
 name=xlaserve-test-$$
 gateway_name=xlaserve-test-gateway-$$
+supervisor_name=xlaserve-test-supervisor-$$
 network=xlaserve-test-$$
 started=$(date +%s)
 
@@ -50,7 +54,7 @@ fail() {
 }
 cleanup() {
     if [ -n "${engine:-}" ]; then
-        for container in "$gateway_name" "$name"; do
+        for container in "$gateway_name" "$supervisor_name" "$name"; do
             "${engine[@]}" rm -f -t 0 "$container" >/dev/null 2>&1 || "${engine[@]}" rm -f "$container" >/dev/null 2>&1 || true
         done
         "${engine[@]}" network rm "$network" >/dev/null 2>&1 || true
@@ -58,6 +62,18 @@ cleanup() {
     rm -rf "$work"
 }
 trap cleanup EXIT
+# Whether container $1's log has a line matching $2, looked for again (5 times at most, 0.5 s
+# apart) in case the engine's log file lags the container's exit (podman's conmon writes it). Once,
+# right after the two-worker node exited, its log lacked worker1's "stopped" line; eight later
+# runs had it at once, and the cause was not found. A line that was never written still fails.
+logs_have() {
+    local try
+    for try in 1 2 3 4 5; do
+        "${engine[@]}" logs "$1" 2>&1 | grep -q -- "$2" && return 0
+        sleep 0.5
+    done
+    return 1
+}
 trap 'fail "interrupted"' INT TERM
 
 [ -x "$PYTHON" ] || fail "PYTHON=$PYTHON is not an interpreter; make the venv: python3 -m venv .venv && .venv/bin/pip install -e '.[test]'"
@@ -221,7 +237,41 @@ code=$("${engine[@]}" wait "$name")
 say "exit status $code, $(( $(date +%s) - t0 )) s after the drain check began"
 [ "$code" = 0 ] || fail "the container exited with status $code after SIGTERM (expected 0)"
 "${engine[@]}" logs "$name" 2>&1 | grep -E '"(draining|worker worker0 stopped)' | cut -c1-200 | sed 's/^/test-container: log: /'
-"${engine[@]}" logs "$name" 2>&1 | grep -q 'worker worker0 stopped' || fail "the log has no 'worker worker0 stopped' line"
+logs_have "$name" 'worker worker0 stopped' || fail "the log has no 'worker worker0 stopped' line"
+
+# A node of two workers, as the cuda image is on a machine with two GPUs: `xlaserve run` is then
+# PID 1 as the supervisor, with the embedded gateway on 8001/8002 and a worker process each.
+"$PYTHON" - "$checkout/deploy/node.yaml" "$work/two-workers.yaml" <<'EOF2'
+import sys, yaml
+node = yaml.safe_load(open(sys.argv[1]))
+node["gpus"] = 2      # on the cpu backend: two worker processes
+with open(sys.argv[2], "w") as f:
+    f.write("# deploy/node.yaml with two workers, for deploy/test-container.sh\n")
+    yaml.safe_dump(node, f, sort_keys=False)
+EOF2
+chmod a+r "$work/two-workers.yaml"
+"${engine[@]}" run -d --name "$supervisor_name" -p 127.0.0.1::8001 -p 127.0.0.1::8002 \
+    -v "$work/models:/models:ro" -v "$work/two-workers.yaml:/etc/xlaserve/two-workers.yaml:ro" \
+    "$IMAGE" /etc/xlaserve/two-workers.yaml >/dev/null 2>&1 || fail "the two-worker container did not start"
+supervisor_grpc=$("${engine[@]}" port "$supervisor_name" 8001/tcp | head -1)
+supervisor_http=$("${engine[@]}" port "$supervisor_name" 8002/tcp | head -1)
+"$PYTHON" deploy/container_check.py ready "$supervisor_http" --timeout "$ready_timeout" \
+    || { "${engine[@]}" logs --tail 30 "$supervisor_name" >&2; fail "the two-worker node is not ready"; }
+"$PYTHON" deploy/container_check.py query "$supervisor_grpc" \
+    || { "${engine[@]}" logs --tail 30 "$supervisor_name" >&2; fail "a query to the two-worker node failed"; }
+workers=$("${engine[@]}" exec "$supervisor_name" sh -c 'for p in /proc/[0-9]*; do tr "\0" " " < "$p/cmdline"; echo; done' | grep -c -- '-m xlaserve .* worker ' || true)
+[ "$workers" = 2 ] || fail "the two-worker node runs $workers worker processes, not 2"
+say "two workers: PID 1 is the supervisor, with $workers worker processes"
+t0=$(date +%s)
+"${engine[@]}" kill --signal TERM "$supervisor_name" >/dev/null
+code=$("${engine[@]}" wait "$supervisor_name")
+say "two workers: exit status $code, $(( $(date +%s) - t0 )) s after SIGTERM"
+[ "$code" = 0 ] || { "${engine[@]}" logs --tail 30 "$supervisor_name" >&2; fail "the two-worker node exited with status $code after SIGTERM"; }
+for worker in worker0 worker1; do
+    logs_have "$supervisor_name" "worker $worker stopped" \
+        || { "${engine[@]}" logs --tail 30 "$supervisor_name" >&2; fail "the two-worker node's log has no 'worker $worker stopped' line"; }
+done
+say "two workers: both logged 'stopped' (the supervisor drained the gateway, then signalled them)"
 
 size=$("${engine[@]}" image inspect --format '{{.Size}}' "$IMAGE")
 say "image $IMAGE: $size bytes ($(( size / 1000000 )) MB); base $BASE: $("${engine[@]}" image inspect --format '{{.Size}}' "$BASE") bytes"
