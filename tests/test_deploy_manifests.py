@@ -152,6 +152,7 @@ TYPOS = [
     ("Deployment", "xlaserve-gateway", ("spec", "template", "spec", "terminationGracePeriodSeconds"), "terminationGracePeriod"),
     ("Service", "xlaserve-workers", ("spec", "clusterIP"), "clusterIp"),
     ("PodDisruptionBudget", "xlaserve-node", ("spec", "maxUnavailable"), "maxUnavailible"),
+    ("NetworkPolicy", "xlaserve-node", ("spec", "policyTypes"), "policyType"),
     ("ServingRuntime", "xlaserve", ("spec", "protocolVersions"), "protocolVersion"),
     ("ServingRuntime", "xlaserve", ("spec", "containers", 0, "readinessProbe"), "readinesProbe"),
     ("InferenceService", "xlaserve-examples", ("spec", "predictor", "model", "storageUri"), "storageURI"),
@@ -262,6 +263,15 @@ def test_every_service_and_budget_selects_pods(tmp_path):
     for budget in by_kind("PodDisruptionBudget"):
         selector = budget["spec"]["selector"]["matchLabels"]
         assert any(selector.items() <= labels.items() for labels in pods), budget["metadata"]["name"]
+    policy = one("NetworkPolicy", "xlaserve-node")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= pods[0].items()
+    (node,) = _pod("StatefulSet", "xlaserve-node")["spec"]["containers"]
+    port_names = {p["name"] for p in node["ports"]}
+    for rule in policy["ingress"]:
+        assert {p["port"] for p in rule["ports"]} <= port_names
+        for source in rule["from"]:
+            if "podSelector" in source:       # the gateway's pods may reach the workers' gRPC
+                assert source["podSelector"]["matchLabels"].items() <= pods[1].items()
     namespaces = {doc["metadata"].get("namespace") for _, doc in manifests() if doc["kind"] != "Namespace"}
     assert namespaces == {one("Namespace", "xlaserve")["metadata"]["name"]}
 
