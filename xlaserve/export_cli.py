@@ -132,8 +132,12 @@ def resolve(target: str, flag: str, default_module: ModuleType | None = None) ->
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("function", metavar="MODULE:FUNCTION",
+    p.add_argument("function", metavar="MODULE:FUNCTION", nargs="?",
                    help="the JAX function fn(params, *inputs): a dotted module importable from here, or a .py file")
+    p.add_argument("--torch", metavar="MODULE:FACTORY",
+                   help="export a PyTorch model instead of a JAX function: a function returning the "
+                        "torch.nn.Module (called with no arguments), or the module; --input lists forward's "
+                        "tensors. Needs pip install 'xlaserve[export-torch]'")
     p.add_argument("--params", metavar="[MODULE:]NAME",
                    help="a function returning the parameter pytree (called with no arguments), or the pytree; "
                         "NAME alone is looked up in the function's module. Default: no parameters (fn(None, ...))")
@@ -163,6 +167,15 @@ def main(args: argparse.Namespace) -> int:
     from xlaserve.export_verify import VerificationError
 
     try:
+        if (args.function is None) == (args.torch is None):
+            raise UsageError("give either MODULE:FUNCTION (a JAX function) or --torch MODULE:FACTORY"
+                             " (a PyTorch model), not both or neither")
+        if args.torch is not None:
+            for flag, given in (("--params", args.params), ("--bytecode", args.bytecode)):
+                if given:
+                    raise UsageError(f"{flag} does not apply to --torch (the weights are the module's"
+                                     " state_dict; the modules are StableHLO text)")
+            return _main_torch(args)
         module, fn = resolve(args.function, "MODULE:FUNCTION")
         if not callable(fn):
             raise UsageError(f"{args.function}: not a function")
@@ -202,13 +215,66 @@ def main(args: argparse.Namespace) -> int:
     except (ExportError, ValueError) as exc:
         print(f"xlaserve export: {exc}", file=sys.stderr)
         return 2
+    _report(result, len(sizes), args.function)
+    return 0
+
+
+def _report(result: Any, modules: int, source: str) -> None:
+    """The one line on stdout: what was written and verified."""
     if result.verification:
         checks = result.verification.checks
-        modules = len({c.module for c in checks})
-        outputs_each = len(checks) // modules
+        outputs_each = len(checks) // len({c.module for c in checks})
         verified = (f"verified: {outputs_each} output{'s' if outputs_each != 1 else ''} of each module"
-                    f" within tolerance of {args.function}")
+                    f" within tolerance of {source}")
     else:
         verified = "not verified (--no-verify)"
-    print(f"wrote {result.bundle}: {len(sizes)} modules, {len(result.weights_order)} weights, {verified}")
+    print(f"wrote {result.bundle}: {modules} modules, {len(result.weights_order)} weights, {verified}")
+
+
+def _main_torch(args: argparse.Namespace) -> int:
+    """``--torch MODULE:FACTORY``: :func:`xlaserve.export_torch.export_torch`; the same exit
+    statuses as :func:`main`. Raises :class:`UsageError` for the command line."""
+    from xlaserve.errors import BundleError
+    from xlaserve.export import ExportError, TracingError
+    from xlaserve.export_verify import VerificationError
+
+    try:
+        from xlaserve.export_torch import export_torch
+    except ImportError as exc:
+        raise UsageError(f"--torch needs PyTorch and torch-mlir ({exc}); install them with"
+                         " pip install 'xlaserve[export-torch]'") from None
+    import torch
+
+    _, factory = resolve(args.torch, "--torch")
+    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"--torch {args.torch}: expected a torch.nn.Module or a function returning one,"
+                         f" found {type(model).__name__}")
+    parsed = [parse_input(text) for text in args.input]
+    outputs = [parse_output(text) for text in args.output or []]
+    sizes = parse_batch_sizes(args.batch_sizes)
+    for atol_or_rtol in (args.atol, args.rtol):
+        if atol_or_rtol is not None and not atol_or_rtol >= 0:
+            raise UsageError(f"--atol/--rtol {atol_or_rtol}: expected a number >= 0")
+    for _, note in parsed:
+        if note:
+            log.info("note: %s", note)
+    try:
+        result = export_torch(
+            args.out, model, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
+            output_names=[name for name, _ in outputs] or None,
+            output_axes={name: axes for name, axes in outputs if axes},
+            hooks=args.hooks, verify=not args.no_verify, atol=args.atol, rtol=args.rtol, seed=args.seed,
+            progress=lambda line: log.info("%s", line))
+    except (VerificationError, BundleError) as exc:
+        print(f"xlaserve export: {exc}\nthe bundle is left at {args.out} for inspection", file=sys.stderr)
+        return 1
+    except TracingError as exc:
+        where = "".join(traceback.format_exception(exc.cause)).rstrip()
+        print(f"xlaserve export: {exc}\n{where}", file=sys.stderr)
+        return 2
+    except (ExportError, ValueError) as exc:
+        print(f"xlaserve export: {exc}", file=sys.stderr)
+        return 2
+    _report(result, len(sizes), args.torch)
     return 0
