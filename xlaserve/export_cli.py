@@ -1,11 +1,16 @@
-"""``xlaserve export``: a JAX function and its parameters, from a Python module, as a verified bundle.
+"""``xlaserve export``: a JAX function and its parameters, or a PyTorch model, from a Python
+module, as a verified bundle.
 
     xlaserve export mypkg.model:forward --params init_params \\
         --input image:uint8:224,224,3:cwhn --batch-sizes 1,4,16 --out models/classifier
+    xlaserve export --torch mypkg.model:build --input image:float32:3,224,224:whcn \\
+        --batch-sizes 1,4,16 --out models/classifier
 
 The function is ``forward(params, *inputs)``; ``--params`` names a function returning the
-parameter pytree (or the pytree itself). The work is :func:`xlaserve.export_jax.export_jax`;
-this module parses the command line into its arguments and reports what it did.
+parameter pytree (or the pytree itself). ``--torch`` names a function returning the
+``torch.nn.Module`` (or the module). The work is :func:`xlaserve.export_jax.export_jax` or
+:func:`xlaserve.export_torch.export_torch` (imported only for ``--torch``); this module parses
+the command line into their arguments and reports what they did.
 """
 from __future__ import annotations
 
@@ -239,17 +244,15 @@ def _main_torch(args: argparse.Namespace) -> int:
     from xlaserve.export_verify import VerificationError
 
     try:
-        from xlaserve.export_torch import export_torch
+        from xlaserve.export_torch import export_torch, module_from
     except ImportError as exc:
         raise UsageError(f"--torch needs PyTorch and torch-mlir ({exc}); install them with"
                          " pip install 'xlaserve[export-torch]'") from None
-    import torch
-
     _, factory = resolve(args.torch, "--torch")
-    model = factory() if callable(factory) and not isinstance(factory, torch.nn.Module) else factory
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"--torch {args.torch}: expected a torch.nn.Module or a function returning one,"
-                         f" found {type(model).__name__}")
+    try:
+        model = module_from(factory, f"--torch {args.torch}")
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None
     parsed = [parse_input(text) for text in args.input]
     outputs = [parse_output(text) for text in args.output or []]
     sizes = parse_batch_sizes(args.batch_sizes)

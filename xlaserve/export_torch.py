@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,7 @@ from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abs
 from xlaserve.export_jax import hooks_skeleton, output_specs
 from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
 
-__all__ = ["TorchExport", "export_torch", "state_weights", "to_numpy", "to_torch"]
+__all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +59,16 @@ class TorchExport:
     weights_order: tuple[str, ...]
     notes: tuple[str, ...]
     verification: Verification | None
+
+
+def module_from(found: Any, where: str) -> torch.nn.Module:
+    """``found`` if it is an ``nn.Module``, else what calling it with no arguments returns (a
+    factory), which must be one; otherwise an :class:`ExportError` naming ``where``."""
+    model = found() if callable(found) and not isinstance(found, torch.nn.Module) else found
+    if not isinstance(model, torch.nn.Module):
+        raise ExportError(f"{where}: expected a torch.nn.Module or a function returning one,"
+                          f" found {type(model).__name__}")
+    return model
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -155,9 +166,12 @@ def _run_eager(module: torch.nn.Module, arrays: Sequence[np.ndarray]) -> Any:
 def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> bytes:
     """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text."""
     args = (*weights, *[to_torch(a) for a in arrays])
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch 2.13 deprecates a pytree check that torch.export still makes; not the user's to fix
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                FutureWarning)
         program = torch.export.export(wrapper, args, strict=False)
-    lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main")
+        lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main")
     return str(lowered).encode()
 
 
