@@ -2,7 +2,7 @@
 behind Triton's python backend, in one run with alternating rounds.
 
     python -m benchmarks.torch_peers_bench [--rounds 2] [--duration 10] [--concurrency 1,8]
-        [--compiled-sizes 1,2,4,8] [--max-batch 8] [--queue-delay-us 1000]
+        [--compiled-sizes 1,2,4,8] [--max-batch 8] [--queue-delay-us 1000] [--peer-threads 0]
 
 Needs the ``examples-torch`` extra here (torchvision, to export the model). The run:
 
@@ -11,7 +11,8 @@ Needs the ``examples-torch`` extra here (torchvision, to export the model). The 
 2. writes a Triton model repository (python backend) whose ``model.py`` builds the same
    torchvision ResNet-18, loads the bundle's own ``weights.safetensors`` (the module's
    ``state_dict``) and runs it in eager PyTorch under ``torch.inference_mode``, with dynamic
-   batching (``max_batch_size`` = --max-batch, --queue-delay-us, one CPU instance);
+   batching (``max_batch_size`` = --max-batch, --queue-delay-us, one CPU instance) on
+   torch's default threads or ``--peer-threads``;
 3. prepares the peer's venv, ``$PEERS_ROOT/venv-triton-torch`` (nvidia-pytriton 0.7.0 for the
    tritonserver binary, torch 2.14.1 and torchvision 0.29.1 for the model; once, 5-7 minutes),
    and starts Triton with ``../shared/peers/run_triton.sh`` on that repository and venv (the script
@@ -68,8 +69,14 @@ import triton_python_backend_utils as pb_utils
 from safetensors.torch import load_file
 
 
+# 0: torch's default (one intra-op thread per core); set by --peer-threads
+TORCH_THREADS = {threads}
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        if TORCH_THREADS:
+            torch.set_num_threads(TORCH_THREADS)
         self.model = torchvision.models.resnet18(weights=None).eval()
         here = os.path.dirname(os.path.abspath(__file__))
         self.model.load_state_dict(load_file(os.path.join(here, "weights.safetensors")))
@@ -88,12 +95,13 @@ class TritonPythonModel:
 '''
 
 
-def triton_repo(root: Path, bundle: Path, max_batch: int, delay_us: int) -> Path:
-    """A Triton model repository serving ``resnet18`` in eager PyTorch with ``bundle``'s weights."""
+def triton_repo(root: Path, bundle: Path, max_batch: int, delay_us: int, threads: int) -> Path:
+    """A Triton model repository serving ``resnet18`` in eager PyTorch with ``bundle``'s weights,
+    on ``threads`` intra-op threads (0: torch's default)."""
     version = root / MODEL / "1"
     version.mkdir(parents=True)
     (root / MODEL / "config.pbtxt").write_text(CONFIG.format(max_batch=max_batch, delay=delay_us))
-    (version / "model.py").write_text(MODEL_PY)
+    (version / "model.py").write_text(MODEL_PY.replace("{threads}", str(threads)))
     shutil.copy(bundle / "weights.safetensors", version / "weights.safetensors")
     return root
 
@@ -146,6 +154,8 @@ def main() -> None:
     p.add_argument("--compiled-sizes", default="1,2,4,8", help="xlaserve's compiled batch sizes")
     p.add_argument("--max-batch", type=int, default=8, help="Triton's max_batch_size")
     p.add_argument("--queue-delay-us", type=int, default=1000, help="Triton's max_queue_delay_microseconds")
+    p.add_argument("--peer-threads", type=int, default=0,
+                   help="torch.set_num_threads in Triton's model (0: torch's default, one per core)")
     p.add_argument("--logs", default="/tmp/xlaserve-torch-peers-bench")
     args = p.parse_args()
     from examples import torch_examples
@@ -160,7 +170,8 @@ def main() -> None:
         started = time.perf_counter()
         bundle = torch_examples.export(MODEL, repo, tuple(int(n) for n in args.compiled_sizes.split(",")))
         print(json.dumps({"exported": str(bundle), "seconds": round(time.perf_counter() - started, 1)}), flush=True)
-        triton = triton_repo(Path(tmp) / "triton", bundle, args.max_batch, args.queue_delay_us)
+        triton = triton_repo(Path(tmp) / "triton", bundle, args.max_batch, args.queue_delay_us,
+                             args.peer_threads)
         x = torch_examples.sample(MODEL, 2)
         expected = torch_examples.eager(MODEL, torch_examples.resnet18(), x)["output"]
         for round_ in range(args.rounds):
