@@ -17,7 +17,8 @@ Needs the ``examples-torch`` extra here (torchvision, to export the model). The 
    tritonserver binary, torch 2.14.1 and torchvision 0.29.1 for the model; once, 5-7 minutes),
    and starts Triton with ``../shared/peers/run_triton.sh`` on that repository and venv (the script
    adds its own ``mlp`` and ``img_mean`` models beside it; they stay idle);
-4. each round starts each server in turn, checks that a batch of 2 answers what eager PyTorch
+4. each round starts each server in turn (``xlaserve-flags``: xlaserve with ``XLA_FLAGS`` set
+   to --xla-flags, for comparing XLA's cpu settings in the same run), checks that a batch of 2 answers what eager PyTorch
    computes (within 1e-4), and drives ``resnet18`` with the load generator
    (:mod:`xlaserve.bench.loadgen`, one FP32 [1, 3, 224, 224] image per request) at each
    concurrency.
@@ -117,10 +118,20 @@ def ensure_peer_venv() -> None:
 
 
 @contextmanager
-def server(name: str, repo: Path, triton: Path, logs: Path):
-    if name == "xlaserve":
-        with xlaserve(repo, log_path=logs / "xlaserve.log") as handle:
-            yield handle
+def server(name: str, repo: Path, triton: Path, logs: Path, xla_flags: str):
+    if name in ("xlaserve", "xlaserve-flags"):
+        # the server inherits this process's environment: XLA_FLAGS only for xlaserve-flags
+        saved = os.environ.pop("XLA_FLAGS", None)
+        if name == "xlaserve-flags":
+            os.environ["XLA_FLAGS"] = xla_flags
+        try:
+            with xlaserve(repo, log_path=logs / f"{name}.log") as handle:
+                yield handle
+        finally:
+            os.environ.pop("XLA_FLAGS", None)
+            if saved is not None:
+                os.environ["XLA_FLAGS"] = saved
+        return
     else:
         os.environ.update(REPO=str(triton), VENV=str(PEER_VENV), PEERS_ROOT=str(PEERS_ROOT))
         with peer("triton", logs) as handle:
@@ -146,7 +157,10 @@ def check(url: str, expected: np.ndarray, x: np.ndarray) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--servers", default="xlaserve,triton")
+    p.add_argument("--servers", default="xlaserve,triton",
+                   help="of xlaserve, xlaserve-flags (xlaserve with XLA_FLAGS=--xla-flags), triton")
+    p.add_argument("--xla-flags", default="--xla_cpu_use_thunk_runtime=false",
+                   help="XLA_FLAGS of the xlaserve-flags server")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=2.0)
@@ -180,7 +194,7 @@ def main() -> None:
                 order.reverse()                     # alternate who runs first
             for name in order:
                 try:
-                    with server(name, repo, triton, logs) as (url, pid):
+                    with server(name, repo, triton, logs, args.xla_flags) as (url, pid):
                         wait_ready(url, time.monotonic() + 300, models=(MODEL,))
                         error = check(url, expected, x)
                         for conc in levels:
@@ -211,8 +225,9 @@ def main() -> None:
             print(f"{conc:>3} {name:<9} {med['throughput_rps']:>8.1f} {med['p50_ms']:>8.1f} {med['p99_ms']:>8.1f}"
                   f" {med['server_cpu_ms_per_request']:>10.1f} {errors:>7}")
     for conc in levels:
-        if medians.get(("triton", conc)) and ("xlaserve", conc) in medians:
-            print(f"c={conc}: xlaserve / triton throughput = {medians['xlaserve', conc] / medians['triton', conc]:.2f}x")
+        for name in ("xlaserve", "xlaserve-flags"):
+            if medians.get(("triton", conc)) and (name, conc) in medians:
+                print(f"c={conc}: {name} / triton throughput = {medians[name, conc] / medians['triton', conc]:.2f}x")
 
 
 if __name__ == "__main__":
