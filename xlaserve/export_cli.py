@@ -180,14 +180,15 @@ def main(args: argparse.Namespace) -> int:
                 if given:
                     raise UsageError(f"{flag} does not apply to --torch (the weights are the module's"
                                      " state_dict; the modules are StableHLO text)")
-            return _main_torch(args)
-        module, fn = resolve(args.function, "MODULE:FUNCTION")
-        if not callable(fn):
-            raise UsageError(f"{args.function}: not a function")
-        params = None
-        if args.params:
-            _, params = resolve(args.params, "--params", module)
-            params = params() if callable(params) else params
+            export_torch, model = _torch_source(args.torch)
+        else:
+            module, fn = resolve(args.function, "MODULE:FUNCTION")
+            if not callable(fn):
+                raise UsageError(f"{args.function}: not a function")
+            params = None
+            if args.params:
+                _, params = resolve(args.params, "--params", module)
+                params = params() if callable(params) else params
         parsed = [parse_input(text) for text in args.input]
         outputs = [parse_output(text) for text in args.output or []]
         sizes = parse_batch_sizes(args.batch_sizes)
@@ -200,14 +201,16 @@ def main(args: argparse.Namespace) -> int:
     for _, note in parsed:
         if note:
             log.info("note: %s", note)
+    common = dict(inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
+                  output_names=[name for name, _ in outputs] or None,
+                  output_axes={name: axes for name, axes in outputs if axes},
+                  hooks=args.hooks, verify=not args.no_verify, atol=args.atol, rtol=args.rtol,
+                  seed=args.seed, progress=lambda line: log.info("%s", line))
     try:
-        result = export_jax(
-            args.out, fn, params, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
-            output_names=[name for name, _ in outputs] or None,
-            output_axes={name: axes for name, axes in outputs if axes},
-            bytecode=args.bytecode, hooks=args.hooks, verify=not args.no_verify,
-            atol=args.atol, rtol=args.rtol, seed=args.seed,
-            progress=lambda line: log.info("%s", line))
+        if args.torch is not None:
+            result = export_torch(args.out, model, **common)
+        else:
+            result = export_jax(args.out, fn, params, bytecode=args.bytecode, **common)
     except (VerificationError, BundleError) as exc:
         # Written, then failed when run or loaded as the server would (BundleError: a module that
         # disagrees with its manifest or weights).
@@ -220,64 +223,30 @@ def main(args: argparse.Namespace) -> int:
     except (ExportError, ValueError) as exc:
         print(f"xlaserve export: {exc}", file=sys.stderr)
         return 2
-    _report(result, len(sizes), args.function)
+    if result.verification:
+        checks = result.verification.checks
+        modules = len({c.module for c in checks})
+        outputs_each = len(checks) // modules
+        verified = (f"verified: {outputs_each} output{'s' if outputs_each != 1 else ''} of each module"
+                    f" within tolerance of {args.torch or args.function}")
+    else:
+        verified = "not verified (--no-verify)"
+    print(f"wrote {result.bundle}: {len(sizes)} modules, {len(result.weights_order)} weights, {verified}")
     return 0
 
 
-def _report(result: Any, modules: int, source: str) -> None:
-    """The one line on stdout: what was written and verified."""
-    if result.verification:
-        checks = result.verification.checks
-        outputs_each = len(checks) // len({c.module for c in checks})
-        verified = (f"verified: {outputs_each} output{'s' if outputs_each != 1 else ''} of each module"
-                    f" within tolerance of {source}")
-    else:
-        verified = "not verified (--no-verify)"
-    print(f"wrote {result.bundle}: {modules} modules, {len(result.weights_order)} weights, {verified}")
-
-
-def _main_torch(args: argparse.Namespace) -> int:
-    """``--torch MODULE:FACTORY``: :func:`xlaserve.export_torch.export_torch`; the same exit
-    statuses as :func:`main`. Raises :class:`UsageError` for the command line."""
-    from xlaserve.errors import BundleError
-    from xlaserve.export import ExportError, TracingError
-    from xlaserve.export_verify import VerificationError
-
+def _torch_source(target: str) -> tuple[Any, Any]:
+    """``--torch MODULE:FACTORY`` as (:func:`xlaserve.export_torch.export_torch`, the module).
+    torch is imported here, only for ``--torch``; a missing install is a :class:`UsageError`."""
     try:
         from xlaserve.export_torch import export_torch, module_from
     except ImportError as exc:
         raise UsageError(f"--torch needs PyTorch and torch-mlir ({exc}); install them with"
                          " pip install 'xlaserve[export-torch]'") from None
-    _, factory = resolve(args.torch, "--torch")
+    from xlaserve.export import ExportError
+
+    _, found = resolve(target, "--torch")
     try:
-        model = module_from(factory, f"--torch {args.torch}")
+        return export_torch, module_from(found, f"--torch {target}")
     except ExportError as exc:
         raise UsageError(str(exc)) from None
-    parsed = [parse_input(text) for text in args.input]
-    outputs = [parse_output(text) for text in args.output or []]
-    sizes = parse_batch_sizes(args.batch_sizes)
-    for atol_or_rtol in (args.atol, args.rtol):
-        if atol_or_rtol is not None and not atol_or_rtol >= 0:
-            raise UsageError(f"--atol/--rtol {atol_or_rtol}: expected a number >= 0")
-    for _, note in parsed:
-        if note:
-            log.info("note: %s", note)
-    try:
-        result = export_torch(
-            args.out, model, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
-            output_names=[name for name, _ in outputs] or None,
-            output_axes={name: axes for name, axes in outputs if axes},
-            hooks=args.hooks, verify=not args.no_verify, atol=args.atol, rtol=args.rtol, seed=args.seed,
-            progress=lambda line: log.info("%s", line))
-    except (VerificationError, BundleError) as exc:
-        print(f"xlaserve export: {exc}\nthe bundle is left at {args.out} for inspection", file=sys.stderr)
-        return 1
-    except TracingError as exc:
-        where = "".join(traceback.format_exception(exc.cause)).rstrip()
-        print(f"xlaserve export: {exc}\n{where}", file=sys.stderr)
-        return 2
-    except (ExportError, ValueError) as exc:
-        print(f"xlaserve export: {exc}", file=sys.stderr)
-        return 2
-    _report(result, len(sizes), args.torch)
-    return 0
