@@ -195,8 +195,9 @@ def export_torch(
     PyTorch (see the module docstring for how).
 
     ``inputs`` are the tensors ``module.forward`` takes, in order, row-major with the batch where
-    their axes say. The module is exported and verified in eval mode (one in training mode is
-    switched, with a note). ``output_names`` renames the outputs in order; ``output_axes`` names
+    their axes say. The module is exported and verified in eval mode on the cpu: one in training
+    mode is switched to eval mode (with a note), and the module is moved to the cpu, both in
+    place, as ``nn.Module.eval`` and ``.to`` do. ``output_names`` renames the outputs in order; ``output_axes`` names
     the axes of outputs whose batch is not their first axis; ``hooks`` adds a pass-through
     ``model.py``. With ``verify`` (the default) every module is loaded the way the server loads
     it and run on seeded random inputs next to the module, both on the cpu, and compared with
