@@ -2,9 +2,14 @@
 
     python -m benchmarks.torch_lowering_bench --candidate torch-mlir|torchax|torch_xla [--batch 4]
 
-Run it once per candidate, in a venv that has that candidate and torchvision (docs/export.md
-says which versions each needs; torchax and torch_xla need an older torch than torch-mlir, so
-they cannot share one venv). Each run builds ``torchvision.models.resnet18(weights=None)`` with
+Run it once per candidate, in a venv that has that candidate and torchvision. torch-mlir: this
+checkout's venv with the ``examples-torch`` extra. torchax and torch_xla need torch 2.9.0 (a CUDA
+download of several GB), in a venv of their own, as measured::
+
+    python3 -m venv v29 && v29/bin/pip install torch==2.9.0 torchvision==0.24.0 torch_xla==2.9.0 \
+        torchax==0.0.13 jax==0.10.2 jaxlib==0.10.2
+    v29/bin/pip install --force-reinstall --no-deps torchax==0.0.13   # torch_xla overwrites it
+    v29/bin/python -m benchmarks.torch_lowering_bench --candidate torchax Each run builds ``torchvision.models.resnet18(weights=None)`` with
 seed 0, in eval mode, and times the whole export of one batch size (``torch.export`` plus the
 lowering, a cold first call and a warm second one), then runs the lowered program on the cpu on a
 seeded input and prints one JSON line: seconds, the largest absolute and relative error of the
