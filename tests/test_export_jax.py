@@ -53,13 +53,13 @@ def mlp(params, x):
     ("f32", "f32"), ("float32", "f32"), ("np.float32", "f32"), ("jnp.bfloat16", "bf16"),
     ("float16", "f16"), ("bfloat16", "bf16"), ("uint8", "u8"), ("bool", "b1"), (" int64 ", "i64"),
     (np.float32, "f32"), (jnp.bfloat16, "bf16"), (ml_dtypes.bfloat16, "bf16"), (np.dtype("int8"), "i8"),
-    (jnp.float16, "f16"), (np.bool_, "b1"),
+    (jnp.float16, "f16"), (np.bool_, "b1"), ("torch.float32", "f32"), ("torch.bfloat16", "bf16"),
 ])
 def test_dtype_code_accepts_what_users_write(given, code):
     assert dtype_code(given) == code
 
 
-@pytest.mark.parametrize("given", ["float33", "fp32", "torch.float32", np.complex64, "", None, "bytes"])
+@pytest.mark.parametrize("given", ["float33", "fp32", "torch.float33", np.complex64, "", None, "bytes"])
 def test_dtype_code_rejects_with_the_accepted_list(given):
     with pytest.raises(ValueError, match=r"unknown dtype .*: b1 \(bool\), .*bf16 \(bfloat16\), f32 \(float32\)"):
         dtype_code(given)

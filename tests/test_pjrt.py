@@ -61,3 +61,15 @@ def test_execute_outputs_do_not_follow_later_input_changes(device):
     np.testing.assert_array_equal(out, np.arange(6, dtype=np.int32).reshape(2, 3))
     np.testing.assert_array_equal(device.execute(executable, [x])[0], np.arange(6).reshape(2, 3) + 100)
 
+
+
+@pytest.mark.parametrize("hlo_type,dtype,value", TYPES[:3], ids=[t[0] for t in TYPES[:3]])
+def test_put_weights_keeps_64_bit_weights(device, hlo_type, dtype, value):
+    """A 64-bit weight (PyTorch's BatchNorm num_batches_tracked is i64) reaches an executable
+    compiled for it: put_weights once narrowed it to 32 bits and the execution was refused."""
+    executable = device.compile(_identity_twice(hlo_type))
+    host = np.full((2, 3), value, dtype=dtype)
+    (weight,) = device.put_weights([host])
+    assert weight.dtype == np.dtype(dtype)
+    for out in device.execute(executable, [weight]):
+        np.testing.assert_array_equal(out, host)

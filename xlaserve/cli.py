@@ -204,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", help="path of the gateway YAML file (docs/gateway.md)")
     p.add_argument("--ready-file", help="write the bound ports as JSON here once serving")
     p.set_defaults(func=cmd_gateway)
-    p = sub.add_parser("export", help="export a JAX function and its parameters as a bundle, verified against it",
-                       description="Trace fn(params, *inputs) once per compiled batch size, write the bundle, then "
-                                   "run every module as the server would and compare it with fn (docs/export.md).")
+    p = sub.add_parser("export", help="export a JAX function and its parameters, a Flax model or a PyTorch module "
+                                      "as a bundle, verified against it",
+                       description="Trace fn(params, *inputs) (or a Flax model, or with --torch a PyTorch module) "
+                                   "once per compiled batch size, or once with a symbolic batch (--dynamic-batch), "
+                                   "write the bundle, then run every module as the server would and compare it "
+                                   "with the source (docs/export.md).")
     from xlaserve import export_cli
     export_cli.add_arguments(p)
     p = sub.add_parser("top", help="a live terminal dashboard of a worker or a gateway (docs/top.md)",

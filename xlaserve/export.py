@@ -49,6 +49,7 @@ __all__ = [
     "export_bundle",
     "module_file_name",
     "row_major_shape",
+    "write_bundle",
 ]
 
 MANIFEST_FILE = MANIFEST
@@ -60,7 +61,7 @@ DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
 )
 
 # "np.float32" and "jnp.bfloat16" written as text (a command line, a config) name the same type.
-_DTYPE_PREFIXES = ("numpy.", "np.", "jax.numpy.", "jnp.")
+_DTYPE_PREFIXES = ("numpy.", "np.", "jax.numpy.", "jnp.", "torch.")
 
 
 class ExportError(ValueError):
@@ -71,10 +72,12 @@ def dtype_code(dtype: Any) -> str:
     """The manifest code (``f32``) of a dtype given the way users write one.
 
     Accepted: a manifest code (``"f32"``), a NumPy/JAX name (``"float32"``, ``"bfloat16"``,
-    also as text with a ``np.``/``numpy.``/``jnp.``/``jax.numpy.`` prefix), or a type or dtype
-    object (``np.float32``, ``jnp.bfloat16``, ``np.dtype("int8")``). Anything else is a
-    ``ValueError`` that lists what is accepted.
+    also as text with a ``np.``/``numpy.``/``jnp.``/``jax.numpy.``/``torch.`` prefix), or a type
+    or dtype object (``np.float32``, ``jnp.bfloat16``, ``np.dtype("int8")``, ``torch.float32``).
+    Anything else is a ``ValueError`` that lists what is accepted.
     """
+    if type(dtype).__module__ == "torch":    # torch.float32 prints as its name; no torch import
+        dtype = str(dtype)
     if isinstance(dtype, str):
         text = dtype.strip()
         if text in DTYPES:
@@ -240,7 +243,8 @@ def export_bundle(
     inputs, outputs = list(inputs), list(outputs)
     _check_unique("executable_inputs", inputs)
     _check_unique("executable_outputs", outputs)
-    weights = {k: np.ascontiguousarray(v) for k, v in (weights or {}).items()}
+    # np.asarray keeps a 0-d weight 0-d (np.ascontiguousarray would make it [1]).
+    weights = {k: np.asarray(v, order="C") for k, v in (weights or {}).items()}
     order = _weights_order(weights, weights_order)
     check_64_bit_types(inputs, weights)
     files: dict[str, bytes] = {}
@@ -259,6 +263,42 @@ def export_bundle(
         else:
             files[module_file_name(batch)] = exported.mlir_module().encode()
 
+    return write_bundle(out_dir, files, inputs=inputs, outputs=outputs, weights=weights,
+                        weights_order=order, compiled_batch_sizes=sizes,
+                        client_inputs=client_inputs, client_outputs=client_outputs,
+                        extra_files=extra_files)
+
+
+def write_bundle(
+    out_dir: str | os.PathLike[str],
+    modules: Mapping[str, bytes],
+    *,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
+    weights: Mapping[str, np.ndarray] | None,
+    weights_order: Sequence[str] | None,
+    compiled_batch_sizes: Sequence[int],
+    client_inputs: Sequence[TensorSpec] | None = None,
+    client_outputs: Sequence[TensorSpec] | None = None,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """Write a bundle whose modules are already made: ``modules`` maps each module's file name
+    (:func:`module_file_name`) to its bytes, whatever produced them (:func:`export_bundle` from
+    JAX, :mod:`xlaserve.export_torch` from torch-mlir). The manifest, weights file,
+    ``extra_files`` and the staged, atomic move into place are as :func:`export_bundle` says.
+    The modules are not checked against the manifest here; loading the bundle does that.
+    """
+    out_dir = Path(out_dir)
+    name = out_dir.name
+    if not name or name.startswith("."):
+        raise ValueError(f"bundle directory name {name!r} must be non-empty and not start with '.'")
+    sizes = _check_batch_sizes(compiled_batch_sizes)
+    _check_unique("executable_inputs", inputs)
+    _check_unique("executable_outputs", outputs)
+    # np.asarray keeps a 0-d weight 0-d (np.ascontiguousarray would make it [1]).
+    weights = {k: np.asarray(v, order="C") for k, v in (weights or {}).items()}
+    order = _weights_order(weights, weights_order)
+    files = dict(modules)
     manifest = _manifest(
         name, inputs, outputs, client_inputs, client_outputs, order if weights else None, sizes
     )

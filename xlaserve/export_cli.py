@@ -1,14 +1,18 @@
-"""``xlaserve export``: a JAX function and its parameters, or a Flax model, from a Python module,
-as a verified bundle.
+"""``xlaserve export``: a JAX function and its parameters, a Flax model, or a PyTorch model,
+from a Python module, as a verified bundle.
 
     xlaserve export mypkg.model:forward --params init_params \\
         --input image:uint8:224,224,3:cwhn --batch-sizes 1,4,16 --out models/classifier
+    xlaserve export --torch mypkg.model:build --input image:float32:3,224,224:whcn \\
+        --batch-sizes 1,4,16 --out models/classifier
 
 The function is ``forward(params, *inputs)``; ``--params`` names a function returning the
 parameter pytree (or the pytree itself). A Flax model object in its place (or, with ``--flax``,
 a function returning one) is exported through :mod:`xlaserve.export_flax`, ``--params`` then
-naming a Linen model's variables. The work is :func:`xlaserve.export_jax.export_jax`;
-this module parses the command line into its arguments and reports what it did.
+naming a Linen model's variables. ``--torch`` names a function returning the
+``torch.nn.Module`` (or the module). The work is :func:`xlaserve.export_jax.export_jax` or
+:func:`xlaserve.export_torch.export_torch` (imported only for ``--torch``); this module parses
+the command line into their arguments and reports what they did.
 """
 from __future__ import annotations
 
@@ -135,8 +139,12 @@ def resolve(target: str, flag: str, default_module: ModuleType | None = None) ->
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("function", metavar="MODULE:FUNCTION",
+    p.add_argument("function", metavar="MODULE:FUNCTION", nargs="?",
                    help="the JAX function fn(params, *inputs): a dotted module importable from here, or a .py file")
+    p.add_argument("--torch", metavar="MODULE:FACTORY",
+                   help="export a PyTorch model instead of a JAX function: a function returning the "
+                        "torch.nn.Module (called with no arguments), or the module; --input lists forward's "
+                        "tensors. Needs pip install 'xlaserve[export-torch]'")
     p.add_argument("--params", metavar="[MODULE:]NAME",
                    help="a function returning the parameter pytree (called with no arguments), or the pytree; "
                         "NAME alone is looked up in the function's module. Default: no parameters (fn(None, ...))")
@@ -173,14 +181,25 @@ def main(args: argparse.Namespace) -> int:
     from xlaserve.progress import ProgressReport
 
     try:
-        module, fn = resolve(args.function, "MODULE:FUNCTION")
-        if not callable(fn):
-            raise UsageError(f"{args.function}: not a function")
-        params = None
-        if args.params:
-            _, params = resolve(args.params, "--params", module)
-            params = params() if callable(params) else params
-        fn, params = _flax_source(args, fn, params)
+        if (args.function is None) == (args.torch is None):
+            raise UsageError("give either MODULE:FUNCTION (a JAX function) or --torch MODULE:FACTORY"
+                             " (a PyTorch model), not both or neither")
+        if args.torch is not None:
+            for flag, given in (("--params", args.params), ("--bytecode", args.bytecode),
+                                ("--flax", args.flax), ("--dynamic-batch", args.dynamic_batch)):
+                if given:
+                    raise UsageError(f"{flag} does not apply to --torch (the weights are the module's"
+                                     " state_dict; the modules are StableHLO text, one per batch size)")
+            export_torch, model = _torch_source(args.torch)
+        else:
+            module, fn = resolve(args.function, "MODULE:FUNCTION")
+            if not callable(fn):
+                raise UsageError(f"{args.function}: not a function")
+            params = None
+            if args.params:
+                _, params = resolve(args.params, "--params", module)
+                params = params() if callable(params) else params
+            fn, params = _flax_source(args, fn, params)
         parsed = [parse_input(text) for text in args.input]
         outputs = [parse_output(text) for text in args.output or []]
         sizes = parse_batch_sizes(args.batch_sizes)
@@ -194,15 +213,18 @@ def main(args: argparse.Namespace) -> int:
     for _, note in parsed:
         if note:
             progress(f"note: {note}")
+    common = dict(inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
+                  output_names=[name for name, _ in outputs] or None,
+                  output_axes={name: axes for name, axes in outputs if axes},
+                  hooks=args.hooks, verify=not args.no_verify, atol=args.atol, rtol=args.rtol,
+                  seed=args.seed, progress=progress)
     try:
         try:
-            result = export_jax(
-                args.out, fn, params, inputs=[spec for spec, _ in parsed], compiled_batch_sizes=sizes,
-                output_names=[name for name, _ in outputs] or None,
-                output_axes={name: axes for name, axes in outputs if axes},
-                bytecode=args.bytecode, hooks=args.hooks, verify=not args.no_verify,
-                atol=args.atol, rtol=args.rtol, seed=args.seed, dynamic_batch=args.dynamic_batch,
-                progress=progress)
+            if args.torch is not None:
+                result = export_torch(args.out, model, **common)
+            else:
+                result = export_jax(args.out, fn, params, bytecode=args.bytecode,
+                                    dynamic_batch=args.dynamic_batch, **common)
         finally:
             progress.close()
     except (VerificationError, BundleError) as exc:
@@ -222,7 +244,7 @@ def main(args: argparse.Namespace) -> int:
         modules = len({c.module for c in checks})
         outputs_each = len(checks) // modules
         verified = (f"verified: {outputs_each} output{'s' if outputs_each != 1 else ''} of each module"
-                    f" within tolerance of {args.function}")
+                    f" within tolerance of {args.torch or args.function}")
     else:
         verified = "not verified (--no-verify)"
     modules = (f"1 dynamic-batch module for sizes {','.join(map(str, sorted(sizes)))}" if args.dynamic_batch
@@ -252,3 +274,20 @@ def _flax_source(args: argparse.Namespace, target: Any, params: Any) -> tuple[An
         return flax_function(target, params)
     except ExportError as exc:
         raise UsageError(f"{args.function}: {exc}") from None
+
+
+def _torch_source(target: str) -> tuple[Any, Any]:
+    """``--torch MODULE:FACTORY`` as (:func:`xlaserve.export_torch.export_torch`, the module).
+    torch is imported here, only for ``--torch``; a missing install is a :class:`UsageError`."""
+    try:
+        from xlaserve.export_torch import export_torch, module_from
+    except ImportError as exc:
+        raise UsageError(f"--torch needs PyTorch and torch-mlir ({exc}); install them with"
+                         " pip install 'xlaserve[export-torch]'") from None
+    from xlaserve.export import ExportError
+
+    _, found = resolve(target, "--torch")
+    try:
+        return export_torch, module_from(found, f"--torch {target}")
+    except ExportError as exc:
+        raise UsageError(str(exc)) from None

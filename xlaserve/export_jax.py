@@ -31,6 +31,7 @@ __all__ = [
     "flatten_params",
     "hooks_skeleton",
     "infer_outputs",
+    "output_specs",
 ]
 
 #: Axis letters given to the non-batch axes of a tensor whose axes are not named, fastest-varying
@@ -76,7 +77,7 @@ def flatten_params(params: Any) -> dict[str, np.ndarray]:
                 f"parameters: two leaves are both named {name!r} once flattened to dotted names;"
                 " rename one (a key holding '.' collides with a nested key)"
             )
-        array = np.ascontiguousarray(np.asarray(leaf))
+        array = np.asarray(leaf, order="C")   # a 0-d leaf stays 0-d
         try:
             dtype_code(array.dtype)
         except ValueError:
@@ -158,7 +159,26 @@ def infer_outputs(
     first, second = sizes[0], (sizes[1] if len(sizes) > 1 else sizes[0] + 1)
     at_first = _output_leaves(fn, params, inputs, first, bundle)
     at_second = _output_leaves(fn, params, inputs, second, bundle)
-    found_names = [name for name, _ in at_first]
+    return output_specs([name for name, _ in at_first], [v for _, v in at_first],
+                        [v for _, v in at_second], first, second, names=names, axes=axes)
+
+
+def output_specs(
+    found_names: Sequence[str],
+    at_first: Sequence[Any],
+    at_second: Sequence[Any],
+    first: int,
+    second: int,
+    *,
+    names: Sequence[str] | None = None,
+    axes: Mapping[str, str] | None = None,
+) -> tuple[list[TensorSpec], list[str]]:
+    """Output specs from what a source returned at batch sizes ``first`` and ``second`` (two
+    different sizes): ``at_first``/``at_second`` hold one value with ``shape`` and ``dtype`` per
+    output, in order, named ``found_names``. ``names`` and ``axes`` and the result are as
+    :func:`infer_outputs` says; every source (JAX, PyTorch) names its outputs this one way.
+    """
+    found_names = list(found_names)
     if names is not None:
         if len(names) != len(at_first):
             raise ExportError(
@@ -173,7 +193,7 @@ def infer_outputs(
     if unknown:
         raise ExportError(f"axes given for {unknown}, which are not outputs; the outputs are {found_names}")
     specs, notes = [], []
-    for name, (_, a), (_, b) in zip(found_names, at_first, at_second):
+    for name, a, b in zip(found_names, at_first, at_second):
         shape_a, shape_b = tuple(a.shape), tuple(b.shape)
         try:
             code = dtype_code(a.dtype)

@@ -336,13 +336,17 @@ class Device:
         if self.host_memory_kind != "pinned_host" or not arrays:
             return tuple(arrays)
         pinned = jax.sharding.SingleDeviceSharding(self._device, memory_kind="pinned_host")
-        out = jax.device_put(list(arrays), pinned)
+        with jax.enable_x64(True):      # keep i64/f64 weights 64-bit, as the module takes them
+            out = jax.device_put(list(arrays), pinned)
         jax.block_until_ready(out)
         return tuple(out)
 
     def put_weights(self, host) -> tuple:
         """Copy a model's host weights onto the device in one batched transfer and wait for it.
-        The result never aliases host memory (on cpu, ``device_put`` would otherwise wrap
+        Every dtype is kept exactly: an i64 or f64 weight (a PyTorch buffer such as BatchNorm's
+        ``num_batches_tracked``) stays 64-bit, as the module takes it, whatever JAX's
+        ``jax_enable_x64`` says (with it off ``device_put`` would make it 32-bit and the module
+        would refuse the buffer). The result never aliases host memory (on cpu, ``device_put`` would otherwise wrap
         aligned NumPy memory in place, making the "device copy" free and the budget fiction)."""
         if not host:
             return ()
@@ -352,11 +356,13 @@ class Device:
             fresh = [np.empty_like(a) for a in host]
             for dst, src in zip(fresh, host):
                 np.copyto(dst, src)
-            out = jax.device_put(fresh, self._device)
+            with jax.enable_x64(True):
+                out = jax.device_put(fresh, self._device)
             jax.block_until_ready(out)
             return tuple(out)
         target = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
-        out = jax.device_put(list(host), target, may_alias=False)
+        with jax.enable_x64(True):
+            out = jax.device_put(list(host), target, may_alias=False)
         jax.block_until_ready(out)
         return tuple(out)
 

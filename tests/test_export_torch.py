@@ -1,0 +1,236 @@
+"""PyTorch export (xlaserve.export_torch, ``xlaserve export --torch``): weights under their
+state_dict names, outputs named as PyTorch flattens them, verification against eager PyTorch
+(passing, and failing on a module whose export differs), tracing errors naming the call, the
+command end to end, the example transformer encoder served and queried with the Triton client,
+and the server never importing torch."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from safetensors.numpy import load_file
+from torch import nn
+
+from xlaserve.cli import main
+from xlaserve.export import TensorSpec, TracingError
+from xlaserve.export_torch import export_torch, state_weights, to_numpy, to_torch
+from xlaserve.export_verify import VerificationError
+
+ROOT = Path(__file__).resolve().parent.parent
+X = TensorSpec("x", "float32", "xn", {"x": 6})
+
+
+class Small(nn.Module):
+    """Linear, BatchNorm (its running statistics are buffers), and a dict of two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(6, 5)
+        self.norm = nn.BatchNorm1d(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.norm(self.dense(x)))
+        return {"scores": self.head(hidden), "hidden": hidden}
+
+
+def small() -> Small:
+    torch.manual_seed(0)
+    model = Small()
+    with torch.no_grad():                 # statistics that are not the defaults, so they matter
+        model.norm.running_mean.uniform_(-1, 1)
+        model.norm.running_var.uniform_(0.5, 2)
+    return model.eval()
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)     # the verification samples ids in [0, 16)
+        self.out = nn.Linear(4, 16, bias=False)
+        self.out.weight = self.embed.weight          # one tensor under two names
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(self.embed(tokens).mean(dim=1))
+
+
+class Drifting(nn.Module):
+    """Reads Python state that changes on every call: the export bakes in one value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * float(self.calls)
+
+
+class Branchy(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:                   # data-dependent control flow: torch.export refuses it
+            return x
+        return -x
+
+
+def test_state_weights_are_the_state_dict_names_buffers_included_tied_once():
+    model = small()
+    weights = state_weights(model)
+    assert list(weights) == list(model.state_dict())
+    assert {"norm.running_mean", "norm.running_var", "norm.num_batches_tracked"} <= set(weights)
+    tied = state_weights(Tied())
+    assert list(tied) == ["embed.weight"]
+
+
+def test_bfloat16_round_trips_between_torch_and_numpy():
+    t = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
+    array = to_numpy(t)
+    assert array.dtype.name == "bfloat16" and array.tolist() == [1.5, -2.25, 3.0]
+    assert torch.equal(to_torch(array), t)
+
+
+def test_export_writes_state_dict_weights_named_outputs_and_verifies(tmp_path):
+    model = small()
+    lines: list[str] = []
+    result = export_torch(tmp_path / "small", model, inputs=[X], compiled_batch_sizes=[1, 4],
+                          progress=lines.append)
+    manifest = yaml.safe_load((tmp_path / "small" / "manifest.yaml").read_text())
+    assert manifest["weights"]["order"] == list(model.state_dict()) == list(result.weights_order)
+    assert [o["name"] for o in manifest["executable_outputs"]] == ["scores", "hidden"]   # dict order
+    assert [o["dims"] for o in manifest["executable_outputs"]] == [{"x": 3}, {"x": 5}]
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == [
+        "manifest.yaml", "model.b1.mlir", "model.b4.mlir", "weights.safetensors"]
+    # The weights file is the state_dict: PyTorch reads it back as it is.
+    stored = load_file(str(tmp_path / "small" / "weights.safetensors"))
+    fresh = Small()
+    fresh.load_state_dict({k: torch.from_numpy(v) for k, v in stored.items()})
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    checks = result.verification.checks
+    assert {(c.batch, c.output) for c in checks} == {(b, o) for b in (1, 4) for o in ("scores", "hidden")}
+    assert all(c.ok and c.max_abs_error < 1e-5 for c in checks)
+    assert any("verify model.b4.mlir scores (f32)" in line for line in lines)
+
+
+def test_outputs_renamed_and_training_mode_noted(tmp_path):
+    model = small().train()
+    result = export_torch(tmp_path / "m", model, inputs=[X], compiled_batch_sizes=[2],
+                          output_names=["logits", "features"])
+    assert [o.name for o in result.outputs] == ["logits", "features"]
+    assert any("was in training mode; exported and verified in eval mode" in n for n in result.notes)
+    assert not model.training
+
+
+def test_tied_weights_are_stored_once_and_still_shared(tmp_path):
+    torch.manual_seed(1)
+    tokens = TensorSpec("tokens", "torch.int32", "xn", {"x": 3})
+    result = export_torch(tmp_path / "tied", Tied(), inputs=[tokens], compiled_batch_sizes=[1, 2])
+    assert result.weights_order == ("embed.weight",) and result.verification.ok
+
+
+def test_verification_fails_when_the_export_differs_from_eager(tmp_path):
+    with pytest.raises(VerificationError, match="does not match its source function") as caught:
+        export_torch(tmp_path / "drift", Drifting(), inputs=[X], compiled_batch_sizes=[1, 2])
+    assert not caught.value.verification.ok
+    assert (tmp_path / "drift" / "manifest.yaml").exists()          # left for inspection
+
+
+def test_a_module_that_does_not_export_names_the_call(tmp_path):
+    with pytest.raises(TracingError) as caught:
+        export_torch(tmp_path / "b", Branchy(), inputs=[X], compiled_batch_sizes=[1])
+    assert "compiled batch size 1" in str(caught.value)
+    assert "Branchy.forward(x=f32[1,6])" in str(caught.value)
+    assert not (tmp_path / "b").exists()
+
+
+MODEL = '''
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+
+
+not_a_module = 3
+'''
+
+
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    path = tmp_path / "torch_model_e17.py"
+    path.write_text(textwrap.dedent(MODEL))
+    return path
+
+
+def test_the_command_exports_a_torch_module(tmp_path, model_file, capsys):
+    rc = main(["export", "--torch", f"{model_file}:build", "--input", "x:float32:3", "--output", "y",
+               "--batch-sizes", "1,4", "--out", str(tmp_path / "m"), "--hooks"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert f"wrote {tmp_path / 'm'}: 2 modules, 4 weights, verified: 1 output of each module" in out
+    assert (tmp_path / "m" / "model.py").exists()
+    manifest = yaml.safe_load((tmp_path / "m" / "manifest.yaml").read_text())
+    assert manifest["weights"]["order"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["{m}:build", "--torch", "{m}:build"], "give either MODULE:FUNCTION"),
+    (["--torch", "{m}:build", "--params", "p"], "--params does not apply to --torch"),
+    (["--torch", "{m}:build", "--dynamic-batch"], "--dynamic-batch does not apply to --torch"),
+    (["--torch", "{m}:build", "--flax"], "--flax does not apply to --torch"),
+    (["--torch", "{m}:not_a_module"], "expected a torch.nn.Module or a function returning one, found int"),
+    (["--torch", "{m}:missing"], "has no attribute 'missing'"),
+])
+def test_torch_usage_errors_exit_2(tmp_path, model_file, capsys, argv, message):
+    argv = [a.replace("{m}", str(model_file)) for a in argv]
+    rc = main(["export", *argv, "--input", "x:f32:3", "--batch-sizes", "1", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err and err.startswith("xlaserve export: ")
+    assert not (tmp_path / "m").exists()
+
+
+def test_the_example_encoder_serves_and_matches_eager_pytorch(tmp_path):
+    """The transformer encoder of examples/torch_examples.py exported, served by `xlaserve run`
+    and queried with the Triton client: a batch of 3 (padded to the compiled 4) answers both
+    outputs within the f32 tolerance of the model in eager PyTorch."""
+    import tritonclient.grpc as grpcclient
+
+    from examples import torch_examples
+    from tests.conftest import infer_input, serve
+
+    repo = tmp_path / "models"
+    torch_examples.export("encoder", repo)
+    tokens = torch_examples.sample("encoder", 3)
+    expected = torch_examples.eager("encoder", torch_examples.encoder(), tokens)
+    with serve(tmp_path / "server", repo) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        result = client.infer("encoder", [infer_input("tokens", tokens, "INT32")])
+        for name in ("logits", "embedding"):
+            np.testing.assert_allclose(result.as_numpy(name), expected[name], rtol=1e-5, atol=1e-5)
+        client.close()
+    assert server.process.returncode == 0, server.log()
+
+
+def test_only_export_torch_imports_torch():
+    """The server never imports torch: no module of the package but export_torch names it, and
+    importing the command line, the server's node and the export command loads none of it."""
+    for path in (ROOT / "xlaserve").rglob("*.py"):
+        if path.name == "export_torch.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ("torch", "torch_mlir", "torchvision") for n in names), path
+    code = ("import sys, xlaserve.cli, xlaserve.node, xlaserve.export_cli, xlaserve.bundle; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torch_mlir'}))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert found.stdout.strip() == "[]"

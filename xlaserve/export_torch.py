@@ -1,0 +1,285 @@
+"""Export a PyTorch ``nn.Module`` as a bundle: ``torch.export``, then torch-mlir's StableHLO
+lowering, verified against the module itself in eager PyTorch.
+
+Install with ``pip install -e ".[export-torch]"`` (pinned: docs/export.md says which versions
+and why torch-mlir rather than torchax or torch_xla). Nothing else in xlaserve imports this
+module or torch: the command imports it only for ``xlaserve export --torch``.
+
+How the module becomes a bundle, once per compiled batch size:
+
+1. The module's state (its ``state_dict``: parameters and persistent buffers such as BatchNorm's
+   running statistics, under the module's own names, a tensor shared under two names once) is
+   made into arguments: a wrapper calls ``torch.func.functional_call(module, state, inputs)``,
+   so ``torch.export`` sees the weights as inputs instead of constants to fold into the program.
+2. ``torch.export.export`` traces the wrapper at that batch size (static shapes), and
+   ``torch_mlir.fx.export_and_import(..., output_type="stablehlo")`` lowers it to a StableHLO
+   ``@main(weights..., inputs...)``, written as ``model.b{N}.mlir``.
+3. The weights go to ``weights.safetensors`` under their ``state_dict`` names, in the order the
+   module takes them (``weights.order``), so ``module.load_state_dict(safetensors.torch.load_file(
+   path))`` reads them back.
+
+The outputs are the module's returned tensors flattened the way PyTorch flattens them: one
+tensor is ``output``, a tuple or list gives ``output0``, ``output1``..., a dict its keys in its
+own order (nested containers join with ``.``). Their axes are found by running the module at two
+batch sizes, as :func:`xlaserve.export_jax.output_specs` says. Then every module is verified
+(:func:`xlaserve.export_verify.verify_bundle`) against the module run eagerly on the cpu.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch_mlir import fx as torch_mlir_fx
+
+from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
+                             _check_batch_sizes, dtype_code, module_file_name, write_bundle)
+from xlaserve.export_jax import hooks_skeleton, output_specs
+from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
+
+__all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TorchExport:
+    """What :func:`export_torch` wrote and found: the bundle directory, the output specs, the
+    weights in binding order (``state_dict`` names), notes on defaults it chose, and the
+    verification (None when ``verify=False``)."""
+
+    bundle: Path
+    outputs: tuple[TensorSpec, ...]
+    weights_order: tuple[str, ...]
+    notes: tuple[str, ...]
+    verification: Verification | None
+
+
+def module_from(found: Any, where: str) -> torch.nn.Module:
+    """``found`` if it is an ``nn.Module``, else what calling it with no arguments returns (a
+    factory), which must be one; otherwise an :class:`ExportError` naming ``where``."""
+    model = found() if callable(found) and not isinstance(found, torch.nn.Module) else found
+    if not isinstance(model, torch.nn.Module):
+        raise ExportError(f"{where}: expected a torch.nn.Module or a function returning one,"
+                          f" found {type(model).__name__}")
+    return model
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A cpu copy of ``tensor`` as a NumPy array of the same dtype (bfloat16 included, which
+    ``Tensor.numpy()`` refuses)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return tensor.numpy().copy()
+
+
+def to_torch(array: np.ndarray) -> torch.Tensor:
+    """A NumPy array (bfloat16 included) as a cpu tensor of the same dtype."""
+    array = np.asarray(array, order="C")
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+def state_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors the module's computation reads from its state, by ``state_dict`` name, in
+    ``state_dict`` order: every parameter and persistent buffer. A tensor reachable under two
+    names (tied weights) is listed once, under its first name; ``functional_call`` ties the
+    others to it. Non-persistent buffers are not in the ``state_dict`` and stay constants of the
+    module."""
+    weights: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor):
+            continue                     # a module's get_extra_state() object, not a tensor
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+               tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        weights[name] = tensor.detach()
+    return weights
+
+
+class _Functional(torch.nn.Module):
+    """``module`` with its state as leading arguments: ``forward(*weights, *inputs)`` returns the
+    module's output tensors flattened (:func:`torch.utils._pytree.tree_leaves`)."""
+
+    def __init__(self, module: torch.nn.Module, names: Sequence[str]) -> None:
+        super().__init__()
+        self.module = module
+        self.names = tuple(names)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        count = len(self.names)
+        state = dict(zip(self.names, args[:count]))
+        result = torch.func.functional_call(self.module, state, tuple(args[count:]))
+        return tuple(pytree.tree_leaves(result))
+
+
+def _key_name(key: Any) -> str:
+    if isinstance(key, pytree.MappingKey):
+        return str(key.key)
+    if isinstance(key, pytree.SequenceKey):
+        return str(key.idx)
+    if isinstance(key, pytree.GetAttrKey):
+        return key.name
+    return str(key)
+
+
+def _named_outputs(result: Any, where: str) -> list[tuple[str, np.ndarray]]:
+    """The module's returned tensors as (default name, array), in PyTorch's flattening order."""
+    leaves = pytree.tree_flatten_with_path(result)[0]
+    named = []
+    for path, leaf in leaves:
+        name = ".".join(_key_name(key) for key in path)
+        if path and isinstance(path[0], pytree.SequenceKey):
+            name = "output" + name       # a tuple of outputs: output0, output1, ...
+        if not isinstance(leaf, torch.Tensor):
+            raise ExportError(f"{where} returned {type(leaf).__name__} {leaf!r} as output"
+                              f" {name or 'output'!r}; every output must be a tensor")
+        named.append((name or "output", to_numpy(leaf)))
+    if not named:
+        raise ExportError(f"{where} returned no tensors")
+    return named
+
+
+def _signature(module: torch.nn.Module, inputs: Sequence[TensorSpec], batch: int) -> str:
+    shown = ", ".join(
+        f"{spec.name}={_abstract(spec.row_major(batch), DTYPES[spec.dtype])}" for spec in inputs
+    )
+    return f"{type(module).__name__}.forward({shown})"
+
+
+def _run_eager(module: torch.nn.Module, arrays: Sequence[np.ndarray]) -> Any:
+    with torch.no_grad():
+        return module(*[to_torch(a) for a in arrays])
+
+
+def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> bytes:
+    """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text."""
+    args = (*weights, *[to_torch(a) for a in arrays])
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch 2.13 deprecates a pytree check that torch.export still makes; not the user's to fix
+        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                FutureWarning)
+        program = torch.export.export(wrapper, args, strict=False)
+        lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main")
+    return str(lowered).encode()
+
+
+def export_torch(
+    out_dir: str | os.PathLike[str],
+    module: torch.nn.Module,
+    *,
+    inputs: Sequence[TensorSpec],
+    compiled_batch_sizes: Sequence[int],
+    output_names: Sequence[str] | None = None,
+    output_axes: Mapping[str, str] | None = None,
+    extra_files: Mapping[str, str] | None = None,
+    hooks: bool = False,
+    verify: bool = True,
+    atol: float | None = None,
+    rtol: float | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> TorchExport:
+    """Export ``module`` as a bundle at ``out_dir`` and verify it against the module in eager
+    PyTorch (see the module docstring for how).
+
+    ``inputs`` are the tensors ``module.forward`` takes, in order, row-major with the batch where
+    their axes say. The module is exported and verified in eval mode on the cpu: one in training
+    mode is switched to eval mode (with a note), and the module is moved to the cpu, both in
+    place, as ``nn.Module.eval`` and ``.to`` do. ``output_names`` renames the outputs in order; ``output_axes`` names
+    the axes of outputs whose batch is not their first axis; ``hooks`` adds a pass-through
+    ``model.py``. With ``verify`` (the default) every module is loaded the way the server loads
+    it and run on seeded random inputs next to the module, both on the cpu, and compared with
+    ``atol``/``rtol`` (default per dtype, :mod:`xlaserve.export_verify`); above them
+    :class:`xlaserve.export_verify.VerificationError` is raised and the bundle stays written for
+    inspection. ``progress`` hears the notes, then one line per size lowered, module compiled
+    and output verified.
+
+    The module failing to run, to export or to lower raises :class:`TracingError` naming the
+    batch size and the inputs it was called with; anything else it cannot do is an
+    :class:`ExportError`.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ExportError(f"expected a torch.nn.Module, found {type(module).__name__}")
+    out_dir = Path(out_dir)
+    name = out_dir.name
+    inputs = list(inputs)
+    sizes = _check_batch_sizes(compiled_batch_sizes)
+    notes: list[str] = []
+
+    def note(text: str) -> None:
+        notes.append(text)
+        if progress is not None:
+            progress(f"note: {text}")
+
+    if module.training:
+        note(f"{type(module).__name__} was in training mode; exported and verified in eval mode")
+        module.eval()
+    module = module.to("cpu")
+    weights = state_weights(module)
+    names = list(weights)
+    arrays: dict[str, np.ndarray] = {}
+    for weight_name, tensor in weights.items():
+        array = to_numpy(tensor)
+        try:
+            dtype_code(array.dtype)
+        except ValueError:
+            raise ExportError(f"weight {weight_name!r}: dtype {tensor.dtype} cannot be stored in a bundle;"
+                              f" expected one of {', '.join(d.name for d in DTYPES.values())}") from None
+        arrays[weight_name] = array
+
+    # Two different sizes tell the batch axis from the others; the second need not be compiled.
+    first, second = sizes[0], (sizes[1] if len(sizes) > 1 else sizes[0] + 1)
+    found: dict[int, list[tuple[str, np.ndarray]]] = {}
+    for batch in (first, second):
+        try:
+            result = _run_eager(module, sample_inputs(inputs, batch, seed))
+        except Exception as exc:
+            raise TracingError(name, batch, exc, _signature(module, inputs, batch)) from exc
+        found[batch] = _named_outputs(result, _signature(module, inputs, batch))
+    if [n for n, _ in found[first]] != [n for n, _ in found[second]]:
+        raise ExportError(f"{type(module).__name__} returns different outputs at batch sizes {first}"
+                          f" and {second}: {[n for n, _ in found[first]]} and {[n for n, _ in found[second]]}")
+    outputs, defaulted = output_specs(
+        [n for n, _ in found[first]], [a for _, a in found[first]], [a for _, a in found[second]],
+        first, second, names=output_names, axes=output_axes)
+    for text in defaulted:
+        note(text)
+
+    wrapper = _Functional(module, names)
+    modules: dict[str, bytes] = {}
+    for index, batch in enumerate(sizes, 1):
+        started = time.perf_counter()
+        try:
+            modules[module_file_name(batch)] = _lower(
+                wrapper, list(weights.values()), sample_inputs(inputs, batch, seed))
+        except Exception as exc:
+            raise TracingError(name, batch, exc, _signature(module, inputs, batch)) from exc
+        if progress is not None:
+            progress(f"{name}: exported and lowered compiled batch size {batch} ({index}/{len(sizes)})"
+                     f" in {time.perf_counter() - started:.2f}s")
+
+    if hooks:
+        extra_files = {**(extra_files or {}), "model.py": hooks_skeleton(name, inputs, outputs)}
+    write_bundle(out_dir, modules, inputs=inputs, outputs=outputs, weights=arrays or None,
+                 weights_order=names, compiled_batch_sizes=sizes, extra_files=extra_files)
+
+    verification = None
+    if verify:
+        def reference(*batch_arrays: np.ndarray) -> list[np.ndarray]:
+            result = _run_eager(module, batch_arrays)
+            return [a for _, a in _named_outputs(result, type(module).__name__)]
+        verification = verify_bundle(out_dir, reference, atol=atol, rtol=rtol, seed=seed,
+                                     progress=progress)
+    return TorchExport(out_dir, tuple(outputs), tuple(names), tuple(notes), verification)
