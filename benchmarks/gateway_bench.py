@@ -366,9 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                                    gateway_cpu_ms_per_request=round(1e3 * g / n, 3) if path == "gateway" else 0.0)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each (mlp, FP32 [1,512]); CPU in ms per request")
+    print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each (mlp, FP32 [1,512]); CPU in ms per request; "
+          "ratio: of the medians; paired: each round's gateway req/s over that round's direct run (median, "
+          "min..max)")
     print(f"{'c':>3} {'path':<8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'worker cpu':>10} {'gateway cpu':>11} "
-          f"{'ratio':>6} {'errors':>6}")
+          f"{'ratio':>6} {'paired':>17} {'errors':>6}")
     for conc in levels:
         direct_rps = None
         for path in ("direct", "gateway"):
@@ -380,9 +382,14 @@ def main(argv: list[str] | None = None) -> int:
                 direct_rps = med["throughput_rps"]
             ratio = med["throughput_rps"] / direct_rps if direct_rps else float("nan")
             errors = sum(sum(r["errors"].values()) for r in mine)
+            paired = [g["throughput_rps"] / d["throughput_rps"] for g in mine for d in rows
+                      if d["path"] == "direct" and d["concurrency"] == conc and d["round"] == g["round"]
+                      and d["throughput_rps"]]
+            paired_text = (f"{statistics.median(paired):.2f} {min(paired):.2f}..{max(paired):.2f}"
+                           if path == "gateway" and paired else "")
             print(f"{conc:>3} {path:<8} {med['throughput_rps']:>9.1f} {med['p50_ms']:>8.2f} {med['p99_ms']:>8.2f} "
                   f"{med['worker_cpu_ms_per_request']:>10.3f} {med['gateway_cpu_ms_per_request']:>11.3f} "
-                  f"{ratio:>6.2f} {errors:>6}")
+                  f"{ratio:>6.2f} {paired_text:>17} {errors:>6}")
     return 0
 
 
