@@ -141,6 +141,12 @@ class _Table:
     def __init__(self, *entries: ModelEntry, ready: bool = True) -> None:
         self.snapshot = MappingProxyType({e.name: e for e in entries})
         self.is_ready = ready
+        self.changed = trio.Event()
+
+    def publish(self, entry: ModelEntry) -> None:      # as ModelTable's: a change is announced
+        self.snapshot = MappingProxyType({**self.snapshot, entry.name: entry})
+        changed, self.changed = self.changed, trio.Event()
+        changed.set()
 
     def ready(self) -> bool:
         return self.is_ready
@@ -381,6 +387,35 @@ def test_watch_status_ends_when_the_worker_drains():
             with trio.fail_after(0.1):
                 await ended.wait()          # at once, not at the next interval
             assert len(stream.sent) == 3
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_watch_status_sends_a_model_change_at_once_and_at_most_one_per_min_interval():
+    """A model becoming ready is sent at once (a gateway routes to it without waiting out the
+    interval); a burst of changes costs at most one snapshot per MIN_WATCH_INTERVAL."""
+    from xlaserve.frontend.control import MIN_WATCH_INTERVAL
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery)
+            stream = _Stream(cpb.WatchStatusRequest(interval_seconds=10.0))
+            nursery.start_soon(WorkerControlService(port).WatchStatus, stream)
+            await trio.sleep(1)
+            assert len(stream.sent) == 1
+            port.models.publish(ModelEntry("cnn", ModelState.LOADING))
+            await trio.sleep(0.001)
+            assert len(stream.sent) == 2
+            assert {m.name: m.state for m in stream.sent[-1].models}["cnn"] == "LOADING"
+            for i in range(20):                 # a burst within 0.02 s
+                port.models.publish(ModelEntry("cnn", ModelState.READY if i % 2 else ModelState.LOADING))
+                await trio.sleep(0.001)
+            assert len(stream.sent) == 2        # the next one waits for MIN_WATCH_INTERVAL
+            await trio.sleep(MIN_WATCH_INTERVAL)
+            assert len(stream.sent) == 3
+            assert {m.name: m.state for m in stream.sent[-1].models}["cnn"] == "READY"
+            await trio.sleep(5)
+            assert len(stream.sent) == 3        # nothing changed: the interval (10 s) paces it
+            nursery.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 

@@ -273,6 +273,11 @@ def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_c
     assert sum(1 for o in outcomes if not o[2] and stopped_at + 3.0 < o[0] < stopped_at + 4.0) > 20
 
 
+def _index_entry(client, name: str) -> dict:
+    entry = next(m for m in client.get_model_repository_index(as_json=True)["models"] if m["name"] == name)
+    return {"reason": "", **entry}
+
+
 def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo, tmp_path):
     """The supervisor starts both workers; the embedded gateway serves the node's listen port;
     the unchanged Triton client sees one server; a killed worker is restarted and used again."""
@@ -292,13 +297,19 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         status, text = node.get("/metrics")
         assert status == 200 and 'xlaserve_gateway_worker_up{worker="a"} 1.0' in text
         deadline = time.monotonic() + TIMEOUT        # the workers' own metrics, scraped, with their names
-        while time.monotonic() < deadline and not ('worker="a"' in text and 'worker="b"' in text
-                                                   and "xlaserve_weight_cache" in text):
+        scraped = [re.compile(rf'^xlaserve_weight_cache\w*\{{worker="{w}"', re.MULTILINE) for w in "ab"]
+        while time.monotonic() < deadline and not all(p.search(text) for p in scraped):
             time.sleep(0.2)
             text = node.get("/metrics")[1]
-        assert re.search(r'^xlaserve_weight_cache\w*\{worker="b"', text, re.MULTILINE), text[-2000:]
+        assert all(p.search(text) for p in scraped), text[-2000:]
         log = node.log()
         assert "[a]" in log and "[b]" in log          # both workers' lines, prefixed
+        # both workers have mlp READY (the node is ready once each model is on one worker): the
+        # merged index then gives no per-worker reason
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline and _index_entry(client, "mlp")["reason"]:
+            time.sleep(0.1)
+        assert _index_entry(client, "mlp") == {"name": "mlp", "version": "1", "state": "READY", "reason": ""}
         # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
         deadline = time.monotonic() + TIMEOUT
         os.kill(_child(node.process.pid, ["--worker", "b"]), signal.SIGKILL)

@@ -305,6 +305,33 @@ def test_cache_dir_writable_by_others_is_refused(tmp_path):
     assert list(cache.iterdir()) == []
 
 
+def test_start_up_lists_every_bundle_as_loading_before_its_turn():
+    """While start-up loads one bundle at a time, the others are in the table (LOADING, with a
+    reason saying they wait), not absent: a gateway in front says 'loading', not 'no such
+    model'. Each gets a plain LOADING entry when its own load begins."""
+    import trio
+
+    from xlaserve.worker.lifecycle import QUEUED, Lifecycle
+    from xlaserve.worker.registry import ModelEntry, ModelState, ModelTable
+
+    table = ModelTable()
+    seen: list[dict[str, tuple[str, str]]] = []
+
+    class Recording(Lifecycle):
+        async def load(self, name):
+            seen.append({n: (e.state.value, e.reason) for n, e in table.snapshot.items()})
+            entry = ModelEntry(name, ModelState.READY)
+            table.publish(entry)
+            return entry
+
+    lifecycle = Recording.__new__(Recording)
+    lifecycle._table = table
+    trio.run(lifecycle.load_all, ["a", "b", "c"])
+    assert seen[0] == {"a": ("LOADING", QUEUED), "b": ("LOADING", QUEUED), "c": ("LOADING", QUEUED)}
+    assert seen[2] == {"a": ("READY", ""), "b": ("READY", ""), "c": ("LOADING", QUEUED)}
+    assert {n: e.state for n, e in table.snapshot.items()} == dict.fromkeys("abc", ModelState.READY)
+
+
 def test_plan_rescan_compares_fingerprints():
     from xlaserve.worker.lifecycle import RescanPlan, plan_rescan
     plan = plan_rescan({"a": "1", "b": "2", "gone": "3"}, {"a": "1", "b": "9", "new": "4"})

@@ -181,12 +181,26 @@ class WorkerControlService(WorkerControlBase):
         interval = request.interval_seconds if request.interval_seconds > 0 else DEFAULT_WATCH_INTERVAL
         interval = max(interval, MIN_WATCH_INTERVAL)
         # Ends when the client cancels, or with OK when the worker starts draining: a status
-        # stream is not work in flight, so a drain does not wait for it.
+        # stream is not work in flight, so a drain does not wait for it. A change of the model
+        # table (a model loading, ready, failed, gone) is sent at once, not at the next interval,
+        # so that a gateway routes to a model as soon as it is ready; at most one snapshot per
+        # MIN_WATCH_INTERVAL all the same.
         draining = self._worker.draining
+        table = self._worker.models
         while not draining.is_set():
+            changed = table.changed         # taken before the snapshot: a later change wakes us
+            sent = trio.current_time()
             await stream.send_message(status_snapshot(self._worker, self._admission))
             with trio.move_on_after(interval):
-                await draining.wait()
+                async with trio.open_nursery() as nursery:
+                    for event in (draining, changed):
+                        nursery.start_soon(_set_then_cancel, event, nursery.cancel_scope)
+            await trio.sleep_until(sent + MIN_WATCH_INTERVAL)
+
+
+async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 UNCAPPED_ROWS = 2**31 - 1

@@ -42,6 +42,7 @@ from xlaserve.worker.registry import ModelEntry, ModelState, ModelTable
 log = logging.getLogger("xlaserve.lifecycle")
 
 WATCH_STEP_MS = 200          # quiet time that ends a group of file events
+QUEUED = "queued: start-up loads one bundle at a time"   # a LOADING entry whose turn has not come
 WATCH_DEBOUNCE_MS = 1600     # longest a group of events is held before a rescan
 
 
@@ -232,6 +233,10 @@ class Lifecycle:
     async def load_all(self, names: list[str]) -> None:
         started = time.perf_counter()
         hits = compiled = 0
+        # Every bundle is LOADING from the start, not absent until its turn: the index, the
+        # status stream and a gateway in front show what this worker is about to serve.
+        self._table.publish_all(ModelEntry(name, ModelState.LOADING, QUEUED) for name in names
+                                if name not in self._table.snapshot)
         for i, name in enumerate(names, 1):
             log.info("start-up: loading %s (%d of %d)", name, i, len(names))
             entry = await self.load(name)
@@ -260,7 +265,7 @@ class Lifecycle:
         except OSError:
             self._seen[name] = ""
         current = self._table.snapshot.get(name)
-        if current is None:
+        if current is None or current.reason == QUEUED:
             self._table.publish(ModelEntry(name, ModelState.LOADING))
         # The number is taken only when the version is published: a failed attempt uses none,
         # so served versions count up without gaps.

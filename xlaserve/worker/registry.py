@@ -35,6 +35,8 @@ class ModelTable:
     def __init__(self) -> None:
         self.snapshot: Mapping[str, ModelEntry] = MappingProxyType({})
         self.startup_done = trio.Event()
+        #: set (and replaced) whenever the table changes: a status stream sends the change now
+        self.changed = trio.Event()
 
     def ready(self) -> bool:
         """The worker's readiness (``/readyz``, KServe ``ServerReady``): the start-up set has
@@ -54,6 +56,13 @@ class ModelTable:
         table[entry.name] = entry
         self._swap(table)
 
+    def publish_all(self, entries) -> None:
+        """Publish several entries in one swap (watchers see them together)."""
+        table = dict(self.snapshot)
+        for entry in entries:
+            table[entry.name] = entry
+        self._swap(table)
+
     def update(self, name: str, **changes) -> ModelEntry:
         entry = replace(self.snapshot[name], **changes)
         self.publish(entry)
@@ -66,3 +75,5 @@ class ModelTable:
 
     def _swap(self, table: dict[str, ModelEntry]) -> None:
         self.snapshot = MappingProxyType(dict(sorted(table.items())))
+        changed, self.changed = self.changed, trio.Event()
+        changed.set()
