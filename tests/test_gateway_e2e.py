@@ -304,11 +304,11 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         assert all(p.search(text) for p in scraped), text[-2000:]
         log = node.log()
         assert "[a]" in log and "[b]" in log          # both workers' lines, prefixed
-        # both workers have mlp READY (the node is ready once each model is on one worker): the
-        # merged index then gives no per-worker reason
+        # both workers have mlp READY (the node is ready once each model is on one worker), and
+        # the gateway routes to both: its replicas gauge is its routing view
         deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline and _index_entry(client, "mlp")["reason"]:
-            time.sleep(0.1)
+        while time.monotonic() < deadline and 'xlaserve_gateway_replicas{model="mlp"} 2.0' not in node.get("/metrics")[1]:
+            time.sleep(0.05)
         assert _index_entry(client, "mlp") == {"name": "mlp", "version": "1", "state": "READY", "reason": ""}
         # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
         deadline = time.monotonic() + TIMEOUT

@@ -260,7 +260,9 @@ async def _dashboard(repo, tmp_path) -> None:
         async with _serving(tmp_path / "srv", repo, listen={"grpc": f"127.0.0.1:{port}",
                                                             "http": "127.0.0.1:0"}) as server:
             # ... until the worker comes up: the table fills
-            await _until(app, lambda: app.connected and len(app.rows) == 4)
+            # (every bundle is listed, LOADING, from the worker's first moment: wait for all ready)
+            await _until(app, lambda: app.connected and len(app.rows) == 4
+                         and all(row.state == "READY" for row in app.rows))
             table = app._table
             assert table.row_count == 4
             assert table.get_row("mlp")[:2] == ["mlp", "READY"]
