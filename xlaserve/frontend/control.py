@@ -194,11 +194,11 @@ class WorkerControlService(WorkerControlBase):
             with trio.move_on_after(interval):
                 async with trio.open_nursery() as nursery:
                     for event in (draining, changed):
-                        nursery.start_soon(_set_then_cancel, event, nursery.cancel_scope)
+                        nursery.start_soon(_cancel_when_set, event, nursery.cancel_scope)
             await trio.sleep_until(sent + MIN_WATCH_INTERVAL)
 
 
-async def _set_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
     await event.wait()
     scope.cancel()
 

@@ -644,6 +644,7 @@ class Upstream:
                     self._give_up(call, UpstreamError(Status.DEADLINE_EXCEEDED, f"worker {self.name} did not "
                                                                                 "answer within the request's timeout"))
             self._timer_wake = trio.Event()
+            in_order = self._in_order       # (a give-up above may have compacted it)
             self._timer_at = min(in_order[0].deadline if in_order else math.inf,
                                  self._timers[0][0] if self._timers else math.inf)
             with trio.move_on_at(self._timer_at):
