@@ -241,6 +241,88 @@ def specialize(module: bytes, arguments: Sequence[TensorType]) -> bytes:
     return bytes(refined)
 
 
+def kernel_permutations(module: bytes) -> dict[int, tuple[int, ...]]:
+    """For each ``@main`` argument that is used only as the kernel of convolutions (directly or
+    through ``func.call``), all with the same kernel dimension numbers: the permutation that
+    puts it in the order XLA's cpu convolutions take kernels in, spatial dimensions first, then
+    input features, then output features (HWIO for a 2-D kernel). Arguments already in that
+    order, or used any other way, are left out.
+
+    Why: XLA's cpu backend keeps an entry parameter in the layout it arrives in and transposes
+    a kernel given in another order (PyTorch's OIHW) on every call, all of them, before each
+    convolution; PJRT's layout options do not change that (a parameter compiled with a
+    non-default layout is copied back to row-major first). :func:`relayout` makes the module
+    take such arguments already permuted, so that its transpose and XLA's cancel at compile time.
+    """
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        parsed = _parse(module, ctx)
+        functions = {ir.StringAttr(op.attributes["sym_name"]).value: op for op in parsed.body.operations
+                     if op.operation.name == "func.func" and op.regions[0].blocks}
+        main = _main(parsed)
+        found = {}
+        for index, argument in enumerate(main.regions[0].blocks[0].arguments):
+            orders = _kernel_orders(argument, functions, depth=0)
+            if orders is None or len(orders) != 1:
+                continue
+            order = orders.pop()
+            if order != tuple(range(len(order))):
+                found[index] = order
+        return found
+
+
+def _kernel_orders(value, functions, depth: int) -> set[tuple[int, ...]] | None:
+    """The kernel orders of every convolution ``value`` feeds, or None if it has any other use."""
+    orders: set[tuple[int, ...]] = set()
+    for use in value.uses:
+        op = use.owner
+        name = op.name
+        if name == "stablehlo.convolution" and use.operand_number == 1:
+            dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+            orders.add((*dims.kernel_spatial_dimensions, dims.kernel_input_feature_dimension,
+                        dims.kernel_output_feature_dimension))
+        elif name == "func.call" and depth < 8:
+            callee = functions.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+            if callee is None:
+                return None
+            inner = _kernel_orders(callee.regions[0].blocks[0].arguments[use.operand_number], functions, depth + 1)
+            if inner is None:
+                return None
+            orders |= inner
+        else:
+            return None
+    return orders or None
+
+
+def relayout(module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
+    """``module`` (text, bytecode or portable artifact) as StableHLO bytecode whose ``@main``
+    takes each argument ``i`` of ``permutations`` transposed by ``permutations[i]`` (the array
+    ``numpy.transpose(a, permutations[i])``) and transposes it back first thing, so the rest
+    of the module is unchanged. Deterministic, like :func:`specialize`. With no permutations,
+    ``module`` itself."""
+    if not permutations:
+        return module
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        parsed = _parse(module, ctx)
+        main = _main(parsed)
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        inputs = list(ftype.inputs)
+        block = main.regions[0].blocks[0]
+        with ir.InsertionPoint.at_block_begin(block):
+            for index in sorted(permutations):
+                perm = tuple(int(p) for p in permutations[index])
+                old = ir.RankedTensorType(inputs[index])
+                if sorted(perm) != list(range(old.rank)) or any(old.is_dynamic_dim(i) for i in range(old.rank)):
+                    raise ModuleError(f"argument {index} of @main is {old}, which {perm} does not permute")
+                new = ir.RankedTensorType.get([old.get_dim_size(p) for p in perm], old.element_type)
+                argument = block.arguments[index]
+                argument.set_type(new)
+                back = hlo.TransposeOp(argument, ir.DenseI64ArrayAttr.get([perm.index(j) for j in range(len(perm))]))
+                argument.replace_all_uses_except(back.result, back.operation)
+                inputs[index] = new
+        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, ftype.results))
+        return bytes(jax_mlir_internal.module_to_bytecode(parsed))
+
+
 def _tensor_type(t) -> TensorType:
     try:
         rt = ir.RankedTensorType(t)
@@ -295,6 +377,13 @@ class Device:
         the allocator does not say (cpu)."""
         stats = self._device.memory_stats()
         return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
+
+    @property
+    def permutes_kernels(self) -> bool:
+        """Whether modules should take convolution-kernel weights pre-permuted
+        (:func:`kernel_permutations`, :func:`relayout`): on the cpu, which otherwise transposes
+        them on every call (measured). Left off on cuda, where it was not measured."""
+        return self.backend == "cpu"
 
     def compile(self, module: bytes):
         """Compile a StableHLO module (text, bytecode or portable artifact) for this device."""
