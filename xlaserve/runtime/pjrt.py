@@ -34,7 +34,7 @@ from jax._src import core as jax_core
 from jax._src import hardware_utils, xla_bridge
 from jax._src.interpreters import mlir as jax_mlir_internal
 from jax._src.lib import _jax, xla_client
-from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import ir, passmanager
 from jax._src.lib.mlir.dialects import hlo
 
 JAX_VERSION = jax.__version__
@@ -239,6 +239,23 @@ def specialize(module: bytes, arguments: Sequence[TensorType]) -> bytes:
     except Exception as exc:  # jaxlib's JaxRuntimeError, with MLIR's diagnostics in the message
         raise ModuleError(f"its shapes do not all resolve: {_first_line(exc)}") from None
     return bytes(refined)
+
+
+def eliminate_common_subexpressions(module: str) -> str:
+    """A StableHLO text module with MLIR's common-subexpression elimination applied, printed as
+    jax prints ``Exported.mlir_module()`` (debug locations kept: argument names such as
+    ``weights['conv1.w']`` and op names such as ``jit(f)/conv_general_dilated``). Identical
+    side-effect-free ops computing the same values are merged, so the program is the same.
+    Deterministic. It matters most for a shape-polymorphic module, where jax rebuilds the same
+    shape (``reshape`` of the batch size, ``concatenate`` with the static dimensions) before
+    every ``dynamic_broadcast_in_dim``."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        try:
+            parsed = ir.Module.parse(module, context=ctx)
+        except Exception as exc:  # MLIR raises a bare Exception subclass with diagnostics
+            raise ModuleError(f"not a parsable StableHLO module: {_first_line(exc)}") from None
+        passmanager.PassManager.parse("builtin.module(cse)", context=ctx).run(parsed.operation)
+        return parsed.operation.get_asm(enable_debug_info=True)
 
 
 def kernel_permutations(module: bytes) -> dict[int, tuple[int, ...]]:

@@ -1,6 +1,9 @@
-"""Convolution kernels handed to the cpu pre-permuted: pjrt.kernel_permutations and relayout,
-and load_bundle's use of them (the weights transposed once at read, the modules rewritten)."""
+"""Rewrites of StableHLO modules: convolution kernels handed to the cpu pre-permuted
+(pjrt.kernel_permutations, relayout, and load_bundle's use of them: the weights transposed once at
+read, the modules rewritten), and common-subexpression elimination of exported text modules."""
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +28,8 @@ def _conv(x, w):
 
 
 def model(a, b, c, x):
-    y = jax.nn.relu(_conv(x, a))
-    y = _conv(y, b)
+    y = jax.nn.relu(_conv(x, a)) * 0.5 + 1.0      # scalars broadcast to the batch's shape
+    y = _conv(y, b) * 2.0 - 1.0
     return (_conv(y, c) + c.sum(),)      # c is also used outside a convolution: left as it is
 
 
@@ -80,3 +83,21 @@ def test_load_bundle_permutes_kernels_once_and_answers_the_same(tmp_path, device
         x = RNG.standard_normal((batch, 3, 6, 5)).astype(np.float32)
         (found,) = device.execute(model_version.modules[batch].executable, [*on_device, x])
         np.testing.assert_allclose(found, expected(x), rtol=1e-5, atol=1e-5)
+
+
+def test_common_subexpressions_are_merged_and_locations_kept(tmp_path, device):
+    from xlaserve.runtime.pjrt import eliminate_common_subexpressions
+
+    bundle = _export(tmp_path, dynamic=True)
+    text = (bundle / "model.mlir").read_text()
+    # jax rebuilds the batch's shape before every dynamic broadcast; exported, it is built once
+    # per distinct shape
+    shapes = re.findall(r"stablehlo\.concatenate ([^\n]*?), dim = ", text)
+    assert shapes and len(shapes) == len(set(shapes))
+    assert "loc(\"weights['a.w']\")" in text and "conv_general_dilated" in text
+    assert eliminate_common_subexpressions(text) == text          # already merged: a fixed point
+    model_version = load_bundle(bundle, 1, device)
+    host = list(device.put_weights(list(model_version.weights.read())))
+    x = RNG.standard_normal((3, 3, 6, 5)).astype(np.float32)
+    (found,) = device.execute(model_version.modules[3].executable, [*host, x])
+    np.testing.assert_allclose(found, expected(x), rtol=1e-5, atol=1e-5)
