@@ -101,3 +101,14 @@ def test_common_subexpressions_are_merged_and_locations_kept(tmp_path, device):
     x = RNG.standard_normal((3, 3, 6, 5)).astype(np.float32)
     (found,) = device.execute(model_version.modules[3].executable, [*host, x])
     np.testing.assert_allclose(found, expected(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compile_overrides_are_part_of_the_executable_cache_key(device, monkeypatch):
+    from xlaserve.runtime import pjrt
+
+    with_overrides = device.cache_key_parts()["compile_options"]
+    monkeypatch.setattr(pjrt, "COMPILE_OVERRIDES", {})
+    assert device.cache_key_parts()["compile_options"] != with_overrides
+    monkeypatch.setattr(pjrt, "COMPILE_OVERRIDES", {"cpu": (("xla_cpu_experimental_ynn_fusion_type", "bogus"),)})
+    with pytest.raises(Exception, match="xla_cpu_experimental_ynn_fusion_type"):    # they reach XLA
+        device.compile(b"func.func public @main(%a: tensor<2xf32>) -> tensor<2xf32> { return %a : tensor<2xf32> }")

@@ -364,6 +364,16 @@ class CompiledMemory:
     code_bytes: int
 
 
+# XLA options xlaserve compiles with, per backend (``CompileOptions.env_option_overrides``: they
+# win over the same flags in ``XLA_FLAGS``). On the cpu, YNNPACK runs dots only: XLA's default
+# also hands it each convolution, which made ResNet-18 cost 75-85 ms of CPU a call at batch 1
+# against 45-47 without (benchmarks/resnet_exec_bench.py, docs/benchmarks.md), while dots
+# (the ``mlp`` example at batch 32) lose about 40% without it.
+COMPILE_OVERRIDES: Mapping[str, tuple[tuple[str, str], ...]] = {
+    "cpu": (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),),
+}
+
+
 class Device:
     """One PJRT device (``cpu`` or ``cuda``) and the client that owns it.
 
@@ -403,8 +413,16 @@ class Device:
         return self.backend == "cpu"
 
     def compile(self, module: bytes):
-        """Compile a StableHLO module (text, bytecode or portable artifact) for this device."""
-        return self._client.compile_and_load(module, self._device_list, xla_client.CompileOptions())
+        """Compile a StableHLO module (text, bytecode or portable artifact) for this device,
+        with this backend's :data:`COMPILE_OVERRIDES`."""
+        return self._client.compile_and_load(module, self._device_list, self._compile_options())
+
+    def _compile_options(self):
+        options = xla_client.CompileOptions()
+        overrides = COMPILE_OVERRIDES.get(self.backend, ())
+        if overrides:
+            options.env_option_overrides = list(overrides)
+        return options
 
     @staticmethod
     def compiled_memory(executable) -> CompiledMemory:
@@ -416,12 +434,12 @@ class Device:
         return bytes(self._client.serialize_executable(executable))
 
     def deserialize(self, blob: bytes):
-        return self._client.deserialize_executable(blob, self._device_list, xla_client.CompileOptions())
+        return self._client.deserialize_executable(blob, self._device_list, self._compile_options())
 
     def cache_key_parts(self) -> dict[str, str]:
         """What, besides the module bytes, decides whether a serialized executable fits this
         device: versions, backend, device kind and the compile options :meth:`compile` uses."""
-        options = xla_client.CompileOptions().SerializeAsString()
+        options = self._compile_options().SerializeAsString()
         return {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
                 "platform_version": self.platform_version,
                 "compile_options": hashlib.sha256(options).hexdigest()}
