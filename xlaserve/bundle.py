@@ -114,10 +114,8 @@ class HostWeights:
             got = f.readinto(memoryview(buffer))
         if got != end - start:
             raise OSError(f"{self.file}: read {got} of {end - start} weight bytes (was the file truncated?)")
-        arrays = tuple(self._view(memoryview(buffer), t, t.offset - start) for t in self.tensors)
-        if self.permutations:
-            arrays = tuple(a if p is None else _permuted(a, p) for a, p in zip(arrays, self.permutations))
-        return arrays
+        permutations = self.permutations or (None,) * len(self.tensors)
+        return tuple(self._view(memoryview(buffer), t, t.offset - start, p) for t, p in zip(self.tensors, permutations))
 
     def _check_size(self, size: int) -> None:
         end = max(t.offset + t.nbytes for t in self.tensors)
@@ -126,17 +124,16 @@ class HostWeights:
                           "on disk after the model was loaded")
 
     @staticmethod
-    def _view(buffer: memoryview, t: WeightTensor, offset: int) -> np.ndarray:
+    def _view(buffer: memoryview, t: WeightTensor, offset: int, axes: tuple[int, ...] | None) -> np.ndarray:
         count = t.nbytes // t.dtype.itemsize
         array = np.frombuffer(buffer, t.dtype, count, offset).reshape(t.shape)
+        if axes is not None:
+            # transposed in place (through a transient copy), so the host copy stays one buffer
+            permuted = np.transpose(array, axes).copy()
+            array = array.reshape(permuted.shape)
+            array[...] = permuted
         array.flags.writeable = False
         return array
-
-
-def _permuted(array: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-    out = np.ascontiguousarray(np.transpose(array, axes))
-    out.flags.writeable = False
-    return out
 
 
 @dataclass(frozen=True, slots=True)
