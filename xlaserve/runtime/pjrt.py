@@ -5,7 +5,10 @@ plugin can be used (:func:`probe_cuda`), setting up the client before it exists
 (:func:`configure_client`), opening a backend (``jax.extend.backend``), reading a StableHLO
 module's ``@main`` signature (jaxlib's MLIR bindings), specializing a module exported with a
 symbolic batch to one static size (:func:`specialize`: StableHLO shape refinement, as jax does for
-its own shape-polymorphic modules), compiling (``compile_and_load``),
+its own shape-polymorphic modules), rewriting modules to take convolution kernels in the order
+the cpu wants them (:func:`kernel_permutations`, :func:`relayout`), merging common
+subexpressions of exported text (:func:`eliminate_common_subexpressions`), compiling
+(``compile_and_load``, with :data:`COMPILE_OVERRIDES`),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
 ``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
 (de)serializing executables. The jax version is pinned in pyproject.toml because these names
