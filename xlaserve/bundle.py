@@ -7,6 +7,7 @@ what was found.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import itertools
@@ -30,7 +31,8 @@ from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.progress import Step
-from xlaserve.runtime.pjrt import (CompiledMemory, Device, ModuleError, Signature, TensorType, read_signature,
+from xlaserve.runtime.pjrt import (CompiledMemory, Device, ModuleError, Signature, TensorType, kernel_permutations,
+                                   read_signature, relayout,
                                    specialize)
 
 MANIFEST = "manifest.yaml"
@@ -71,6 +73,9 @@ class HostWeights:
     file: Path
     tensors: tuple[WeightTensor, ...]
     declared: bool = True                       # False: found beside a manifest with no weights: key
+    # Per tensor, the axis order it is handed to the modules in (numpy.transpose's axes), or
+    # None for the file's own order: see :func:`_permute_kernels`.
+    permutations: tuple[tuple[int, ...] | None, ...] = ()
 
     @property
     def origin(self) -> str:
@@ -109,8 +114,8 @@ class HostWeights:
             got = f.readinto(memoryview(buffer))
         if got != end - start:
             raise OSError(f"{self.file}: read {got} of {end - start} weight bytes (was the file truncated?)")
-        arrays = tuple(self._view(memoryview(buffer), t, t.offset - start) for t in self.tensors)
-        return arrays
+        permutations = self.permutations or (None,) * len(self.tensors)
+        return tuple(self._view(memoryview(buffer), t, t.offset - start, p) for t, p in zip(self.tensors, permutations))
 
     def _check_size(self, size: int) -> None:
         end = max(t.offset + t.nbytes for t in self.tensors)
@@ -119,9 +124,14 @@ class HostWeights:
                           "on disk after the model was loaded")
 
     @staticmethod
-    def _view(buffer: memoryview, t: WeightTensor, offset: int) -> np.ndarray:
+    def _view(buffer: memoryview, t: WeightTensor, offset: int, axes: tuple[int, ...] | None) -> np.ndarray:
         count = t.nbytes // t.dtype.itemsize
         array = np.frombuffer(buffer, t.dtype, count, offset).reshape(t.shape)
+        if axes is not None:
+            # transposed in place (through a transient copy), so the host copy stays one buffer
+            permuted = np.transpose(array, axes).copy()
+            array = array.reshape(permuted.shape)
+            array[...] = permuted
         array.flags.writeable = False
         return array
 
@@ -414,6 +424,25 @@ def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration |
 Compile = Callable[[Path, bytes], tuple[object, bool]]
 
 
+def _permute_kernels(weights: HostWeights, texts: dict[int, bytes]) -> tuple[HostWeights, dict[int, bytes]]:
+    """The weights and modules with every convolution-kernel weight handed over in the order
+    the device's convolutions take kernels in (:func:`~xlaserve.runtime.pjrt.kernel_permutations`):
+    the weight is transposed once, when it is read from disk, instead of inside every call. A
+    weight is permuted only when every module of the bundle asks for the same order, so one
+    device copy serves them all. The modules are rewritten to take it so
+    (:func:`~xlaserve.runtime.pjrt.relayout`), so an executable cache keys on the rewritten bytes."""
+    count = len(weights.tensors)
+    agreed: dict[int, tuple[int, ...]] | None = None
+    for text in texts.values():
+        found = {i: p for i, p in kernel_permutations(text).items() if i < count}
+        agreed = found if agreed is None else {i: p for i, p in agreed.items() if found.get(i) == p}
+    if not agreed:
+        return weights, texts
+    permutations = tuple(agreed.get(i) for i in range(count))
+    return (dataclasses.replace(weights, permutations=permutations),
+            {size: relayout(text, agreed) for size, text in texts.items()})
+
+
 def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
                 progress: Callable[[str], None] | None = None, fingerprint: str | None = None) -> ModelVersion:
     """Read, validate and compile one bundle. ``compile_module(path, module_bytes)`` returns
@@ -458,6 +487,8 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
             where = f"{file.name} cannot be specialized to batch size {size}" if dynamic else file.name
             raise BundleError(manifest.bundle, f"{where}: {exc}") from None
         validate_signature(manifest, file, size, sig, weights, f"{file.name}@b{size}" if dynamic else None)
+    if weights is not None and device.permutes_kernels:
+        weights, texts = _permute_kernels(weights, texts)
     if compile_module is None:
         def compile_module(_file: Path, data: bytes) -> tuple[object, bool]:
             return device.compile(data), False

@@ -38,6 +38,7 @@ from xlaserve.bundle import MANIFEST
 from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES
 from xlaserve.manifest import BATCH_AXIS, DEFAULT_WEIGHTS_FILE, FORMAT_VERSION
 from xlaserve.progress import Step
+from xlaserve.runtime.pjrt import eliminate_common_subexpressions
 
 __all__ = [
     "DTYPES",
@@ -206,7 +207,10 @@ def export_bundle(
     tuple (a single array is accepted for one output). The basename of ``out_dir`` is the model
     name. Every traced output is checked against ``outputs`` (dtype and row-major shape).
 
-    ``bytecode=False`` writes StableHLO text, ``model.b{N}.mlir`` (``Exported.mlir_module()``).
+    ``bytecode=False`` writes StableHLO text, ``model.b{N}.mlir`` (``Exported.mlir_module()``
+    after common-subexpression elimination, which keeps the program and its debug locations and
+    makes a dynamic-batch module about a sixth smaller:
+    :func:`~xlaserve.runtime.pjrt.eliminate_common_subexpressions`).
     ``bytecode=True`` writes ``model.b{N}.mlirbc``: the StableHLO *portable artifact*
     (``Exported.mlir_module_serialized``, VHLO bytecode with StableHLO's compatibility window),
     which PJRT compiles directly. If in doubt, use text: it is diffable and reviewable.
@@ -261,7 +265,7 @@ def export_bundle(
         if bytecode:
             files[module_file_name(batch, bytecode=True)] = exported.mlir_module_serialized
         else:
-            files[module_file_name(batch)] = exported.mlir_module().encode()
+            files[module_file_name(batch)] = eliminate_common_subexpressions(exported.mlir_module()).encode()
 
     return write_bundle(out_dir, files, inputs=inputs, outputs=outputs, weights=weights,
                         weights_order=order, compiled_batch_sizes=sizes,

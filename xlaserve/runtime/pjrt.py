@@ -5,7 +5,10 @@ plugin can be used (:func:`probe_cuda`), setting up the client before it exists
 (:func:`configure_client`), opening a backend (``jax.extend.backend``), reading a StableHLO
 module's ``@main`` signature (jaxlib's MLIR bindings), specializing a module exported with a
 symbolic batch to one static size (:func:`specialize`: StableHLO shape refinement, as jax does for
-its own shape-polymorphic modules), compiling (``compile_and_load``),
+its own shape-polymorphic modules), rewriting modules to take convolution kernels in the order
+the cpu wants them (:func:`kernel_permutations`, :func:`relayout`), merging common
+subexpressions of exported text (:func:`eliminate_common_subexpressions`), compiling
+(``compile_and_load``, with :data:`COMPILE_OVERRIDES`),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
 ``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
 (de)serializing executables. The jax version is pinned in pyproject.toml because these names
@@ -34,7 +37,7 @@ from jax._src import core as jax_core
 from jax._src import hardware_utils, xla_bridge
 from jax._src.interpreters import mlir as jax_mlir_internal
 from jax._src.lib import _jax, xla_client
-from jax._src.lib.mlir import ir
+from jax._src.lib.mlir import ir, passmanager
 from jax._src.lib.mlir.dialects import hlo
 
 JAX_VERSION = jax.__version__
@@ -241,6 +244,105 @@ def specialize(module: bytes, arguments: Sequence[TensorType]) -> bytes:
     return bytes(refined)
 
 
+def eliminate_common_subexpressions(module: str) -> str:
+    """A StableHLO text module with MLIR's common-subexpression elimination applied, printed as
+    jax prints ``Exported.mlir_module()`` (debug locations kept: argument names such as
+    ``weights['conv1.w']`` and op names such as ``jit(f)/conv_general_dilated``). Identical
+    side-effect-free ops computing the same values are merged, so the program is the same.
+    Deterministic. It matters most for a shape-polymorphic module, where jax rebuilds the same
+    shape (``reshape`` of the batch size, ``concatenate`` with the static dimensions) before
+    every ``dynamic_broadcast_in_dim``."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        try:
+            parsed = ir.Module.parse(module, context=ctx)
+        except Exception as exc:  # MLIR raises a bare Exception subclass with diagnostics
+            raise ModuleError(f"not a parsable StableHLO module: {_first_line(exc)}") from None
+        passmanager.PassManager.parse("builtin.module(cse)", context=ctx).run(parsed.operation)
+        return parsed.operation.get_asm(enable_debug_info=True)
+
+
+def kernel_permutations(module: bytes) -> dict[int, tuple[int, ...]]:
+    """For each ``@main`` argument that is used only as the kernel of convolutions (directly or
+    through ``func.call``), all with the same kernel dimension numbers: the permutation that
+    puts it in the order XLA's cpu convolutions take kernels in, spatial dimensions first, then
+    input features, then output features (HWIO for a 2-D kernel). Arguments already in that
+    order, or used any other way, are left out.
+
+    Why: XLA's cpu backend keeps an entry parameter in the layout it arrives in and transposes
+    a kernel given in another order (PyTorch's OIHW) on every call, all of them, before each
+    convolution; PJRT's layout options do not change that (a parameter compiled with a
+    non-default layout is copied back to row-major first). :func:`relayout` makes the module
+    take such arguments already permuted, so that its transpose and XLA's cancel at compile time.
+    """
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        parsed = _parse(module, ctx)
+        functions = {ir.StringAttr(op.attributes["sym_name"]).value: op for op in parsed.body.operations
+                     if op.operation.name == "func.func" and op.regions[0].blocks}
+        main = _main(parsed)
+        found = {}
+        for index, argument in enumerate(main.regions[0].blocks[0].arguments):
+            orders = _kernel_orders(argument, functions, depth=0)
+            if orders is None or len(orders) != 1:
+                continue
+            order = orders.pop()
+            if order != tuple(range(len(order))):
+                found[index] = order
+        return found
+
+
+def _kernel_orders(value, functions, depth: int) -> set[tuple[int, ...]] | None:
+    """The kernel orders of every convolution ``value`` feeds, or None if it has any other use."""
+    orders: set[tuple[int, ...]] = set()
+    for use in value.uses:
+        op = use.owner
+        name = op.name
+        if name == "stablehlo.convolution" and use.operand_number == 1:
+            dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+            orders.add((*dims.kernel_spatial_dimensions, dims.kernel_input_feature_dimension,
+                        dims.kernel_output_feature_dimension))
+        elif name == "func.call" and depth < 8:
+            callee = functions.get(ir.FlatSymbolRefAttr(op.attributes["callee"]).value)
+            if callee is None:
+                return None
+            inner = _kernel_orders(callee.regions[0].blocks[0].arguments[use.operand_number], functions, depth + 1)
+            if inner is None:
+                return None
+            orders |= inner
+        else:
+            return None
+    return orders or None
+
+
+def relayout(module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
+    """``module`` (text, bytecode or portable artifact) as StableHLO bytecode whose ``@main``
+    takes each argument ``i`` of ``permutations`` transposed by ``permutations[i]`` (the array
+    ``numpy.transpose(a, permutations[i])``) and transposes it back first thing, so the rest
+    of the module is unchanged. Deterministic, like :func:`specialize`. With no permutations,
+    ``module`` itself."""
+    if not permutations:
+        return module
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        parsed = _parse(module, ctx)
+        main = _main(parsed)
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        inputs = list(ftype.inputs)
+        block = main.regions[0].blocks[0]
+        with ir.InsertionPoint.at_block_begin(block):
+            for index in sorted(permutations):
+                perm = tuple(int(p) for p in permutations[index])
+                old = ir.RankedTensorType(inputs[index])
+                if sorted(perm) != list(range(old.rank)) or any(old.is_dynamic_dim(i) for i in range(old.rank)):
+                    raise ModuleError(f"argument {index} of @main is {old}, which {perm} does not permute")
+                new = ir.RankedTensorType.get([old.get_dim_size(p) for p in perm], old.element_type)
+                argument = block.arguments[index]
+                argument.set_type(new)
+                back = hlo.TransposeOp(argument, ir.DenseI64ArrayAttr.get([perm.index(j) for j in range(len(perm))]))
+                argument.replace_all_uses_except(back.result, back.operation)
+                inputs[index] = new
+        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, ftype.results))
+        return bytes(jax_mlir_internal.module_to_bytecode(parsed))
+
+
 def _tensor_type(t) -> TensorType:
     try:
         rt = ir.RankedTensorType(t)
@@ -263,6 +365,16 @@ class CompiledMemory:
     output_bytes: int
     temp_bytes: int
     code_bytes: int
+
+
+# XLA options xlaserve compiles with, per backend (``CompileOptions.env_option_overrides``: they
+# win over the same flags in ``XLA_FLAGS``). On the cpu, YNNPACK runs dots only: XLA's default
+# also hands it each convolution, which made ResNet-18 cost 75-85 ms of CPU a call at batch 1
+# against 45-47 without (benchmarks/resnet_exec_bench.py, docs/benchmarks.md), while dots
+# (the ``mlp`` example at batch 32) lose about 40% without it.
+COMPILE_OVERRIDES: Mapping[str, tuple[tuple[str, str], ...]] = {
+    "cpu": (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),),
+}
 
 
 class Device:
@@ -296,9 +408,24 @@ class Device:
         stats = self._device.memory_stats()
         return int(stats["bytes_limit"]) if stats and "bytes_limit" in stats else None
 
+    @property
+    def permutes_kernels(self) -> bool:
+        """Whether modules should take convolution-kernel weights pre-permuted
+        (:func:`kernel_permutations`, :func:`relayout`): on the cpu, which otherwise transposes
+        them on every call (measured). Left off on cuda, where it was not measured."""
+        return self.backend == "cpu"
+
     def compile(self, module: bytes):
-        """Compile a StableHLO module (text, bytecode or portable artifact) for this device."""
-        return self._client.compile_and_load(module, self._device_list, xla_client.CompileOptions())
+        """Compile a StableHLO module (text, bytecode or portable artifact) for this device,
+        with this backend's :data:`COMPILE_OVERRIDES`."""
+        return self._client.compile_and_load(module, self._device_list, self._compile_options())
+
+    def _compile_options(self):
+        options = xla_client.CompileOptions()
+        overrides = COMPILE_OVERRIDES.get(self.backend, ())
+        if overrides:
+            options.env_option_overrides = list(overrides)
+        return options
 
     @staticmethod
     def compiled_memory(executable) -> CompiledMemory:
@@ -310,12 +437,12 @@ class Device:
         return bytes(self._client.serialize_executable(executable))
 
     def deserialize(self, blob: bytes):
-        return self._client.deserialize_executable(blob, self._device_list, xla_client.CompileOptions())
+        return self._client.deserialize_executable(blob, self._device_list, self._compile_options())
 
     def cache_key_parts(self) -> dict[str, str]:
         """What, besides the module bytes, decides whether a serialized executable fits this
         device: versions, backend, device kind and the compile options :meth:`compile` uses."""
-        options = xla_client.CompileOptions().SerializeAsString()
+        options = self._compile_options().SerializeAsString()
         return {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
                 "platform_version": self.platform_version,
                 "compile_options": hashlib.sha256(options).hexdigest()}
