@@ -28,6 +28,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 from xlaserve._proto import xlaserve_control_pb2 as cpb
+from xlaserve.gateway.service import RawMessage, raise_first_failure
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
 
 log = logging.getLogger("xlaserve.gateway")
@@ -37,18 +38,6 @@ __all__ = ["StatusBoard", "GatewayControlService"]
 CONTROL = "/xlaserve.control.WorkerControl/"
 DEFAULT_WATCH_INTERVAL = 1.0
 MIN_WATCH_INTERVAL = 0.05         # as a worker's: no dashboard asks for more than 20 a second
-
-
-class _Bytes:
-    """A message already serialized: what a dashboard's stream sends as it is."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def SerializeToString(self) -> bytes:
-        return self.data
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +121,7 @@ class GatewayControlService:
                                                 unary, cpb.SetModelPolicyRequest, cpb.SetModelPolicyResponse),
             CONTROL + "CompactMemory": Handler(self._compact, unary, cpb.CompactMemoryRequest,
                                                cpb.CompactMemoryResponse),
-            CONTROL + "WatchStatus": Handler(self._watch, Cardinality.UNARY_STREAM, cpb.WatchStatusRequest, _Bytes),
+            CONTROL + "WatchStatus": Handler(self._watch, Cardinality.UNARY_STREAM, cpb.WatchStatusRequest, RawMessage),
         }
 
     # ---- status --------------------------------------------------------------------------
@@ -156,7 +145,7 @@ class GatewayControlService:
                     for worker, entry in sorted(self.board.latest().items()):
                         if sent.get(worker) != entry.generation:
                             sent[worker] = entry.generation
-                            await stream.send_message(_Bytes(entry.data))
+                            await stream.send_message(RawMessage(entry.data))
                     # pace: the next round no sooner than one interval on, and only once
                     # something changed (a worker that went quiet is not sent again)
                     await trio.sleep(interval)
@@ -218,16 +207,11 @@ class GatewayControlService:
         async with trio.open_nursery() as nursery:
             for worker in workers:
                 nursery.start_soon(one, worker)
-        failures = [(w, outcomes[w]) for w in workers if isinstance(outcomes[w], GRPCError)]
-        if failures:
-            worker, error = failures[0]
-            others = f" ({len(failures) - 1} other worker(s) failed too)" if len(failures) > 1 else ""
-            done = [w for w in workers if not isinstance(outcomes[w], GRPCError)]
-            applied = f"; it succeeded on {', '.join(done)}" if done else ""
-            raise GRPCError(error.status, f"{worker}: {error.message}{others}{applied}")
+        replies = {w: outcomes[w] for w in workers}
+        raise_first_failure(replies)
         log.info("gateway: %s%s on %s", method, f" of {request.model}" if hasattr(request, "model") else "",
                  ", ".join(workers))
-        return {w: outcomes[w] for w in workers}
+        return replies
 
 
 def _without_worker(request):

@@ -42,7 +42,7 @@ from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_nam
 
 log = logging.getLogger("xlaserve.gateway")
 
-__all__ = ["GatewayService", "model_name_of", "merge_statistics", "merge_index"]
+__all__ = ["GatewayService", "RawMessage", "merge_index", "merge_statistics", "model_name_of", "raise_first_failure"]
 
 SERVICE = "/inference.GRPCInferenceService/"
 LOOPBACK = tuple(parse_network(n) for n in LOOPBACK_NETWORKS)
@@ -129,7 +129,7 @@ class _Relay:
         self.done.set()
 
 
-class _Raw:
+class RawMessage:
     """A request or reply kept as its serialized bytes (the gateway forwards, it does not parse)."""
 
     __slots__ = ("data",)
@@ -139,7 +139,7 @@ class _Raw:
         self.data = data
 
     @classmethod
-    def FromString(cls, data) -> "_Raw":
+    def FromString(cls, data) -> "RawMessage":
         return cls(bytes(data))
 
     def SerializeToString(self) -> bytes:
@@ -239,32 +239,32 @@ class GatewayService:
             "ServerLive": (self._server_live, pb.ServerLiveRequest, pb.ServerLiveResponse),
             "ServerReady": (self._server_ready, pb.ServerReadyRequest, pb.ServerReadyResponse),
             "ModelReady": (self._model_ready, pb.ModelReadyRequest, pb.ModelReadyResponse),
-            "ServerMetadata": (self._to_any("ServerMetadata"), _Raw, _Raw),
-            "ModelMetadata": (self._to_replica("ModelMetadata", pb.ModelMetadataRequest), _Raw, _Raw),
-            "ModelConfig": (self._to_replica("ModelConfig", pb.ModelConfigRequest), _Raw, _Raw),
-            "ModelInfer": (self._infer_task, _Raw, _Raw),
-            "ModelStatistics": (self._statistics, _Raw, pb.ModelStatisticsResponse),
-            "RepositoryIndex": (self._index, _Raw, pb.RepositoryIndexResponse),
-            "RepositoryModelLoad": (forward_all("RepositoryModelLoad"), _Raw, _Raw),
-            "RepositoryModelUnload": (forward_all("RepositoryModelUnload"), _Raw, _Raw),
-            "SystemSharedMemoryStatus": (self._to_any("SystemSharedMemoryStatus"), _Raw, _Raw),
-            "SystemSharedMemoryRegister": (forward_all("SystemSharedMemoryRegister"), _Raw, _Raw),
-            "SystemSharedMemoryUnregister": (forward_all("SystemSharedMemoryUnregister"), _Raw, _Raw),
-            "CudaSharedMemoryStatus": (self._to_any("CudaSharedMemoryStatus"), _Raw, _Raw),
-            "CudaSharedMemoryRegister": (forward_all("CudaSharedMemoryRegister"), _Raw, _Raw),
-            "CudaSharedMemoryUnregister": (forward_all("CudaSharedMemoryUnregister"), _Raw, _Raw),
-            "TraceSetting": (forward_all("TraceSetting"), _Raw, _Raw),
-            "LogSettings": (forward_all("LogSettings"), _Raw, _Raw),
+            "ServerMetadata": (self._to_any("ServerMetadata"), RawMessage, RawMessage),
+            "ModelMetadata": (self._to_replica("ModelMetadata", pb.ModelMetadataRequest), RawMessage, RawMessage),
+            "ModelConfig": (self._to_replica("ModelConfig", pb.ModelConfigRequest), RawMessage, RawMessage),
+            "ModelInfer": (self._infer_task, RawMessage, RawMessage),
+            "ModelStatistics": (self._statistics, RawMessage, pb.ModelStatisticsResponse),
+            "RepositoryIndex": (self._index, RawMessage, pb.RepositoryIndexResponse),
+            "RepositoryModelLoad": (forward_all("RepositoryModelLoad"), RawMessage, RawMessage),
+            "RepositoryModelUnload": (forward_all("RepositoryModelUnload"), RawMessage, RawMessage),
+            "SystemSharedMemoryStatus": (self._to_any("SystemSharedMemoryStatus"), RawMessage, RawMessage),
+            "SystemSharedMemoryRegister": (forward_all("SystemSharedMemoryRegister"), RawMessage, RawMessage),
+            "SystemSharedMemoryUnregister": (forward_all("SystemSharedMemoryUnregister"), RawMessage, RawMessage),
+            "CudaSharedMemoryStatus": (self._to_any("CudaSharedMemoryStatus"), RawMessage, RawMessage),
+            "CudaSharedMemoryRegister": (forward_all("CudaSharedMemoryRegister"), RawMessage, RawMessage),
+            "CudaSharedMemoryUnregister": (forward_all("CudaSharedMemoryUnregister"), RawMessage, RawMessage),
+            "TraceSetting": (forward_all("TraceSetting"), RawMessage, RawMessage),
+            "LogSettings": (forward_all("LogSettings"), RawMessage, RawMessage),
         }
         mapping = {SERVICE + name: Handler(fn, unary, req, rep) for name, (fn, req, rep) in table.items()}
-        mapping[STREAM_INFER] = Handler(self._stream_infer, Cardinality.STREAM_STREAM, _Raw, _Raw)
+        mapping[STREAM_INFER] = Handler(self._stream_infer, Cardinality.STREAM_STREAM, RawMessage, RawMessage)
         return mapping
 
     def __fast_unary__(self) -> dict:
         return {INFER: self.infer_now}
 
     # ---- ModelInfer --------------------------------------------------------------------------
-    def infer_now(self, call, request: _Raw) -> None:
+    def infer_now(self, call, request: RawMessage) -> None:
         """Route and forward one ModelInfer (the server's task-free entry point)."""
         try:
             model = model_name_of(request.data)
@@ -294,7 +294,7 @@ class GatewayService:
             raise GRPCError(Status.NOT_FOUND if "not served by any worker" in why else Status.UNAVAILABLE, why)
         return worker
 
-    def _send(self, call, request: _Raw, model: str, worker: str, retries: int) -> None:
+    def _send(self, call, request: RawMessage, model: str, worker: str, retries: int) -> None:
         upstream = self.upstreams[worker]
         self.in_flight += 1
         key = (worker, model)
@@ -328,7 +328,7 @@ class GatewayService:
         await stream.send_message(outcome)
 
     def _outcome(self, outcome: Reply | UpstreamError, worker: str, framed: bool = False):
-        """What the client gets: the reply's message (a :class:`_Raw`; with ``framed``, a
+        """What the client gets: the reply's message (a :class:`RawMessage`; with ``framed``, a
         :class:`FramedReply` when the body is one plain message), or the error (the worker's
         status and message as they are; the gateway's own, naming the worker)."""
         if isinstance(outcome, UpstreamError):
@@ -344,7 +344,7 @@ class GatewayService:
         if len(messages) != 1:
             self._count("bad_reply")
             return GRPCError(Status.INTERNAL, f"worker {worker} answered a unary call with {len(messages)} messages")
-        return _Raw(messages[0])
+        return RawMessage(messages[0])
 
     def _count(self, cause: str) -> None:
         self.errors[cause] = self.errors.get(cause, 0) + 1
@@ -377,7 +377,7 @@ class GatewayService:
                     await send.send(relay)           # waits while STREAM_WINDOW are in flight
                     self._start_relay(relay, request)
 
-    async def _unary_infer(self, stream, request: _Raw):
+    async def _unary_infer(self, stream, request: RawMessage):
         """One ModelInfer made from a task (the task path of ModelInfer): its outcome, the
         reply or a GRPCError."""
         relay = _Relay(stream)
@@ -385,7 +385,7 @@ class GatewayService:
         await relay.done.wait()
         return relay.outcome
 
-    def _start_relay(self, relay: "_Relay", request: _Raw) -> None:
+    def _start_relay(self, relay: "_Relay", request: RawMessage) -> None:
         try:
             self.infer_now(relay, request)
         except GRPCError as exc:        # refused before it was sent: the outcome at once
@@ -454,13 +454,7 @@ class GatewayService:
             if "SharedMemory" in method:
                 self._check_shm_peer(method, stream)
             replies = await self._gather(SERVICE + method, request, stream)
-            failures = [(w, r) for w, r in replies.items() if isinstance(r, GRPCError)]
-            if failures:
-                worker, error = failures[0]
-                others = f" ({len(failures) - 1} other worker(s) failed too)" if len(failures) > 1 else ""
-                done = [w for w, r in replies.items() if not isinstance(r, GRPCError)]
-                applied = f"; it succeeded on {', '.join(done)}" if done else ""
-                raise GRPCError(error.status, f"{worker}: {error.message}{others}{applied}")
+            raise_first_failure(replies)
             await stream.send_message(next(iter(replies.values())))
         return handler
 
@@ -497,19 +491,19 @@ class GatewayService:
     def _down_text(self) -> str:
         return "; ".join(f"{w}: {why}" for w, why in self._down().items()) or "no workers"
 
-    async def _call(self, worker: str, path: str, request: _Raw, stream) -> _Raw:
+    async def _call(self, worker: str, path: str, request: RawMessage, stream) -> RawMessage:
         outcome = await self._raw_call(worker, path, request, stream)
         if isinstance(outcome, GRPCError):
             raise outcome
         return outcome
 
-    async def _raw_call(self, worker: str, path: str, request: _Raw, stream):
+    async def _raw_call(self, worker: str, path: str, request: RawMessage, stream):
         upstream = self.upstreams[worker]
         outcome = await upstream.request(path, request.data, metadata=_forwarded(stream.metadata),
                                          timeout=_time_left(stream, upstream.request_timeout))
         return self._outcome(outcome, worker)
 
-    async def _gather(self, path: str, request: _Raw, stream) -> dict[str, object]:
+    async def _gather(self, path: str, request: RawMessage, stream) -> dict[str, object]:
         """The call on every reachable worker at once: worker -> reply or GRPCError. Fails
         UNAVAILABLE when none is reachable. Under ``lpt_packing`` a RepositoryModelLoad of a
         model the placement has placed goes to the workers it is placed on only."""
@@ -529,10 +523,23 @@ class GatewayService:
         return {w: replies[w] for w in workers}
 
 
+def raise_first_failure(replies: Mapping[str, object]) -> None:
+    """For a call sent to several workers (worker -> reply or GRPCError, in order): the first
+    failure as the call's GRPCError, naming its worker, how many others failed and where the
+    call succeeded; nothing when every worker answered."""
+    failures = [(w, r) for w, r in replies.items() if isinstance(r, GRPCError)]
+    if failures:
+        worker, error = failures[0]
+        others = f" ({len(failures) - 1} other worker(s) failed too)" if len(failures) > 1 else ""
+        done = [w for w, r in replies.items() if not isinstance(r, GRPCError)]
+        applied = f"; it succeeded on {', '.join(done)}" if done else ""
+        raise GRPCError(error.status, f"{worker}: {error.message}{others}{applied}")
+
+
 _FORWARDED: dict[int, tuple] = {}
 
 
-def _parsed(message_type, request: _Raw):
+def _parsed(message_type, request: RawMessage):
     """``request``'s bytes as ``message_type``; INVALID_ARGUMENT naming the type when they are not
     one (the worker would say the same; the gateway needs a field first)."""
     try:

@@ -175,7 +175,6 @@ class Upstream:
         self._timer_at = math.inf               # when the timer task wakes next (unless woken)
         self._timer_seq = itertools.count()
         self._timer_wake = trio.Event()
-        self._ended_timers = 0                   # entries of ended calls still in the heap (about)
         self._goaway = False
         self._retry = trio.Event()
 
@@ -616,14 +615,15 @@ class Upstream:
         in_order = self._in_order
         while in_order and in_order[0].done:
             in_order.popleft()
-        if len(in_order) > 2 * self.outstanding + 2048:
-            # a call that stays unanswered at the head keeps those ended behind it: drop them
+        # Ended calls wait in the deadline queues until they reach the front; past a bound set
+        # by the calls still open (a call unanswered at the front keeps those behind it), the
+        # ended ones are dropped.
+        bound = 2 * self.outstanding + 2048
+        if len(in_order) > bound:
             self._in_order = deque(c for c in in_order if not c.done)
-        self._ended_timers += 1
-        if self._ended_timers > 1024 and self._ended_timers * 2 > len(self._timers):
+        if len(self._timers) > bound:
             self._timers = [entry for entry in self._timers if not entry[2].done]
             heapq.heapify(self._timers)
-            self._ended_timers = 0
         try:
             on_done(outcome)
         except Exception:     # a bug above must not take the worker's connection down
