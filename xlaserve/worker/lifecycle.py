@@ -265,7 +265,7 @@ class Lifecycle:
         except OSError:
             self._seen[name] = ""
         current = self._table.snapshot.get(name)
-        if current is None or current.reason == QUEUED:
+        if current is None or current.state is ModelState.LOADING:     # (queued at start-up)
             self._table.publish(ModelEntry(name, ModelState.LOADING))
         # The number is taken only when the version is published: a failed attempt uses none,
         # so served versions count up without gaps.
