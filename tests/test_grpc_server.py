@@ -37,6 +37,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 from tests.trio_thread import TrioServerThread
+import xlaserve.frontend.grpc_server as grpc_server_module
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.frontend.grpc_server import (
     ACK, CANCEL, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR,
@@ -1395,7 +1396,10 @@ def _park(server, client, ids) -> dict:
 
 
 def _spy_flush(monkeypatch) -> list[tuple[int, int]]:
-    """Every Connection.flush: (bytes queued before, bytes left for the writer task after)."""
+    """Every Connection.flush: (bytes queued before, bytes left for the writer task after). A
+    write batch here holds its output to its end however long it takes (the bound on holding is
+    tests/test_gateway_upstream.py's)."""
+    monkeypatch.setattr(grpc_server_module, "MAX_HOLD_SECONDS", float("inf"))
     seen: list[tuple[int, int]] = []
     original = Connection.flush
 

@@ -42,7 +42,7 @@ from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX, parse_timeout
 from xlaserve.frontend.grpc_server import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY,
     HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
-    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame,
+    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame, recv_into,
 )
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
@@ -51,7 +51,9 @@ log = logging.getLogger("xlaserve.gateway")
 __all__ = ["Reply", "UpstreamError", "Upstream", "grpc_timeout", "status_named"]
 
 OUR_WINDOW = 2**30                  # replies are consumed at once: a large window, returned as used
-READ_SIZE = 256 * 1024
+READ_SIZE = 256 * 1024              # the reply buffer at first (it grows for a longer frame)
+MAX_REPLY_FRAME = 1 << 20           # the longest frame this end takes (SETTINGS_MAX_FRAME_SIZE)
+TURN_EVERY = 16                     # reads from a worker between turns of the run loop, at most
 _U32 = struct.Struct(">I")
 _FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, stream id
 _SETTING = struct.Struct(">HI")
@@ -291,7 +293,7 @@ class Upstream:
         # the same descriptor as a plain socket, for a non-blocking send from the current task
         self._raw = socket.socket(fileno=stream.socket.fileno())
         self._out += PREFACE + frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in (
-            (ENABLE_PUSH, 0), (INITIAL_WINDOW_SIZE, OUR_WINDOW), (MAX_FRAME_SIZE, 1 << 20)))) \
+            (ENABLE_PUSH, 0), (INITIAL_WINDOW_SIZE, OUR_WINDOW), (MAX_FRAME_SIZE, MAX_REPLY_FRAME)))) \
             + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_WINDOW - DEFAULT_WINDOW))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._writer)
@@ -303,7 +305,7 @@ class Upstream:
             log.info("gateway: connected to worker %s at %s", self.name, self._authority)
             try:
                 with _lost_as(self):
-                    await self._read_loop(stream)
+                    await self._read_loop()
             finally:
                 nursery.cancel_scope.cancel()
                 raw, self._raw = self._raw, None
@@ -374,7 +376,7 @@ class Upstream:
         """Send what is queued: when the server's write batch ends if one is open, else now."""
         server = self._server
         if server is not None and server.holding:
-            server.dirty[self] = None
+            server.hold(self)
         else:
             self.flush()
 
@@ -427,33 +429,56 @@ class Upstream:
         await stream.aclose()           # the reader sees it and ends the connection
 
     # ---- receiving -------------------------------------------------------------------------
-    async def _read_loop(self, stream: trio.SocketStream) -> None:
-        buf = bytearray()
-        pos = 0
+    async def _read_loop(self) -> None:
+        # One buffer, filled with recv_into (no allocation per read), grown for a frame longer
+        # than it; DATA is handed on as views into it (copied once, into its call's body).
+        raw = self._raw
+        size = READ_SIZE
+        buffer = bytearray(size)
+        view = memoryview(buffer)
+        start = end = reads = 0
+        unpack = _FRAME_HEADER.unpack_from
+        handle = self._frame
         while True:
-            data = await stream.receive_some(READ_SIZE)
-            if not data:
+            # replies go out from here, with no task in between: a read that did not wait
+            # yields a turn only now and then (every TURN_EVERY), so other connections are served
+            reads += 1
+            n = await recv_into(raw, view[end:], turn=not reads % TURN_EVERY)
+            if not n:
                 raise trio.BrokenResourceError("the worker closed the connection")
-            if pos:
-                del buf[:pos]
-                pos = 0
-            buf += data
-            end = len(buf)
-            with self._batch(), memoryview(buf) as view:      # (released before buf is resized)
+            end += n
+            pos = start
+            with self._batch():
                 while end - pos >= 9:
-                    lt, flags, sid = _FRAME_HEADER.unpack_from(buf, pos)
+                    lt, flags, sid = unpack(buffer, pos)
                     stop = pos + 9 + (lt >> 8)
                     if stop > end:
                         break
                     ftype = lt & 0xFF
                     # DATA is copied once, into its call's body; other frames become bytes
-                    self._frame(ftype, flags, sid & 0x7FFFFFFF,
-                                view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
+                    handle(ftype, flags, sid & 0x7FFFFFFF,
+                           view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
                     pos = stop
                 if self._out:
                     self._kick()
             if self._goaway and not self._calls:
                 raise trio.BrokenResourceError("the worker sent GOAWAY (it is stopping)")
+            if pos == end:
+                start = end = 0
+                continue
+            start = pos
+            need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
+            if need > MAX_REPLY_FRAME + 9:
+                raise ValueError(f"the worker sent a frame of {need - 9} bytes; this end allows {MAX_REPLY_FRAME}")
+            if need > size:             # a frame longer than the buffer: grow it
+                size = need
+                grown = bytearray(size)
+                grown[:end - start] = view[start:end]
+                buffer, view = grown, memoryview(grown)
+                start, end = 0, end - start
+            elif size - start < need or size - end < 4096:      # make room at the end
+                view[:end - start] = bytes(view[start:end])
+                start, end = 0, end - start
 
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if ftype == DATA:

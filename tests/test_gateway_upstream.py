@@ -1,0 +1,115 @@
+"""The gateway's HTTP/2 client and the read and write paths it shares with the server: long
+replies across reads and frames, reads that do not wait, and how long a write batch holds output."""
+from __future__ import annotations
+
+import hashlib
+import socket
+
+import pytest
+import trio
+import trio.testing
+
+from tests.test_grpc_server import EchoService, Reply, pattern, request
+from xlaserve.frontend import grpc_server
+from xlaserve.frontend.grpc_server import GrpcServer, recv_into
+from xlaserve.gateway.upstream import MAX_REPLY_FRAME, READ_SIZE, Upstream
+
+
+def test_a_reply_longer_than_the_read_buffer_and_a_frame_comes_whole_and_so_does_a_large_request():
+    trio.run(_long_replies)
+
+
+async def _long_replies() -> None:
+    server = GrpcServer([EchoService()])
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, "127.0.0.1", 0)
+        upstream = Upstream("w", "127.0.0.1", port, server=server)
+        nursery.start_soon(upstream.run)
+        with trio.fail_after(10):
+            await upstream.connected.wait()
+            payload = pattern(1_500_000)             # past the worker's initial windows
+            for size in (10, 3 * MAX_REPLY_FRAME + 123, READ_SIZE - 40, 70):
+                reply = await upstream.unary("/test.Echo/Unary", request(str(size), reply_bytes=size,
+                                                                          payload=payload), Reply)
+                assert reply.id == str(size)
+                assert reply.raw_output_contents[0] == pattern(size)
+                assert reply.parameters["received_sha256"].string_param == hashlib.sha256(payload).hexdigest()
+        assert upstream.outstanding == 0 and upstream.connects == 1
+        server.close()
+        nursery.cancel_scope.cancel()
+
+
+def test_a_read_takes_what_is_there_and_otherwise_waits():
+    trio.run(_reads, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def _reads() -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    buffer = memoryview(bytearray(16))
+    with a, b:
+        b.send(b"ready")
+        assert await recv_into(a, buffer, turn=False) == 5
+        assert bytes(buffer[:5]) == b"ready"
+
+        async def later() -> None:
+            await trio.sleep(0.01)
+            b.send(b"later!")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(later)
+            assert await recv_into(a, buffer) == 6
+        assert bytes(buffer[:6]) == b"later!"
+
+
+@pytest.mark.parametrize("turn", [True, False])
+def test_a_read_that_does_not_wait_still_sees_cancellation(turn):
+    """A peer that always has bytes ready cannot keep a cancelled reader (a closing connection) reading."""
+    trio.run(_cancelled_read, turn)
+
+
+async def _cancelled_read(turn: bool) -> None:
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    with a, b:
+        b.send(b"x" * 100)
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await recv_into(a, memoryview(bytearray(8)), turn=turn)
+            pytest.fail("the read went on in a cancelled scope")
+        assert scope.cancelled_caught
+
+
+class _Conn:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def flush(self) -> None:
+        self.log.append(self.name)
+
+
+def test_a_write_batch_sends_when_it_ends_or_once_its_oldest_output_has_waited_max_hold(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(grpc_server, "perf_counter", lambda: now[0])
+    server = GrpcServer([])
+    sent: list[str] = []
+    a, b = _Conn(sent, "a"), _Conn(sent, "b")
+    hold = grpc_server.MAX_HOLD_SECONDS
+    with server.write_batch():
+        server.hold(a)
+        now[0] += hold / 2
+        server.hold(b)
+        server.hold(a)
+        assert sent == []                          # held: the batch is young
+        now[0] += hold                             # the oldest output has now waited 1.5x the bound
+        server.hold(b)
+        assert sent == ["a", "b"]                  # everything held goes, once per connection
+        server.hold(a)                             # a new hold starts the clock again
+        now[0] += hold / 2
+        server.hold(b)
+        assert sent == ["a", "b"]
+    assert sent == ["a", "b", "a", "b"]            # the rest when the batch ends
+    with server.write_batch():
+        with server.write_batch():                 # nested: only the outermost end sends
+            server.hold(a)
+        assert sent == ["a", "b", "a", "b"]
+    assert sent[-1] == "a" and len(sent) == 5
