@@ -216,3 +216,52 @@ def test_ended_calls_do_not_pile_up_in_the_timer_heap():
         assert len(answered) == 10_000 and upstream.outstanding == 0
         assert len(upstream._timers) <= 2 * 1024 + 2
     trio.run(main)
+
+
+def test_lpt_packing_places_a_model_once_it_is_ready_somewhere_and_spreads_by_size(monkeypatch):
+    """A worker lists its whole start-up set at once, LOADING and without sizes; placing those
+    as if they weighed nothing put every model on the first worker (lpt_packing then served Zipf
+    traffic at round_robin's throughput). Only models ready somewhere, with their sizes, are placed."""
+    from xlaserve.config import parse_gateway_config
+    from xlaserve.gateway import run as gateway_run
+    from xlaserve.gateway.run import Gateway, WorkerAddress
+
+    config = parse_gateway_config({"endpoints": ["a:1", "b:2"], "scheduling": {"mode": "lpt_packing"}})
+    gateway = Gateway([WorkerAddress("a", "127.0.0.1", 1), WorkerAddress("b", "127.0.0.1", 2)], config)
+    enforced: list[dict] = []
+
+    async def no_device_seconds():
+        return {}
+
+    async def enforce(workers):
+        enforced.append(dict(gateway.placement.workers_of))
+    monkeypatch.setattr(gateway, "_device_seconds", no_device_seconds)
+    monkeypatch.setattr(gateway, "_enforce", enforce)
+    names = [f"m{i}" for i in range(6)]
+    sizes = {name: (i + 1) << 20 for i, name in enumerate(names)}
+
+    def report(ready: set[str]) -> None:
+        for worker in ("a", "b"):
+            gateway._budgets[worker] = 100 << 20
+            gateway.router.worker_up(worker, [ModelOnWorker(n, "READY" if n in ready else "LOADING", 1, "")
+                                              for n in names])
+        for name in ready:
+            gateway._weight_bytes[name] = sizes[name]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            report(set())                                   # start-up: everything queued
+            nursery.start_soon(gateway._placement_loop)
+            await trio.sleep(3 * gateway_run.PLACEMENT_CHECK)
+            assert gateway.placement is None and not enforced   # nothing ready: nothing placed
+            report({"m0", "m1"})
+            await trio.sleep(2 * gateway_run.PLACEMENT_CHECK)
+            assert set(gateway.placement.workers_of) == {"m0", "m1"}
+            report(set(names))
+            await trio.sleep(2 * gateway_run.PLACEMENT_CHECK)
+            nursery.cancel_scope.cancel()
+        placed = gateway.placement.workers_of
+        assert set(placed) == set(names) and all(len(ws) == 1 for ws in placed.values())
+        on = {w: sum(sizes[m] for m, ws in placed.items() if w in ws) for w in ("a", "b")}
+        assert on["a"] and on["b"] and abs(on["a"] - on["b"]) <= sizes["m5"], on   # spread by size
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -300,7 +300,7 @@ class Gateway:
         (``device``) is left as it is."""
         async def one(worker: str) -> None:
             changed = []
-            for model in sorted(self.router.models()):
+            for model in sorted(self.placement.workers_of):     # a model not placed yet: left as it is
                 current = self._residency.get((worker, model))
                 if current not in ("system", "unpinned"):
                     continue
@@ -336,7 +336,10 @@ class Gateway:
         while True:
             await trio.sleep(PLACEMENT_CHECK)
             workers = tuple(w for w in self.router.workers if self.router.is_up(w) and w in self._budgets)
-            models = tuple(sorted(self.router.models()))
+            # Models ready somewhere, whose weight sizes the workers have reported: a model still
+            # loading (a worker lists its whole start-up set at once, LOADING) has no size yet,
+            # and placing it as if it weighed nothing put every model on one worker.
+            models = self.router.ready_models()
             if not workers or not models:
                 continue
             measured = await self._device_seconds()
