@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import struct
 
 import pytest
 import trio
@@ -11,7 +12,7 @@ import trio.testing
 
 from tests.test_grpc_server import EchoService, Reply, pattern, request
 from xlaserve.frontend import grpc_server
-from xlaserve.frontend.grpc_server import GrpcServer, recv_into
+from xlaserve.frontend.grpc_server import DATA, SETTINGS, GrpcServer, frame, recv_into
 from xlaserve.gateway.upstream import MAX_REPLY_FRAME, READ_SIZE, Upstream
 
 
@@ -113,3 +114,27 @@ def test_a_write_batch_sends_when_it_ends_or_once_its_oldest_output_has_waited_m
             server.hold(a)
         assert sent == ["a", "b", "a", "b"]
     assert sent[-1] == "a" and len(sent) == 5
+
+
+def test_a_worker_frame_over_the_advertised_size_ends_that_connection_with_a_reason():
+    trio.run(_giant_frame, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def _giant_frame() -> None:
+    async def worker(stream: trio.SocketStream) -> None:
+        await stream.receive_some(4096)             # the gateway's preface and SETTINGS
+        giant = struct.pack(">IBI", (2 * MAX_REPLY_FRAME) << 8 | DATA, 0, 1)
+        await stream.send_all(frame(SETTINGS, 0, 0) + giant + b"x" * 100)
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, worker, 0)
+        port = listeners[0].socket.getsockname()[1]
+        upstream = Upstream("w", "127.0.0.1", port)
+        nursery.start_soon(upstream.run)
+        with trio.fail_after(30):
+            await upstream.connected.wait()
+            while upstream.up:
+                await trio.sleep(0.01)
+        assert f"a frame of {2 * MAX_REPLY_FRAME} bytes; this end allows {MAX_REPLY_FRAME}" in upstream.last_error
+        nursery.cancel_scope.cancel()
