@@ -100,7 +100,8 @@ WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chu
 #: Output written inside a write batch (the replies of one read, or of one execution) waits for
 #: the batch's end, to leave in one send per connection, but not longer than this: in a long burst
 #: the first replies go while the rest is worked on, and their clients send again sooner
-#: (docs/gateway.md: mlp at c=32 through the gateway 0.76x -> 0.80x of direct, direct +5%).
+#: (docs/benchmarks.md, The gateway: mlp at c=32 through the gateway 0.76x -> 0.80x of direct,
+#: and direct itself 3-8% faster).
 MAX_HOLD_SECONDS = 200e-6
 WORK_PER_TURN = 128                        # frames (+1 per 64 KiB of DATA, per 256 B of others) per turn...
 STARTS_PER_TURN = 32 # ...and requests it hands on (decoding them is the cost)
