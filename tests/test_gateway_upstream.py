@@ -88,7 +88,8 @@ class _Conn:
         self.log.append(self.name)
 
 
-def test_a_write_batch_sends_when_it_ends_or_once_its_oldest_output_has_waited_max_hold(monkeypatch):
+def test_a_write_batch_sends_when_it_ends_or_once_its_oldest_output_has_waited_max_hold_a_read_batch_at_its_end(
+        monkeypatch):
     now = [100.0]
     monkeypatch.setattr(grpc_server, "perf_counter", lambda: now[0])
     server = GrpcServer([])
@@ -114,6 +115,12 @@ def test_a_write_batch_sends_when_it_ends_or_once_its_oldest_output_has_waited_m
             server.hold(a)
         assert sent == ["a", "b", "a", "b"]
     assert sent[-1] == "a" and len(sent) == 5
+    with server.read_batch():                      # a read's batch ends as one, however long
+        server.hold(a)
+        now[0] += 2 * hold
+        server.hold(b)
+        assert len(sent) == 5
+    assert sent[5:] == ["a", "b"]
 
 
 def test_a_worker_frame_over_the_advertised_size_ends_that_connection_with_a_reason():

@@ -50,6 +50,7 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -97,9 +98,10 @@ OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
 READ_BUFFER_MAX = 4 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames or full reads up to this
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
-#: Output written inside a write batch (the replies of one read, or of one execution) waits for
-#: the batch's end, to leave in one send per connection, but not longer than this: in a long burst
-#: the first replies go while the rest is worked on, and their clients send again sooner
+#: Output written inside a write batch (the replies a gateway relays from one read of a worker,
+#: those of one execution) waits for the batch's end, to leave in one send per connection, but not
+#: longer than this: in a long burst the first replies go while the rest is worked on, and their
+#: clients send again sooner. A client connection's read batch is held whole (read_batch)
 #: (docs/benchmarks.md, The gateway: mlp at c=32 through the gateway 0.76x -> 0.80x of direct,
 #: and direct itself 3-8% faster).
 MAX_HOLD_SECONDS = 200e-6
@@ -227,6 +229,22 @@ def _read_buffer(size: int) -> bytearray | mmap.mmap:
     in one go on the event loop: 11 ms there (8 MiB: 22 ms) while an attacker kept both cores
     busy, which the other clients saw as latency."""
     return bytearray(size) if size <= READ_BUFFER_START else mmap.mmap(-1, size)
+
+
+def room_to_read(buffer, view: memoryview, start: int, end: int, need: int, size: int, slack: int):
+    """A read buffer made ready for the next read, keeping its unread bytes ``buffer[start:end]``
+    (the start of a frame of ``need`` bytes): a new buffer of ``size`` bytes when that is larger,
+    else the unread bytes moved to the front when the frame would not fit or fewer than ``slack``
+    bytes are left to read into. Returns (buffer, view, start, end)."""
+    if size > len(buffer):
+        grown = _read_buffer(size)
+        grown_view = memoryview(grown)
+        grown_view[:end - start] = view[start:end]
+        return grown, grown_view, 0, end - start
+    if len(buffer) - end < max(need - (end - start), slack):
+        view[:end - start] = bytes(view[start:end])
+        return buffer, view, 0, end - start
+    return buffer, view, start, end
 
 class ConnectionError_(Exception):
     """A connection error (RFC 9113 5.4.1): answered with GOAWAY, then the connection closes."""
@@ -652,12 +670,12 @@ class Connection:
         start, end = 0, len(buf)
         buffer[:end] = buf
         filled = False                      # the last read filled the buffer
-        recv_into = self._tls_recv_into if self.tls else self._recv_into
+        read = self._tls_recv_into if self.tls else partial(recv_into, self.raw)
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         window_update = self._on_window_update
         u32 = _U32.unpack_from
-        batch = self.server.write_batch
+        batch = self.server.read_batch
         queued_limit = limits.max_queued_reply_bytes
         while True:
             pos = start
@@ -705,34 +723,25 @@ class Connection:
                     view = memoryview(buffer)
             else:
                 need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
+                # grown when the frame does not fit or reads are filling the buffer (a frame is at
+                # most OUR_MAX_FRAME + 9: a longer one was refused above)
                 want = min(size * 2, READ_BUFFER_MAX) if filled and size < READ_BUFFER_MAX else size
-                if need > want:
-                    want = need     # at most OUR_MAX_FRAME + 9: a longer frame was refused above
-                if want > size:     # grow: the frame does not fit, or reads are filling the buffer
-                    grown = _read_buffer(want)
-                    memoryview(grown)[:end - start] = view[start:end]
-                    size, buffer = want, grown
-                    view = memoryview(buffer)
-                    start, end = 0, end - start
-                elif size - end < max(need - (end - start), READ_BUFFER_START // 4):   # make room
-                    view[:end - start] = bytes(view[start:end])
-                    start, end = 0, end - start
+                buffer, view, start, end = room_to_read(buffer, view, start, end, need, max(want, need),
+                                                        READ_BUFFER_START // 4)
+                size = len(buffer)
             if len(self.out) + self.in_flight > queued_limit:
                 # The client is not reading what it asked for: stop reading its requests until
                 # the writer has handed half of it to the socket (back-pressure, not buffering).
                 self.writable = trio.Event()
                 self.out_ready.set()
                 await self.writable.wait()
-            n = await recv_into(view[end:])
+            n = await read(view[end:])
             if not n:
                 return
             filled = end + n == size
             end += n
             self.reads += 1
             self.received_at = trio.current_time()
-
-    async def _recv_into(self, view: memoryview) -> int:
-        return await recv_into(self.raw, view)
 
     async def _tls_recv_into(self, view: memoryview) -> int:
         """``recv_into`` for a TLS stream: decrypted bytes come as a new bytes object."""
@@ -1300,20 +1309,27 @@ class Connection:
 
 
 class _WriteBatch:
-    """:meth:`GrpcServer.write_batch`: a plain context manager (one per server; batches nest by
-    its depth count), as a generator-based one costs a generator per read."""
+    """:meth:`GrpcServer.write_batch` (``timed``) and :meth:`GrpcServer.read_batch`: a plain
+    context manager (one of each per server; batches nest by the server's depth count), as a
+    generator-based one costs a generator per read."""
 
-    __slots__ = ("server",)
+    __slots__ = ("server", "timed")
 
-    def __init__(self, server: "GrpcServer") -> None:
+    def __init__(self, server: "GrpcServer", timed: bool) -> None:
         self.server = server
+        self.timed = timed
 
     def __enter__(self) -> None:
-        self.server.holding += 1
+        server = self.server
+        server.holding += 1
+        if not self.timed:
+            server.untimed += 1
 
     def __exit__(self, *exc) -> None:
         server = self.server
         server.holding -= 1
+        if not self.timed:
+            server.untimed -= 1
         if not server.holding and server.dirty:
             server.flush_held()
 
@@ -1384,7 +1400,9 @@ class GrpcServer:
         self._all_closed = trio.Event()
         self.port = 0
         self.holding = 0                                   # write_batch() depth
-        self._write_batch = _WriteBatch(self)
+        self.untimed = 0                                   # read_batch() depth: no early send
+        self._write_batch = _WriteBatch(self, timed=True)
+        self._read_batch = _WriteBatch(self, timed=False)
         self.held_since = 0.0                              # when the oldest output held was written
         self.dirty: dict[Connection, None] = {}           # connections written to while holding
 
@@ -1458,15 +1476,15 @@ class GrpcServer:
 
     def hold(self, conn) -> None:
         """Inside a write batch: send ``conn``'s output when the batch ends, or sooner, once the
-        oldest output held has waited MAX_HOLD_SECONDS (``conn``: anything with ``flush()``)."""
+        oldest output held has waited MAX_HOLD_SECONDS, unless a read batch is open
+        (``conn``: anything with ``flush()``)."""
         dirty = self.dirty
+        now = perf_counter()
         if not dirty:
-            self.held_since = perf_counter()
-        elif perf_counter() - self.held_since > MAX_HOLD_SECONDS:
-            dirty[conn] = None
-            self.flush_held()
-            return
+            self.held_since = now
         dirty[conn] = None
+        if now - self.held_since > MAX_HOLD_SECONDS and not self.untimed:
+            self.flush_held()
 
     def flush_held(self) -> None:
         """Send the output held by the current write batch now (one send per connection)."""
@@ -1479,6 +1497,12 @@ class GrpcServer:
         connection from the current task, instead of by each connection's writer task on a
         later turn of the run loop: replies to one execution leave together, without a hop."""
         return self._write_batch
+
+    def read_batch(self) -> "_WriteBatch":
+        """A connection reader's batch over the frames of one read: a write batch held to its end
+        however long it takes, so that what the frames answer (a PING's ack, say) leaves with,
+        never before, the calls they started (handed on as the batch ends)."""
+        return self._read_batch
 
     def close(self) -> None:
         """Stop accepting connections; GOAWAY to every connection (open calls finish)."""

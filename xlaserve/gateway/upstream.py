@@ -42,7 +42,7 @@ from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX, parse_timeout
 from xlaserve.frontend.grpc_server import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY,
     HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
-    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame, recv_into,
+    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame, recv_into, room_to_read,
 )
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
@@ -433,8 +433,7 @@ class Upstream:
         # One buffer, filled with recv_into (no allocation per read), grown for a frame longer
         # than it; DATA is handed on as views into it (copied once, into its call's body).
         raw = self._raw
-        size = READ_SIZE
-        buffer = bytearray(size)
+        buffer = bytearray(READ_SIZE)
         view = memoryview(buffer)
         start = end = reads = 0
         unpack = _FRAME_HEADER.unpack_from
@@ -470,15 +469,8 @@ class Upstream:
             need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
             if need > MAX_REPLY_FRAME + 9:
                 raise ValueError(f"the worker sent a frame of {need - 9} bytes; this end allows {MAX_REPLY_FRAME}")
-            if need > size:             # a frame longer than the buffer: grow it
-                size = need
-                grown = bytearray(size)
-                grown[:end - start] = view[start:end]
-                buffer, view = grown, memoryview(grown)
-                start, end = 0, end - start
-            elif size - start < need or size - end < 4096:      # make room at the end
-                view[:end - start] = bytes(view[start:end])
-                start, end = 0, end - start
+            # grown for a frame longer than the buffer; else room made at the end
+            buffer, view, start, end = room_to_read(buffer, view, start, end, need, max(len(buffer), need), 4096)
 
     def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if ftype == DATA:
