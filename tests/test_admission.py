@@ -68,3 +68,21 @@ def test_output_bytes_per_row_counts_fixed_size_outputs_only():
         TensorDecl("text", BY_CODE["bytes"], "n", {}),              # variable: not counted
     )
     assert output_bytes_per_row(outputs) == (48, 15)
+
+
+def test_an_admitted_request_gives_back_everything_once_whichever_step_it_failed_at():
+    """Admitted is what the KServe service answers through: a release after any step returns
+    the counts to zero, and a second release (an answer sent twice by a bug) gives nothing back."""
+    a = Admission(2, 1000)
+    refused = [a.admit() for _ in range(3)]
+    with pytest.raises(ResourceExhausted, match="2 inference requests are in flight"):
+        refused[2].check()
+    refused[0].found("m")
+    refused[0].hold(600)
+    refused[1].found("m")
+    with pytest.raises(ResourceExhausted):
+        refused[1].hold(500)          # nothing held: only its count and model to give back
+    assert (a.in_flight, a.held_bytes, a.by_model) == (3, 600, {"m": 2})
+    assert [r.release() for r in refused] == [True, True, True]
+    assert [r.release() for r in refused] == [False, False, False]
+    assert (a.in_flight, a.held_bytes, a.by_model) == (0, 0, {})

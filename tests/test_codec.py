@@ -103,3 +103,58 @@ def test_raw_contents_skip_inputs_read_from_shared_memory():
     assert seen == [("a", "region0")]
     np.testing.assert_array_equal(d.arrays["a"], a)
     np.testing.assert_array_equal(d.arrays["b"], b)
+
+
+# Absurd shapes (issue 24): refused by their numbers, before anything is allocated.
+MB = parse_manifest({
+    "format_version": "2.0",
+    "executable_inputs": [{"name": "x", "dtype": "f32", "shape": "n"}],
+    "executable_outputs": [{"name": "y", "dtype": "f32", "shape": "n"}],
+    "client_inputs": [{"name": "t", "dtype": "bytes", "shape": "n"}],
+    "batching": {"compiled_batch_sizes": [1]}}, "mb")
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_a_shape_whose_element_count_overflows_int64_is_invalid_argument_naming_the_tensor(raw):
+    """[2**55, 4] wraps np.prod's int64 to 0, which matched an empty payload before; with no
+    batch bound (a meta model) the size bound catches it, with one the batch bound does."""
+    r = pb.ModelInferRequest(model_name="m")
+    r.inputs.add(name="a", datatype="INT32", shape=[2**55, 4])
+    r.inputs.add(name="b", datatype="FP16", shape=[2**55, 4])
+    if raw:
+        r.raw_input_contents.extend([b"", b""])
+    assert int(np.prod([2**55, 4, 4], dtype=np.int64)) == 2**59   # and [2**62, 4] wraps:
+    assert int(np.prod([2**62, 4], dtype=np.int64)) == 0
+    with pytest.raises(InvalidArgument, match=r"input 'a': shape \[36028797018963968,4\] of INT32 is "
+                                              r"576460752303423488 bytes, more than a request may carry "
+                                              r"\(endpoints.max_recv_msg_bytes is 1000\)"):
+        decode_inputs(r, M.client_inputs, None, max_bytes=1000)
+    with pytest.raises(InvalidArgument, match="input 'a': batch size 36028797018963968 is larger than the largest "
+                                              "compiled batch size 4"):
+        decode_inputs(r, M.client_inputs, 4)
+    r.inputs[0].shape[:] = [2**62, 4]
+    r.inputs[1].shape[:] = [2**62, 4]
+    with pytest.raises(InvalidArgument, match=r"input 'a': expected (73786976294838206464 bytes|18446744073709551616 values)"):
+        decode_inputs(r, M.client_inputs, None)     # no size bound: the exact count still refuses it
+
+
+def test_a_bytes_tensor_claiming_more_elements_than_its_data_can_hold_is_refused_before_allocating():
+    r = pb.ModelInferRequest(model_name="mb")
+    r.inputs.add(name="t", datatype="BYTES", shape=[2**40])
+    r.raw_input_contents.append(b"\0\0\0\0")
+    with pytest.raises(InvalidArgument, match=r"input 't': BYTES\[1099511627776\] needs at least 4398046511104 bytes "
+                                              r"\(a 4-byte length per element\), got 4"):
+        decode_inputs(r, MB.client_inputs, None)
+    with pytest.raises(InvalidArgument, match=r"input 't': shape \[1099511627776\] of BYTES is 4398046511104 bytes"):
+        decode_inputs(r, MB.client_inputs, None, max_bytes=1 << 20)
+
+
+def test_shared_memory_inputs_are_not_held_to_the_message_size_bound():
+    a = np.arange(8, dtype=np.int32).reshape(2, 4)
+    b = np.ones((2, 4), np.float16)
+    r = request(a, b, raw=False)
+    for t in r.inputs:
+        t.parameters["shared_memory_region"].string_param = "r"
+    buffers = {"a": memoryview(a.tobytes()), "b": memoryview(b.tobytes())}
+    d = decode_inputs(r, M.client_inputs, 4, lambda name, params: buffers[name], max_bytes=8)
+    np.testing.assert_array_equal(d.arrays["a"], a)

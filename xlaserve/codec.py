@@ -6,6 +6,7 @@ Decoding is zero-copy where the wire allows: raw contents become ``np.frombuffer
 """
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -70,11 +71,17 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 
 def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
-                  read_shm: ShmReader | None = None) -> DecodedInputs:
+                  read_shm: ShmReader | None = None, max_bytes: int | None = None) -> DecodedInputs:
     """Decode and validate a ModelInferRequest's inputs against the model's client inputs.
 
     Every error is :class:`InvalidArgument` naming the tensor, what was expected and what was
     sent. ``max_rows`` bounds the batch dimension (the largest compiled batch size).
+    ``max_bytes`` bounds what one tensor sent in the message (not through shared memory) may
+    declare: ``endpoints.max_recv_msg_bytes``, which its data cannot exceed anyway.
+
+    Shapes are checked before anything is allocated, with exact integers: a shape whose element
+    count would overflow int64 (``[2**55, 512]``), a batch past ``max_rows`` or a size past
+    ``max_bytes`` is refused by the numbers alone, whatever data comes with it.
     """
     by_name = {d.name: d for d in expected}
 
@@ -109,9 +116,15 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
             elif n != rows:
                 raise InvalidArgument(f"input '{tensor.name}' has batch size {n} but input '{rows_from}' has "
                                       f"{rows}; all inputs of one request share the batch axis")
-        buffer = None
+            if max_rows is not None and n > max_rows:
+                raise InvalidArgument(f"input '{tensor.name}': batch size {n} is larger than the largest compiled "
+                                      f"batch size {max_rows}")
         params = tensor.parameters
-        if "shared_memory_region" in params:
+        in_shm = "shared_memory_region" in params
+        if max_bytes is not None and not in_shm:
+            _check_size(tensor.name, decl.dtype, shape, max_bytes)
+        buffer = None
+        if in_shm:
             if read_shm is None:
                 raise InvalidArgument(f"input '{tensor.name}' names a shared-memory region, but client shared "
                                       "memory is not enabled on this server")
@@ -129,9 +142,6 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     rows = rows if rows is not None else 1
     if rows < 1:
         raise InvalidArgument(f"input '{rows_from}': the batch dimension must be at least 1, got {rows}")
-    if max_rows is not None and rows > max_rows:
-        raise InvalidArgument(f"input '{rows_from}': batch size {rows} is larger than the largest compiled batch "
-                              f"size {max_rows}")
     return DecodedInputs(arrays, rows)
 
 
@@ -144,12 +154,25 @@ def _check_shape(name: str, decl: TensorDecl, shape: tuple[int, ...]) -> None:
                               f"got {_shape_text(shape)}")
 
 
+def _check_size(name: str, dtype: DType, shape: tuple[int, ...], max_bytes: int) -> None:
+    """Refuse a tensor whose shape alone says it is larger than ``max_bytes`` (a BYTES element
+    is at least its 4-byte length prefix on the wire)."""
+    size = math.prod(shape) * (dtype.itemsize or 4)
+    if size > max_bytes:
+        raise InvalidArgument(f"input '{name}': shape {_shape_text(shape)} of {dtype.kserve} is {size} bytes, more "
+                              f"than a request may carry (endpoints.max_recv_msg_bytes is {max_bytes}); send large "
+                              "tensors through shared memory")
+
+
 def _from_buffer(name: str, dtype: DType, shape: tuple[int, ...], buffer) -> np.ndarray:
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)        # exact: np.prod would wrap past int64
+    got = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
     if dtype.kserve == "BYTES":
+        if count * 4 > got:         # each element has at least its length prefix
+            raise InvalidArgument(f"input '{name}': BYTES{_shape_text(shape)} needs at least {count * 4} bytes "
+                                  f"(a 4-byte length per element), got {got}")
         return deserialize_bytes(buffer, count, name).reshape(shape)
     want = count * dtype.itemsize
-    got = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
     if got != want:
         raise InvalidArgument(f"input '{name}': expected {want} bytes for {dtype.kserve}{_shape_text(shape)}, "
                               f"got {got}")
@@ -162,7 +185,7 @@ def _from_contents(tensor, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
     if field is None:
         raise InvalidArgument(f"input '{name}': {dtype.kserve} can only travel in raw_input_contents")
     values = getattr(tensor.contents, field)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)        # exact: np.prod would wrap past int64
     if len(values) != count:
         raise InvalidArgument(f"input '{name}': expected {count} values in contents.{field} for "
                               f"{dtype.kserve}{_shape_text(shape)}, got {len(values)}")

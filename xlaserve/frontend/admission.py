@@ -1,9 +1,10 @@
 """What the frontend lets in: the in-flight count cap and the held-bytes budget of inference
 requests (``endpoints.max_concurrent_requests``, ``endpoints.max_held_request_bytes``).
 
-Pure bookkeeping, no I/O: the KServe service calls :meth:`Admission.enter` when a ModelInfer
-arrives, :meth:`Admission.hold` once the request is decoded and its size known, and
-:meth:`Admission.leave` exactly once when the request is answered (whatever the outcome). A
+Pure bookkeeping, no I/O: the KServe service takes an :class:`Admitted` (:meth:`Admission.admit`)
+when a ModelInfer arrives, which counts it in flight, then :meth:`Admitted.hold` once the request
+is decoded and its size known; the request's one answer calls :meth:`Admitted.release`, which gives
+back all it took exactly once, whatever the outcome and wherever it failed. A
 request refused by either limit is answered RESOURCE_EXHAUSTED at once; the others go on.
 
 Why bytes and not a count: under load beyond the device's pace requests wait in the per-model
@@ -15,6 +16,51 @@ from __future__ import annotations
 
 from xlaserve.errors import ResourceExhausted
 from xlaserve.manifest import TensorDecl
+
+
+class Admitted:
+    """One request's share of the admission counts: in flight from :meth:`Admission.admit`, its
+    model (:meth:`found`) and its held bytes (:meth:`hold`), all given back by one
+    :meth:`release`. The request's answer owns it: every path that answers calls ``release``,
+    and a second call gives nothing back twice."""
+
+    __slots__ = ("_admission", "model", "held", "released")
+
+    def __init__(self, admission: "Admission") -> None:
+        self._admission = admission
+        self.model: str | None = None
+        self.held = 0
+        self.released = False
+        admission.in_flight += 1
+
+    def check(self) -> None:
+        """Raise ResourceExhausted when this request took the count past
+        ``max_concurrent_requests`` (it stays counted until :meth:`release`)."""
+        admission = self._admission
+        limit = admission.max_concurrent_requests
+        if limit and admission.in_flight > limit:
+            raise ResourceExhausted(f"{admission.in_flight - 1} inference requests are in flight, the limit "
+                                    f"(endpoints.max_concurrent_requests) is {limit}; retry later")
+
+    def found(self, model: str) -> None:
+        """The request is for ``model``: counted there too until :meth:`release`."""
+        self._admission.found(model)
+        self.model = model
+
+    def hold(self, nbytes: int) -> None:
+        """Hold ``nbytes`` until :meth:`release` (ResourceExhausted past the budget: nothing held)."""
+        self.held = self._admission.hold(nbytes)
+
+    def release(self) -> bool:
+        """Give back everything taken; False (and nothing given back) when already released."""
+        if self.released:
+            return False
+        self.released = True
+        admission = self._admission
+        admission.leave(self.held)
+        if self.model is not None:
+            admission.lost(self.model)
+        return True
 
 
 class Admission:
@@ -47,15 +93,16 @@ class Admission:
         else:
             del self.by_model[model]
 
+    def admit(self) -> Admitted:
+        """Count one more request in flight and return its share, to be released by its answer
+        (:meth:`Admitted.check` then says whether the count cap refuses it)."""
+        return Admitted(self)
+
     def enter(self) -> None:
-        """Count one more request in flight. Past ``max_concurrent_requests`` raise
-        ResourceExhausted; the request is counted all the same, so its answer must
-        :meth:`leave` as any other's does (with 0 bytes)."""
-        self.in_flight += 1
-        limit = self.max_concurrent_requests
-        if limit and self.in_flight > limit:
-            raise ResourceExhausted(f"{self.in_flight - 1} inference requests are in flight, the limit "
-                                    f"(endpoints.max_concurrent_requests) is {limit}; retry later")
+        """Count one more request in flight, without a share to release (its answer calls
+        :meth:`leave`). Past ``max_concurrent_requests`` raise ResourceExhausted; the request is
+        counted all the same, so its answer must :meth:`leave` as any other's does (with 0 bytes)."""
+        Admitted(self).check()
 
     def hold(self, nbytes: int) -> int:
         """Hold ``nbytes`` for an entered request and return them (what its :meth:`leave` gives

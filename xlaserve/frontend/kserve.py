@@ -91,6 +91,7 @@ class KServeService(GRPCInferenceServiceBase):
     def __init__(self, worker: WorkerPort, endpoints: EndpointsConfig) -> None:
         self._worker = worker
         self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
+        self._max_recv_bytes = endpoints.max_recv_msg_bytes
         self._shm_peers = endpoints.client_shm_peers
         # model name -> (the version number it was computed for, its output bytes per row and
         # fixed); numbers, not the ModelVersion, so a retired version's weights are not kept alive
@@ -250,9 +251,8 @@ class KServeService(GRPCInferenceServiceBase):
         that comes anyway is not encoded (the call is gone)."""
         received_ns = time.perf_counter_ns()
         worker = self._worker
-        admission = self.admission
+        admitted = self.admission.admit()    # given back once, by finish, whatever happens
         model = wanted = None
-        held = 0
         cancelled = False
 
         def cancel() -> None:
@@ -261,35 +261,38 @@ class KServeService(GRPCInferenceServiceBase):
             worker.cancel(stream)
 
         def finish(outcome) -> None:
-            admission.leave(held)
-            if model is not None:
-                admission.lost(model.name)
-            if cancellable:
-                stream.on_cancel = None
-            if isinstance(outcome, InferResult) and cancelled:
-                outcome = Cancelled(f"model '{request.model_name}': the client cancelled the request while it ran; "
-                                    "its result was dropped")
-            elif isinstance(outcome, InferResult):
-                try:
-                    outcome = self._response(request, model, outcome.outputs, wanted)
-                except XlaserveError as exc:
-                    outcome = exc
-                except Exception as exc:
-                    log.exception("encoding the response of model %s failed", request.model_name)
-                    outcome = InternalError(f"encoding the response failed: {type(exc).__name__}: {exc}")
-            status = outcome.status.name if isinstance(outcome, XlaserveError) else "OK"
-            worker.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+            if not admitted.release():
+                log.error("model '%s': request '%s' was answered twice; the second answer (%s) is dropped",
+                          request.model_name, request.id, type(outcome).__name__)
+                return
+            try:
+                if cancellable:
+                    stream.on_cancel = None
+                if isinstance(outcome, InferResult) and cancelled:
+                    outcome = Cancelled(f"model '{request.model_name}': the client cancelled the request while it "
+                                        "ran; its result was dropped")
+                elif isinstance(outcome, InferResult):
+                    try:
+                        outcome = self._response(request, model, outcome.outputs, wanted)
+                    except XlaserveError as exc:
+                        outcome = exc
+                status = outcome.status.name if isinstance(outcome, XlaserveError) else "OK"
+                worker.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+            except Exception as exc:
+                log.exception("model '%s': answering request '%s' failed", request.model_name, request.id)
+                outcome = InternalError(f"model '{request.model_name}': answering the request failed: "
+                                        f"{type(exc).__name__}: {exc}")
             done(outcome)
 
         try:
-            admission.enter()
+            admitted.check()
             model = self._ready(request.model_name, request.model_version)
-            admission.found(model.name)
+            admitted.found(model.name)
             max_rows = None if model.is_meta else model.manifest.max_batch_size
             shm = worker.shared_memory
             # the peer is checked only when an input names a region: other requests pay nothing
             read_shm = None if shm is None else functools.partial(self._read_shm_input, stream, shm)
-            decoded = decode_inputs(request, model.manifest.client_inputs, max_rows, read_shm)
+            decoded = decode_inputs(request, model.manifest.client_inputs, max_rows, read_shm, self._max_recv_bytes)
             wanted = self._requested_outputs(request, model)
             for decl, requested in wanted:
                 if requested is not None and "shared_memory_region" in requested.parameters:
@@ -300,16 +303,20 @@ class KServeService(GRPCInferenceServiceBase):
                     self._check_shm_peer("ModelInfer", stream)
                     shm.check_output(decl.name, requested.parameters)
             timeout = _request_timeout(request, stream)
-            held = admission.hold(self._held_bytes(model, decoded.arrays, decoded.rows))
+            admitted.hold(self._held_bytes(model, decoded.arrays, decoded.rows))
+            if cancellable:
+                stream.on_cancel = cancel
+            on_trio = worker.bridge.on_trio
+            worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
+                                        lambda outcome: on_trio(finish, outcome), received_ns,
+                                        stream if cancellable else None))
         except XlaserveError as exc:
             finish(exc)
-            return
-        on_trio = worker.bridge.on_trio
-        if cancellable:
-            stream.on_cancel = cancel
-        worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
-                                            lambda outcome: on_trio(finish, outcome), received_ns,
-                                            stream if cancellable else None))
+        except Exception as exc:
+            # a bug, or input no check foresaw: this request's answer, never the connection's or the worker's
+            log.exception("model '%s': request '%s' failed before it was queued", request.model_name, request.id)
+            finish(InternalError(f"model '{request.model_name}': the request failed before it was queued: "
+                                 f"{type(exc).__name__}: {exc}"))
 
     def _held_bytes(self, model: ModelVersion, arrays: Mapping[str, np.ndarray], rows: int) -> int:
         """What holding a decoded request costs until it is answered: its input tensors and the
