@@ -2,6 +2,11 @@
 
     python -m benchmarks.peers_bench [--peers xlaserve,triton,mlserver,kserve] [--rounds 2]
         [--duration 5] [--concurrency 1,8,32] [--models mlp,img_mean] [--compiled-sizes 1,2,4,8,16,32]
+        [--baseline CHECKOUT]
+
+``--baseline CHECKOUT`` adds the peer ``baseline``: xlaserve run from another checkout (an
+earlier commit's ``git worktree``), so that a change is measured against what it changed, in the
+same alternating rounds (``--peers xlaserve,baseline``).
 
 Each round starts every server in turn (peers through ../shared/peers/run_<peer>.sh, which
 install into $PEERS_ROOT on first use; xlaserve over the example ``mlp`` and ``img_mean``
@@ -34,9 +39,14 @@ INPUTS = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))],
 
 
 @contextmanager
-def server(name: str, repo: Path, logs: Path):
+def server(name: str, repo: Path, logs: Path, baseline: Path | None = None):
     if name == "xlaserve":
         with xlaserve(repo, log_path=logs / "xlaserve.log") as handle:
+            yield handle
+    elif name == "baseline":
+        if baseline is None:
+            raise RuntimeError("the peer 'baseline' needs --baseline CHECKOUT")
+        with xlaserve(repo, log_path=logs / "baseline.log", source=baseline) as handle:
             yield handle
     else:
         with peer(name, logs) as handle:
@@ -52,6 +62,7 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--models", default="mlp,img_mean")
     p.add_argument("--logs", default="/tmp/xlaserve-peers-bench")
+    p.add_argument("--baseline", type=Path, help="a checkout of xlaserve served as the peer 'baseline'")
     p.add_argument("--compiled-sizes", default="1,2,4,8,16,32",
                    help="xlaserve's compiled batch sizes; '1' gives the no-coalescing baseline")
     args = p.parse_args()
@@ -70,7 +81,7 @@ def main() -> None:
                 order.reverse()                     # alternate who runs first
             for name in order:
                 try:
-                    with server(name, repo, logs) as (url, pid):
+                    with server(name, repo, logs, args.baseline) as (url, pid):
                         wait_ready(url, time.monotonic() + 120, models=tuple(models))
                         check_batch = min(2, max(int(n) for n in args.compiled_sizes.split(",")))
                         subprocess.run([sys.executable, str(PEERS / "check_outputs.py"), "--url", url,

@@ -301,22 +301,42 @@ class GatewayService:
         self.routed[key] = self.routed.get(key, 0) + 1
         self.router.started(worker, model)
 
+        answered = False
+
         def done(outcome: Reply | UpstreamError) -> None:
+            nonlocal answered
+            if answered:            # given back once: an upstream that reported twice is a bug, logged
+                log.error("worker %s: a ModelInfer of model %s was reported done twice; the second is dropped",
+                          worker, model)
+                return
+            answered = True
             self.in_flight -= 1
             self.router.finished(worker, model)
-            if retries and isinstance(outcome, UpstreamError) and outcome.unprocessed \
-                    and not getattr(call, "finished", False):
-                # the worker did not run it (refused, stopping, never sent): another one may
-                self._count("retried")
-                try:
-                    self._send(call, request, model, self._pick(model), retries - 1)
-                    return
-                except GRPCError as exc:
-                    call.complete(exc)
-                    return
-            call.complete(self._outcome(outcome, worker, framed=True))
-        handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
-                                timeout=_time_left(call, upstream.request_timeout))
+            try:
+                if retries and isinstance(outcome, UpstreamError) and outcome.unprocessed \
+                        and not getattr(call, "finished", False):
+                    # the worker did not run it (refused, stopping, never sent): another one may
+                    self._count("retried")
+                    try:
+                        self._send(call, request, model, self._pick(model), retries - 1)
+                        return
+                    except GRPCError as exc:
+                        call.complete(exc)
+                        return
+                reply = self._outcome(outcome, worker, framed=True)
+            except Exception as exc:        # a bug: this call's answer, never the connection's
+                log.exception("worker %s: answering a ModelInfer of model %s failed", worker, model)
+                reply = GRPCError(Status.INTERNAL, f"the gateway failed to relay the answer of worker {worker}: "
+                                                   f"{type(exc).__name__}: {exc}")
+            call.complete(reply)
+        try:
+            handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
+                                    timeout=_time_left(call, upstream.request_timeout))
+        except Exception as exc:
+            log.exception("worker %s: forwarding a ModelInfer of model %s failed", worker, model)
+            done(UpstreamError(Status.INTERNAL, f"the gateway failed to forward the request to worker {worker}: "
+                                                f"{type(exc).__name__}: {exc}"))
+            return
         if not handle.done:
             call.on_cancel = lambda: upstream.abort(handle)
 
