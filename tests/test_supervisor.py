@@ -20,8 +20,8 @@ import trio
 from trio.testing import MockClock
 
 from xlaserve.config import ConfigError, LoggingConfig, SupervisorConfig, parse_node_config
-from xlaserve.logformat import JsonFormatter, worker_line
-from xlaserve.logrelay import ENTRY_OVERHEAD_BYTES, LineRelay, RelayStatistics
+from xlaserve.logformat import JsonFormatter, process_line, worker_line
+from xlaserve.logrelay import ENTRY_OVERHEAD_BYTES, LineRelay, RelayStatistics, drop_notice
 from xlaserve.supervisor import (DEVICE_ISOLATED_ENV, MAX_LINE_BYTES, READY_FD_ENV, TAIL_LINES,
                                  GiveUp, LineSplitter, Restart, RestartPolicy, Supervisor,
                                  WorkerExited, WorkerReady, WorkerStarted, WorkerState, WorkerSpec,
@@ -145,6 +145,16 @@ def test_a_worker_line_is_a_line_whatever_the_worker_printed():
         assert entry["worker"] == "w0"
     assert json.loads(worker_line("w0", hostile[0], "json"))["message"] == hostile[0]
     assert json.loads(worker_line("w0", hostile[2], "json")) == {"worker": "w0", "m": "\ud800"}
+
+
+def test_the_count_of_dropped_lines_is_a_line_in_the_nodes_format():
+    text = drop_notice(3, "stdout")
+    assert text == "xlaserve: 3 log lines dropped: stdout was not being read"
+    assert drop_notice(1, "stderr") == "xlaserve: 1 log line dropped: stderr was not being read"
+    assert process_line(text, "text") == text
+    entry = json.loads(process_line(text, "json"))
+    assert entry.pop("time").endswith("Z")
+    assert entry == {"level": "warning", "logger": "xlaserve.supervisor", "message": text}
 
 
 def test_the_json_formatter_writes_one_object_a_record():
