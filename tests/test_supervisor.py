@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from trio.testing import MockClock
 
 from xlaserve.config import ConfigError, LoggingConfig, SupervisorConfig, parse_node_config
@@ -720,6 +721,32 @@ def test_the_supervisor_writes_worker_lines_to_stdout_by_default_losing_none(cap
 
     trio.run(main)
     assert capfd.readouterr().out.splitlines() == [f"[w0] {i}" for i in range(3000)]
+
+
+def test_a_chunk_of_many_lines_is_relayed_in_turns_with_the_other_tasks():
+    from xlaserve.supervisor import LINES_PER_TURN
+    lines = Lines()
+    supervisor = Supervisor([fake("w0", "")], FAST, write=lines.append)
+    seen: list[int] = []
+
+    async def main():
+        send, receive = trio.testing.memory_stream_one_way_pair()
+        await send.send_all(b"\n" * 65_536)      # one read of the pipe: 65,536 empty lines
+        await send.aclose()
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor._relay_output, supervisor._workers[0], receive, done)
+            while not done.is_set():               # another task of the loop (the gateway's)
+                seen.append(len(lines))
+                await trio.lowlevel.checkpoint()
+
+    trio.run(main)
+    assert len(lines) == 65_536
+    # the other task ran between turns of LINES_PER_TURN lines (each turn it runs before or after
+    # one step of the relay, so it sees at least every other step), not once after the 65,536
+    between = {n for n in seen if 0 < n < 65_536}
+    assert len(between) >= 65_536 // LINES_PER_TURN // 2 - 1
+    assert all(n % LINES_PER_TURN == 0 for n in between)
 
 
 # Runs supervise() as `xlaserve run` does (its logging on stderr), its stdout and stderr pipes that

@@ -58,6 +58,9 @@ OUTPUT_DRAIN_SECONDS = 1.0
 # The ready report is one short JSON line; a child that writes more is not believed.
 MAX_READY_BYTES = 4096
 _READ_CHUNK = 64 * 1024
+# Lines relayed between two turns of the other tasks: a chunk of 64 KiB of empty lines is 65,536
+# lines (about 0.2 s of relaying), which must not hold the gateway's requests all that time.
+LINES_PER_TURN = 256
 # Events a subscriber may leave unread. A worker causes at most three per start and starts are
 # limited by the restart policy, so a subscriber this far behind has stopped reading: its channel
 # is closed rather than letting it hold the supervisor's memory.
@@ -590,8 +593,10 @@ class Supervisor:
         splitter = LineSplitter(MAX_LINE_BYTES)
         try:
             while data := await stream.receive_some(_READ_CHUNK):
-                for line, cut in splitter.feed(data):
+                for count, (line, cut) in enumerate(splitter.feed(data), 1):
                     self._line(worker, _text(line, cut))
+                    if count % LINES_PER_TURN == 0:
+                        await trio.lowlevel.checkpoint()
             last = splitter.finish()
             if last is not None:
                 self._line(worker, _text(last, False))
