@@ -653,22 +653,28 @@ def test_edf_sheds_work_that_cannot_finish_in_time():
 
 
 @pytest.mark.parametrize("discipline", ["fair", "fifo", "edf"])
-def test_dispatch_timeout_bounds_the_wait_under_every_discipline(discipline):
+def test_dispatch_timeout_bounds_only_requests_without_a_deadline_of_their_own(discipline):
     results = []
 
     async def test(h: Harness):
-        h.submit("busy", tag=1, into=results)
+        h.submit("busy", tag=1, into=results)               # holds the device until t=5.0
         await trio.sleep(0.001)
-        h.submit("m", tag=2, into=results)                  # no deadline of its own
+        h.submit("m", tag=2, into=results)                  # no deadline: the dispatch timeout (1 s)
         h.submit("m", timeout=60, tag=3, into=results)      # a deadline past the dispatch timeout
+        h.submit("m", timeout=0.5, tag=4, into=results)     # a deadline before it
         await trio.sleep(10)
         outcomes = {tag: (when, o) for when, _, tag, o in results}
-        for tag in (2, 3):
-            when, outcome = outcomes[tag]
-            assert isinstance(outcome, DeadlineExceeded)
-            assert "scheduler.dispatch_timeout_seconds" in str(outcome)
-            assert when == pytest.approx(1.001)
-        assert [name for _, name, _, _ in h.device.log] == ["busy"]
+        when, outcome = outcomes[2]
+        assert isinstance(outcome, DeadlineExceeded) and when == pytest.approx(1.001)
+        assert "scheduler.dispatch_timeout_seconds" in str(outcome)
+        assert "without a deadline of their own" in str(outcome)
+        when, outcome = outcomes[4]
+        assert isinstance(outcome, DeadlineExceeded) and when == pytest.approx(0.501)
+        assert "deadline passed" in str(outcome)
+        when, outcome = outcomes[3]                          # waited 5 s, past the 1 s timeout: it ran
+        assert isinstance(outcome, InferResult) and when == pytest.approx(5.1)
+        assert [name for _, name, _, _ in h.device.log] == ["busy", "m"]
+        assert h.rejections("m", "dispatch_timeout") == 1 and h.rejections("m", "deadline_expired") == 1
 
     run(test, config(discipline=discipline, dispatch_timeout_seconds=1.0),
         {"busy": per_batch(5.0), "m": per_batch(0.1)})

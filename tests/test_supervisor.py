@@ -7,17 +7,22 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
+from trio.testing import MockClock
 
 from xlaserve.config import ConfigError, LoggingConfig, SupervisorConfig, parse_node_config
-from xlaserve.logformat import JsonFormatter, worker_line
+from xlaserve.logformat import JsonFormatter, process_line, worker_line
+from xlaserve.logrelay import ENTRY_OVERHEAD_BYTES, LineRelay, RelayStatistics, drop_notice
 from xlaserve.supervisor import (DEVICE_ISOLATED_ENV, MAX_LINE_BYTES, READY_FD_ENV, TAIL_LINES,
                                  GiveUp, LineSplitter, Restart, RestartPolicy, Supervisor,
                                  WorkerExited, WorkerReady, WorkerStarted, WorkerState, WorkerSpec,
@@ -128,6 +133,29 @@ def test_worker_lines_in_json_carry_the_worker():
     # JSON that is not an object, and broken JSON, are text
     assert json.loads(worker_line("w0", "[1, 2]", "json")) == {"worker": "w0", "message": "[1, 2]"}
     assert json.loads(worker_line("w0", "{oops", "json")) == {"worker": "w0", "message": "{oops"}
+
+
+def test_a_worker_line_is_a_line_whatever_the_worker_printed():
+    # nested past the parser's recursion limit, a lone surrogate (valid JSON escape), NUL and
+    # escapes, the replacement character of invalid UTF-8: each gives one line, no exception
+    hostile = ['{"a":' + "[" * 100_000, "[" * 100_000, '{"m": "\\ud800"}', "\x00\x1b[2J\r",
+               "\ufffd\ufffd", '{"a": 1e999}', "{" * 50_000]
+    for text in hostile:
+        assert worker_line("w0", text, "text") == f"[w0] {text}"
+        entry = json.loads(worker_line("w0", text, "json"))
+        assert entry["worker"] == "w0"
+    assert json.loads(worker_line("w0", hostile[0], "json"))["message"] == hostile[0]
+    assert json.loads(worker_line("w0", hostile[2], "json")) == {"worker": "w0", "m": "\ud800"}
+
+
+def test_the_count_of_dropped_lines_is_a_line_in_the_nodes_format():
+    text = drop_notice(3, "stdout")
+    assert text == "xlaserve: 3 log lines dropped: stdout was not being read"
+    assert drop_notice(1, "stderr") == "xlaserve: 1 log line dropped: stderr was not being read"
+    assert process_line(text, "text") == text
+    entry = json.loads(process_line(text, "json"))
+    assert entry.pop("time").endswith("Z")
+    assert entry == {"level": "warning", "logger": "xlaserve.supervisor", "message": text}
 
 
 def test_the_json_formatter_writes_one_object_a_record():
@@ -541,6 +569,290 @@ def test_a_subscriber_that_stops_reading_is_cut_off_not_buffered_forever(caplog,
 def test_supervisor_refuses_duplicate_names():
     with pytest.raises(ValueError, match="distinct names"):
         Supervisor([fake("w", ""), fake("w", "")])
+
+
+# --- output that never stalls the loop: the relay, and workers that print anything -------------------
+
+
+class Drain:
+    """Reads a pipe (a descriptor, or a file object it then closes) in a thread, from
+    :meth:`start` until its end."""
+
+    def __init__(self, pipe) -> None:
+        self.pipe = pipe
+        self.fd = pipe if isinstance(pipe, int) else pipe.fileno()
+        self.data = bytearray()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+
+    def start(self) -> Drain:
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        while chunk := os.read(self.fd, 1 << 16):
+            self.data += chunk
+
+    def lines(self) -> list[str]:
+        self._thread.join(60)
+        assert not self._thread.is_alive(), "the pipe did not end"
+        if isinstance(self.pipe, int):
+            os.close(self.pipe)
+        else:
+            self.pipe.close()
+        return self.data.decode().splitlines()
+
+
+def returns_within(seconds: float, fn):
+    """``fn()`` run in a thread: a call that blocks fails the test instead of hanging it."""
+    outcome: list = []
+
+    def call():
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:
+            outcome.append((False, exc))
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still blocked after {seconds} s"
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_a_stdout_nobody_reads_costs_counted_lines_never_the_loop_and_the_count_follows():
+    read, write = os.pipe()
+    drain = Drain(read)
+    relay = LineRelay(write, stream="stdout", max_bytes=32 * 1024)
+    total = 20_000       # 2 MB: far past the pipe's 64 KiB and the relay's 32 KiB
+    line = "line {:05d} " + "x" * 90
+
+    async def serving():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await trio.sleep(0.001)
+                ticks += 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tick)
+            for i in range(total):
+                relay.put(line.format(i))
+                if i % 100 == 99:
+                    await trio.sleep(0.001)
+            nursery.cancel_scope.cancel()
+        return ticks
+
+    try:
+        ticks = returns_within(60, lambda: trio.run(serving, clock=MockClock(autojump_threshold=0)))
+        stats = relay.statistics()
+    finally:
+        drain.start()                        # the reader resumes
+    assert ticks >= total // 100 - 1         # the loop kept running beside the writes
+    assert stats.dropped_lines > total // 2 and stats.buffered_bytes <= 32 * 1024
+    assert stats.buffered_lines + stats.written_lines + stats.dropped_lines == total
+    assert relay.flush(timeout=60)           # what was buffered, then the count of the gap
+    relay.put("after the stall")
+    assert relay.close(timeout=60)
+    os.close(write)
+    out = drain.lines()
+    # the lines in order; in the place of each gap, the count of exactly the lines it lost
+    notice = re.compile(r"xlaserve: (\d+) log lines? dropped: stdout was not being read")
+    following, gaps = 0, []
+    for entry in out[:-1]:
+        if match := notice.fullmatch(entry):
+            gaps.append(int(match.group(1)))
+            following += gaps[-1]
+        else:
+            assert entry == line.format(following)
+            following += 1
+    assert following == total and out[-1] == "after the stall"
+    assert gaps and sum(gaps) == stats.dropped_lines
+    assert relay.statistics() == RelayStatistics(0, 0, total - sum(gaps) + 1, sum(gaps))
+
+
+def test_a_stdout_that_keeps_up_gets_every_line_in_order():
+    read, write = os.pipe()
+    drain = Drain(read).start()
+    relay = LineRelay(write, max_bytes=64 * 1024)
+    for burst in range(100):
+        for i in range(400):                 # a burst fits the buffer however slow the writer is
+            relay.put(f"{burst}:{i} \ud800")  # a lone surrogate is written escaped, never an error
+        assert relay.flush(timeout=60)
+    assert relay.close()
+    os.close(write)
+    assert drain.lines() == [f"{b}:{i} \\ud800" for b in range(100) for i in range(400)]
+    assert relay.statistics() == RelayStatistics(0, 0, 40_000, 0)
+
+
+def test_a_reader_that_went_away_costs_counted_lines_and_a_long_entry_is_cut():
+    read, write = os.pipe()
+    relay = LineRelay(write, max_bytes=4096)
+    os.close(read)                           # EPIPE from now on: lines are lost, counted
+    for i in range(10):
+        relay.put(f"lost {i}")
+    assert relay.flush(timeout=60)
+    assert relay.statistics().dropped_lines == 10 and relay.statistics().written_lines == 0
+    relay.close()
+    os.close(write)
+
+    read, write = os.pipe()
+    drain = Drain(read).start()
+    with LineRelay(write, max_bytes=4096) as relay:
+        relay.put("y" * 10_000)
+    os.close(write)
+    (entry,) = drain.lines()
+    assert len(entry.encode()) == 4096 - ENTRY_OVERHEAD_BYTES - 1
+    assert entry.endswith(f" [cut: log entry longer than {4096 - ENTRY_OVERHEAD_BYTES - 1} bytes]")
+
+
+def test_the_supervisor_writes_worker_lines_to_stdout_by_default_losing_none(capfd):
+    specs = [fake("w0", "for i in range(3000): print(i)\nsys.stdout.flush(); ready(); time.sleep(60)")]
+
+    async def main():
+        supervisor = Supervisor(specs, FAST)            # no write: this process's stdout, relayed
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            await wait_for(events, 1, WorkerReady)
+            supervisor.stop()
+
+    trio.run(main)
+    assert capfd.readouterr().out.splitlines() == [f"[w0] {i}" for i in range(3000)]
+
+
+def test_a_chunk_of_many_lines_is_relayed_in_turns_with_the_other_tasks():
+    from xlaserve.supervisor import LINES_PER_TURN
+    lines = Lines()
+    supervisor = Supervisor([fake("w0", "")], FAST, write=lines.append)
+    seen: list[int] = []
+
+    async def main():
+        send, receive = trio.testing.memory_stream_one_way_pair()
+        await send.send_all(b"\n" * 65_536)      # one read of the pipe: 65,536 empty lines
+        await send.aclose()
+        done = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor._relay_output, supervisor._workers[0], receive, done)
+            while not done.is_set():               # another task of the loop (the gateway's)
+                seen.append(len(lines))
+                await trio.lowlevel.checkpoint()
+
+    trio.run(main)
+    assert len(lines) == 65_536
+    # the other task ran between turns of LINES_PER_TURN lines (each turn it runs before or after
+    # one step of the relay, so it sees at least every other step), not once after the 65,536
+    between = {n for n in seen if 0 < n < 65_536}
+    assert len(between) >= 65_536 // LINES_PER_TURN // 2 - 1
+    assert all(n % LINES_PER_TURN == 0 for n in between)
+
+
+# Runs supervise() as `xlaserve run` does (its logging on stderr), its stdout and stderr pipes that
+# the test does not read: the workers print 2 MB each, then the node logs 2 MB of its own. Once
+# both workers are ready (their pipes were read) and its records are logged, it writes "alive" to
+# the report descriptor, waits for "go", and stops.
+NODE_SCRIPT = """
+import logging, os, sys, trio
+from pathlib import Path
+from xlaserve.config import parse_node_config
+from xlaserve.supervisor import WorkerReady, WorkerSpec, supervise
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+report, go, count = map(int, sys.argv[1:4])
+prelude = sys.argv[4]
+node = parse_node_config({"model_repo": "m", "supervisor": {"stop_timeout_seconds": 5}}, Path("/"))
+code = prelude + f"for i in range({count}): print('w', i, 'x' * 90)\\nsys.stdout.flush(); ready(); time.sleep(60)"
+specs = [WorkerSpec(f"w{n}", (sys.executable, "-c", code)) for n in range(2)]
+
+async def gateway(supervisor):
+    events = supervisor.subscribe()
+    ready = 0
+    async for event in events:
+        ready += isinstance(event, WorkerReady)
+        if ready == 2:
+            break
+    for i in range(count):
+        logging.getLogger("xlaserve.gateway").info("own %d %s", i, "y" * 90)
+        if i % 100 == 0:
+            await trio.sleep(0)
+    os.write(report, b"alive\\n")
+    await trio.to_thread.run_sync(os.read, go, 1)
+    supervisor.stop()
+    await trio.sleep_forever()
+
+sys.exit(trio.run(lambda: supervise(Path("/node.yaml"), node, gateway=gateway, specs=specs,
+                                    handle_signals=False)))
+"""
+
+
+def test_a_node_whose_stdout_and_stderr_nobody_reads_keeps_serving_and_counts_what_it_dropped():
+    count = 20_000
+    report_read, report_write = os.pipe()
+    go_read, go_write = os.pipe()
+    child = subprocess.Popen([sys.executable, "-c", NODE_SCRIPT, str(report_write), str(go_read), str(count),
+                              PRELUDE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             pass_fds=(report_write, go_read))
+    os.close(report_write)
+    os.close(go_read)
+    out, err = Drain(child.stdout), Drain(child.stderr)
+    try:
+        alive = returns_within(60, lambda: os.read(report_read, 100))
+    finally:
+        out.start()
+        err.start()
+        os.write(go_write, b"g")
+    assert alive == b"alive\n"               # it got there with neither pipe read
+    assert child.wait(60) == 0
+    os.close(report_read)
+    os.close(go_write)
+    stdout, stderr = out.lines(), err.lines()
+
+    def dropped(lines: list[str], stream: str) -> int:
+        notice = re.compile(rf"xlaserve: (\d+) log lines dropped: {stream} was not being read")
+        counts = [int(m.group(1)) for m in map(notice.fullmatch, lines) if m]
+        assert counts, f"no count of dropped lines on {stream}"
+        return sum(counts)
+    workers = [line for line in stdout if line.startswith("[w")]
+    assert len(workers) + dropped(stdout, "stdout") == 2 * count
+    own = [line for line in stderr if line.startswith("own ")]
+    assert len(own) + dropped(stderr, "stderr") == count
+    assert own[:3] == [f"own {i} {'y' * 90}" for i in range(3)]     # the first ones arrived
+
+
+def test_whatever_a_worker_prints_or_closes_the_supervisor_goes_on(capfd, caplog):
+    # invalid UTF-8, JSON nested past the recursion limit, a lone surrogate, 1 MiB without a
+    # newline, a last line without one, a ready report of nested garbage, its output closed early
+    code = """
+out = sys.stdout.buffer
+out.write(b'bad \\xff\\xfe utf-8 \\xc3\\n' + b'{"a":' + b'[' * 60000 + b'\\n' + b'{"m": "\\\\ud800"}\\n')
+out.write(b'z' * (1 << 20) + b'\\n' + b'last words')
+out.flush()
+with open(int(os.environ['XLASERVE_READY_FD']), 'w') as f:
+    f.write('[' * 4000 + '\\n')
+os.close(1); os.close(2)
+time.sleep(0.05)
+os._exit(5)
+"""
+    config = SupervisorConfig(restart_backoff_initial_seconds=0.01, restart_backoff_max_seconds=0.01,
+                              max_restarts=1, stop_timeout_seconds=2.0)
+
+    async def main():
+        supervisor = Supervisor([fake("w0", code)], config, log_format="json")
+        return await supervisor.run(), supervisor.status()
+
+    with caplog.at_level(logging.WARNING, logger="xlaserve.supervisor"):
+        code_, status = trio.run(main)
+    assert code_ == 1                        # it gave up after the restart, as for any crash
+    assert status[0].restarts == 1 and status[0].last_returncode == 5
+    entries = [json.loads(line) for line in capfd.readouterr().out.splitlines()]
+    one_run = [{"worker": "w0", "message": "bad \ufffd\ufffd utf-8 \ufffd"},
+               {"worker": "w0", "message": '{"a":' + "[" * 60_000},
+               {"worker": "w0", "m": "\ud800"},
+               {"worker": "w0", "message": "z" * MAX_LINE_BYTES + f" [cut: line longer than {MAX_LINE_BYTES} bytes]"},
+               {"worker": "w0", "message": "last words"}]
+    assert entries == one_run * 2, [str(entry)[:80] for entry in entries]
+    assert caplog.text.count("unreadable ready report") == 2
 
 
 # --- the worker's side: the ready report and the child's command line --------------------------------

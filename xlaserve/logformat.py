@@ -52,18 +52,30 @@ def worker_line(worker: str, text: str, log_format: str) -> str:
 
     ``text`` format: ``[worker] text``. ``json``: a line that is itself a JSON object gets a
     ``worker`` field (first; replacing any the worker wrote, since the supervisor knows which
-    process printed it); any other line becomes ``{"worker": ..., "message": text}``."""
+    process printed it); any other line becomes ``{"worker": ..., "message": text}``. Total:
+    whatever a worker prints (JSON nested past the recursion limit, lone surrogates, control
+    characters) gives a line, never an exception."""
     if log_format != "json":
         return f"[{worker}] {text}"
-    entry: dict[str, Any] | None = None
     if text.startswith("{"):
         try:
             parsed = json.loads(text)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            entry = parsed
-    if entry is None:
-        entry = {"message": text}
-    entry.pop("worker", None)
-    return json.dumps({"worker": worker, **entry}, ensure_ascii=False)
+            if isinstance(parsed, dict):
+                parsed.pop("worker", None)
+                return json.dumps({"worker": worker, **parsed}, ensure_ascii=False)
+        except (ValueError, RecursionError):
+            # not JSON, or nested deeper than the parser recurses: the line is kept as text
+            pass
+    return json.dumps({"worker": worker, "message": text}, ensure_ascii=False)
+
+
+def process_line(text: str, log_format: str, *, level: str = "warning",
+                 logger: str = "xlaserve.supervisor") -> str:
+    """A line the process writes of its own, outside its logging (the relay's count of dropped
+    lines): ``text`` as is, or in ``json`` an object like :class:`JsonFormatter`'s."""
+    if log_format != "json":
+        return text
+    now = time.time()
+    seconds = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+    return json.dumps({"time": f"{seconds}.{int(now * 1000) % 1000:03d}Z", "level": level,
+                       "logger": logger, "message": text}, ensure_ascii=False)

@@ -36,7 +36,8 @@ import trio
 
 from xlaserve.config import ConfigError, NodeConfig, resolve_worker, worker_count
 from xlaserve.config.schema import SupervisorConfig
-from xlaserve.logformat import worker_line
+from xlaserve.logformat import process_line, worker_line
+from xlaserve.logrelay import LineRelay, RelayedLogging, drop_notice
 
 log = logging.getLogger("xlaserve.supervisor")
 
@@ -57,6 +58,9 @@ OUTPUT_DRAIN_SECONDS = 1.0
 # The ready report is one short JSON line; a child that writes more is not believed.
 MAX_READY_BYTES = 4096
 _READ_CHUNK = 64 * 1024
+# Lines relayed between two turns of the other tasks: a chunk of 64 KiB of empty lines is 65,536
+# lines (about 0.2 s of relaying), which must not hold the gateway's requests all that time.
+LINES_PER_TURN = 256
 # Events a subscriber may leave unread. A worker causes at most three per start and starts are
 # limited by the restart policy, so a subscriber this far behind has stopped reading: its channel
 # is closed rather than letting it hold the supervisor's memory.
@@ -354,19 +358,18 @@ class _Worker:
                             self.last_returncode)
 
 
-def _stdout_line(line: str) -> None:
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
 # --- the supervisor ------------------------------------------------------------------------------
 
 class Supervisor:
     """Runs one process per :class:`WorkerSpec` until :meth:`stop` (or a worker crashing too
     often, which stops the node with exit status 1).
 
-    Each line a worker prints (stdout and stderr, one pipe) goes to ``write`` (default: this
-    process's stdout) as :func:`~xlaserve.logformat.worker_line` formats it for ``log_format``.
+    Each line a worker prints (stdout and stderr, one pipe) goes to ``write`` as
+    :func:`~xlaserve.logformat.worker_line` formats it for ``log_format``; ``write`` must not
+    wait (it is called on the Trio loop). By default the lines go to this process's stdout
+    through a :class:`~xlaserve.logrelay.LineRelay`, written by a thread of its own: a stdout
+    that nobody reads costs dropped lines (counted, and one line says how many once it is read
+    again), never a stalled loop. The workers' pipes are always read, whatever ``write`` does.
     Its last :data:`TAIL_LINES` lines are kept for the crash report. Workers run in their own
     process group, so a Ctrl-C at a terminal reaches the supervisor alone and the stop order
     below holds.
@@ -385,7 +388,8 @@ class Supervisor:
             raise ValueError(f"supervisor: expected workers with distinct names, got {names}")
         self.config = config or SupervisorConfig()
         self.log_format = log_format
-        self._write = write or _stdout_line
+        self._write = write
+        self._out: Callable[[str], None] = write or (lambda line: None)
         self._workers = [_Worker(spec, RestartPolicy.from_config(self.config)) for spec in workers]
         self._before_stop: list[Callable[[], Awaitable[None]]] = [before_stop] if before_stop else []
         self._subscribers: list[trio.MemorySendChannel[SupervisorEvent]] = []
@@ -427,6 +431,11 @@ class Supervisor:
         worker crashed too often. Call it once. ``task_status.started()`` once every first process has been
         asked to start. If this task is cancelled, the workers still get SIGTERM, then SIGKILL
         after ``stop_timeout_seconds``."""
+        relay = None
+        if self._write is None:
+            relay = LineRelay(1, notice=lambda count, stream: process_line(drop_notice(count, stream),
+                                                                           self.log_format))
+            self._out = relay.put
         try:
             async with trio.open_nursery() as nursery:
                 for worker in self._workers:
@@ -437,6 +446,9 @@ class Supervisor:
         finally:
             for send in self._subscribers:
                 send.close()
+            if relay is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(relay.close)
         return self._exit_code
 
     async def _shut_down(self) -> None:
@@ -574,27 +586,32 @@ class Supervisor:
 
     def _line(self, worker: _Worker, text: str) -> None:
         worker.tail.append(text)
-        self._write(worker_line(worker.spec.name, text, self.log_format))
+        self._out(worker_line(worker.spec.name, text, self.log_format))
 
     async def _relay_output(self, worker: _Worker, stream: trio.abc.ReceiveStream,
                             done: trio.Event) -> None:
         splitter = LineSplitter(MAX_LINE_BYTES)
         try:
             while data := await stream.receive_some(_READ_CHUNK):
-                for line, cut in splitter.feed(data):
+                for count, (line, cut) in enumerate(splitter.feed(data), 1):
                     self._line(worker, _text(line, cut))
+                    if count % LINES_PER_TURN == 0:
+                        await trio.lowlevel.checkpoint()
             last = splitter.finish()
             if last is not None:
                 self._line(worker, _text(last, False))
-        except trio.ClosedResourceError:
-            pass
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass    # closed at the end of the run, or the pipe failed: the worker's output ends here
         finally:
             done.set()
 
     async def _read_ready(self, worker: _Worker, pid: int, stream: trio.lowlevel.FdStream) -> None:
         report = b""
         while len(report) < MAX_READY_BYTES and b"\n" not in report:
-            chunk = await stream.receive_some(MAX_READY_BYTES)
+            try:
+                chunk = await stream.receive_some(MAX_READY_BYTES)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                chunk = b""
             if not chunk:
                 break
             report += chunk
@@ -620,7 +637,7 @@ def _text(line: bytes, cut: bool) -> str:
 def _parse_ready(line: bytes) -> tuple[int, int] | None:
     try:
         report = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):    # not JSON, or nested past the parser's recursion
         return None
     if not isinstance(report, dict):
         return None
@@ -652,17 +669,30 @@ async def supervise(node_path: str | Path, node: NodeConfig, *,
     :meth:`Supervisor.subscribe`. Without it, the workers are only supervised. ``count`` is the
     node's worker count (see :func:`worker_specs`); ``specs`` replaces the node's worker
     processes (tests run stand-ins). ``handle_signals=False`` leaves SIGTERM/SIGINT alone (the
-    caller then calls :meth:`Supervisor.stop`)."""
+    caller then calls :meth:`Supervisor.stop`).
+
+    Nothing this process logs waits for a reader: the workers' lines go through a relay (see
+    :class:`Supervisor`; ``write`` replaces it), and while the node runs, the root logger's
+    handlers that write to stderr or stdout (the supervisor's and the gateway's own records)
+    write through a :class:`~xlaserve.logrelay.RelayedLogging` relay too."""
     if specs is None:
         specs = worker_specs(node_path, node, count)
     supervisor = Supervisor(specs, node.supervisor, log_format=node.logging.format, write=write)
-    async with trio.open_nursery() as nursery:
-        if handle_signals:
-            await nursery.start(_stop_on_signal, supervisor)
-        if gateway is not None:
-            nursery.start_soon(gateway, supervisor)
-        code = await supervisor.run()
-        nursery.cancel_scope.cancel()
+    logs = RelayedLogging(notice=lambda count, stream: process_line(drop_notice(count, stream),
+                                                                   node.logging.format))
+    logs.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            if handle_signals:
+                await nursery.start(_stop_on_signal, supervisor)
+            if gateway is not None:
+                nursery.start_soon(gateway, supervisor)
+            code = await supervisor.run()
+            nursery.cancel_scope.cancel()
+    finally:
+        logs.restore()
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(logs.close)
     return code
 
 

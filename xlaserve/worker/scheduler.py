@@ -11,9 +11,10 @@ with ``batch_delay_seconds`` may instead be *held* while it is the only backlogg
 dispatch waits until ``batch_target_rows`` rows are queued, another model gets a request, or
 its oldest request has waited the delay (never past a deadline less the learned cost).
 
-Every queued request is due for dispatch by ``min(its deadline, hand-over +
-dispatch_timeout_seconds)`` (both on the Trio clock, from when the frontend handed it over); the expiry task answers DEADLINE_EXCEEDED for any request still
-queued at that moment, so it never runs. Under ``edf`` a request that cannot finish in time
+Every queued request is due for dispatch by its own deadline when it has one (the gRPC deadline
+or Triton's ``timeout`` parameter), else by hand-over + ``dispatch_timeout_seconds`` (both on
+the Trio clock, from when the frontend handed it over); the expiry task answers DEADLINE_EXCEEDED
+for any request still queued at that moment, so it never runs. Under ``edf`` a request that cannot finish in time
 given the learned execution cost is shed early, at admission or when its batch is formed.
 
 A request handed over with a ``ticket`` can be cancelled (:class:`CancelRequest`: its client reset
@@ -50,7 +51,7 @@ log = logging.getLogger("xlaserve.scheduler")
 QUEUE_FULL = "queue_full"
 DEADLINE_EXPIRED = "deadline_expired"     # the request's own deadline passed while queued
 DEADLINE_SHED = "deadline_shed"           # edf: could not finish in time given the learned cost
-DISPATCH_TIMEOUT = "dispatch_timeout"     # waited scheduler.dispatch_timeout_seconds
+DISPATCH_TIMEOUT = "dispatch_timeout"     # no deadline of its own; waited scheduler.dispatch_timeout_seconds
 MODEL_DROPPED = "model_dropped"
 EXECUTION_FAILED = "execution_failed"
 WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make the model resident
@@ -61,7 +62,7 @@ CANCELLED = "cancelled"                   # its client went away (stream reset, 
 class Queued:
     request: InferRequest    # its deadline and enqueued_at (hand-over) are on the Trio clock
     seq: int                 # admission order across all models
-    dispatch_by: float       # min(deadline, enqueued_at + dispatch_timeout_seconds)
+    dispatch_by: float       # its deadline, or enqueued_at + dispatch_timeout_seconds without one
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +240,11 @@ class Scheduler:
             self._reject(request, DEADLINE_EXPIRED, DeadlineExceeded(
                 f"model '{name}': the request's deadline had already passed when it was queued"))
             return
-        # counted from when the frontend handed it over, like the deadline
-        dispatch_by = min(deadline, request.enqueued_at + self._config.dispatch_timeout_seconds)
+        # A client that set a deadline decided how long it waits, longer or shorter than the
+        # dispatch timeout; the timeout bounds only the requests that said nothing. Counted from
+        # when the frontend handed it over, like the deadline.
+        dispatch_by = (deadline if deadline < math.inf
+                       else request.enqueued_at + self._config.dispatch_timeout_seconds)
         seq = next(self._seq)
         queued = Queued(request, seq, dispatch_by)
         queue.append(queued)
@@ -349,15 +353,15 @@ class Scheduler:
                     continue
                 self._unqueue(queued)
                 waited = now - queued.request.enqueued_at
-                if queued.request.deadline <= queued.dispatch_by:
+                if queued.request.deadline < math.inf:
                     self._reject(queued.request, DEADLINE_EXPIRED, DeadlineExceeded(
                         f"model '{name}': the request's deadline passed after {waited * 1e3:.1f} ms in the "
                         f"queue ({len(queue) - 1} others queued for this model); it was not run"))
                 else:
                     self._reject(queued.request, DISPATCH_TIMEOUT, DeadlineExceeded(
                         f"model '{name}': waited {waited:.3f} s for dispatch, longer than "
-                        f"scheduler.dispatch_timeout_seconds ({self._config.dispatch_timeout_seconds} s); "
-                        f"it was not run"))
+                        f"scheduler.dispatch_timeout_seconds ({self._config.dispatch_timeout_seconds} s), "
+                        f"which bounds requests without a deadline of their own; it was not run"))
             self._queues[name] = kept
             if self._metrics is not None:
                 self._metrics.set_queue_depth(name, len(kept))
