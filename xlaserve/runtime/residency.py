@@ -19,7 +19,7 @@ class Floor(enum.StrEnum):
     """How resident a model's weights stay at least (``scheduler.models.<name>.residency``)."""
 
     DEVICE = "device"      # on the device for the server's lifetime; counted in the budget
-    SYSTEM = "system"      # host copy kept; device copy on demand, evicted LRU
+    SYSTEM = "system"      # host copy kept; device copy on demand, evictable
     UNPINNED = "unpinned"  # no host copy; read from disk on every load
 
     @classmethod
