@@ -139,7 +139,7 @@ class GreedyDualSizeFrequency:
         frequency = 1
         if self.admission:
             count = self._count(key)
-            rival = next(iter(self.victims()), None)
+            rival = min(self._standing, key=lambda k: (self.priority(k), self._standing[k].seq), default=None)
             if rival is not None and count <= self._counts.get(rival, 0):
                 frequency = 0
         self._standing[key] = _Standing(nbytes, frequency, self.clock, next(self._seq))
