@@ -410,7 +410,13 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
     ({"global": {"runtime": {"bakend": "cpu"}}},
      ("global.runtime.bakend: unknown key (known: allow_cpu_fallback, backend, "
       "device_memory_bytes, mem_fraction, preallocate, weight_cache_fraction, "
-      "weight_cache_wiggle_fraction)")),
+      "weight_cache_wiggle_fraction, weight_eviction, weight_trace)")),
+    ({"global": {"runtime": {"weight_eviction": "fifo"}}},
+     "global.runtime.weight_eviction: expected one of gdsf, lru, got 'fifo'"),
+    ({"global": {"runtime": {"weight_eviction": ""}}},
+     "global.runtime.weight_eviction: expected one of gdsf, lru, got ''"),
+    ({"global": {"runtime": {"weight_trace": 7}}},
+     "global.runtime.weight_trace: expected"),
     ({"global": {"runtime": {"backend": "tpu"}}},
      "global.runtime.backend: expected one of cpu, cuda, got 'tpu'"),
     ({"global": {"runtime": {"mem_fraction": 0}}},

@@ -314,10 +314,15 @@ def test_thrashing_logs_a_warning_naming_models_sizes_and_budget(tmp_path, devic
             await cache.admit(m)
         for i in range(70):
             await cache.ensure_resident(models[i % 3])
+        return cache.snapshot()
     with caplog.at_level(logging.WARNING, logger="xlaserve.weights"):
-        run(main)
+        snap = run(main)
     (record,) = [r for r in caplog.records if "thrashing" in r.message]
-    assert "a (1.0 MiB" in record.message and "budget 2.0 MiB" in record.message
+    # which of the three the policy keeps varies with it (lru keeps none, gdsf keeps one): the
+    # warning names exactly those it evicted
+    evicted = {r.model for r in snap if r.evictions}
+    assert evicted and all((f"{n} (1.0 MiB" in record.message) == (n in evicted) for n in "abc")
+    assert "budget 2.0 MiB" in record.message
 
 
 def test_device_copy_never_aliases_page_aligned_host_memory(device):
@@ -330,3 +335,105 @@ def test_device_copy_never_aliases_page_aligned_host_memory(device):
     assert not device.shares_memory(w, host)
     host[:] = 0.0
     assert float(np.asarray(w)[0]) == 2.0
+
+
+# ---- policy choice and the reference trace (issue 25) ----------------------------------------
+
+def test_unknown_eviction_policy_is_refused(device):
+    with pytest.raises(ValueError, match="unknown weight eviction policy 'mru'; expected one of gdsf, lru"):
+        WeightCache(device, trio.CapacityLimiter(1), eviction="mru")
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_trace_records_what_the_cache_saw(tmp_path, device, policy):
+    from benchmarks.cache_sim import recorded, replay
+    from xlaserve.runtime.cachetrace import TraceWriter, read_trace
+    models = {n: make_model(tmp_path, n, MB) for n in "abc"}
+    order = "abacabcc"
+    path = tmp_path / "trace.jsonl"
+
+    async def main():
+        trace = TraceWriter(path, 2 * MB, policy)
+        cache = cache_for(device, 2 * MB, eviction=policy, trace=trace)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in models.values():
+                await cache.admit(m)
+            seen = []
+            for name in order:
+                loads = {r.model: r.loads for r in cache.snapshot()}
+                await cache.ensure_resident(models[name])
+                seen.append({r.model: r.loads for r in cache.snapshot()}[name] == loads[name])   # no copy: a hit
+            snap = cache.snapshot()
+            nursery.cancel_scope.cancel()           # run() ending closes the trace
+        return seen, snap
+    seen, snap = run(main)
+    header, events = read_trace(path)
+    assert header.budget_bytes == 2 * MB and header.policy == policy == snap.policy
+    assert [e.model for e in events] == list(order)
+    assert [e.hit for e in events] == seen
+    assert all(e.version == 1 and e.nbytes == MB and e.floor == "system" for e in events)
+    assert all((e.load_seconds is None) == e.hit for e in events)
+    assert all(e.load_seconds > 0 for e in events if not e.hit)
+    assert [e.t for e in events] == sorted(e.t for e in events)
+    assert sum(not e.hit for e in events) == sum(r.loads for r in snap)
+    assert all(r.bytes_copied == r.loads * MB for r in snap)
+    # replaying the recorded trace under the policy that recorded it gives the same misses
+    assert replay(recorded(str(path)), policy).misses == sum(not e.hit for e in events)
+
+
+def test_trace_stops_at_its_limit_and_a_cut_last_line_is_ignored(tmp_path, caplog):
+    from xlaserve.runtime.cachetrace import TraceWriter, read_trace
+    path = tmp_path / "t.jsonl"
+    trace = TraceWriter(path, MB, "gdsf", max_events=2)
+    with caplog.at_level(logging.WARNING, logger="xlaserve.weights"):
+        for hit in (False, True, True):
+            trace.record("m", 1, MB, "system", hit, None if hit else 0.001)
+    trace.close()
+    assert "stopped after 2 references" in caplog.text
+    _, events = read_trace(path)
+    assert [e.hit for e in events] == [False, True]
+    with path.open("a") as f:
+        f.write('{"t": 1.0, "model": "m", "ver')        # killed mid-write
+    assert len(read_trace(path)[1]) == 2
+    path.write_text(path.read_text().replace('"hit":true', '"hit":true,"bytes":"x"', 1))
+    with pytest.raises(ValueError, match=r"t.jsonl:3: expected a reference"):
+        read_trace(path)
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="expected a weight trace's header"):
+        read_trace(tmp_path / "empty")
+
+
+def test_a_trace_that_cannot_be_written_stops_and_serving_goes_on(tmp_path, device, caplog):
+    from xlaserve.runtime.cachetrace import TraceWriter
+    model = make_model(tmp_path, "m", MB)
+    trace = TraceWriter(tmp_path / "t.jsonl", MB, "gdsf")
+    trace._file.close()                          # as if the disk went away: every write fails
+
+    async def main():
+        cache = cache_for(device, 2 * MB, trace=trace)
+        await cache.admit(model)
+        for _ in range(3):
+            (w,) = await cache.ensure_resident(model)
+        return cache.snapshot()
+    with caplog.at_level(logging.ERROR, logger="xlaserve.weights"):
+        snap = run(main)
+    assert snap.models[0].hits == 2 and snap.models[0].loads == 1
+    assert caplog.text.count("cannot write") == 1
+
+
+def test_weight_trace_path_per_worker():
+    from pathlib import Path
+
+    from xlaserve.config import parse_node_config, resolve_worker
+    from xlaserve.worker.compose import weight_trace_path
+
+    def path_of(trace, workers=1, which=0):
+        node = parse_node_config({"model_repo": "m", "global": {"runtime": {"weight_trace": trace}},
+                                  "workers": [{"name": f"w{i}", "gpu": i} for i in range(workers)]}, Path("/srv"))
+        return weight_trace_path(resolve_worker(node, which))
+    assert path_of("t/trace.jsonl") == Path("/srv/t/trace.jsonl")
+    assert path_of("t/trace.jsonl", workers=2, which=1) == Path("/srv/t/trace.w1.jsonl")
+    assert path_of("/tmp/{worker}-trace.jsonl", workers=2, which=0) == Path("/tmp/w0-trace.jsonl")
+    node = parse_node_config({"model_repo": "m"}, Path("/srv"))
+    assert weight_trace_path(resolve_worker(node)) is None

@@ -44,7 +44,9 @@ def metric(text: str, name: str, model: str | None = None) -> float:
 
 
 def test_catalog_three_times_the_budget(tmp_path, catalog):
-    runtime = {"backend": "cpu", "device_memory_bytes": 4 * MB, "weight_cache_wiggle_fraction": 0.25}
+    trace = tmp_path / "weights.jsonl"
+    runtime = {"backend": "cpu", "device_memory_bytes": 4 * MB, "weight_cache_wiggle_fraction": 0.25,
+               "weight_trace": str(trace)}
     sched = {"models": {"unp": {"residency": "unpinned"}}}
     with serve(tmp_path, catalog, {"runtime": runtime, "scheduler": sched},
                models={"pinned": ["worker0"]}) as server:
@@ -76,14 +78,20 @@ def test_catalog_three_times_the_budget(tmp_path, catalog):
         assert metric(text, "xlaserve_weight_cache_model_evictions", "pinned") == 0
         assert metric(text, "xlaserve_weight_cache_model_resident_bytes", "pinned") == MB
         assert metric(text, "xlaserve_weight_cache_model_misses", "pinned") == 0     # loaded at admission
+        assert metric(text, "xlaserve_weight_cache_model_bytes_copied", "pinned") == MB
+        assert metric(text, "xlaserve_weight_cache_bytes_copied") >= MB * (1 + metric(text, "xlaserve_weight_cache_misses"))
 
         # unpinned keeps no host copy: with its file gone, its next load fails; a system model
         # whose file is gone still loads from its host copy
         (catalog / "unp" / "weights.safetensors").rename(catalog / "unp.moved")
         (catalog / "w1" / "weights.safetensors").rename(catalog / "w1.moved")
         try:
-            for name in ("w2", "w3", "w4", "w1"):              # evicts unp (and w1 is reloaded)
-                infer(client, name)
+            # other models until unp is evicted (under gdsf a hot unp outlasts a few one-off models)
+            for i in range(400):
+                infer(client, ("w2", "w3", "w4", "w1")[i % 4])
+                if metric(server.get("/metrics")[1], "xlaserve_weight_cache_model_resident_bytes", "unp") == 0:
+                    break
+            infer(client, "w1")                                # and w1 is reloaded from its host copy
             assert float(infer(client, "w1")[0, 0]) == 1.0 + MARKS["w1"]
             with pytest.raises(InferenceServerException, match="No such file") as info:
                 infer(client, "unp")
@@ -94,6 +102,16 @@ def test_catalog_three_times_the_budget(tmp_path, catalog):
             (catalog / "unp.moved").rename(catalog / "unp" / "weights.safetensors")
             (catalog / "w1.moved").rename(catalog / "w1" / "weights.safetensors")
         assert float(infer(client, "unp")[0, 0]) == 1.0 + MARKS["unp"]
+        text = server.get("/metrics")[1]
+        dispatches = metric(text, "xlaserve_weight_cache_hits") + metric(text, "xlaserve_weight_cache_misses")
+        misses = metric(text, "xlaserve_weight_cache_misses")
+    # the worker recorded every reference of a model with weights (the pinned one's too)
+    from xlaserve.runtime.cachetrace import read_trace
+    header, events = read_trace(trace)
+    assert header.budget_bytes == 3 * MB and header.policy == "gdsf"
+    # one reference per dispatch (concurrent requests coalesce), the trace closed at shutdown
+    assert len(events) == dispatches and sum(not e.hit for e in events) == misses > 0
+    assert {e.model for e in events} <= set(MARKS) and any(e.hit for e in events)
 
 
 def test_all_resident_catalog_that_does_not_fit_fails_start_up_with_sizes(tmp_path, catalog):

@@ -138,6 +138,7 @@ class WeightCacheMetrics:
         self.misses = _ModelAndTotal("misses", "Dispatches that had to copy the weights onto the device", r)
         self.evictions = _ModelAndTotal("evictions", "Device copies evicted to make room", r)
         self.prefetch_hits = _ModelAndTotal("prefetch_hits", "Dispatches served by weights a prefetch copied", r)
+        self.bytes_copied = _ModelAndTotal("bytes_copied", "Weight bytes copied onto the device (every load)", r)
         self.load_seconds_model = Histogram("xlaserve_weight_cache_model_load_seconds",
                                             "Time of one host-to-device weight copy (on demand or prefetch)",
                                             ["model"], buckets=_LOAD_BUCKETS, registry=r)
@@ -150,10 +151,13 @@ class WeightCacheMetrics:
         if prefetched:
             self.prefetch_hits.inc(model)
 
-    def load(self, model: str, seconds: float, miss: bool) -> None:
-        """One copy onto the device; ``miss`` when a dispatch waited for it (not a prefetch or pin)."""
+    def load(self, model: str, seconds: float, miss: bool, nbytes: int = 0) -> None:
+        """One copy of ``nbytes`` onto the device; ``miss`` when a dispatch waited for it (not a
+        prefetch or pin)."""
         self.load_seconds_model.labels(model).observe(seconds)
         self.load_seconds_total.observe(seconds)
+        self.bytes_copied.model.labels(model).inc(nbytes)
+        self.bytes_copied.total.inc(nbytes)
         if miss:
             self.misses.inc(model)
 

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from xlaserve.config.fields import ConfigError, _Invalid, _join, _key, _show
+from xlaserve.runtime.eviction import DEFAULT_POLICY, POLICIES
 from xlaserve.frontend.access import (GROUPS, LOOPBACK_NETWORKS, IPNetwork, header_name_problem,
                                       header_value_problem, parse_network)
 
@@ -168,6 +169,14 @@ class RuntimeConfig:
         device_memory_bytes: size of the arena the weight budget is computed from on the ``cpu``
             backend, in bytes. Default 0, meaning the machine's total RAM. Set it to simulate a
             small accelerator on the CPU.
+        weight_eviction: the weight cache's replacement policy: ``gdsf`` (GreedyDual-Size-
+            Frequency with an admission filter: cost of a load x frequency / size, aged) or
+            ``lru`` (least recently used). Default ``gdsf``, chosen on the simulator
+            (docs/weights.md).
+        weight_trace: a file the worker writes every weight-cache reference to (JSON lines:
+            time, model, bytes, hit or miss, load time), for ``benchmarks/cache_sim.py``.
+            ``{worker}`` in it is replaced by the worker's name; on a node of several workers
+            a path without it gets ``.<worker>`` before its suffix. Default null: no trace.
     """
 
     backend: str = _key("cpu", choices=("cpu", "cuda"))
@@ -177,6 +186,8 @@ class RuntimeConfig:
     weight_cache_fraction: float = _key(1.0, low=0.0, high=1.0)
     weight_cache_wiggle_fraction: float = _key(0.1, low=0.0, high=1.0, high_open=True)
     device_memory_bytes: int = _key(0, low=0)
+    weight_eviction: str = _key(DEFAULT_POLICY, choices=POLICIES)
+    weight_trace: Path | None = _key(None)
 
 
 @dataclass(frozen=True, slots=True)

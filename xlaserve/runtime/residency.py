@@ -1,8 +1,9 @@
-"""Residency policy of the weight cache: the byte budget, residency floors and LRU order.
+"""Residency policy of the weight cache: the byte budget, residency floors and eviction order.
 
 Pure bookkeeping, no I/O: :class:`ResidencyBook` decides what is resident, what to evict to
-make room and what may never be evicted; :class:`~xlaserve.runtime.weights.WeightCache` does the
-copies it decides on. :class:`ThrashMonitor` watches how often dispatches evict.
+make room (in the order of a replacement policy, :mod:`xlaserve.runtime.eviction`) and what may
+never be evicted; :class:`~xlaserve.runtime.weights.WeightCache` does the copies it decides on.
+:class:`ThrashMonitor` watches how often dispatches evict.
 """
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
+from xlaserve.runtime.eviction import LeastRecentlyUsed, Policy
+
 
 class Floor(enum.StrEnum):
     """How resident a model's weights stay at least (``scheduler.models.<name>.residency``)."""
 
     DEVICE = "device"      # on the device for the server's lifetime; counted in the budget
-    SYSTEM = "system"      # host copy kept; device copy on demand, evicted LRU
+    SYSTEM = "system"      # host copy kept; device copy on demand, evictable
     UNPINNED = "unpinned"  # no host copy; read from disk on every load
 
     @classmethod
@@ -75,7 +78,7 @@ class Budget:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What making one model resident takes: the models to evict first, least recent first.
+    """What making one model resident takes: the models to evict first, in the policy's order.
     ``refused`` says why it cannot be done now (nothing is evicted then)."""
 
     evict: tuple[Hashable, ...] = ()
@@ -92,17 +95,21 @@ class _Entry:
     floor: Floor
     resident: bool = False
     loading: bool = False   # a copy is under way; its bytes are already reserved
+    fresh: bool = False     # made resident and not used yet: its first use was counted at the load
 
 
 class ResidencyBook:
-    """Which models are resident, in least-recently-used order, against a byte budget.
+    """Which models are resident against a byte budget, and which to evict to make room.
 
-    Keys are opaque (the cache uses ``(name, version)``). A model with floor ``device`` is
-    never chosen for eviction; neither is any key in ``protect`` (the model executing now).
+    Keys are opaque (the cache uses ``(name, version)``). Victims are taken in ``policy``'s
+    order (default :class:`~xlaserve.runtime.eviction.LeastRecentlyUsed`); whatever it says, a
+    model with floor ``device`` is never chosen for eviction, nor is any key in ``protect`` (the
+    model executing now) or a model being loaded.
     """
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, policy: Policy | None = None) -> None:
         self.budget = budget
+        self.policy: Policy = policy or LeastRecentlyUsed()
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # resident or loading, oldest first
 
@@ -122,6 +129,7 @@ class ResidencyBook:
         """Forget a model; True when it was resident or loading (its device copy must go)."""
         entry = self._entries.pop(key, None)
         self._lru.pop(key, None)
+        self.policy.forget(key)
         return entry is not None and (entry.resident or entry.loading)
 
     def set_floor(self, key: Hashable, floor: Floor) -> str:
@@ -160,12 +168,13 @@ class ResidencyBook:
         return tuple(self._lru)
 
     def evictable(self, protect: Iterable[Hashable] = ()) -> Iterator[Hashable]:
-        """Resident models that may be evicted now, least recently used first: not pinned to
-        the device, not loading, not in ``protect``."""
+        """Resident models that may be evicted now, in the policy's order (next victim first):
+        not pinned to the device, not loading, not in ``protect``."""
         protected = set(protect)
-        for key in list(self._lru):
-            entry = self._entries[key]
-            if key not in protected and entry.floor is not Floor.DEVICE and not entry.loading:
+        for key in self.policy.victims():
+            entry = self._entries.get(key)
+            if (entry is not None and entry.resident and key not in protected
+                    and entry.floor is not Floor.DEVICE and not entry.loading):
                 yield key
 
     def used_bytes(self) -> int:
@@ -207,8 +216,10 @@ class ResidencyBook:
         """Reserve the model's bytes: a copy onto the device is under way."""
         entry = self._entries[key]
         entry.loading = True
+        entry.fresh = True
         self._lru[key] = None
         self._lru.move_to_end(key)
+        self.policy.insert(key, entry.nbytes)
 
     def finish_load(self, key: Hashable, ok: bool = True) -> None:
         entry = self._entries.get(key)
@@ -220,6 +231,7 @@ class ResidencyBook:
             self._lru.move_to_end(key)
         else:
             self._lru.pop(key, None)
+            self.policy.remove(key, evicted=False)
 
     def evict(self, key: Hashable) -> None:
         entry = self._entries[key]
@@ -227,11 +239,16 @@ class ResidencyBook:
             raise ValueError(f"{key!r} is pinned (residency: device) and cannot be evicted")
         entry.resident = False
         self._lru.pop(key, None)
+        self.policy.remove(key, evicted=True)
 
     def touch(self, key: Hashable) -> None:
-        """Mark a resident model most recently used."""
+        """A dispatch used a resident model: most recently used now, and one more reference
+        for the policy (the first use after a load was counted by the load)."""
         if key in self._lru:
             self._lru.move_to_end(key)
+            entry = self._entries[key]
+            self.policy.hit(key, first=entry.fresh)
+            entry.fresh = False
 
 
 class ThrashMonitor:

@@ -22,6 +22,8 @@ import trio
 
 from xlaserve.bundle import ModelVersion
 from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
+from xlaserve.runtime.cachetrace import TraceWriter
+from xlaserve.runtime.eviction import DEFAULT_POLICY, LoadCost, make_policy
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
 
@@ -47,6 +49,7 @@ class ModelResidency:
     loads: int
     hits: int
     evictions: int
+    bytes_copied: int = 0    # onto the device, all loads (on demand, prefetch, pin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,8 @@ class CacheSnapshot:
     on_demand: bool
     host_memory_kind: str
     models: tuple[ModelResidency, ...]
+    policy: str = DEFAULT_POLICY
+    next_victim: tuple[str, int] | None = None   # what the policy would evict first now
 
     def __iter__(self):
         """Iterating a snapshot yields its per-model entries."""
@@ -97,18 +102,28 @@ class _Counts:
     loads: int = 0
     hits: int = 0
     evictions: int = 0
+    bytes_copied: int = 0
 
 
 class WeightCache:
+    """``eviction`` names the replacement policy (:data:`~xlaserve.runtime.eviction.POLICIES`;
+    ValueError otherwise); ``trace`` records every reference (:mod:`xlaserve.runtime.cachetrace`)
+    and is closed when :meth:`run` ends."""
+
     def __init__(self, device: Device, limiter: trio.CapacityLimiter, budget: Budget | None = None, *,
                  residency: Callable[[str], str] = lambda name: "system", metrics=None,
-                 compaction_interval: int = 0, prefetch: bool | None = None) -> None:
+                 compaction_interval: int = 0, prefetch: bool | None = None,
+                 eviction: str = DEFAULT_POLICY, trace: TraceWriter | None = None) -> None:
         self._device = device
         self._limiter = limiter
         self._transfer_limiter = trio.CapacityLimiter(1)
         self._budget = budget or Budget(1 << 62, 1.0, 0)
         self._budget_logged = False
-        self._book = ResidencyBook(self._budget.bytes)
+        self._load_cost = LoadCost()
+        self._policy = make_policy(eviction, self._cost_of)
+        self._book = ResidencyBook(self._budget.bytes, self._policy)
+        self._trace = trace
+        self._last_load_seconds = 0.0
         self._residency = residency
         self._overrides: dict[str, Floor] = {}
         self._metrics = metrics
@@ -141,14 +156,25 @@ class WeightCache:
     # ---- the actor's home: a nursery for prefetches ---------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Host prefetch copies until cancelled. Without it the cache works, minus prefetch."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            if self._trace is not None:
+                self._trace.close()
 
     @property
     def budget(self) -> Budget:
         return self._budget
+
+    def _source(self, key: Key) -> str:
+        """Where a load of ``key`` copies from: its host copy, or the file (unpinned)."""
+        return "host" if key in self._host else "disk"
+
+    def _cost_of(self, key: Key, nbytes: int) -> float:
+        return self._load_cost(nbytes, self._source(key))
 
     # ---- admission (lifecycle) ------------------------------------------------------------
     def floor_of(self, name: str) -> Floor:
@@ -248,7 +274,7 @@ class WeightCache:
     # ---- the dispatch loop's side ---------------------------------------------------------
     async def ensure_resident(self, model: ModelVersion) -> tuple[object, ...]:
         """The model's weights as device arrays, in binding order. A cold model costs one
-        batched host-to-device copy after evicting least-recently-used unpinned models."""
+        batched host-to-device copy after evicting unpinned models in the policy's order."""
         if model.weights is None:
             return ()
         key = (model.name, model.version)
@@ -266,6 +292,7 @@ class WeightCache:
         if pending is not None:
             await pending.wait()
         evicted = 0
+        loaded: float | None = None
         if self._book.is_resident(key):
             self._hit(key)
             arrays = self._device_arrays[key]
@@ -276,8 +303,12 @@ class WeightCache:
                     arrays = self._device_arrays[key]
                 else:
                     evicted, arrays = await self._make_resident(key, self._limiter)
+                    loaded = self._last_load_seconds
         self._current = key
         self._book.touch(key)
+        if self._trace is not None and key in self._book:
+            self._trace.record(key[0], key[1], model.weight_bytes, self._book.floor(key).value,
+                               loaded is None, loaded)
         if self._thrash.record(evicted > 0):
             self._warn_thrashing()
         return arrays
@@ -307,16 +338,19 @@ class WeightCache:
         except BaseException:
             self._book.finish_load(key, ok=False)
             raise
-        seconds = time.perf_counter() - started
+        seconds = self._last_load_seconds = time.perf_counter() - started
         if key not in self._book:          # released while the copy ran: usable once, not kept
             return len(plan.evict), arrays
+        self._load_cost.observe(model.weight_bytes, seconds, self._source(key))
         self._book.finish_load(key)
         self._device_arrays[key] = arrays
-        self._counts[key].loads += 1
+        counts = self._counts[key]
+        counts.loads += 1
+        counts.bytes_copied += model.weight_bytes
         if why == "prefetch":
             self._prefetched.add(key)
         if self._metrics is not None:
-            self._metrics.load(key[0], seconds, miss=why == "demand")
+            self._metrics.load(key[0], seconds, miss=why == "demand", nbytes=model.weight_bytes)
         self._publish(key[0])
         log.debug("loaded %s v%d: %s in %.1f ms%s", key[0], key[1], fmt_bytes(model.weight_bytes),
                   seconds * 1e3, f" ({why})")
@@ -475,10 +509,11 @@ class WeightCache:
             models.append(ModelResidency(key[0], key[1], self._book.floor(key).value, nbytes,
                                          nbytes if self._book.is_resident(key) else 0,
                                          nbytes if key in self._host else 0,
-                                         counts.loads, counts.hits, counts.evictions))
+                                         counts.loads, counts.hits, counts.evictions, counts.bytes_copied))
         return CacheSnapshot(self._budget.bytes, self._book.resident_bytes(), self._book.pinned_bytes(),
                              self._budget.arena, self._budget.headroom, self._budget.on_demand,
-                             self._device.host_memory_kind, tuple(models))
+                             self._device.host_memory_kind, tuple(models), self._policy.name,
+                             next(self._book.evictable((self._current,) if self._current else ()), None))
 
     def _describe_resident(self) -> str:
         keys = [k for k in self._book.keys() if self._book.is_resident(k)]

@@ -14,12 +14,13 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import trio
 
 from xlaserve.admin import serve_admin
 from xlaserve.config import WorkerConfig
-from xlaserve.errors import FailedPrecondition, Unavailable
+from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.control import WorkerControlService
 from xlaserve.frontend.access import AccessPolicy
@@ -29,6 +30,7 @@ from xlaserve.frontend.port import WorkerPort
 from xlaserve.frontend.shm import SharedMemoryRegistry
 from xlaserve.frontend.tls import describe as describe_tls
 from xlaserve.metrics import Metrics, WeightCacheMetrics
+from xlaserve.runtime.cachetrace import TraceWriter
 from xlaserve.runtime.excache import ExecutableCache, open_executable_cache
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.weights import WeightCache, budget_for
@@ -118,6 +120,33 @@ def _health(config: WorkerConfig, table: ModelTable, metrics: Metrics):
     return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics_page}
 
 
+def weight_trace_path(config: WorkerConfig) -> Path | None:
+    """Where this worker writes its weight trace: ``runtime.weight_trace`` with ``{worker}``
+    replaced by the worker's name; on a node of several workers, a path without ``{worker}``
+    gets ``.<worker>`` before its suffix so that the workers do not write one file."""
+    path = config.runtime.weight_trace
+    if path is None:
+        return None
+    if "{worker}" in path.name:
+        return path.with_name(path.name.replace("{worker}", config.name))
+    if config.worker_count > 1:
+        return path.with_name(f"{path.stem}.{config.name}{path.suffix}")
+    return path
+
+
+def open_weight_trace(config: WorkerConfig, budget_bytes: int) -> TraceWriter | None:
+    path = weight_trace_path(config)
+    if path is None:
+        return None
+    try:
+        writer = TraceWriter(path, budget_bytes, config.runtime.weight_eviction)
+    except OSError as exc:
+        raise StartupError(f"runtime.weight_trace: cannot write the weight trace to {path}: "
+                           f"{exc.strerror or exc}; give a writable file or remove the key") from None
+    log.info("weight cache: recording every reference to %s", path)
+    return writer
+
+
 async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketListener] | None = None,
                      task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The worker's actors. Reports them as :class:`Actors` once they are up (models may still
@@ -131,10 +160,13 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
     table = ModelTable()
     stats = StatsBook()
     metrics = Metrics()
-    weights = WeightCache(device, device_limiter, budget_for(config.runtime, device),
+    budget = budget_for(config.runtime, device)
+    weights = WeightCache(device, device_limiter, budget,
                           residency=lambda name: config.scheduler.for_model(name).residency,
                           metrics=WeightCacheMetrics(metrics.registry),
-                          compaction_interval=config.scheduler.compaction_interval)
+                          compaction_interval=config.scheduler.compaction_interval,
+                          eviction=config.runtime.weight_eviction,
+                          trace=open_weight_trace(config, budget.bytes))
     from xlaserve.worker.executor import Executor
     scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
     to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
