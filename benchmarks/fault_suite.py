@@ -290,12 +290,16 @@ def _node_file(path: Path, repo: Path, grpc: int, http: int, **extra) -> Path:
     return path
 
 
+#: the checkout whose xlaserve the targets run (``--source``)
+SOURCE = ROOT
+
+
 def _start(name: str, args: list[str], workdir: Path) -> Process:
     log_path = workdir / f"{name}.log"
     log = open(log_path, "wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "xlaserve", *args], stdout=log, stderr=subprocess.STDOUT,
-                            cwd=ROOT, env=env, start_new_session=True)
+                            cwd=SOURCE, env=env, start_new_session=True)
     log.close()
     return Process(name, proc, log_path)
 
@@ -1198,8 +1202,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="where the repository, node files and logs go (default: a temporary one)")
     ap.add_argument("--families", help="only these case families, comma-separated (default: all of "
                     f"{', '.join(FAMILIES)})")
+    ap.add_argument("--source", type=Path, default=ROOT, help="the checkout whose xlaserve the targets run "
+                    "(another commit's git worktree, to compare)")
     ap.add_argument("--json", action="store_true", help="one JSON line per target on stdout")
     args = ap.parse_args(argv)
+    global SOURCE
+    SOURCE = args.source.resolve()
     names = [n for n in args.targets.split(",") if n]
     per_target = {n: args.cases // len(names) + (1 if i < args.cases % len(names) else 0)
                   for i, n in enumerate(names)}
