@@ -104,6 +104,32 @@ def advertised(client: FrameClient) -> dict[int, int]:
 
 # --- header blocks ------------------------------------------------------------------------------
 
+def test_header_fields_past_max_header_fields(limited):
+    """A block of more fields than max_header_fields (the issue's attack: ~1,900 small fields per
+    block, under the 64 KiB list limit, cost 13.7 s of CPU for 10 x 512 blocks) is refused at the
+    field past the limit; a request at the limit is served."""
+    server = limited(max_header_fields=40)
+    client = server.connect()
+    base = request_headers("/test.Echo/Unary")
+    at_limit = base + [(f"x-m{i}", "v") for i in range(40 - len(base))]
+    assert client.call(1, "/test.Echo/Unary", request("forty"), extra=tuple(at_limit[len(base):])).replies()[0].id \
+        == "forty"
+    many = [(f"x-m{i}", "v") for i in range(1900)]
+    client.send(frame(HEADERS, END_HEADERS, 3, hpack.Encoder().encode(base + many, huffman=False)))
+    goaway = calm(client, "max_header_fields")
+    assert b"more than 40 header fields" in goaway.debug
+    still_serves(server)
+
+
+def test_max_header_fields_defaults_to_envoys_hundred(limited):
+    server = limited()
+    client = server.connect()
+    base = request_headers("/test.Echo/Unary")
+    client.send(frame(HEADERS, END_HEADERS, 1, hpack.Encoder().encode(
+        base + [(f"x-m{i}", "v") for i in range(101 - len(base))], huffman=False)))
+    calm(client, "max_header_fields")
+
+
 def test_header_block_past_max_header_block_bytes_closes_before_decoding(limited):
     server = limited(max_header_block_bytes=4096)
     client = server.connect()

@@ -319,6 +319,9 @@ class EndpointsConfig:
             refused (REFUSED_STREAM). Default 128.
         max_header_list_bytes: one request's decoded header fields (name + value + 32 each),
             advertised as SETTINGS_MAX_HEADER_LIST_SIZE. Default 64 KiB.
+        max_header_fields: header fields in one request's header block, counted while it is
+            decoded (decoding stops at the first field past it). A gRPC request carries about
+            ten. Default 100 (Envoy's ``max_headers_count``).
         max_header_block_bytes: one request's encoded header block (HEADERS and CONTINUATION
             payloads), checked before any of it is decoded. Default 64 KiB.
         max_continuation_frames: CONTINUATION frames in one header block. Default 8 (nghttp2's).
@@ -380,6 +383,7 @@ class EndpointsConfig:
     max_connections: int = _key(1024, low=1)
     max_concurrent_streams: int = _key(128, low=1, high=2**31 - 1)
     max_header_list_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
+    max_header_fields: int = _key(100, low=16, high=2**31 - 1)
     max_header_block_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
     max_continuation_frames: int = _key(8, low=0)
     max_settings_entries: int = _key(32, low=6)

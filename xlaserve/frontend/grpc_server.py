@@ -64,7 +64,8 @@ from xlaserve.frontend.grpc_protocol import (
     CONNECTION_INFLATE_KEY, INFLATE_INLINE, MESSAGE_PREFIX, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY,
     InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, framed, read_head, release_all, trailers,
 )
-from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError
+from xlaserve.frontend.guard import LineLimiter, serve_guarded
+from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
 from xlaserve.frontend.statuses import status_of
 from xlaserve.frontend.tls import handshake as tls_handshake
 
@@ -149,6 +150,7 @@ class H2Limits:
 
     max_concurrent_streams: int = 128       # advertised; a stream reset while its work is queued counts
     max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
+    max_header_fields: int = 100            # fields in one header block (Envoy's max_headers_count: 100)
     max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
     max_continuation_frames: int = 8        # CONTINUATION frames in one header block (nghttp2: 8)
     max_settings_entries: int = 32          # entries in one SETTINGS frame
@@ -399,7 +401,8 @@ class Connection:
         self.tls = tls          # stream is a trio.SSLStream: no raw-socket fast paths
         tcp = stream.transport_stream.socket if tls else stream.socket
         self.peer = peer_address(tcp.getpeername())   # for endpoints.client_shm_peers
-        self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes)
+        self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes,
+                               max_header_fields=limits.max_header_fields)
         self.calls: dict[int, Call] = {}
         self.zombies = 0                            # reset calls whose work is not over (Call.zombie)
         self.last_stream = 0
@@ -418,10 +421,7 @@ class Connection:
         self.write_progress_at = 0.0                # when the writer's current chunk began
         self.control_queued = 0                     # control replies in ``out`` (not yet sent)
         self.writable: trio.Event | None = None     # the reader waits on it while too much is queued
-        # The same socket (same file descriptor, detached before Trio closes it), for flush():
-        # a non-blocking send from whichever task replied. Never used once stopping is set.
-        # None over TLS, where bytes reach the socket only through the SSLStream.
-        self.raw = None if tls else socket.socket(fileno=tcp.fileno())
+        self.raw: socket.socket | None = None       # set last (below)
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
@@ -447,6 +447,11 @@ class Connection:
         # the HPACK decoder then returns the very same field tuple, so the head is read once.
         self.last_fields: tuple | None = None
         self.last_head = None
+        # The same socket (same file descriptor, detached in run() before Trio closes it), for
+        # flush(): a non-blocking send from whichever task replied. Never used once stopping is
+        # set. None over TLS, where bytes reach the socket only through the SSLStream. Made last:
+        # nothing after it can raise, so it is never left undetached (closing the descriptor twice).
+        self.raw = None if tls else socket.socket(fileno=tcp.fileno())
 
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -918,6 +923,8 @@ class Connection:
             headers = self.decoder.decode(block)
         except HeaderListTooLarge as exc:
             raise calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
+        except TooManyHeaderFields as exc:
+            raise calm(str(exc), "max_header_fields", self.limits.max_header_fields) from None
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
         call = self.calls.get(sid)
@@ -1391,6 +1398,8 @@ class GrpcServer:
         #: in the budgets before they wait here)
         self.inflate_threads = trio.CapacityLimiter(INFLATE_THREADS)
         self._refusals_logged_at: float | None = None
+        #: one line a second for connections that fail (accept errors, resets during set-up, bugs)
+        self._faults = LineLimiter(log)
         self._closings_logged_at = -60.0
         self._closings_unlogged = 0
         self._connections: set[Connection] = set()
@@ -1417,16 +1426,23 @@ class GrpcServer:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
-            with self._listen_scope:
-                task_status.started(self.port)
-                await trio.serve_listeners(lambda s: self._connection(s), listeners, handler_nursery=nursery)
-            for listener in listeners:
-                await listener.aclose()
+            try:
+                with self._listen_scope:
+                    task_status.started(self.port)
+                    await serve_guarded(self._connection, listeners, nursery=nursery, limiter=self._faults,
+                                        what="gRPC")
+            finally:
+                with trio.CancelScope(shield=True):
+                    for listener in listeners:
+                        await listener.aclose()
         self._all_closed.set()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        """Everything about one accepted connection, run inside its guard
+        (:func:`~xlaserve.frontend.guard.guarded`): the peer address, TLS, the refusal past
+        ``max_connections``, the connection's life. Whatever raises closes this connection only
+        (one rate-limited log line); the guard closes the stream on every path."""
         if self._closing:
-            await stream.aclose()
             return
         if self.ssl_context is not None:
             # https_compatible: aclose() just closes (the default would first finish a handshake
@@ -1440,8 +1456,6 @@ class GrpcServer:
         self._connections.add(conn)
         try:
             await conn.run()
-        except Exception:   # a bug must cost this connection only, never the listener
-            log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
             self._connections.discard(conn)
 
