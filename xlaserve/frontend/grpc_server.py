@@ -50,7 +50,6 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -98,6 +97,12 @@ OUR_CONN_WINDOW = 16 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
 READ_BUFFER_MAX = 4 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames or full reads up to this
+READ_FIRST = 4096                          # the first read (the preface), before the buffer exists
+#: a connection that received nothing this long gives its read buffer's pages back to the kernel
+#: (its watchdog looks at this time after the last read, and at least every READ_BUFFER_LOOK_SECONDS)
+READ_BUFFER_RELEASE_SECONDS = 1.0
+READ_BUFFER_LOOK_SECONDS = 5.0
+_PAGE = mmap.PAGESIZE
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
 #: Output written inside a write batch (the replies a gateway relays from one read of a worker,
 #: those of one execution) waits for the batch's end, to leave in one send per connection, but not
@@ -225,12 +230,24 @@ def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
 
 
 
-def _read_buffer(size: int) -> bytearray | mmap.mmap:
-    """A connection's read buffer of ``size`` bytes. A large one is an anonymous mapping: made at
-    once, its pages zeroed by the kernel as reads first reach them. A bytearray of 4 MiB is zeroed
-    in one go on the event loop: 11 ms there (8 MiB: 22 ms) while an attacker kept both cores
-    busy, which the other clients saw as latency."""
-    return bytearray(size) if size <= READ_BUFFER_START else mmap.mmap(-1, size)
+def _read_buffer(size: int) -> mmap.mmap:
+    """A connection's read buffer of ``size`` bytes: an anonymous mapping, made at once, whose
+    pages the kernel zeroes as reads first reach them, so a connection costs the pages its reads
+    have used, not the buffer's size (an idle one: one page), and they can be given back
+    (:func:`release_pages`). A bytearray of 4 MiB is zeroed in one go on the event loop: 11 ms
+    there (8 MiB: 22 ms) while an attacker kept both cores busy, which the other clients saw as
+    latency; one of 64 KiB costs 64 KiB of RSS per idle connection. Private: a shared anonymous
+    mapping (mmap's default) is shared memory, whose pages MADV_DONTNEED only unmaps, not frees."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def release_pages(buffer, used: int) -> None:
+    """Give the kernel back the pages of a read buffer past its first ``used`` bytes (they read
+    as zeros afterwards, and cost nothing until a read reaches them again)."""
+    if type(buffer) is mmap.mmap:
+        first = -(-used // _PAGE) * _PAGE
+        if first < len(buffer):
+            buffer.madvise(mmap.MADV_DONTNEED, first, len(buffer) - first)
 
 
 def room_to_read(buffer, view: memoryview, start: int, end: int, need: int, size: int, slack: int):
@@ -436,6 +453,8 @@ class Connection:
         self.settled = False                        # the client's first SETTINGS frame arrived
         self.received_at = trio.current_time()      # the last read (keep-alive)
         self.reads = 0
+        self.read_buffer = None                     # the reader's buffer (mmap), once it has one
+        self.read_end = 0                           # ...and where its unread bytes end
         self.calls_opened = 0                       # (idle timeout)
         self.glitch_tokens = float(limits.glitch_burst)
         self.glitch_at = self.received_at
@@ -604,9 +623,18 @@ class Connection:
             ping_at: float | None = None
             reads_at_ping = 0
             idle_since, idle_count = trio.current_time(), -1
+            released_at_reads = -1
             while True:
                 now = trio.current_time()
-                wake = now + write / 2          # how often the writer's progress is looked at
+                # how often the writer's progress and the read buffer are looked at
+                wake = now + min(write / 2, READ_BUFFER_LOOK_SECONDS)
+                if self.reads != released_at_reads:
+                    quiet_at = self.received_at + READ_BUFFER_RELEASE_SECONDS
+                    if now >= quiet_at:
+                        released_at_reads = self.reads
+                        release_pages(self.read_buffer, self.read_end)
+                    else:
+                        wake = min(wake, quiet_at)
                 if self.sending and now - self.write_progress_at >= write:
                     # the writer stays stuck in its send until the close's short flush ends it
                     self._end(calm(f"a write to the client made no progress for {write:g} s (it does not read)",
@@ -650,7 +678,7 @@ class Connection:
         sock = self.sock
         buf = bytearray()
         while len(buf) < len(PREFACE):
-            chunk = await sock.receive_some(READ_BUFFER_START)
+            chunk = await sock.receive_some(READ_FIRST)
             if not chunk:
                 return
             buf += chunk
@@ -663,19 +691,24 @@ class Connection:
             (MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
             (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes))))
                     + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
-        # One buffer per connection, filled with recv_into: no allocation per read. It starts
-        # small and doubles when a frame does not fit or a read fills it (up to READ_BUFFER_MAX;
-        # large ones are anonymous mappings, see _read_buffer);
-        # it is kept for the connection's life (an idle connection is closed after
-        # idle_timeout_seconds; shrinking it between bursts cost img_mean 8% at c=8). DATA payloads
-        # are handed on as views into it (copied once, into their call's body); other frames as bytes.
+        # One buffer per connection, filled with recv_into: no allocation per read. It starts at
+        # 64 KiB and doubles when a frame does not fit or a read fills it (up to READ_BUFFER_MAX).
+        # It is an anonymous mapping (_read_buffer): what it costs is the pages reads have used,
+        # and the watchdog gives those back once the connection has been quiet for
+        # READ_BUFFER_RELEASE_SECONDS (release_pages, past read_end: never the bytes not yet
+        # handled). Reallocating it smaller between bursts instead cost img_mean 8% at c=8.
+        # DATA payloads are handed on as views into it (copied once, into their call's body);
+        # other frames as bytes.
         size = max(READ_BUFFER_START, len(buf))
-        buffer = bytearray(size)
+        buffer = self.read_buffer = _read_buffer(size)
         view = memoryview(buffer)
         start, end = 0, len(buf)
         buffer[:end] = buf
         filled = False                      # the last read filled the buffer
-        read = self._tls_recv_into if self.tls else partial(recv_into, self.raw)
+        tls_read = self._tls_recv_into if self.tls else None
+        raw = self.raw
+        wait_readable = trio.lowlevel.wait_readable
+        checkpoint = trio.lowlevel.checkpoint
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         window_update = self._on_window_update
@@ -724,7 +757,7 @@ class Connection:
                 start = end = 0
                 if filled and size < READ_BUFFER_MAX:
                     size = min(size * 2, READ_BUFFER_MAX)
-                    buffer = _read_buffer(size)
+                    buffer = self.read_buffer = _read_buffer(size)
                     view = memoryview(buffer)
             else:
                 need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
@@ -733,18 +766,40 @@ class Connection:
                 want = min(size * 2, READ_BUFFER_MAX) if filled and size < READ_BUFFER_MAX else size
                 buffer, view, start, end = room_to_read(buffer, view, start, end, need, max(want, need),
                                                         READ_BUFFER_START // 4)
-                size = len(buffer)
+                if size != len(buffer):
+                    size = len(buffer)
+                    self.read_buffer = buffer
+            self.read_end = end             # the watchdog may give back the pages past it
             if len(self.out) + self.in_flight > queued_limit:
                 # The client is not reading what it asked for: stop reading its requests until
                 # the writer has handed half of it to the socket (back-pressure, not buffering).
                 self.writable = trio.Event()
                 self.out_ready.set()
                 await self.writable.wait()
-            n = await read(view[end:])
+            # recv_into (above) inlined: the buffer's pages past read_end may be given back
+            # whenever this task waits, so a read that took bytes without waiting moves
+            # read_end past them before it yields its turn (TLS copies in only after it waits)
+            if tls_read is not None:
+                n = await tls_read(view[end:])
+            else:
+                try:
+                    n = raw.recv_into(view[end:])
+                except BlockingIOError:
+                    while True:
+                        await wait_readable(raw)
+                        try:
+                            n = raw.recv_into(view[end:])
+                            break
+                        except BlockingIOError:
+                            pass
+                else:
+                    self.read_end = end + n
+                    await checkpoint()
             if not n:
                 return
             filled = end + n == size
             end += n
+            self.read_end = end
             self.reads += 1
             self.received_at = trio.current_time()
 
