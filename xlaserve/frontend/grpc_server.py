@@ -116,6 +116,15 @@ STARTS_PER_TURN = 32 # ...and requests it hands on (decoding them is the cost)
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
+DEFAULT_MAX_UNDECODED = 2 * 1024**3        # endpoints.max_undecoded_request_bytes
+#: request bytes a connection may take on past what it holds before it asks the server again
+#: (the server's bound counts these reservations, so it is never passed by more than they hold)
+UNDECODED_GRANT = 1024 * 1024
+#: while connections are paused (max_undecoded_request_bytes), how often the server looks whether
+#: the total fell (bytes are released in many places: counting each would cost the request path)
+UNDECODED_LOOK_SECONDS = 0.1
+RECLAIM_SECONDS = 0.01
+_TCP_GONE = frozenset((7, 8, 9))           # TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK (linux/tcp_states.h)
 DEFAULT_MAX_CONNECTION_INFLATE = 16 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
 DEFAULT_MAX_INFLATE = 256 * 1024 * 1024             # endpoints.max_inflate_bytes
 INFLATE_THREADS = 2
@@ -428,8 +437,12 @@ class Connection:
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0
         # Request bytes held for calls (unfinished messages, messages a handler has not read)
-        # are at most held_bound; the exact sum is taken only when the bound nears the limit.
+        # are at most held_bound; the exact sum is taken only when the bound passes held_check,
+        # the bytes the server has reserved for this connection (max_undecoded_request_bytes).
         self.held_bound = 0
+        self.held_check = 0
+        self.paused = False                         # not read: the server holds too many undecoded bytes
+        self.resumed: trio.Event | None = None
         self.out = bytearray()
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
@@ -507,6 +520,7 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + flush
         finally:
             self.stopping = True
+            self.server.forget_reservation(self)
             self.inflate.close()
             if self.raw is not None:
                 self.raw.detach()
@@ -640,7 +654,9 @@ class Connection:
                     self._end(calm(f"a write to the client made no progress for {write:g} s (it does not read)",
                                    "write_timeout_seconds", f"{write:g} s"))
                     return
-                if interval > 0 and self.writable is None:     # not while the reader waits on the writer
+                if interval > 0 and self.writable is None and not self.paused:
+                    # (not while the reader waits on the writer, or on the server's undecoded bound:
+                    # the client's answer would not be read)
                     if ping_at is not None and self.reads != reads_at_ping:
                         ping_at = None                          # something arrived: the client is there
                     if ping_at is None:
@@ -770,6 +786,12 @@ class Connection:
                     size = len(buffer)
                     self.read_buffer = buffer
             self.read_end = end             # the watchdog may give back the pages past it
+            if self.paused:
+                # The server holds max_undecoded_request_bytes of requests not yet decoded and this
+                # connection is among those that hold the most: it is not read until the total
+                # falls (GrpcServer.rebalance); flow control holds the client meanwhile.
+                self.resumed = trio.Event()
+                await self.resumed.wait()
             if len(self.out) + self.in_flight > queued_limit:
                 # The client is not reading what it asked for: stop reading its requests until
                 # the writer has handed half of it to the socket (back-pressure, not buffering).
@@ -1076,7 +1098,7 @@ class Connection:
             payload = payload[1:length - pad]
         if not call.finished:
             self.held_bound += length
-            if self.held_bound > self.server.max_held_bytes and not self._may_hold(call, length):
+            if self.held_bound > self.held_check and not self._may_hold(call, length):
                 return
             call.body += payload
             self._cut_messages(call)
@@ -1090,15 +1112,24 @@ class Connection:
                 self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
                 call.unacked = 0
 
+    def held_exact(self) -> int:
+        """The request bytes this connection's calls hold now (unfinished messages, messages not
+        yet parsed); also makes it ``held_bound``."""
+        held = self.held_bound = sum(len(c.body) + sum(map(len, c.messages)) for c in self.calls.values())
+        return held
+
     def _may_hold(self, call: Call, length: int) -> bool:
         """Whether ``length`` more request bytes for ``call`` stay within the server's
         ``max_held_bytes`` for this connection; if not, the call fails with RESOURCE_EXHAUSTED
         and lets go of what it held. Without this a client could make the server buffer up to
-        its stream limit times the largest message."""
-        held = sum(len(c.body) + sum(map(len, c.messages)) for c in self.calls.values())
+        its stream limit times the largest message. Within it, the bytes are reserved from the
+        server's ``max_undecoded_bytes`` (:meth:`GrpcServer.reserve`), which pauses this
+        connection's reading when there is no room."""
+        held = self.held_exact()
         self.held_bound = held + length
         limit = self.server.max_held_bytes
         if held + length <= limit:
+            self.server.reserve(self, held + length)
             return True
         self.held_bound = held - len(call.body) - sum(map(len, call.messages))
         unfinished = sum(1 for c in self.calls.values() if c.body or c.messages or c is call)
@@ -1107,6 +1138,15 @@ class Connection:
         call.messages.clear()
         self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_much_held(held + length, limit, unfinished))
         return False
+
+    def left(self) -> bool:
+        """Whether the client has closed its end or the socket broke (looked at while the
+        connection is paused, when nothing is read that would tell): Linux's TCP state."""
+        tcp = self.sock.transport_stream.socket if self.tls else self.sock.socket
+        try:
+            return tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] in _TCP_GONE
+        except (OSError, AttributeError):
+            return True
 
     def _cut_messages(self, call: Call) -> None:
         """Move complete length-prefixed messages from the call's body to its message queue
@@ -1413,7 +1453,8 @@ class GrpcServer:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, limits: H2Limits = H2Limits(),
                  access: AccessPolicy | None = None,
                  max_connection_inflate_bytes: int = DEFAULT_MAX_CONNECTION_INFLATE,
-                 max_inflate_bytes: int = DEFAULT_MAX_INFLATE) -> None:
+                 max_inflate_bytes: int = DEFAULT_MAX_INFLATE,
+                 max_undecoded_bytes: int = DEFAULT_MAX_UNDECODED) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -1440,6 +1481,18 @@ class GrpcServer:
         self.too_much_held = too_much_held or (
             lambda held, limit, calls: f"this connection would hold {held} bytes of request data not yet handled "
                                        f"({calls} calls with unfinished messages); the limit is {limit}")
+        #: request bytes all connections together may hold before they are handled (the sum of
+        #: what max_held_bytes bounds per connection), never less than one largest message. Each
+        #: connection reserves what it holds plus a grant (UNDECODED_GRANT, at most 1/64 of the
+        #: bound); past the bound the connections holding the most are paused (reserve, rebalance).
+        self.max_undecoded_bytes = max(max_undecoded_bytes, max_recv_bytes + 5)
+        self.reserved = 0                                  # the sum of the connections' held_check
+        self.paused: dict[Connection, None] = {}
+        self.undecoded_grant = max(1, min(UNDECODED_GRANT, self.max_undecoded_bytes // 64))
+        self._holders = 0                                  # connections holding bytes at the last reclaim
+        self._reclaimed_at = -1.0
+        self._paused_event = trio.Event()
+        self._pauses = LineLimiter(log)
         #: open connections served at once; one more is sent SETTINGS and GOAWAY
         #: (ENHANCE_YOUR_CALM) and closed, while the open ones go on (each costs a read buffer)
         self.max_connections = max_connections
@@ -1458,6 +1511,7 @@ class GrpcServer:
         self._closings_logged_at = -60.0
         self._closings_unlogged = 0
         self._connections: set[Connection] = set()
+        self._none_left = trio.Event()
         self.ssl_context: ssl.SSLContext | None = None     # set by serve()
         self._listen_scope = trio.CancelScope()
         self._closing = False
@@ -1481,6 +1535,7 @@ class GrpcServer:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_paused)
             try:
                 with self._listen_scope:
                     task_status.started(self.port)
@@ -1490,6 +1545,8 @@ class GrpcServer:
                 with trio.CancelScope(shield=True):
                     for listener in listeners:
                         await listener.aclose()
+            await self._connections_ended()
+            nursery.cancel_scope.cancel()       # the paused-connection watcher
         self._all_closed.set()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
@@ -1513,6 +1570,105 @@ class GrpcServer:
             await conn.run()
         finally:
             self._connections.discard(conn)
+            if not self._connections:
+                self._none_left.set()
+
+    async def _connections_ended(self) -> None:
+        while self._connections:
+            self._none_left = trio.Event()
+            await self._none_left.wait()
+
+    # ---- the bound on undecoded request bytes over all connections -----------------------------
+    def reserve(self, conn: Connection, held: int) -> None:
+        """``conn`` holds ``held`` request bytes and is past its reservation: reserve them and a
+        grant more within ``max_undecoded_bytes``. With no room even after taking back what the
+        others reserved and do not hold, ``conn`` may still take bytes while it holds less than
+        an equal share of the bound (the bound over the connections holding bytes); a connection
+        at or past its share (one of those holding the most) is paused: not read until
+        :meth:`rebalance` finds room or a share it is under. The bytes are here: they are
+        reserved either way. So the total is at most the bound plus one share per connection:
+        twice the bound."""
+        want = min(self.max_held_bytes, held + self.undecoded_grant)
+        if not conn.paused:
+            if self.reserved - conn.held_check + want > self.max_undecoded_bytes:
+                # taking back costs a pass over every call: at most once per RECLAIM_SECONDS
+                holders = self._holders
+                if trio.current_time() - self._reclaimed_at >= RECLAIM_SECONDS:
+                    holders = self.reclaim()
+                room = self.max_undecoded_bytes - (self.reserved - conn.held_check)
+                if room < want:
+                    share = self.max_undecoded_bytes // max(holders, 1)
+                    want = max(held, min(want, max(room, share)))
+                    if held >= share and held > room:
+                        self._pause(conn)
+            self.reserved += want - conn.held_check
+            conn.held_check = want
+            return
+        self.reserved += held - conn.held_check
+        conn.held_check = held
+
+    def _pause(self, conn: Connection) -> None:
+        conn.paused = True
+        self.paused[conn] = None
+        self._paused_event.set()
+        self._pauses.line(logging.WARNING, "pausing reads from %s: the connections hold %d bytes of requests not "
+                          "yet decoded, this one %d; the limit (endpoints.max_undecoded_request_bytes) is %d; "
+                          "reading resumes as the total falls", conn.peer or "a client", self.reserved,
+                          conn.held_bound, self.max_undecoded_bytes)
+
+    def reclaim(self) -> int:
+        """Take back what the connections reserved and do not hold: each one's reservation
+        becomes its exact holding. Returns how many connections hold bytes."""
+        total = holders = 0
+        for c in self._connections:
+            held = c.held_check = c.held_exact()
+            total += held
+            holders += held > 0
+        self.reserved = total
+        self._holders = holders
+        self._reclaimed_at = trio.current_time()
+        return holders
+
+    def rebalance(self) -> None:
+        """Resume paused connections: all of them once the total is under the bound; else those
+        now under an equal share (connections closed, or others started holding bytes), those
+        holding the least first. End those whose client left meanwhile."""
+        holders = self.reclaim()
+        for conn in list(self.paused):
+            if conn.left():
+                self._resume(conn)
+                conn.read_scope.cancel()
+        share = self.max_undecoded_bytes // max(holders, 1)
+        for conn in sorted(self.paused, key=lambda c: c.held_check):
+            if self.reserved + self.undecoded_grant <= self.max_undecoded_bytes:
+                self.reserved += self.undecoded_grant
+                conn.held_check += self.undecoded_grant
+            elif conn.held_check >= share:
+                break
+            self._resume(conn)
+
+    def _resume(self, conn: Connection) -> None:
+        del self.paused[conn]
+        conn.paused = False
+        if conn.resumed is not None:
+            conn.resumed.set()
+            conn.resumed = None
+
+    def forget_reservation(self, conn: Connection) -> None:
+        """``conn`` closed: what it reserved is free."""
+        self.reserved -= conn.held_check
+        conn.held_check = 0
+        self.paused.pop(conn, None)
+
+    async def _watch_paused(self) -> None:
+        """While connections are paused, look every UNDECODED_LOOK_SECONDS whether they can be
+        resumed (:meth:`rebalance`)."""
+        while True:
+            await self._paused_event.wait()
+            while self.paused:
+                await trio.sleep(UNDECODED_LOOK_SECONDS)
+                self.rebalance()
+            self._paused_event = trio.Event()
 
     def log_closing(self, conn: Connection, exc: ConnectionError_) -> None:
         """Log why a connection is being ended: at most one line a second, since a flood of
