@@ -45,6 +45,7 @@ from xlaserve.frontend.grpc_server import OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_ST
 
 OUR_STREAMS = H2Limits().max_concurrent_streams
 OUR_HEADER_LIST = H2Limits().max_header_list_bytes
+OUR_HEADER_FIELDS = H2Limits().max_header_fields
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
@@ -63,7 +64,8 @@ SERVER_SETTINGS = {ngh2.Setting.MAX_CONCURRENT_STREAMS: OUR_STREAMS,
                    ngh2.Setting.MAX_FRAME_SIZE: OUR_MAX_FRAME,
                    ngh2.Setting.MAX_HEADER_LIST_SIZE: OUR_HEADER_LIST}
 #: libnghttp2's limits at ngh2 0.3.0's defaults, but the decoded header list held to what we advertise
-ENGINE = ngh2.Configuration(max_inbound_header_list_size=OUR_HEADER_LIST)
+#: and its field count to ours (endpoints.max_header_fields)
+ENGINE = ngh2.Configuration(max_inbound_header_list_size=OUR_HEADER_LIST, max_inbound_header_count=OUR_HEADER_FIELDS)
 TIMEOUT = 10.0          # seconds one sequence may take on loopback before the harness gives up
 
 SERVICE = "/inference.GRPCInferenceService/"

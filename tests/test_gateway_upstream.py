@@ -145,3 +145,37 @@ async def _giant_frame() -> None:
                 await trio.sleep(0.01)
         assert f"a frame of {2 * MAX_REPLY_FRAME} bytes; this end allows {MAX_REPLY_FRAME}" in upstream.last_error
         nursery.cancel_scope.cancel()
+
+
+def test_a_worker_connection_that_fails_in_any_way_ends_alone_and_is_made_again(caplog):
+    """A worker that sends what the gateway's reader trips on in a way no rule names (an empty
+    PADDED HEADERS frame: an IndexError) costs that connection only: the error is logged once with
+    its traceback, the connection is made again, and nothing reaches the gateway's nursery."""
+    with caplog.at_level("ERROR", logger="xlaserve.gateway"):
+        trio.run(_reader_bug, clock=trio.testing.MockClock(autojump_threshold=0))
+    failures = [r for r in caplog.records if "connection to worker w" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].exc_info is not None and "IndexError" in failures[0].getMessage()
+
+
+async def _reader_bug() -> None:
+    connections = []
+
+    async def worker(stream: trio.SocketStream) -> None:
+        connections.append(stream)
+        await stream.receive_some(4096)             # the gateway's preface and SETTINGS
+        await stream.send_all(frame(SETTINGS, 0, 0))
+        if len(connections) <= 2:
+            await stream.send_all(frame(grpc_server.HEADERS, grpc_server.PADDED | grpc_server.END_HEADERS, 1))
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, worker, 0)
+        port = listeners[0].socket.getsockname()[1]
+        upstream = Upstream("w", "127.0.0.1", port)
+        nursery.start_soon(upstream.run)
+        with trio.fail_after(30):
+            while upstream.connects < 3:
+                await trio.sleep(0.01)
+            await upstream.connected.wait()
+        assert upstream.up and len(connections) == 3
+        nursery.cancel_scope.cancel()

@@ -104,6 +104,32 @@ def advertised(client: FrameClient) -> dict[int, int]:
 
 # --- header blocks ------------------------------------------------------------------------------
 
+def test_header_fields_past_max_header_fields(limited):
+    """A block of more fields than max_header_fields (the issue's attack: ~1,900 small fields per
+    block, under the 64 KiB list limit, cost 13.7 s of CPU for 10 x 512 blocks) is refused at the
+    field past the limit; a request at the limit is served."""
+    server = limited(max_header_fields=40)
+    client = server.connect()
+    base = request_headers("/test.Echo/Unary")
+    at_limit = base + [(f"x-m{i}", "v") for i in range(40 - len(base))]
+    assert client.call(1, "/test.Echo/Unary", request("forty"), extra=tuple(at_limit[len(base):])).replies()[0].id \
+        == "forty"
+    many = [(f"x-m{i}", "v") for i in range(1900)]
+    client.send(frame(HEADERS, END_HEADERS, 3, hpack.Encoder().encode(base + many, huffman=False)))
+    goaway = calm(client, "max_header_fields")
+    assert b"more than 40 header fields" in goaway.debug
+    still_serves(server)
+
+
+def test_max_header_fields_defaults_to_envoys_hundred(limited):
+    server = limited()
+    client = server.connect()
+    base = request_headers("/test.Echo/Unary")
+    client.send(frame(HEADERS, END_HEADERS, 1, hpack.Encoder().encode(
+        base + [(f"x-m{i}", "v") for i in range(101 - len(base))], huffman=False)))
+    calm(client, "max_header_fields")
+
+
 def test_header_block_past_max_header_block_bytes_closes_before_decoding(limited):
     server = limited(max_header_block_bytes=4096)
     client = server.connect()
@@ -446,3 +472,75 @@ def test_a_client_that_does_not_read_is_not_read_either():
         assert answered == {2 * i + 1 for i in range(64)}
     on_mock_clock(body, max_queued_reply_bytes=limit, write_timeout_seconds=10_000, keepalive_interval_seconds=0,
                   idle_timeout_seconds=0)
+
+
+# --- the bound on undecoded request bytes over all connections ----------------------------------
+
+def test_past_max_undecoded_request_bytes_the_largest_holder_is_paused_the_others_served_then_resumed():
+    """endpoints.max_undecoded_request_bytes 1,000,000 (server-wide; max_recv 300,000). ``big``
+    holds 500 KB of two unfinished messages, ``mid`` 250 KB, ``small`` 60 KB. ``big`` starts a
+    third: 700 KB of the 1.01 MB now held are its, past its equal share (333 KB): it is paused,
+    not torn down. ``small`` and ``mid`` (under their share) finish their messages and are
+    answered while ``big`` waits; once the total has fallen, ``big`` is read again (its PING,
+    sent while paused, is answered) and is served."""
+    async def main() -> None:
+        server = GrpcServer([EchoService()], max_recv_bytes=300_000, max_undecoded_bytes=1_000_000)
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            try:
+                with trio.fail_after(600):
+                    await _undecoded_bound(server, port)
+            finally:
+                for raw in Raw.opened:
+                    await raw.stream.aclose()
+                Raw.opened.clear()
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=MockClock(autojump_threshold=0))
+
+
+async def _undecoded_bound(server: GrpcServer, port: int) -> None:
+    def body(name: str, size: int) -> bytes:
+        return grpc_body(request(name, payload=b"p" * size))
+
+    async def until(condition) -> None:
+        while not condition():
+            await trio.sleep(0.001)
+
+    def connection_of(raw: Raw):
+        local = raw.stream.socket.getsockname()
+        (conn,) = [c for c in server._connections if c.sock.socket.getpeername() == local]
+        return conn
+
+    async def open_call(raw: Raw, encoder, sid: int, data: bytes, end: bool = False) -> None:
+        block = encoder.encode(request_headers("/test.Echo/Unary"))
+        await raw.send(frame(HEADERS, END_HEADERS, sid, block) + frame(DATA, END_STREAM if end else 0, sid, data))
+
+    big, mid, small = await connect(port), await connect(port), await connect(port)
+    big_h, mid_h, small_h = hpack.Encoder(), hpack.Encoder(), hpack.Encoder()
+    a1, a3, a5, m1, s1 = (body(n, size) for n, size in
+                          (("a1", 280_000), ("a3", 280_000), ("a5", 280_000), ("m1", 280_000), ("s1", 100_000)))
+    await open_call(big, big_h, 1, a1[:250_000])
+    await open_call(big, big_h, 3, a3[:250_000])
+    await open_call(mid, mid_h, 1, m1[:250_000])
+    await open_call(small, small_h, 1, s1[:60_000])
+    await until(lambda: sum(c.held_bound for c in server._connections) >= 810_000)
+    assert not server.paused
+    await open_call(big, big_h, 5, a5[:200_000])
+    await until(lambda: server.paused)
+    b, m, s = connection_of(big), connection_of(mid), connection_of(small)
+    assert list(server.paused) == [b] and b.paused and not (m.paused or s.paused)
+    assert server.reserved >= 1_000_000
+    await big.send(frame(PING, 0, 0, b"paused!!"))
+    # small, then mid, finish their messages while big is paused: both are served
+    await small.send(frame(DATA, END_STREAM, 1, s1[60_000:]))
+    assert (await small.until(DATA))[2] == 1              # a reply message: answered
+    assert b.paused, "big holds the most and the total has not fallen enough"
+    await mid.send(frame(DATA, END_STREAM, 1, m1[250_000:]))
+    assert (await mid.until(DATA))[2] == 1
+    # the total fell (only big's 700 KB are held): big is read again, its PING answered
+    assert (await big.until(PING, ACK))[3] == b"paused!!"
+    assert not b.paused and not server.paused and b in server._connections
+    await big.send(frame(DATA, END_STREAM, 1, a1[250_000:]) + frame(DATA, END_STREAM, 3, a3[250_000:])
+                   + frame(DATA, END_STREAM, 5, a5[200_000:]))
+    assert sorted([(await big.until(DATA))[2] for _ in range(3)]) == [1, 3, 5]
+    await until(lambda: sum(c.held_exact() for c in server._connections) == 0)

@@ -9,7 +9,7 @@ import pytest
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from xlaserve.frontend.hpack import STATIC_TABLE, Decoder, HeaderListTooLarge, HPACKError, encode
+from xlaserve.frontend.hpack import STATIC_TABLE, Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields, encode
 from xlaserve.frontend import hpack as ours
 
 ref_huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
@@ -440,3 +440,15 @@ def test_encode_random_round_trip():
         assert dec.decode(block) == tuple(headers)
         raw = ref_dec.decode(block, raw=True)
         assert [(n.decode("latin-1"), v.decode("latin-1")) for n, v in raw] == headers
+
+
+def test_max_header_fields_stops_decoding_at_the_field_past_it():
+    """101 indexed fields then a reference to an index that does not exist: the decoder stops at
+    field 101 (TooManyHeaderFields), never reaching the bad index that decoding the whole block
+    first would report."""
+    block = bytes([0x82]) * 101 + bytes([0xFF, 0x7F])
+    with pytest.raises(TooManyHeaderFields, match="more than 100 header fields"):
+        Decoder(max_header_fields=100).decode(block)
+    assert len(Decoder(max_header_fields=101).decode(bytes([0x82]) * 101)) == 101
+    with pytest.raises(HPACKError, match="out of range"):
+        Decoder(max_header_fields=200).decode(block)

@@ -7,33 +7,43 @@ from collections.abc import Callable
 
 import trio
 
+from xlaserve.frontend.guard import LineLimiter, describe, serve_guarded
+
 log = logging.getLogger("xlaserve.admin")
 
 Route = Callable[[], tuple[int, str, bytes]]
-_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Request", 500: "Internal Server Error",
+            503: "Service Unavailable"}
 _MAX_HEADER = 16 * 1024
+_SECONDS = 10.0         # a connection's whole exchange: request read and answer written
 
 
 async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
                       listeners: list[trio.SocketListener] | None = None,
                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Answer ``routes`` on ``host:port``, or on ``listeners`` already open. Reports the port
-    served."""
+    served. Each connection runs inside its own guard (:mod:`xlaserve.frontend.guard`): a peer
+    that resets, sends garbage or stalls, or a route that raises, costs that connection only
+    (a route's exception is answered 500 and logged, one line a second)."""
+    limiter = LineLimiter(log)
+
     async def handle(stream: trio.SocketStream) -> None:
-        async with stream:
-            try:
-                with trio.move_on_after(10):
-                    await _answer(stream, routes)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+        with trio.move_on_after(_SECONDS):
+            await _answer(stream, routes, limiter)
 
     if listeners is None:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
     task_status.started(listeners[0].socket.getsockname()[1])
-    await trio.serve_listeners(handle, listeners)
+    try:
+        async with trio.open_nursery() as nursery:
+            await serve_guarded(handle, listeners, nursery=nursery, limiter=limiter, what="admin HTTP")
+    finally:
+        for listener in listeners:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
 
 
-async def _answer(stream: trio.SocketStream, routes: dict[str, Route]) -> None:
+async def _answer(stream: trio.SocketStream, routes: dict[str, Route], limiter: LineLimiter) -> None:
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = await stream.receive_some(4096)
@@ -57,7 +67,11 @@ async def _answer(stream: trio.SocketStream, routes: dict[str, Route]) -> None:
     if method not in ("GET", "HEAD"):
         await _send(stream, 405, "text/plain", b"only GET and HEAD\n", False)
         return
-    status, ctype, body = route()
+    try:
+        status, ctype, body = route()
+    except Exception as exc:
+        limiter.line(logging.ERROR, "the admin route %s failed (%s); answered 500", path, describe(exc), exc=exc)
+        status, ctype, body = 500, "text/plain", f"{path} failed: {describe(exc)}\n".encode()
     await _send(stream, status, ctype, body, method == "HEAD")
 
 

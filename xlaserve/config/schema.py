@@ -317,9 +317,16 @@ class EndpointsConfig:
             is answered RESOURCE_EXHAUSTED at once; the others go on. Default 2 GiB (8 largest
             messages at the default ``max_recv_msg_bytes``; far above what a queue of small
             requests needs, small beside the host RAM the weight cache's host copies use).
+        max_undecoded_request_bytes: request bytes all client connections together may have
+            the worker hold before they are handled (what ``max_connection_buffer_bytes`` bounds
+            per connection), >= 1; never less than one largest message. Past it the worker stops
+            reading from the connections that hold the most (flow control holds their clients;
+            they are not closed for it) until the total falls. Default 2 GiB (the default
+            ``max_held_request_bytes``: the bytes of requests arriving match those of requests
+            decoded).
         max_connections: client connections the worker serves at once, >= 1. One more is
             sent GOAWAY (ENHANCE_YOUR_CALM, naming this key) and closed at once; the open ones go
-            on. Default 1024 (a connection's read buffer starts at 64 KiB and grows to at most 4 MiB).
+            on. Default 1024 (a connection's read buffer costs the pages its reads use, at most 4 MiB).
 
     The HTTP/2 limits of one client connection (docs/security.md says what each stops). A
     connection past one is sent GOAWAY (ENHANCE_YOUR_CALM) naming the key and closed; the
@@ -330,6 +337,9 @@ class EndpointsConfig:
             refused (REFUSED_STREAM). Default 128.
         max_header_list_bytes: one request's decoded header fields (name + value + 32 each),
             advertised as SETTINGS_MAX_HEADER_LIST_SIZE. Default 64 KiB.
+        max_header_fields: header fields in one request's header block, counted while it is
+            decoded (decoding stops at the first field past it). A gRPC request carries about
+            ten. Default 100 (Envoy's ``max_headers_count``).
         max_header_block_bytes: one request's encoded header block (HEADERS and CONTINUATION
             payloads), checked before any of it is decoded. Default 64 KiB.
         max_continuation_frames: CONTINUATION frames in one header block. Default 8 (nghttp2's).
@@ -388,9 +398,11 @@ class EndpointsConfig:
     max_send_msg_bytes: int = _key(256 * _MIB, low=1)
     max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
     max_held_request_bytes: int = _key(2048 * _MIB, low=1)
+    max_undecoded_request_bytes: int = _key(2048 * _MIB, low=1)
     max_connections: int = _key(1024, low=1)
     max_concurrent_streams: int = _key(128, low=1, high=2**31 - 1)
     max_header_list_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
+    max_header_fields: int = _key(100, low=16, high=2**31 - 1)
     max_header_block_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
     max_continuation_frames: int = _key(8, low=0)
     max_settings_entries: int = _key(32, low=6)

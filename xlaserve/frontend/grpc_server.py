@@ -50,7 +50,6 @@ import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from functools import partial
 from time import perf_counter
 from typing import Any
 
@@ -64,7 +63,8 @@ from xlaserve.frontend.grpc_protocol import (
     CONNECTION_INFLATE_KEY, INFLATE_INLINE, MESSAGE_PREFIX, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY,
     InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, framed, read_head, release_all, trailers,
 )
-from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError
+from xlaserve.frontend.guard import LineLimiter, serve_guarded
+from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
 from xlaserve.frontend.statuses import status_of
 from xlaserve.frontend.tls import handshake as tls_handshake
 
@@ -97,6 +97,12 @@ OUR_CONN_WINDOW = 16 * 1024 * 1024
 OUR_MAX_FRAME = 1024 * 1024
 READ_BUFFER_START = 64 * 1024              # a connection's receive buffer at first...
 READ_BUFFER_MAX = 4 * (OUR_MAX_FRAME + 9)  # ...grown (doubling) for big frames or full reads up to this
+READ_FIRST = 4096                          # the first read (the preface), before the buffer exists
+#: a connection that received nothing this long gives its read buffer's pages back to the kernel
+#: (its watchdog looks at this time after the last read, and at least every READ_BUFFER_LOOK_SECONDS)
+READ_BUFFER_RELEASE_SECONDS = 1.0
+READ_BUFFER_LOOK_SECONDS = 5.0
+_PAGE = mmap.PAGESIZE
 WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chunk: progress, not size
 #: Output written inside a write batch (the replies a gateway relays from one read of a worker,
 #: those of one execution) waits for the batch's end, to leave in one send per connection, but not
@@ -110,6 +116,15 @@ STARTS_PER_TURN = 32 # ...and requests it hands on (decoding them is the cost)
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
+DEFAULT_MAX_UNDECODED = 2 * 1024**3        # endpoints.max_undecoded_request_bytes
+#: request bytes a connection may take on past what it holds before it asks the server again
+#: (the server's bound counts these reservations, so it is never passed by more than they hold)
+UNDECODED_GRANT = 1024 * 1024
+#: while connections are paused (max_undecoded_request_bytes), how often the server looks whether
+#: the total fell (bytes are released in many places: counting each would cost the request path)
+UNDECODED_LOOK_SECONDS = 0.1
+RECLAIM_SECONDS = 0.01
+_TCP_GONE = frozenset((7, 8, 9))           # TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK (linux/tcp_states.h)
 DEFAULT_MAX_CONNECTION_INFLATE = 16 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
 DEFAULT_MAX_INFLATE = 256 * 1024 * 1024             # endpoints.max_inflate_bytes
 INFLATE_THREADS = 2
@@ -149,6 +164,7 @@ class H2Limits:
 
     max_concurrent_streams: int = 128       # advertised; a stream reset while its work is queued counts
     max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
+    max_header_fields: int = 100            # fields in one header block (Envoy's max_headers_count: 100)
     max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
     max_continuation_frames: int = 8        # CONTINUATION frames in one header block (nghttp2: 8)
     max_settings_entries: int = 32          # entries in one SETTINGS frame
@@ -223,12 +239,24 @@ def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes
 
 
 
-def _read_buffer(size: int) -> bytearray | mmap.mmap:
-    """A connection's read buffer of ``size`` bytes. A large one is an anonymous mapping: made at
-    once, its pages zeroed by the kernel as reads first reach them. A bytearray of 4 MiB is zeroed
-    in one go on the event loop: 11 ms there (8 MiB: 22 ms) while an attacker kept both cores
-    busy, which the other clients saw as latency."""
-    return bytearray(size) if size <= READ_BUFFER_START else mmap.mmap(-1, size)
+def _read_buffer(size: int) -> mmap.mmap:
+    """A connection's read buffer of ``size`` bytes: an anonymous mapping, made at once, whose
+    pages the kernel zeroes as reads first reach them, so a connection costs the pages its reads
+    have used, not the buffer's size (an idle one: one page), and they can be given back
+    (:func:`release_pages`). A bytearray of 4 MiB is zeroed in one go on the event loop: 11 ms
+    there (8 MiB: 22 ms) while an attacker kept both cores busy, which the other clients saw as
+    latency; one of 64 KiB costs 64 KiB of RSS per idle connection. Private: a shared anonymous
+    mapping (mmap's default) is shared memory, whose pages MADV_DONTNEED only unmaps, not frees."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def release_pages(buffer, used: int) -> None:
+    """Give the kernel back the pages of a read buffer past its first ``used`` bytes (they read
+    as zeros afterwards, and cost nothing until a read reaches them again)."""
+    if type(buffer) is mmap.mmap:
+        first = -(-used // _PAGE) * _PAGE
+        if first < len(buffer):
+            buffer.madvise(mmap.MADV_DONTNEED, first, len(buffer) - first)
 
 
 def room_to_read(buffer, view: memoryview, start: int, end: int, need: int, size: int, slack: int):
@@ -399,7 +427,8 @@ class Connection:
         self.tls = tls          # stream is a trio.SSLStream: no raw-socket fast paths
         tcp = stream.transport_stream.socket if tls else stream.socket
         self.peer = peer_address(tcp.getpeername())   # for endpoints.client_shm_peers
-        self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes)
+        self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes,
+                               max_header_fields=limits.max_header_fields)
         self.calls: dict[int, Call] = {}
         self.zombies = 0                            # reset calls whose work is not over (Call.zombie)
         self.last_stream = 0
@@ -408,8 +437,12 @@ class Connection:
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0
         # Request bytes held for calls (unfinished messages, messages a handler has not read)
-        # are at most held_bound; the exact sum is taken only when the bound nears the limit.
+        # are at most held_bound; the exact sum is taken only when the bound passes held_check,
+        # the bytes the server has reserved for this connection (max_undecoded_request_bytes).
         self.held_bound = 0
+        self.held_check = 0
+        self.paused = False                         # not read: the server holds too many undecoded bytes
+        self.resumed: trio.Event | None = None
         self.out = bytearray()
         self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
@@ -418,10 +451,7 @@ class Connection:
         self.write_progress_at = 0.0                # when the writer's current chunk began
         self.control_queued = 0                     # control replies in ``out`` (not yet sent)
         self.writable: trio.Event | None = None     # the reader waits on it while too much is queued
-        # The same socket (same file descriptor, detached before Trio closes it), for flush():
-        # a non-blocking send from whichever task replied. Never used once stopping is set.
-        # None over TLS, where bytes reach the socket only through the SSLStream.
-        self.raw = None if tls else socket.socket(fileno=tcp.fileno())
+        self.raw: socket.socket | None = None       # set last (below)
         self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
@@ -436,6 +466,8 @@ class Connection:
         self.settled = False                        # the client's first SETTINGS frame arrived
         self.received_at = trio.current_time()      # the last read (keep-alive)
         self.reads = 0
+        self.read_buffer = None                     # the reader's buffer (mmap), once it has one
+        self.read_end = 0                           # ...and where its unread bytes end
         self.calls_opened = 0                       # (idle timeout)
         self.glitch_tokens = float(limits.glitch_burst)
         self.glitch_at = self.received_at
@@ -447,6 +479,11 @@ class Connection:
         # the HPACK decoder then returns the very same field tuple, so the head is read once.
         self.last_fields: tuple | None = None
         self.last_head = None
+        # The same socket (same file descriptor, detached in run() before Trio closes it), for
+        # flush(): a non-blocking send from whichever task replied. Never used once stopping is
+        # set. None over TLS, where bytes reach the socket only through the SSLStream. Made last:
+        # nothing after it can raise, so it is never left undetached (closing the descriptor twice).
+        self.raw = None if tls else socket.socket(fileno=tcp.fileno())
 
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -483,6 +520,7 @@ class Connection:
                 nursery.cancel_scope.deadline = trio.current_time() + flush
         finally:
             self.stopping = True
+            self.server.forget_reservation(self)
             self.inflate.close()
             if self.raw is not None:
                 self.raw.detach()
@@ -599,15 +637,26 @@ class Connection:
             ping_at: float | None = None
             reads_at_ping = 0
             idle_since, idle_count = trio.current_time(), -1
+            released_at_reads = -1
             while True:
                 now = trio.current_time()
-                wake = now + write / 2          # how often the writer's progress is looked at
+                # how often the writer's progress and the read buffer are looked at
+                wake = now + min(write / 2, READ_BUFFER_LOOK_SECONDS)
+                if self.reads != released_at_reads:
+                    quiet_at = self.received_at + READ_BUFFER_RELEASE_SECONDS
+                    if now >= quiet_at:
+                        released_at_reads = self.reads
+                        release_pages(self.read_buffer, self.read_end)
+                    else:
+                        wake = min(wake, quiet_at)
                 if self.sending and now - self.write_progress_at >= write:
                     # the writer stays stuck in its send until the close's short flush ends it
                     self._end(calm(f"a write to the client made no progress for {write:g} s (it does not read)",
                                    "write_timeout_seconds", f"{write:g} s"))
                     return
-                if interval > 0 and self.writable is None:     # not while the reader waits on the writer
+                if interval > 0 and self.writable is None and not self.paused:
+                    # (not while the reader waits on the writer, or on the server's undecoded bound:
+                    # the client's answer would not be read)
                     if ping_at is not None and self.reads != reads_at_ping:
                         ping_at = None                          # something arrived: the client is there
                     if ping_at is None:
@@ -645,7 +694,7 @@ class Connection:
         sock = self.sock
         buf = bytearray()
         while len(buf) < len(PREFACE):
-            chunk = await sock.receive_some(READ_BUFFER_START)
+            chunk = await sock.receive_some(READ_FIRST)
             if not chunk:
                 return
             buf += chunk
@@ -658,19 +707,24 @@ class Connection:
             (MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
             (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes))))
                     + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
-        # One buffer per connection, filled with recv_into: no allocation per read. It starts
-        # small and doubles when a frame does not fit or a read fills it (up to READ_BUFFER_MAX;
-        # large ones are anonymous mappings, see _read_buffer);
-        # it is kept for the connection's life (an idle connection is closed after
-        # idle_timeout_seconds; shrinking it between bursts cost img_mean 8% at c=8). DATA payloads
-        # are handed on as views into it (copied once, into their call's body); other frames as bytes.
+        # One buffer per connection, filled with recv_into: no allocation per read. It starts at
+        # 64 KiB and doubles when a frame does not fit or a read fills it (up to READ_BUFFER_MAX).
+        # It is an anonymous mapping (_read_buffer): what it costs is the pages reads have used,
+        # and the watchdog gives those back once the connection has been quiet for
+        # READ_BUFFER_RELEASE_SECONDS (release_pages, past read_end: never the bytes not yet
+        # handled). Reallocating it smaller between bursts instead cost img_mean 8% at c=8.
+        # DATA payloads are handed on as views into it (copied once, into their call's body);
+        # other frames as bytes.
         size = max(READ_BUFFER_START, len(buf))
-        buffer = bytearray(size)
+        buffer = self.read_buffer = _read_buffer(size)
         view = memoryview(buffer)
         start, end = 0, len(buf)
         buffer[:end] = buf
         filled = False                      # the last read filled the buffer
-        read = self._tls_recv_into if self.tls else partial(recv_into, self.raw)
+        tls_read = self._tls_recv_into if self.tls else None
+        raw = self.raw
+        wait_readable = trio.lowlevel.wait_readable
+        checkpoint = trio.lowlevel.checkpoint
         unpack = _FRAME_HEADER.unpack_from
         handle = self._frame
         window_update = self._on_window_update
@@ -719,7 +773,7 @@ class Connection:
                 start = end = 0
                 if filled and size < READ_BUFFER_MAX:
                     size = min(size * 2, READ_BUFFER_MAX)
-                    buffer = _read_buffer(size)
+                    buffer = self.read_buffer = _read_buffer(size)
                     view = memoryview(buffer)
             else:
                 need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
@@ -728,18 +782,46 @@ class Connection:
                 want = min(size * 2, READ_BUFFER_MAX) if filled and size < READ_BUFFER_MAX else size
                 buffer, view, start, end = room_to_read(buffer, view, start, end, need, max(want, need),
                                                         READ_BUFFER_START // 4)
-                size = len(buffer)
+                if size != len(buffer):
+                    size = len(buffer)
+                    self.read_buffer = buffer
+            self.read_end = end             # the watchdog may give back the pages past it
+            if self.paused:
+                # The server holds max_undecoded_request_bytes of requests not yet decoded and this
+                # connection is among those that hold the most: it is not read until the total
+                # falls (GrpcServer.rebalance); flow control holds the client meanwhile.
+                self.resumed = trio.Event()
+                await self.resumed.wait()
             if len(self.out) + self.in_flight > queued_limit:
                 # The client is not reading what it asked for: stop reading its requests until
                 # the writer has handed half of it to the socket (back-pressure, not buffering).
                 self.writable = trio.Event()
                 self.out_ready.set()
                 await self.writable.wait()
-            n = await read(view[end:])
+            # recv_into (above) inlined: the buffer's pages past read_end may be given back
+            # whenever this task waits, so a read that took bytes without waiting moves
+            # read_end past them before it yields its turn (TLS copies in only after it waits)
+            if tls_read is not None:
+                n = await tls_read(view[end:])
+            else:
+                try:
+                    n = raw.recv_into(view[end:])
+                except BlockingIOError:
+                    while True:
+                        await wait_readable(raw)
+                        try:
+                            n = raw.recv_into(view[end:])
+                            break
+                        except BlockingIOError:
+                            pass
+                else:
+                    self.read_end = end + n
+                    await checkpoint()
             if not n:
                 return
             filled = end + n == size
             end += n
+            self.read_end = end
             self.reads += 1
             self.received_at = trio.current_time()
 
@@ -918,6 +1000,8 @@ class Connection:
             headers = self.decoder.decode(block)
         except HeaderListTooLarge as exc:
             raise calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
+        except TooManyHeaderFields as exc:
+            raise calm(str(exc), "max_header_fields", self.limits.max_header_fields) from None
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
         call = self.calls.get(sid)
@@ -1014,7 +1098,7 @@ class Connection:
             payload = payload[1:length - pad]
         if not call.finished:
             self.held_bound += length
-            if self.held_bound > self.server.max_held_bytes and not self._may_hold(call, length):
+            if self.held_bound > self.held_check and not self._may_hold(call, length):
                 return
             call.body += payload
             self._cut_messages(call)
@@ -1028,15 +1112,24 @@ class Connection:
                 self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
                 call.unacked = 0
 
+    def held_exact(self) -> int:
+        """The request bytes this connection's calls hold now (unfinished messages, messages not
+        yet parsed); also makes it ``held_bound``."""
+        held = self.held_bound = sum(len(c.body) + sum(map(len, c.messages)) for c in self.calls.values())
+        return held
+
     def _may_hold(self, call: Call, length: int) -> bool:
         """Whether ``length`` more request bytes for ``call`` stay within the server's
         ``max_held_bytes`` for this connection; if not, the call fails with RESOURCE_EXHAUSTED
         and lets go of what it held. Without this a client could make the server buffer up to
-        its stream limit times the largest message."""
-        held = sum(len(c.body) + sum(map(len, c.messages)) for c in self.calls.values())
+        its stream limit times the largest message. Within it, the bytes are reserved from the
+        server's ``max_undecoded_bytes`` (:meth:`GrpcServer.reserve`), which pauses this
+        connection's reading when there is no room."""
+        held = self.held_exact()
         self.held_bound = held + length
         limit = self.server.max_held_bytes
         if held + length <= limit:
+            self.server.reserve(self, held + length)
             return True
         self.held_bound = held - len(call.body) - sum(map(len, call.messages))
         unfinished = sum(1 for c in self.calls.values() if c.body or c.messages or c is call)
@@ -1045,6 +1138,15 @@ class Connection:
         call.messages.clear()
         self._fail(call, Status.RESOURCE_EXHAUSTED, self.server.too_much_held(held + length, limit, unfinished))
         return False
+
+    def left(self) -> bool:
+        """Whether the client has closed its end or the socket broke (looked at while the
+        connection is paused, when nothing is read that would tell): Linux's TCP state."""
+        tcp = self.sock.transport_stream.socket if self.tls else self.sock.socket
+        try:
+            return tcp.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0] in _TCP_GONE
+        except (OSError, AttributeError):
+            return True
 
     def _cut_messages(self, call: Call) -> None:
         """Move complete length-prefixed messages from the call's body to its message queue
@@ -1351,7 +1453,8 @@ class GrpcServer:
                  max_connections: int = DEFAULT_MAX_CONNECTIONS, limits: H2Limits = H2Limits(),
                  access: AccessPolicy | None = None,
                  max_connection_inflate_bytes: int = DEFAULT_MAX_CONNECTION_INFLATE,
-                 max_inflate_bytes: int = DEFAULT_MAX_INFLATE) -> None:
+                 max_inflate_bytes: int = DEFAULT_MAX_INFLATE,
+                 max_undecoded_bytes: int = DEFAULT_MAX_UNDECODED) -> None:
         self.methods: dict[str, Any] = {}
         self.fast: dict[str, Callable[[Call, Any], None]] = {}
         for service in services:
@@ -1378,6 +1481,18 @@ class GrpcServer:
         self.too_much_held = too_much_held or (
             lambda held, limit, calls: f"this connection would hold {held} bytes of request data not yet handled "
                                        f"({calls} calls with unfinished messages); the limit is {limit}")
+        #: request bytes all connections together may hold before they are handled (the sum of
+        #: what max_held_bytes bounds per connection), never less than one largest message. Each
+        #: connection reserves what it holds plus a grant (UNDECODED_GRANT, at most 1/64 of the
+        #: bound); past the bound the connections holding the most are paused (reserve, rebalance).
+        self.max_undecoded_bytes = max(max_undecoded_bytes, max_recv_bytes + 5)
+        self.reserved = 0                                  # the sum of the connections' held_check
+        self.paused: dict[Connection, None] = {}
+        self.undecoded_grant = max(1, min(UNDECODED_GRANT, self.max_undecoded_bytes // 64))
+        self._holders = 0                                  # connections holding bytes at the last reclaim
+        self._reclaimed_at = -1.0
+        self._paused_event = trio.Event()
+        self._pauses = LineLimiter(log)
         #: open connections served at once; one more is sent SETTINGS and GOAWAY
         #: (ENHANCE_YOUR_CALM) and closed, while the open ones go on (each costs a read buffer)
         self.max_connections = max_connections
@@ -1391,9 +1506,12 @@ class GrpcServer:
         #: in the budgets before they wait here)
         self.inflate_threads = trio.CapacityLimiter(INFLATE_THREADS)
         self._refusals_logged_at: float | None = None
+        #: one line a second for connections that fail (accept errors, resets during set-up, bugs)
+        self._faults = LineLimiter(log)
         self._closings_logged_at = -60.0
         self._closings_unlogged = 0
         self._connections: set[Connection] = set()
+        self._none_left = trio.Event()
         self.ssl_context: ssl.SSLContext | None = None     # set by serve()
         self._listen_scope = trio.CancelScope()
         self._closing = False
@@ -1417,16 +1535,26 @@ class GrpcServer:
             listeners = await trio.open_tcp_listeners(port, host=host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
-            with self._listen_scope:
-                task_status.started(self.port)
-                await trio.serve_listeners(lambda s: self._connection(s), listeners, handler_nursery=nursery)
-            for listener in listeners:
-                await listener.aclose()
+            nursery.start_soon(self._watch_paused)
+            try:
+                with self._listen_scope:
+                    task_status.started(self.port)
+                    await serve_guarded(self._connection, listeners, nursery=nursery, limiter=self._faults,
+                                        what="gRPC")
+            finally:
+                with trio.CancelScope(shield=True):
+                    for listener in listeners:
+                        await listener.aclose()
+            await self._connections_ended()
+            nursery.cancel_scope.cancel()       # the paused-connection watcher
         self._all_closed.set()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
+        """Everything about one accepted connection, run inside its guard
+        (:func:`~xlaserve.frontend.guard.guarded`): the peer address, TLS, the refusal past
+        ``max_connections``, the connection's life. Whatever raises closes this connection only
+        (one rate-limited log line); the guard closes the stream on every path."""
         if self._closing:
-            await stream.aclose()
             return
         if self.ssl_context is not None:
             # https_compatible: aclose() just closes (the default would first finish a handshake
@@ -1440,10 +1568,107 @@ class GrpcServer:
         self._connections.add(conn)
         try:
             await conn.run()
-        except Exception:   # a bug must cost this connection only, never the listener
-            log.exception("a gRPC connection failed; it is closed, the server goes on")
         finally:
             self._connections.discard(conn)
+            if not self._connections:
+                self._none_left.set()
+
+    async def _connections_ended(self) -> None:
+        while self._connections:
+            self._none_left = trio.Event()
+            await self._none_left.wait()
+
+    # ---- the bound on undecoded request bytes over all connections -----------------------------
+    def reserve(self, conn: Connection, held: int) -> None:
+        """``conn`` holds ``held`` request bytes and is past its reservation: reserve them and a
+        grant more within ``max_undecoded_bytes``. With no room even after taking back what the
+        others reserved and do not hold, ``conn`` may still take bytes while it holds less than
+        an equal share of the bound (the bound over the connections holding bytes); a connection
+        at or past its share (one of those holding the most) is paused: not read until
+        :meth:`rebalance` finds room or a share it is under. The bytes are here: they are
+        reserved either way. So the total is at most the bound plus one share per connection:
+        twice the bound."""
+        want = min(self.max_held_bytes, held + self.undecoded_grant)
+        if not conn.paused:
+            if self.reserved - conn.held_check + want > self.max_undecoded_bytes:
+                # taking back costs a pass over every call: at most once per RECLAIM_SECONDS
+                holders = self._holders
+                if trio.current_time() - self._reclaimed_at >= RECLAIM_SECONDS:
+                    holders = self.reclaim()
+                room = self.max_undecoded_bytes - (self.reserved - conn.held_check)
+                if room < want:
+                    share = self.max_undecoded_bytes // max(holders, 1)
+                    want = max(held, min(want, max(room, share)))
+                    if held >= share and held > room:
+                        self._pause(conn)
+            self.reserved += want - conn.held_check
+            conn.held_check = want
+            return
+        self.reserved += held - conn.held_check
+        conn.held_check = held
+
+    def _pause(self, conn: Connection) -> None:
+        conn.paused = True
+        self.paused[conn] = None
+        self._paused_event.set()
+        self._pauses.line(logging.WARNING, "pausing reads from %s: the connections hold %d bytes of requests not "
+                          "yet decoded, this one %d; the limit (endpoints.max_undecoded_request_bytes) is %d; "
+                          "reading resumes as the total falls", conn.peer or "a client", self.reserved,
+                          conn.held_bound, self.max_undecoded_bytes)
+
+    def reclaim(self) -> int:
+        """Take back what the connections reserved and do not hold: each one's reservation
+        becomes its exact holding. Returns how many connections hold bytes."""
+        total = holders = 0
+        for c in self._connections:
+            held = c.held_check = c.held_exact()
+            total += held
+            holders += held > 0
+        self.reserved = total
+        self._holders = holders
+        self._reclaimed_at = trio.current_time()
+        return holders
+
+    def rebalance(self) -> None:
+        """Resume paused connections: all of them once the total is under the bound; else those
+        now under an equal share (connections closed, or others started holding bytes), those
+        holding the least first. End those whose client left meanwhile."""
+        holders = self.reclaim()
+        for conn in list(self.paused):
+            if conn.left():
+                self._resume(conn)
+                conn.read_scope.cancel()
+        share = self.max_undecoded_bytes // max(holders, 1)
+        for conn in sorted(self.paused, key=lambda c: c.held_check):
+            if self.reserved + self.undecoded_grant <= self.max_undecoded_bytes:
+                self.reserved += self.undecoded_grant
+                conn.held_check += self.undecoded_grant
+            elif conn.held_check >= share:
+                break
+            self._resume(conn)
+
+    def _resume(self, conn: Connection) -> None:
+        del self.paused[conn]
+        conn.paused = False
+        if conn.resumed is not None:
+            conn.resumed.set()
+            conn.resumed = None
+
+    def forget_reservation(self, conn: Connection) -> None:
+        """``conn`` closed: what it reserved is free."""
+        self.reserved -= conn.held_check
+        conn.held_check = 0
+        self.paused.pop(conn, None)
+
+    async def _watch_paused(self) -> None:
+        """While connections are paused, look every UNDECODED_LOOK_SECONDS whether they can be
+        resumed (:meth:`rebalance`)."""
+        while True:
+            await self._paused_event.wait()
+            while self.paused:
+                await trio.sleep(UNDECODED_LOOK_SECONDS)
+                self.rebalance()
+            self._paused_event = trio.Event()
 
     def log_closing(self, conn: Connection, exc: ConnectionError_) -> None:
         """Log why a connection is being ended: at most one line a second, since a flood of

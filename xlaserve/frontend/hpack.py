@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-__all__ = ["HPACKError", "HeaderListTooLarge", "Decoder", "encode", "STATIC_TABLE"]
+__all__ = ["HPACKError", "HeaderListTooLarge", "TooManyHeaderFields", "Decoder", "encode", "STATIC_TABLE"]
 
 
 class HPACKError(ValueError):
@@ -33,6 +33,11 @@ class HPACKError(ValueError):
 
 class HeaderListTooLarge(HPACKError):
     """A header block decodes to more than the ``max_header_list_size`` this end advertised."""
+
+
+class TooManyHeaderFields(HPACKError):
+    """A header block holds more than ``max_header_fields`` fields (found while decoding: the
+    decoder stops at the first field past the limit)."""
 
 
 # RFC 7541 Appendix A. Index 1 is at position 0.
@@ -325,17 +330,21 @@ class Decoder:
 
     ``max_table_size`` is the SETTINGS_HEADER_TABLE_SIZE this end advertised: the peer's size
     updates may not exceed it. ``max_header_list_size`` bounds one decoded block (RFC 7540 size:
-    name and value octets plus 32 per field).
+    name and value octets plus 32 per field); ``max_header_fields`` the fields in one block,
+    counted as they are decoded (a block of 2,000 one-byte indexed fields is refused at the
+    field past the limit, not decoded whole first).
     """
 
-    __slots__ = ("_limit", "_max_size", "_size", "_dynamic", "_max_list", "_cache")
+    __slots__ = ("_limit", "_max_size", "_size", "_dynamic", "_max_list", "_max_fields", "_cache")
 
-    def __init__(self, max_table_size: int = 4096, max_header_list_size: int = 65536) -> None:
+    def __init__(self, max_table_size: int = 4096, max_header_list_size: int = 65536,
+                 max_header_fields: int = 2**31 - 1) -> None:
         self._limit = max_table_size
         self._max_size = max_table_size  # current size limit, lowered/raised by size updates
         self._size = 0
         self._dynamic: list[tuple[str, str]] = []  # oldest first; index 62 is the last entry
         self._max_list = max_header_list_size
+        self._max_fields = max_header_fields
         self._cache: dict[bytes, tuple[tuple[str, str], ...]] = {}
 
     @property
@@ -409,6 +418,7 @@ class Decoder:
         dynamic = self._dynamic
         list_limit = self._max_list
         list_size = 0
+        fields_left = self._max_fields
         modified = False
         updates = 0
         pos = 0
@@ -460,6 +470,9 @@ class Decoder:
             if list_size > list_limit:
                 raise HeaderListTooLarge(f"a header block decodes to more than {list_limit} bytes "
                                          "(RFC 9113 field sizes: name, value and 32 per field)")
+            fields_left -= 1
+            if fields_left < 0:
+                raise TooManyHeaderFields(f"a header block holds more than {self._max_fields} header fields")
             append(header)
         return tuple(headers), modified
 

@@ -44,6 +44,7 @@ from xlaserve.frontend.grpc_server import (
     HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
     REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame, recv_into, room_to_read,
 )
+from xlaserve.frontend.guard import LineLimiter, describe
 from xlaserve.frontend.hpack import Decoder, HPACKError, encode
 
 log = logging.getLogger("xlaserve.gateway")
@@ -179,6 +180,7 @@ class Upstream:
         self._timer_wake = trio.Event()
         self._goaway = False
         self._retry = trio.Event()
+        self._faults = LineLimiter(log)     # one line a second for connections that fail
 
     # ---- the caller's side ---------------------------------------------------------------
     def start(self, path: str, message: bytes, on_done: Callable[[Reply | UpstreamError], None], *,
@@ -281,6 +283,13 @@ class Upstream:
                 delay = self.backoff_initial
                 try:
                     await self._serve(stream)
+                except Exception as exc:
+                    # Whatever ends this connection (a worker that sends what this end cannot
+                    # parse, a bug) ends it alone: the calls on it fail UNAVAILABLE and the
+                    # connection is made again, never reaching the gateway's nursery.
+                    self.last_error = f"connection failed: {describe(exc)}"
+                    self._faults.line(logging.ERROR, "gateway: the connection to worker %s at %s failed (%s); "
+                                      "reconnecting", self.name, self._authority, describe(exc), exc=exc)
                 finally:
                     self._lost()
                     with trio.CancelScope(shield=True):

@@ -234,6 +234,7 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
                         max_send_bytes=endpoints.max_send_msg_bytes,
                         too_large_request=request_too_large, too_large_response=response_too_large,
                         max_held_bytes=endpoints.max_connection_buffer_bytes,
+                        max_undecoded_bytes=endpoints.max_undecoded_request_bytes,
                         max_connections=endpoints.max_connections,
                         limits=H2Limits(**{f.name: getattr(endpoints, f.name) for f in dataclasses.fields(H2Limits)}),
                         access=AccessPolicy.from_config(endpoints.restricted),
