@@ -56,11 +56,9 @@ overlap with each other and with the device; pure-Python hooks share the GIL."""
 META_THREADS = 64
 """Meta requests whose ``run`` may be in progress at once; each mostly waits on its sub-calls."""
 
-HOOKS = ("preprocess", "postprocess", "run")
-"""The ``hook`` label of ``xlaserve_hook_failures_total``."""
-
 FailureCounter = Callable[[str, str], None]
-"""Counts one failure of a model's hook: ``(model, hook)``; called from any thread."""
+"""Counts one failure of a model's hook: ``(model, hook)``, hook ``preprocess``, ``postprocess``
+or ``run`` (the labels of ``xlaserve_hook_failures_total``); called from any thread."""
 
 
 def _uncounted(model: str, hook: str) -> None:
@@ -307,8 +305,7 @@ class InferenceService:
             answer(InternalError(internal_message(exc, f"model '{model.name}'")))
 
     def _start(self, body, request: ClientRequest, deadline: float, answer: _Answer) -> None:
-        self._nursery.start_soon(self._guarded, body, request, deadline, answer, self._stages(request.ticket),
-                                 name=f"{body.__name__} {request.model.name}")
+        self._nursery.start_soon(self._guarded, body, request, deadline, answer, self._stages(request.ticket))
 
     async def _guarded(self, body, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
         """Run one request's task; whatever it raises ends that request only, answered once."""
