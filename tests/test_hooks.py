@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ import trio.testing
 from examples import reference
 from xlaserve._hooks import NamedTensor, conform
 from xlaserve.bundle import ModelVersion, import_hooks
-from xlaserve.errors import BundleError, Cancelled, InternalError, XlaserveError
+from xlaserve.errors import BundleError, Cancelled, DeadlineExceeded, InternalError, XlaserveError
 from xlaserve.manifest import parse_manifest
 from xlaserve.worker.inference import ClientRequest, InferenceService, SubCallError, call_hook
 from xlaserve.worker.messages import CancelRequest, InferRequest, InferResult
@@ -191,8 +192,10 @@ def _meta(run):
     return _version(manifest, Registration("meta", run=run))
 
 
-async def _serve_meta(meta: ModelVersion, requests: int, timeout: float | None):
-    """Submit ``requests`` meta requests; a stand-in scheduler doubles every sub-call's x."""
+async def _serve_meta(meta: ModelVersion, requests: int, timeout: float | None, after=None, failures=None):
+    """Submit ``requests`` meta requests; a stand-in scheduler doubles every sub-call's x. Once
+    all are answered, ``after()`` (blocking, in a thread) before the service stops; ``failures``
+    (a list) gets each ``(model, hook)`` the service counts as failed."""
     table = ModelTable()
     sub = _version(_manifest("double"))
     table.publish(ModelEntry("double", ModelState.READY, serving=sub))
@@ -214,12 +217,15 @@ async def _serve_meta(meta: ModelVersion, requests: int, timeout: float | None):
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(scheduler)
-        service = InferenceService(to_scheduler, nursery, table)
+        service = InferenceService(to_scheduler, nursery, table,
+                                   hook_failed=None if failures is None else lambda *key: failures.append(key))
         for i in range(requests):
             x = np.full((1, 4), i, np.float32)
             service.submit(ClientRequest(meta, {"x": x}, 1, f"r{i}", timeout, functools.partial(reply, i),
                                          time.perf_counter_ns()))
         await all_replied.wait()
+        if after is not None:
+            await trio.to_thread.run_sync(after)
         nursery.cancel_scope.cancel()
     return seen, outcomes
 
@@ -269,15 +275,31 @@ def test_meta_errors_name_the_model_hook_and_keep_sub_call_status():
                                               "tensor(s) 'z'" in str(out)
 
 
-def test_a_spent_deadline_fails_the_sub_call_with_deadline_exceeded():
-    def run(tensors, ctx):
-        time.sleep(0.05)   # the thread, not the Trio loop, spends the meta request's time
-        return ctx.infer("double", tensors)
+def test_a_meta_request_is_answered_at_its_deadline_and_a_later_sub_call_fails_at_once():
+    answered, finished = threading.Event(), threading.Event()
+    late: list = []
 
-    seen, outcomes = trio.run(_serve_meta, _meta(run), 1, 0.01)
+    def run(tensors, ctx):
+        answered.wait(5)        # run is still going when the deadline answers its request
+        try:
+            ctx.infer("double", tensors)
+        except SubCallError as exc:
+            late.append(exc)
+        finished.set()
+        return tensors          # dropped: the request was answered
+
+    def release():
+        answered.set()
+        assert finished.wait(5)
+
+    seen, outcomes = trio.run(functools.partial(_serve_meta, _meta(run), 1, 0.01, after=release),
+                              clock=trio.testing.MockClock(autojump_threshold=0))
     (out,) = outcomes.values()
-    assert not seen and out.status.name == "DEADLINE_EXCEEDED"
-    assert "ctx.infer('double')" in str(out)
+    assert out.status.name == "DEADLINE_EXCEEDED"
+    assert str(out) == "model 'meta': request 'r0': the deadline passed before its run hook returned; what it " \
+                       "returns is dropped"
+    (sub,) = late
+    assert not seen and sub.status.name == "DEADLINE_EXCEEDED" and "ctx.infer('double')" in str(sub)
 
 
 # ---- cancellation stops a hooks or meta request at its next stage boundary ----------------
@@ -390,3 +412,169 @@ def test_a_request_cancelled_during_its_preprocess_is_never_queued():
     (outcome,) = outcomes
     assert seen == [] and isinstance(outcome, Cancelled)
     assert service._tasks == {}
+
+
+# ---- user code may raise or return anything: its request only fails, once, counted -------
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no str for you")
+
+
+class _BadEq(str):
+    def __hash__(self):
+        raise ValueError("no hash")
+
+
+def _gen(tensors):
+    yield from tensors
+
+
+@pytest.mark.parametrize("returned, message", [
+    ([NamedTensor(["grade"], np.zeros((3, 1), np.int64))], "a tensor's name must be a str, found list ['grade']"),
+    ({1: np.zeros((3, 1), np.int64)}, "a tensor's name must be a str, found int 1"),
+    (None, "expected a list of NamedTensor, found NoneType"),
+    (_gen([]), "expected a list of NamedTensor, found generator"),
+    ([NamedTensor(_BadEq("grade"), np.zeros((3, 1), np.int64))],
+     "could not be checked (ValueError: no hash); expected a list of NamedTensor(name: str, data: numpy.ndarray)"),
+])
+def test_conform_raises_internal_error_only_whatever_it_is_given(returned, message):
+    with pytest.raises(InternalError) as info:
+        conform(returned, GRADE_OUT.client_outputs, where="model 'g': postprocess hook output", rows=3)
+    assert str(info.value).startswith("model 'g': postprocess hook output: ") and message in str(info.value)
+
+
+@pytest.mark.parametrize("exc, message", [
+    (SystemExit(3), "SystemExit: 3"), (KeyboardInterrupt(), "KeyboardInterrupt: "),
+    (_Unprintable(), "_Unprintable: <_Unprintable whose str() raised>"),
+    (ValueError("x" * 5000), "ValueError: " + "x" * 200 + "... (4800 more characters)"),
+])
+def test_call_hook_turns_anything_raised_into_internal_error_and_counts_it(exc, message):
+    counted = []
+
+    def hook(tensors):
+        raise exc
+    with pytest.raises(InternalError) as info:
+        call_hook(SimpleNamespace(name="g"), "preprocess", hook, {}, GRADE_OUT.client_outputs, 1,
+                  lambda *key: counted.append(key))
+    assert str(info.value) == f"model 'g': preprocess hook raised {message}"
+    assert counted == [("g", "preprocess")]
+    with pytest.raises(InternalError, match="postprocess hook output .*a tensor's name must be a str"):
+        call_hook(SimpleNamespace(name="g"), "postprocess", lambda t: [NamedTensor(["y"], np.zeros(1))], {},
+                  GRADE_OUT.client_outputs, 1, lambda *key: counted.append(key))
+    assert counted == [("g", "preprocess"), ("g", "postprocess")]
+
+
+async def _serve_hooked(model: ModelVersion, requests: int, timeout: float | None = None, release=None):
+    """Submit ``requests`` requests of ``model`` to a service over a stand-in scheduler that
+    doubles x. Waits for each to be answered, then ``release()`` (blocking, in a thread: lets
+    hooks still running finish) and until the service's tasks are idle. Returns every reply call
+    per request (exactly one each, or the test fails) and the failures counted."""
+    replies: dict[int, list] = {i: [] for i in range(requests)}
+    failures: list = []
+    all_replied = trio.Event()
+    to_scheduler, inbox = trio.open_memory_channel(100)
+
+    token = trio.lowlevel.current_trio_token()
+
+    def record(i, outcome):
+        replies[i].append(outcome)
+        if all(replies.values()):
+            all_replied.set()
+
+    def reply(i, outcome):                  # from the Trio thread or a hook thread, as the frontend's
+        token.run_sync_soon(record, i, outcome)
+
+    async def scheduler():
+        async for message in inbox:
+            message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler)
+        service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=2,
+                                   hook_failed=lambda *key: failures.append(key))
+        for i in range(requests):
+            service.submit(ClientRequest(model, {"x": np.full((1, 4), i, np.float32)}, 1, f"r{i}", timeout,
+                                         functools.partial(reply, i), time.perf_counter_ns()))
+        with trio.move_on_after(30):        # a request never answered fails the test, not hangs it
+            await all_replied.wait()
+        if release is not None:
+            await trio.to_thread.run_sync(release)
+        await trio.sleep(0.05)              # a late result, if it were not dropped, would arrive here
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    return replies, failures
+
+
+WRONG_RETURNS = {
+    "name is a list": lambda t: [NamedTensor([t[0].name], t[0].data)],
+    "None": lambda t: None,
+    "a generator": lambda t: (x for x in t),
+    "not an array": lambda t: [NamedTensor(t[0].name, t[0].data.tolist())],
+    "wrong dtype": lambda t: [NamedTensor(t[0].name, t[0].data.astype(np.float64))],
+    "raises SystemExit": lambda t: sys.exit(3),
+}
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
+@pytest.mark.parametrize("kind", list(WRONG_RETURNS))
+def test_a_failing_hook_answers_each_of_its_requests_once_and_counts(stage, kind):
+    model = _hooked(**{stage: WRONG_RETURNS[kind]})
+    replies, failures = trio.run(_serve_hooked, model, 8)
+    for calls in replies.values():
+        (outcome,) = calls
+        assert isinstance(outcome, InternalError) and str(outcome).startswith(f"model 'h': {stage} hook ")
+    assert failures == [("h", stage)] * 8
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
+def test_a_hook_past_the_deadline_is_answered_then_and_its_late_result_dropped(stage):
+    go, ran = threading.Event(), []
+
+    def slow(tensors):
+        ran.append(1)
+        go.wait(10)
+        return tensors
+
+    def release():
+        go.set()
+        time.sleep(0.1)                     # the hooks return now; their results must go nowhere
+
+    model = _hooked(**{stage: slow})
+    # three requests on two hook threads: the third's hook never starts. The clock jumps to the
+    # deadline once the Trio side has idled 0.5 s of real time, long after two threads took work.
+    replies, failures = trio.run(functools.partial(_serve_hooked, model, 3, 5.0, release),
+                                 clock=trio.testing.MockClock(autojump_threshold=0.5))
+    for calls in replies.values():
+        (outcome,) = calls
+        assert isinstance(outcome, DeadlineExceeded), outcome
+        assert f"the deadline passed before its {stage} hook returned" in str(outcome)
+    assert len(ran) == 2 and failures == []
+
+
+def test_a_bug_in_a_request_task_is_internal_for_that_request(monkeypatch):
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(InferenceService, "execute", broken)
+    replies, _ = trio.run(_serve_hooked, _hooked(preprocess=lambda t: t), 2)
+    for calls in replies.values():
+        (outcome,) = calls
+        assert isinstance(outcome, InternalError) and str(outcome) == \
+            "internal error in model 'h': RuntimeError: a bug"
+
+
+def test_meta_run_raising_anything_or_a_sub_model_hook_failing_is_counted_where_it_failed():
+    def exits(tensors, ctx):
+        raise SystemExit(1)
+
+    failures: list = []
+    (out,) = trio.run(functools.partial(_serve_meta, _meta(exits), 1, None, failures=failures))[1].values()
+    assert isinstance(out, InternalError) and str(out) == "model 'meta': run hook raised SystemExit: 1"
+    assert failures == [("meta", "run")]
+
+    def bad_name(tensors, ctx):
+        return [NamedTensor(["y"], tensors[0].data)]
+    failures.clear()
+    (out,) = trio.run(functools.partial(_serve_meta, _meta(bad_name), 1, None, failures=failures))[1].values()
+    assert isinstance(out, InternalError) and "model 'meta': run hook output (checked against client_outputs): " \
+        "a tensor's name must be a str, found list ['y']" in str(out)
+    assert failures == [("meta", "run")]

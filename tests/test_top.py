@@ -184,6 +184,16 @@ def test_policy_values_are_checked_before_they_are_sent():
         size("-1")
 
 
+def test_hook_failures_show_in_the_row_the_event_log_and_the_json():
+    before = _status(_model("a", hook_failures={"postprocess": 2}))
+    after = _status(_model("a", hook_failures={"postprocess": 5, "preprocess": 1}))
+    _, (row,) = derive(after, before, 1.0)
+    assert row.hook_failures == (("postprocess", 5), ("preprocess", 1))
+    assert [e.text for e in changes(after, before)] == ["a: hook failures 3 postprocess, 1 preprocess"]
+    assert changes(after, after) == ()
+    assert snapshot_dict(after)["models"][0]["hook_failures"] == {"postprocess": 5, "preprocess": 1}
+
+
 def test_snapshot_json_keeps_integers_as_numbers():
     data = snapshot_dict(_status(_model("a", weight_bytes=2**40, learned_cost_seconds={4: 0.5}), budget=2**41))
     assert data["budget_bytes"] == 2**41 and data["models"][0]["weight_bytes"] == 2**40

@@ -425,6 +425,7 @@ class TopApp(App[None]):
         hold = (f"{human_seconds(row.batch_delay_seconds)} for "
                 f"{row.batch_target_rows or 'the default'} rows" if row.batch_delay_seconds else "off")
         rejected = ", ".join(f"{n} {reason}" for reason, n in row.rejections) or "none"
+        hooks = ", ".join(f"{n} {hook}" for hook, n in row.hook_failures)
         thrash = "  [b red]thrashing[/b red]: loaded and evicted within the last update" if row.thrashing else ""
         on = f" on {escape(row.worker)}" if self.gateway else ""
         history = spark(self._model_rates.get(self._key(row), ()))
@@ -440,7 +441,8 @@ class TopApp(App[None]):
               f"learned cost by batch size: {costs}\n"
               f"last update: {latency}; batch sizes run: {mix}\n"
               f"since start: {row.requests} rows in {row.executions} executions; "
-              f"{row.successes} answered, {row.failures} failed; rejected: {rejected}")
+              f"{row.successes} answered, {row.failures} failed; rejected: {rejected}"
+            + (f"; [b red]hook failures[/b red]: {hooks}" if hooks else ""))
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self) -> None:

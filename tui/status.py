@@ -60,7 +60,8 @@ class ModelRow:
     neither, or another discipline). ``loads_delta``/``evictions_delta`` are the weight copies
     onto the device and evictions over the interval; ``thrashing`` when both moved.
     ``rejections`` are the scheduler's since the worker started, by reason; ``rejected_per_second``
-    over the interval, all reasons."""
+    over the interval, all reasons. ``hook_failures`` are the requests its Python code failed
+    since the worker started, by hook (preprocess, postprocess, run)."""
     worker: str
     name: str
     state: str
@@ -99,6 +100,7 @@ class ModelRow:
     thrashing: bool = False
     rejections: tuple[tuple[str, int], ...] = ()
     rejected_per_second: float | None = None
+    hook_failures: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +199,8 @@ def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float 
         # a model whose weights are copied in and evicted again within one update: its worker's
         # budget is too small for what it serves at once
         thrashing=bool(loads_delta and evictions_delta and loads_delta > 0 and evictions_delta > 0),
-        rejections=tuple(sorted(model.rejections.items())), rejected_per_second=rejected_rate)
+        rejections=tuple(sorted(model.rejections.items())), rejected_per_second=rejected_rate,
+        hook_failures=tuple(sorted(model.hook_failures.items())))
 
 
 def _shares(current: pb.ModelControlStatusResponse, before: dict[str, pb.ModelControl],
@@ -248,7 +251,7 @@ def changes(current: pb.ModelControlStatusResponse,
     """The event log's lines for what changed from ``previous`` to ``current``: a model that
     appeared (every model, on the first snapshot), went away, or changed state, version or
     reason; its weights copied onto the device or evicted; requests the scheduler rejected, by
-    reason. Levels and counters that move all the time (queue depth, bytes, rows) are not
+    reason; requests its Python hooks failed, by hook. Levels and counters that move all the time (queue depth, bytes, rows) are not
     events."""
     before = {m.name: m for m in previous.models} if previous is not None else {}
     now = {m.name: m for m in current.models}
@@ -270,6 +273,11 @@ def changes(current: pb.ModelControlStatusResponse,
             if rejected:
                 events.append(StatusEvent(name, f"{name}: rejected " + ", ".join(
                     f"{n} {reason}" for reason, n in sorted(rejected.items()))))
+            failed = {h: n - old.hook_failures.get(h, 0) for h, n in model.hook_failures.items()}
+            failed = {h: n for h, n in failed.items() if n > 0}
+            if failed:
+                events.append(StatusEvent(name, f"{name}: hook failures " + ", ".join(
+                    f"{n} {hook}" for hook, n in sorted(failed.items()))))
     for name in sorted(before.keys() - now.keys()):
         events.append(StatusEvent(name, f"{name}: gone"))
     return tuple(events)
@@ -366,6 +374,7 @@ def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
             "in_flight": m.in_flight, "latency_bucket_counts": list(m.latency_bucket_counts),
             "device_seconds": m.device_seconds, "rejections": dict(sorted(m.rejections.items())),
             "weight_loads": m.weight_loads, "evictions": m.evictions,
+            "hook_failures": dict(sorted(m.hook_failures.items())),
         })
     return {"worker": status.worker, "backend": status.backend, "discipline": status.discipline,
             "budget_bytes": status.budget_bytes, "resident_bytes": status.resident_bytes,

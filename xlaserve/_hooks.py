@@ -78,9 +78,54 @@ def conform(tensors: Any, decls: Sequence[TensorDecl], *, where: str, rows: int 
     ``rows`` is the length every batch axis must have; None takes it from the first batched
     tensor (all must agree, at least 1, at most ``max_rows``); ``any_rows`` lets each batch axis
     have any length, zero included (a meta model's outputs). Returns the arrays in declaration
-    order and the rows. Raises :class:`InternalError` whose message starts with ``where`` and
-    names the tensor, what the manifest declares and what was found.
+    order and the rows.
+
+    Raises :class:`InternalError` only, whatever ``tensors`` is (user code made it: a name that
+    is a list, an object whose ``__eq__`` or ``__len__`` raises): its message starts with
+    ``where`` and names the tensor, what the manifest declares and what was found.
     """
+    try:
+        return _conform(tensors, decls, where, rows, any_rows, max_rows)
+    except InternalError:
+        raise
+    except Exception as exc:
+        declared = ", ".join(f"'{d.name}' {d.describe()}" for d in decls)
+        raise InternalError(f"{where}: could not be checked ({type(exc).__name__}: {describe_exception(exc)}); "
+                            f"expected {EXPECTED_TENSORS} holding {declared}") from None
+
+
+EXPECTED_TENSORS = "a list of NamedTensor(name: str, data: numpy.ndarray) or a dict of str to numpy.ndarray"
+
+# What an error message quotes of a value or an exception user code made, at most.
+_QUOTE_CHARS = 200
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``str(exc)``, safe for a status message: cut to a few hundred characters, and a
+    placeholder when its ``__str__`` raises (user code made it)."""
+    try:
+        text = str(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose str() raised>"
+    return _cut(text)
+
+
+def _quote(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:
+        return f"<{type(value).__name__} whose repr() raised>"
+    return _cut(text)
+
+
+def _cut(text: str) -> str:
+    if len(text) <= _QUOTE_CHARS:
+        return text
+    return f"{text[:_QUOTE_CHARS]}... ({len(text) - _QUOTE_CHARS} more characters)"
+
+
+def _conform(tensors: Any, decls: Sequence[TensorDecl], where: str, rows: int | None, any_rows: bool,
+             max_rows: int | None) -> tuple[dict[str, np.ndarray], int]:
     declared = ", ".join(f"'{d.name}' {d.describe()}" for d in decls)
     if isinstance(tensors, Mapping):
         items = list(tensors.items())
@@ -94,13 +139,16 @@ def conform(tensors: Any, decls: Sequence[TensorDecl], *, where: str, rows: int 
         raise InternalError(f"{where}: expected a list of NamedTensor, found {type(tensors).__name__}")
     given: dict[str, Any] = {}
     for name, data in items:
+        if not isinstance(name, str):
+            raise InternalError(f"{where}: a tensor's name must be a str, found {type(name).__name__} "
+                                f"{_quote(name)}; the manifest declares {declared}")
         if name in given:
             raise InternalError(f"{where}: tensor '{name}' appears twice")
         given[name] = data
     by_name = {d.name: d for d in decls}
     unknown = [n for n in given if n not in by_name]
     if unknown:
-        raise InternalError(f"{where}: unexpected tensor(s) {', '.join(repr(n) for n in unknown)}; "
+        raise InternalError(f"{where}: unexpected tensor(s) {', '.join(_quote(n) for n in unknown)}; "
                             f"the manifest declares {declared}")
     missing = [d.name for d in decls if d.name not in given]
     if missing:

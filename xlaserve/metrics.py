@@ -3,6 +3,7 @@ process in tests). Metric names follow the node-file vocabulary."""
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -18,11 +19,13 @@ _ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class RequestTally:
     """What the worker counted of one model's requests since it started, as a frozen value
     (``WorkerControl`` status reads it): the requests answered OK per latency bucket (one count
-    per :data:`LATENCY_BUCKETS` bound, then one above the largest) and the scheduler's
-    rejections by reason."""
+    per :data:`LATENCY_BUCKETS` bound, then one above the largest), the scheduler's
+    rejections by reason, and the failures of its user code by hook (preprocess, postprocess,
+    run)."""
 
     latency_counts: tuple[int, ...] = (0,) * (len(LATENCY_BUCKETS) + 1)
     rejections: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    hook_failures: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class Metrics:
@@ -54,6 +57,10 @@ class Metrics:
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
                                   "model_dropped, weights_unavailable, execution_failed, cancelled)",
                                   ["model", "reason"], registry=r)
+        self.hook_failures = Counter("xlaserve_hook_failures",
+                                     "Requests failed by the model's user code, by hook (preprocess, postprocess, "
+                                     "run): it raised, or returned what the manifest does not declare",
+                                     ["model", "hook"], registry=r)
         # read when scraped (set_function by the frontend): no cost per request
         self.held_request_bytes = Gauge("xlaserve_held_request_bytes",
                                         "Bytes of inference requests decoded and not yet answered (input tensors "
@@ -65,6 +72,8 @@ class Metrics:
         # walking Prometheus' registry: per model, OK latencies by bucket and rejections by reason.
         self._latency: dict[str, list[int]] = {}
         self._rejected: dict[str, dict[str, int]] = {}
+        self._hook_failed: dict[str, dict[str, int]] = {}
+        self._hook_lock = threading.Lock()      # hook failures are counted from hook threads
 
     def observe_request(self, model: str, status: str, seconds: float) -> None:
         self.requests.labels(model, status).inc()
@@ -80,8 +89,12 @@ class Metrics:
         """``model``'s :class:`RequestTally` now (zeros for a model never seen)."""
         counts = self._latency.get(model)
         rejected = self._rejected.get(model)
+        with self._hook_lock:
+            hooks = self._hook_failed.get(model)
+            hooks = dict(hooks) if hooks else None
         return RequestTally(tuple(counts) if counts is not None else RequestTally().latency_counts,
-                            MappingProxyType(dict(rejected)) if rejected else MappingProxyType({}))
+                            MappingProxyType(dict(rejected)) if rejected else MappingProxyType({}),
+                            MappingProxyType(hooks) if hooks else MappingProxyType({}))
 
     def observe_execution(self, model: str, size: int, rows: int) -> None:
         self.executions.labels(model, str(size)).inc()
@@ -103,6 +116,13 @@ class Metrics:
         self.rejections.labels(model, reason).inc()
         reasons = self._rejected.setdefault(model, {})
         reasons[reason] = reasons.get(reason, 0) + 1
+
+    def observe_hook_failure(self, model: str, hook: str) -> None:
+        """One request failed by ``model``'s ``hook`` (any thread)."""
+        self.hook_failures.labels(model, hook).inc()
+        with self._hook_lock:
+            hooks = self._hook_failed.setdefault(model, {})
+            hooks[hook] = hooks.get(hook, 0) + 1
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelControl(_message.Message):
-    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows", "successes", "success_seconds", "failures", "queue_seconds", "executions_by_batch_size", "in_flight", "latency_bucket_counts", "device_seconds", "rejections", "weight_loads", "evictions")
+    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows", "successes", "success_seconds", "failures", "queue_seconds", "executions_by_batch_size", "in_flight", "latency_bucket_counts", "device_seconds", "rejections", "weight_loads", "evictions", "hook_failures")
     class LearnedCostSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,13 @@ class ModelControl(_message.Message):
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
     class RejectionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class HookFailuresEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +62,7 @@ class ModelControl(_message.Message):
     REJECTIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOOK_FAILURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     version: int
@@ -81,7 +89,8 @@ class ModelControl(_message.Message):
     rejections: _containers.ScalarMap[str, int]
     weight_loads: int
     evictions: int
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ..., successes: _Optional[int] = ..., success_seconds: _Optional[float] = ..., failures: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., executions_by_batch_size: _Optional[_Mapping[int, int]] = ..., in_flight: _Optional[int] = ..., latency_bucket_counts: _Optional[_Iterable[int]] = ..., device_seconds: _Optional[float] = ..., rejections: _Optional[_Mapping[str, int]] = ..., weight_loads: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
+    hook_failures: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ..., successes: _Optional[int] = ..., success_seconds: _Optional[float] = ..., failures: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., executions_by_batch_size: _Optional[_Mapping[int, int]] = ..., in_flight: _Optional[int] = ..., latency_bucket_counts: _Optional[_Iterable[int]] = ..., device_seconds: _Optional[float] = ..., rejections: _Optional[_Mapping[str, int]] = ..., weight_loads: _Optional[int] = ..., evictions: _Optional[int] = ..., hook_failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ModelControlStatusRequest(_message.Message):
     __slots__ = ()

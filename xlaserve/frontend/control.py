@@ -69,7 +69,8 @@ def status_snapshot(worker: WorkerPort, admission: Admission | None = None) -> p
             executions_by_batch_size={size: b.compute_infer.count for size, b in stats.batches.items()},
             in_flight=in_flight.get(entry.name, 0), latency_bucket_counts=tally.latency_counts,
             device_seconds=device_ns / 1e9, rejections=tally.rejections,
-            weight_loads=loads.get(entry.name, 0), evictions=evictions.get(entry.name, 0)))
+            weight_loads=loads.get(entry.name, 0), evictions=evictions.get(entry.name, 0),
+            hook_failures=tally.hook_failures))
     return pb.ModelControlStatusResponse(
         models=models, worker=worker.worker_name, backend=worker.backend, budget_bytes=cache.budget_bytes,
         resident_bytes=cache.resident_bytes, discipline=worker.discipline, latency_bucket_bounds=LATENCY_BUCKETS,

@@ -174,7 +174,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
     async with trio.open_nursery() as nursery:
         await nursery.start(weights.run)
         await nursery.start(scheduler.run, scheduler_inbox)
-        service = InferenceService(to_scheduler, nursery, table, stats)
+        service = InferenceService(to_scheduler, nursery, table, stats, hook_failed=metrics.observe_hook_failure)
         lifecycle_metrics = LifecycleMetrics(metrics.registry)
         excache = await trio.to_thread.run_sync(
             open_executable_cache, config.cache_dir, device,

@@ -13,16 +13,23 @@ at its next stage boundary: no enqueue after its preprocess, no postprocess afte
 A meta request's next ``ctx.infer`` raises, and the sub-calls it has queued leave their queues.
 A hook or execution already under way is not interrupted; its result is dropped.
 
-Everything a hook returns is checked against the manifest (:func:`xlaserve._hooks.conform`); a
-hook that raises or returns the wrong tensors fails its own request only, with INTERNAL naming
-the model, the hook and what went wrong.
+User code is contained. Whatever a hook or ``run`` raises (``SystemExit`` and
+``KeyboardInterrupt`` included: in a hook's thread they can only come from the hook itself) or
+returns (checked by :func:`xlaserve._hooks.conform`, which raises nothing but
+:class:`InternalError`), its own request is answered INTERNAL naming the model, the hook and
+what went wrong, the traceback is logged, ``xlaserve_hook_failures_total{model,hook}`` counts it,
+and the worker goes on. A request whose hook is still running (or waiting for a hook thread)
+at its deadline is answered DEADLINE_EXCEEDED then; the hook's late result is dropped. Every
+request gets exactly one answer (:class:`_Answer`): the first of the hook's result, the
+deadline, an unexpected error (logged, INTERNAL) or the worker stopping (UNAVAILABLE).
 """
 from __future__ import annotations
 
-import concurrent.futures
+import heapq
 import itertools
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,10 +40,10 @@ import numpy as np
 import trio
 from outcome import capture
 
-from xlaserve._hooks import NamedTensor, conform
+from xlaserve._hooks import NamedTensor, conform, describe_exception
 from xlaserve.bundle import ModelVersion
 from xlaserve.errors import (Cancelled, DeadlineExceeded, InternalError, ModelNotFound, ModelNotReady, QueueFull,
-                             Unavailable, XlaserveError)
+                             Unavailable, XlaserveError, internal_message)
 from xlaserve.manifest import TensorDecl
 from xlaserve.worker.messages import CancelRequest, InferRequest, InferResult, Outcome, Reply, SchedulerMessage
 from xlaserve.worker.registry import ModelState
@@ -48,6 +55,14 @@ HOOK_THREADS = 16
 overlap with each other and with the device; pure-Python hooks share the GIL."""
 META_THREADS = 64
 """Meta requests whose ``run`` may be in progress at once; each mostly waits on its sub-calls."""
+
+FailureCounter = Callable[[str, str], None]
+"""Counts one failure of a model's hook: ``(model, hook)``, hook ``preprocess``, ``postprocess``
+or ``run`` (the labels of ``xlaserve_hook_failures_total``); called from any thread."""
+
+
+def _uncounted(model: str, hook: str) -> None:
+    pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +92,123 @@ class Stages:
         self.queued: set[object] = set()
 
 
+class _Answer:
+    """A request's one answer. The first call replies; later ones (a hook's result after the
+    deadline answered, a deadline after the hook answered) are dropped. Callable from any
+    thread: the one-element list's ``pop`` is atomic, so exactly one caller gets it."""
+
+    __slots__ = ("_reply", "_left")
+
+    def __init__(self, reply: Reply) -> None:
+        self._reply = reply
+        self._left = [None]
+
+    @property
+    def done(self) -> bool:
+        return not self._left
+
+    def __call__(self, outcome: Outcome) -> bool:
+        """Reply with ``outcome`` unless the request was answered; whether this call did."""
+        try:
+            self._left.pop()
+        except IndexError:
+            return False
+        try:
+            self._reply(outcome)
+        except Exception:
+            log.exception("replying to a request failed")
+        return True
+
+
+class HookPool:
+    """At most ``size`` daemon threads running hook work items, started as work arrives.
+
+    A work item is a callable that handles its own errors; one that raises anyway (even
+    ``SystemExit``) is logged and its thread goes on. A hook that never returns keeps its thread
+    for good: the pool never grows past ``size``, so later work waits for another thread. The
+    threads are daemons, so such a thread does not hold the process open at exit."""
+
+    def __init__(self, size: int, name: str = "xlaserve-hook") -> None:
+        self._size = size
+        self._name = name
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self.threads = 0
+
+    def submit(self, work: Callable[[], None]) -> None:
+        self._work.put(work)
+        if self._idle.acquire(blocking=False):
+            return
+        with self._lock:
+            if self.threads < self._size:
+                self.threads += 1
+                threading.Thread(target=self._serve, name=f"{self._name}-{self.threads}", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work = self._work.get()
+            try:
+                work()
+            except BaseException:           # a work item's bug must not end the thread
+                log.exception("a hook work item failed")
+            del work
+            self._idle.release()
+
+
+class _FailureLog:
+    """Logs a hook failure with its traceback. The first of each (model, hook, exception type)
+    is always logged; repeats at most once per ``interval`` seconds, saying how many were not,
+    so that a hook failing on every request does not flood the log."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str, str], tuple[float, int]] = {}
+
+    def __call__(self, key: tuple[str, str, str], message: str, exc: BaseException | None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last[0] < self.interval:
+                self._last[key] = (last[0], last[1] + 1)
+                return
+            suppressed = last[1] if last is not None else 0
+            self._last[key] = (now, 0)
+        more = f" ({suppressed} more like it not logged in the last {self.interval:g} s)" if suppressed else ""
+        log.warning("%s%s", message, more, exc_info=exc)
+
+
+_failure_log = _FailureLog()
+
+
+def hook_raised(model: str, hook: str, exc: BaseException, failed: FailureCounter) -> InternalError:
+    """What a request whose ``hook`` raised ``exc`` is answered: INTERNAL naming the model, the
+    hook and the exception. Counts and logs (with the traceback) the failure."""
+    message = f"model '{model}': {hook} hook raised {type(exc).__name__}: {describe_exception(exc)}"
+    failed(model, hook)
+    _failure_log((model, hook, type(exc).__name__), message, exc)
+    return InternalError(message)
+
+
+def checked_outputs(result: Any, expected: Sequence[TensorDecl], *, model: str, hook: str, where: str,
+                    rows: int | None, any_rows: bool, failed: FailureCounter) -> dict[str, np.ndarray]:
+    """What ``hook`` returned, checked against ``expected`` (:func:`conform`); a mismatch (or a
+    check that itself failed) is counted and logged and raised as :class:`InternalError`."""
+    try:
+        outputs, _ = conform(result, expected, where=where, rows=rows, any_rows=any_rows)
+    except InternalError as exc:
+        failed(model, hook)
+        _failure_log((model, hook, "output"), str(exc), None)
+        raise
+    except BaseException as exc:        # conform raises InternalError only; belt and braces
+        failed(model, hook)
+        message = f"{where}: could not be checked ({type(exc).__name__}: {describe_exception(exc)})"
+        _failure_log((model, hook, type(exc).__name__), message, exc)
+        raise InternalError(message) from None
+    return outputs
+
+
 class SubCallError(XlaserveError):
     """A meta model's ``ctx.infer`` failed. Keeps the sub-call's status (DEADLINE_EXCEEDED,
     RESOURCE_EXHAUSTED, UNAVAILABLE, ...); the message names the meta model and the sub-model."""
@@ -87,41 +219,111 @@ class SubCallError(XlaserveError):
         self.cause = cause
 
 
+class _Expiry:
+    """Answers DEADLINE_EXCEEDED to task-free requests (postprocess only) whose hook has not
+    answered by their deadline. One task for all of them: a heap of deadlines, entries of
+    requests already answered dropped when they come up (or when they outnumber the rest)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, _Answer, str, str]] = []
+        self._seq = itertools.count()
+        self._wake = trio.Event()
+        self._compact_at = 1024
+
+    def add(self, deadline: float, answer: _Answer, model: str, request_id: str) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (deadline, next(self._seq), answer, model, request_id))
+        if heap[0][0] == deadline:
+            self._wake.set()
+        if len(heap) >= self._compact_at:
+            heap[:] = [entry for entry in heap if not entry[2].done]
+            heapq.heapify(heap)
+            self._compact_at = max(1024, 2 * len(heap))
+
+    async def run(self) -> None:
+        heap = self._heap
+        while True:
+            with trio.move_on_at(heap[0][0] if heap else math.inf):
+                await self._wake.wait()
+            self._wake = trio.Event()
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                _, _, answer, model, request_id = heapq.heappop(heap)
+                if not answer.done:
+                    answer(_late(model, request_id, "postprocess"))
+
+
+_LATE = object()    # a hook stage the deadline answered
+
+
 class InferenceService:
     """Accepts decoded client requests; owns the hook and meta thread pools.
 
     ``table`` is the model table meta models look sub-models up in; ``stats`` (optional) gets one
-    success or failure per meta request (its sub-calls are counted under the sub-models).
+    success or failure per meta request (its sub-calls are counted under the sub-models);
+    ``hook_failed(model, hook)`` (optional) counts each failure of user code.
     """
 
     def __init__(self, scheduler: trio.MemorySendChannel[SchedulerMessage], nursery: trio.Nursery,
                  table=None, stats=None, hook_threads: int = HOOK_THREADS,
-                 meta_threads: int = META_THREADS) -> None:
+                 meta_threads: int = META_THREADS, hook_failed: FailureCounter | None = None) -> None:
         self._scheduler = scheduler
         self._nursery = nursery
         self._table = table
         self._stats = stats
-        self._hook_pool = concurrent.futures.ThreadPoolExecutor(hook_threads, thread_name_prefix="xlaserve-hook")
+        self._hook_pool = HookPool(hook_threads)
         self._meta_limiter = trio.CapacityLimiter(meta_threads)
         self._tasks: dict[object, Stages] = {}      # by ticket: cancellable requests that run as tasks
+        self.hook_failed: FailureCounter = hook_failed or _uncounted
+        self._expiry: _Expiry | None = None
 
     def submit(self, request: ClientRequest) -> None:
         """Accept one request; its reply is called exactly once. Runs on the Trio thread."""
         model = request.model
         hooks = model.hooks
         deadline = math.inf if request.timeout is None else trio.current_time() + request.timeout
-        if model.is_meta:
-            self._nursery.start_soon(self._meta, request, deadline, self._stages(request.ticket))
-        elif hooks is None or (hooks.preprocess is None and hooks.postprocess is None):
+        if not model.is_meta and (hooks is None or (hooks.preprocess is None and hooks.postprocess is None)):
             self._enqueue(model, request.inputs, request.rows, request.request_id, deadline, request.reply,
                           request.received_ns, request.ticket)
-        elif hooks.preprocess is None:
-            # Postprocess only (the common case): no task; the outcome hands the hook to the pool.
-            self._enqueue(model, request.inputs, request.rows, request.request_id, deadline,
-                          self._then_postprocess(request, self._stages(request.ticket, queued=True)),
-                          request.received_ns, request.ticket)
-        else:
-            self._nursery.start_soon(self._with_hooks, request, deadline, self._stages(request.ticket))
+            return
+        answer = _Answer(request.reply)
+        try:
+            if model.is_meta:
+                self._start(self._meta, request, deadline, answer)
+            elif hooks.preprocess is None:
+                # Postprocess only (the common case): no task; the outcome hands the hook to the pool.
+                self._enqueue(model, request.inputs, request.rows, request.request_id, deadline,
+                              self._then_postprocess(request, deadline, answer,
+                                                     self._stages(request.ticket, queued=True)),
+                              request.received_ns, request.ticket)
+            else:
+                self._start(self._with_hooks, request, deadline, answer)
+        except Exception as exc:        # a bug here fails this request only
+            log.exception("model '%s': accepting request '%s' failed", model.name, request.request_id)
+            if request.ticket is not None:
+                self._tasks.pop(request.ticket, None)
+            answer(InternalError(internal_message(exc, f"model '{model.name}'")))
+
+    def _start(self, body, request: ClientRequest, deadline: float, answer: _Answer) -> None:
+        self._nursery.start_soon(self._guarded, body, request, deadline, answer, self._stages(request.ticket))
+
+    async def _guarded(self, body, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
+        """Run one request's task; whatever it raises ends that request only, answered once."""
+        name = request.model.name
+        try:
+            await body(request, deadline, answer, stages)
+        except XlaserveError as exc:
+            answer(exc)
+        except Exception as exc:
+            log.exception("model '%s': request '%s' failed", name, request.request_id)
+            answer(InternalError(internal_message(exc, f"model '{name}'")))
+        except BaseException:           # trio.Cancelled: the worker stops (or KeyboardInterrupt on this thread)
+            answer(Unavailable(f"model '{name}': the worker is stopping; request '{request.request_id}' was not "
+                               "finished"))
+            raise
+        finally:
+            if request.ticket is not None:
+                self._tasks.pop(request.ticket, None)
 
     def cancel(self, ticket: object) -> None:
         """The client of the request submitted with ``ticket`` went away (Trio thread). The
@@ -149,34 +351,52 @@ class InferenceService:
                 stages.queued.add(ticket)
         return stages
 
-    def _done(self, request: ClientRequest, outcome: Outcome) -> None:
-        """Reply to a request that ran as a task, and forget its ticket."""
-        if request.ticket is not None:
-            self._tasks.pop(request.ticket, None)
-        request.reply(outcome)
-
-    def _then_postprocess(self, request: ClientRequest, stages: Stages) -> Reply:
+    def _then_postprocess(self, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> Reply:
         """A reply that runs the model's postprocess in the hook pool, then replies to the caller
-        from that thread. Cheaper than a task per request: one pool hand-off, one wake-up."""
+        from that thread. Cheaper than a task per request: one pool hand-off, one wake-up. A
+        deadline still to come is watched by :class:`_Expiry`."""
         model = request.model
 
-        def finish(outcome: Outcome) -> None:     # on the Trio thread (the scheduler replies)
-            if request.ticket is not None:
-                self._tasks.pop(request.ticket, None)
-            if isinstance(outcome, InferResult) and stages.cancelled:
-                outcome = _cancelled(model.name, request.request_id)
-            if not isinstance(outcome, InferResult):
-                request.reply(outcome)
-                return
+        def finish(outcome: Outcome) -> None:     # on the Trio thread (the scheduler replies): must not raise
+            try:
+                if request.ticket is not None:
+                    self._tasks.pop(request.ticket, None)
+                if isinstance(outcome, InferResult) and stages.cancelled:
+                    outcome = _cancelled(model.name, request.request_id)
+                if not isinstance(outcome, InferResult):
+                    answer(outcome)
+                    return
+                if deadline <= trio.current_time():
+                    answer(_late(model.name, request.request_id, "postprocess"))
+                    return
+                if deadline < math.inf:
+                    self._expiring().add(deadline, answer, model.name, request.request_id)
+                result = outcome
 
-            def work() -> None:
-                try:
-                    result: Outcome = postprocessed(model, outcome, request.rows)
-                except XlaserveError as exc:
-                    result = exc
-                request.reply(result)   # a ClientRequest's reply is thread-safe
-            self._hook_pool.submit(work)
+                def work() -> None:
+                    if answer.done:         # the deadline answered while this waited for a thread
+                        return
+                    try:
+                        done: Outcome = postprocessed(model, result, request.rows, self.hook_failed)
+                    except XlaserveError as exc:
+                        done = exc
+                    except BaseException as exc:    # postprocessed raises InternalError only
+                        log.exception("model '%s': postprocess of request '%s' failed", model.name,
+                                      request.request_id)
+                        done = InternalError(internal_message(exc, f"model '{model.name}': postprocess"))
+                    answer(done)            # a ClientRequest's reply is thread-safe
+                self._hook_pool.submit(work)
+            except Exception as exc:
+                log.exception("model '%s': request '%s' failed after its execution", model.name,
+                              request.request_id)
+                answer(InternalError(internal_message(exc, f"model '{model.name}'")))
         return finish
+
+    def _expiring(self) -> _Expiry:
+        if self._expiry is None:
+            self._expiry = _Expiry()
+            self._nursery.start_soon(self._expiry.run, name="hook deadlines")
+        return self._expiry
 
     def _enqueue(self, model: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int, request_id: str,
                  deadline: float, reply: Reply, received_ns: int, ticket: object = None) -> None:
@@ -214,55 +434,70 @@ class InferenceService:
                 stages.queued.discard(ticket)
 
     # ---- preprocess / postprocess -------------------------------------------------------
-    async def _in_hook_pool(self, fn, *args):
-        """Run ``fn(*args)`` in the hook pool (the one that bounds how many hooks run at once)
-        and wait for it without holding up other tasks."""
+    async def _in_hook_pool(self, request: ClientRequest, hook: str, deadline: float, answer: _Answer, fn, *args):
+        """``fn(*args)`` (which raises XlaserveError only) in the hook pool, the one that bounds
+        how many hooks run at once, waited for without holding up other tasks. At ``deadline``
+        the request is answered DEADLINE_EXCEEDED and this returns ``_LATE``; the hook, if it
+        started, goes on in its thread and its result is dropped."""
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         result: list = []
 
         def work() -> None:
+            if answer.done:             # answered while this waited for a thread: skip the hook
+                return
             result.append(capture(fn, *args))
             try:
                 token.run_sync_soon(done.set)
             except trio.RunFinishedError:
                 pass  # the worker stopped; nobody waits for this hook any more
-        self._hook_pool.submit(work)
-        await done.wait()
-        return result[0].unwrap()
+        if deadline > trio.current_time():
+            self._hook_pool.submit(work)
+            with trio.move_on_at(deadline):
+                await done.wait()
+                return result[0].unwrap()
+        answer(_late(request.model.name, request.request_id, hook))
+        return _LATE
 
-    async def _with_hooks(self, request: ClientRequest, deadline: float, stages: Stages) -> None:
+    async def _with_hooks(self, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
         model = request.model
         hooks = model.hooks
         manifest = model.manifest
-        try:
-            inputs = request.inputs
-            if hooks.preprocess is not None:
-                inputs = await self._in_hook_pool(
-                    call_hook, model, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs,
-                    request.rows)
-            outcome = await self.execute(model, inputs, request.rows, request.request_id, deadline,
-                                         request.received_ns, stages)
-            if isinstance(outcome, InferResult) and hooks.postprocess is not None:
-                if stages.cancelled:
-                    outcome = _cancelled(model.name, request.request_id)
-                else:
-                    outcome = await self._in_hook_pool(postprocessed, model, outcome, request.rows)
-        except XlaserveError as exc:
-            outcome = exc
-        self._done(request, outcome)
+        inputs = request.inputs
+        if hooks.preprocess is not None:
+            inputs = await self._in_hook_pool(
+                request, "preprocess", deadline, answer, call_hook, model, "preprocess", hooks.preprocess, inputs,
+                manifest.executable_inputs, request.rows, self.hook_failed)
+            if inputs is _LATE:
+                return
+        outcome = await self.execute(model, inputs, request.rows, request.request_id, deadline,
+                                     request.received_ns, stages)
+        if isinstance(outcome, InferResult) and hooks.postprocess is not None:
+            if stages.cancelled:
+                outcome = _cancelled(model.name, request.request_id)
+            else:
+                outcome = await self._in_hook_pool(request, "postprocess", deadline, answer, postprocessed, model,
+                                                   outcome, request.rows, self.hook_failed)
+                if outcome is _LATE:
+                    return
+        answer(outcome)
 
     # ---- meta models --------------------------------------------------------------------
-    async def _meta(self, request: ClientRequest, deadline: float, stages: Stages) -> None:
+    async def _meta(self, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
         model = request.model
         ctx = MetaContext(self, model, request.request_id, deadline, trio.lowlevel.current_trio_token(), stages)
         tensors = [NamedTensor(name, array) for name, array in request.inputs.items()]
         started_ns = time.perf_counter_ns()
-        try:
-            outputs = await trio.to_thread.run_sync(ctx._run, tensors, limiter=self._meta_limiter)
-            outcome: Outcome = InferResult(outputs, 0, 0, 0, time.perf_counter_ns() - started_ns, 0)
-        except XlaserveError as exc:
-            outcome = exc
+        outcome: Outcome | None = None
+        with trio.move_on_at(deadline):
+            # abandoned at the deadline (or when the worker stops): run goes on in its thread,
+            # holding its meta-pool slot until it returns; what it returns then is dropped
+            result = await trio.to_thread.run_sync(ctx._run, tensors, limiter=self._meta_limiter,
+                                                   abandon_on_cancel=True)
+            outcome = (result if isinstance(result, XlaserveError)
+                       else InferResult(result, 0, 0, 0, time.perf_counter_ns() - started_ns, 0))
+        if outcome is None:
+            outcome = _late(model.name, request.request_id, "run")
         if stages.cancelled:
             outcome = _cancelled(model.name, request.request_id)
         if self._stats is not None:
@@ -272,7 +507,7 @@ class InferenceService:
                                            outcome.compute_infer_ns, 0, time.time_ns() // 1_000_000)
             else:
                 self._stats.record_failure(model.name, total_ns)
-        self._done(request, outcome)
+        answer(outcome)
 
     def _sub_model(self, meta: str, name: str) -> ModelVersion:
         """The version of ``name`` serving now; reads the table's immutable snapshot (any thread)."""
@@ -290,31 +525,39 @@ class InferenceService:
         return entry.serving
 
 
+def _late(model: str, request_id: str, hook: str) -> DeadlineExceeded:
+    """DEADLINE_EXCEEDED for a request whose ``hook`` had not returned by its deadline (it ran,
+    or waited for a thread of its pool)."""
+    return DeadlineExceeded(f"model '{model}': request '{request_id}': the deadline passed before its {hook} hook "
+                            "returned; what it returns is dropped")
+
+
 def _cancelled(model: str, request_id: str) -> Cancelled:
     return Cancelled(f"model '{model}': the client cancelled request '{request_id}' (it reset the stream or closed "
                      "the connection); it stopped at a stage boundary")
 
 
-def postprocessed(model: ModelVersion, result: InferResult, rows: int) -> InferResult:
+def postprocessed(model: ModelVersion, result: InferResult, rows: int,
+                  failed: FailureCounter = _uncounted) -> InferResult:
     """``result`` with its outputs passed through the model's postprocess hook (on a hook thread)."""
     outputs = call_hook(model, "postprocess", model.hooks.postprocess, result.outputs,
-                        model.manifest.client_outputs, rows)
+                        model.manifest.client_outputs, rows, failed)
     return replace(result, outputs=outputs)
 
 
 def call_hook(model: ModelVersion, label: str, hook: Callable, tensors: Mapping[str, np.ndarray],
-              expected: Sequence[TensorDecl], rows: int) -> dict[str, np.ndarray]:
-    """Run one pre/postprocess hook (blocking) and check what it returns against ``expected``."""
+              expected: Sequence[TensorDecl], rows: int, failed: FailureCounter = _uncounted) -> dict[str, np.ndarray]:
+    """Run one pre/postprocess hook (blocking) and check what it returns against ``expected``.
+    Raises :class:`InternalError` only, naming the model and the hook, whatever the hook raises
+    (BaseException included) or returns; each such failure is counted by ``failed``."""
     named = [NamedTensor(name, array) for name, array in tensors.items()]
     try:
         result = hook(named)
-    except Exception as exc:
-        log.warning("model '%s': %s hook raised %s: %s", model.name, label, type(exc).__name__, exc, exc_info=True)
-        raise InternalError(f"model '{model.name}': {label} hook raised {type(exc).__name__}: {exc}") from None
+    except BaseException as exc:        # user code: SystemExit in a hook thread ends only its request
+        raise hook_raised(model.name, label, exc, failed) from None
     kind = "executable_inputs" if label == "preprocess" else "client_outputs"
-    outputs, _ = conform(result, expected, where=f"model '{model.name}': {label} hook output (checked against "
-                                                 f"{kind})", rows=rows)
-    return outputs
+    return checked_outputs(result, expected, model=model.name, hook=label, rows=rows, any_rows=False,
+                           where=f"model '{model.name}': {label} hook output (checked against {kind})", failed=failed)
 
 
 class MetaContext:
@@ -325,7 +568,8 @@ class MetaContext:
     scheduler with what is left of this request's deadline, applies its postprocess and returns
     a ``dict`` of the sub-model's client outputs by name. It blocks its thread only; call it from
     ``run``'s own thread or from threads ``run`` starts, to overlap several sub-calls. A failure
-    raises :class:`SubCallError` (an ``XlaserveError``) carrying the sub-call's status.
+    raises :class:`SubCallError` (an ``XlaserveError``) carrying the sub-call's status; a
+    sub-model's failing hook is INTERNAL, counted under the sub-model's hook.
     """
 
     def __init__(self, service: InferenceService, model: ModelVersion, request_id: str, deadline: float,
@@ -340,43 +584,65 @@ class MetaContext:
         self._run_thread: int | None = None
         self._calls = itertools.count(1)
 
-    def _run(self, tensors: list[NamedTensor]) -> dict[str, np.ndarray]:
-        """The meta request's whole body, in a meta-pool thread."""
+    def _run(self, tensors: list[NamedTensor]) -> dict[str, np.ndarray] | XlaserveError:
+        """The meta request's whole body, in a meta-pool thread: its checked outputs, or the
+        error that answers it. Never raises."""
         self._run_thread = threading.get_ident()
         name = self.model
+        failed = self._service.hook_failed
         try:
             result = self._meta.hooks.run(tensors, self)
-        except XlaserveError:
-            raise
-        except Exception as exc:
-            log.warning("model '%s': run hook raised %s: %s", name, type(exc).__name__, exc, exc_info=True)
-            raise InternalError(f"model '{name}': run hook raised {type(exc).__name__}: {exc}") from None
-        outputs, _ = conform(result, self._meta.manifest.client_outputs,
-                             where=f"model '{name}': run hook output (checked against client_outputs)",
-                             rows=None, any_rows=True)
-        return outputs
+        except XlaserveError as exc:
+            return exc      # a SubCallError keeps its status; errors of ctx.infer were counted there
+        except trio.Cancelled:
+            return Unavailable(f"model '{name}': the worker is stopping")
+        except BaseException as exc:    # user code: SystemExit in run's thread ends only its request
+            return hook_raised(name, "run", exc, failed)
+        try:
+            return checked_outputs(result, self._meta.manifest.client_outputs, model=name, hook="run", rows=None,
+                                   any_rows=True, where=f"model '{name}': run hook output (checked against "
+                                                        "client_outputs)", failed=failed)
+        except XlaserveError as exc:
+            return exc
 
     def infer(self, model: str, tensors: Sequence[NamedTensor] | Mapping[str, Any]) -> dict[str, np.ndarray]:
         where = f"model '{self.model}': run: ctx.infer('{model}')"
+        failed = self._service.hook_failed
         if self._stages.cancelled:
             cause = _cancelled(self.model, self.request_id)
             raise SubCallError(f"{where}: {cause}", cause)
-        sub = self._service._sub_model(self.model, model)
-        manifest = sub.manifest
-        inputs, rows = conform(tensors, manifest.client_inputs, where=f"{where} inputs (checked against "
-                               f"'{model}' client_inputs)", rows=None, max_rows=manifest.max_batch_size)
+        try:
+            sub = self._service._sub_model(self.model, model)
+            manifest = sub.manifest
+            inputs, rows = conform(tensors, manifest.client_inputs, where=f"{where} inputs (checked against "
+                                   f"'{model}' client_inputs)", rows=None, max_rows=manifest.max_batch_size)
+        except SubCallError:
+            raise
+        except InternalError as exc:        # the meta model's own bug: counted under its run
+            failed(self.model, "run")
+            _failure_log((self.model, "run", "ctx.infer"), str(exc), None)
+            raise
         hooks = sub.hooks
         if hooks is not None and hooks.preprocess is not None:
-            inputs = call_hook(sub, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs, rows)
+            try:
+                inputs = call_hook(sub, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs, rows,
+                                   failed)
+            except InternalError as exc:
+                raise SubCallError(f"{where}: {exc}", exc) from None
         request_id = f"{self.request_id}/{model}#{next(self._calls)}"
-        args = (self._service.execute, sub, inputs, rows, request_id, self._deadline, None, self._stages)
-        if threading.get_ident() == self._run_thread:
-            outcome = trio.from_thread.run(*args)   # in run's own task: cancelled with it
-        else:
-            outcome = trio.from_thread.run(*args, trio_token=self._token)
+        try:
+            outcome = trio.from_thread.run(self._service.execute, sub, inputs, rows, request_id, self._deadline,
+                                           None, self._stages, trio_token=self._token)
+        except trio.RunFinishedError:
+            cause = Unavailable("the worker has stopped")
+            raise SubCallError(f"{where}: {cause}", cause) from None
         if isinstance(outcome, XlaserveError):
             raise SubCallError(f"{where}: {outcome}", outcome)
         outputs = outcome.outputs
         if hooks is not None and hooks.postprocess is not None:
-            outputs = call_hook(sub, "postprocess", hooks.postprocess, outputs, manifest.client_outputs, rows)
+            try:
+                outputs = call_hook(sub, "postprocess", hooks.postprocess, outputs, manifest.client_outputs, rows,
+                                    failed)
+            except InternalError as exc:
+                raise SubCallError(f"{where}: {exc}", exc) from None
         return dict(outputs)
