@@ -126,8 +126,12 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
     assert not any(dep.startswith("xlaserve.frontend") for dep in graph["xlaserve.gateway.control"])
     assert not any(dep in {"xlaserve.frontend.kserve", "xlaserve.frontend.control", "xlaserve.frontend.port"}
                    for m in gateway for dep in graph[m])
+    # The admin HTTP port accepts its connections through the frontend's guarded accept loop (one
+    # guard for every port, not two), and takes nothing else from the frontend.
     assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.config.gateway",
-                                 "xlaserve.worker.preflight"}
+                                 "xlaserve.worker.preflight", "xlaserve.admin"}
+    assert graph["xlaserve.admin"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
+        "xlaserve.frontend.guard"}
     for schema in ("xlaserve.config.schema", "xlaserve.config.gateway"):
         assert graph[schema] & {m for m in graph if m.startswith("xlaserve.frontend")} == {"xlaserve.frontend.access"}
     assert graph["xlaserve.worker.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
