@@ -507,24 +507,51 @@ class Device:
 
     def load_weights(self, host, pool=None) -> tuple:
         """A model's weights on the device, in binding order, ready to use: the weight cache's
-        load. On cpu with ``pool`` (a :class:`~xlaserve.runtime.pool.WeightPool`): one extent
-        of the pool, each tensor copied into it (one ``memcpy`` per tensor, into memory mapped
-        by an earlier load) and wrapped as a device buffer without another copy; the extent
-        returns to the pool when the arrays are collected. Elsewhere: one batched transfer
+        load. On cpu with ``pool`` (a :class:`~xlaserve.runtime.pool.WeightPool`): see
+        :meth:`load_weights_in_steps`, run to the end. Elsewhere: one batched transfer
         (:meth:`start_weights`), waited for. Dtypes are kept exactly, as :meth:`put_weights`."""
         if not host:
             return ()
         if pool is None or not self.pools_weights:
             return self.put_weights(host) if self.backend == "cpu" else self.wait_weights(self.start_weights(host))
+        steps = self.load_weights_in_steps(host, pool, 1 << 62)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def load_weights_in_steps(self, host, pool, step_bytes: int):
+        """A generator that loads a model's weights into ``pool`` (cpu only; see
+        :attr:`pools_weights`), yielding after every ``step_bytes`` or so copied, and returns
+        the device arrays (``StopIteration.value``). One extent of the pool holds the model;
+        each tensor is copied into it (memory an earlier load already mapped) and wrapped as a
+        device buffer without another copy; the extent returns to the pool when the arrays are
+        collected. Closing the generator early gives the extent back. The steps let a caller
+        on an event loop copy a large model without a thread hop and without holding the loop
+        for the whole copy."""
         lease = pool.lease([a.nbytes for a in host])
         try:
             out = []
+            since = 0
             for src in host:
                 dst = lease.array(src.dtype, src.shape)
-                np.copyto(dst, src)
+                if src.nbytes > step_bytes and src.flags.c_contiguous:
+                    flat_src, flat_dst = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+                    for at in range(0, src.nbytes, step_bytes):
+                        flat_dst[at:at + step_bytes] = flat_src[at:at + step_bytes]
+                        yield
+                    del flat_src, flat_dst
+                    since = 0
+                else:
+                    np.copyto(dst, src)
+                    since += src.nbytes
                 out.append(_jax.batched_device_put(_aval(src.shape, src.dtype), self._sharding, [dst], [self._device],
                                                    True, False, _jax.HostBufferSemantics.ZERO_COPY, enable_x64=True))
-            del dst
+                del dst                     # the device array holds it now: its lifetime is the extent's
+                if since >= step_bytes:
+                    since = 0
+                    yield
         finally:
             lease.seal()
         return tuple(out)

@@ -168,8 +168,8 @@ class WeightPool:
     ``allocate(n)`` returns ``n`` bytes as a 1-D uint8 array aligned to :data:`ALIGN` (default:
     page-aligned NumPy memory). ``keep_bytes``: the capacity the pool is meant to hold (the weight
     budget). A region is added past it only when fragmentation or arrays still in use leave no
-    extent large enough; an empty region is given back when the pool holds more than twice
-    ``keep_bytes``, or by :meth:`trim`. ``collect`` is called before the
+    extent large enough; an empty region is given back when the pool holds more than four times
+    ``keep_bytes``, or by :meth:`trim` (compaction). ``collect`` is called before the
     pool grows, to run finalizers whose last reference a library deferred (jax drops the host
     memory it wrapped on its next call, or when asked)."""
 
@@ -230,10 +230,12 @@ class WeightPool:
         self._live.discard(lease)
         region = lease._region
         region.extents.free(lease._offset)
-        # An empty region is kept while the pool is within twice what it keeps: a region given
-        # back at once would be allocated (and its pages faulted) again by the next load that
-        # finds the others held, say by an execution still using an evicted model.
-        if region.extents.empty and len(self._regions) > 1 and self._capacity() > 2 * self._keep:
+        # An empty region is kept while the pool is within four times what it keeps: a region
+        # given back at once is allocated (and its pages faulted) again by the next load that
+        # finds the others held, by an execution still using an evicted model or by the arrays
+        # of the previous dispatch (measured: a region allocated on every load). trim() gives
+        # back every empty one.
+        if region.extents.empty and len(self._regions) > 1 and self._capacity() > 4 * self._keep:
             self._regions.remove(region)
             self._released += 1
 

@@ -7,8 +7,8 @@ by one lock, so the bookkeeping in :class:`~xlaserve.runtime.residency.Residency
 matches the device arrays held here. On cpu a load copies into a :class:`~xlaserve.runtime.pool.WeightPool`
 (device memory allocated once and reused). On-demand loads run under the device's capacity
 limiter (one thing touches the device at a time): on the Trio thread when they are expected to
-copy at most :data:`INLINE_LOAD_MAX_BYTES` (a thread hop would cost more than the copy of a small
-model), else in a thread. A prefetch's copy starts in a thread of its own the moment it
+on cpu, from the host copy: in steps of :data:`LOAD_STEP_BYTES` with checkpoints between (a thread
+hop would cost more than the copy of a small model); else in a thread. A prefetch's copy starts in a thread of its own the moment it
 is hinted, so that it overlaps the execution that follows, even one that runs on the Trio thread.
 """
 from __future__ import annotations
@@ -37,13 +37,12 @@ log = logging.getLogger("xlaserve.weights")
 
 Key = tuple[str, int]
 
-INLINE_LOAD_MAX_BYTES = {"cpu": 8 << 20}
-"""On-demand loads of at most this many weight bytes from the host copy run on the Trio thread,
-without a thread hop: a hop costs 75 us on this machine when it is idle and several hundred
-when its two cores are shared (seven to thirty times the copy of a 256 KiB model), while 8 MiB
-copy in under 1 ms (the executor runs executions of up to 5 ms inline for the same reason).
-By bytes, not by the learned load time, whose mean the first loads and a busy machine's
-outliers inflate. Backends not listed always copy in a thread."""
+LOAD_STEP_BYTES = 4 << 20
+"""On cpu, an on-demand load from the host copy runs on the Trio thread, without a thread hop,
+in steps of about this many bytes with a checkpoint between them (about 0.4 ms of copying each
+on this machine), so that a large model does not hold the event loop for its whole copy. A hop
+costs 75 us here when the machine is idle and from several hundred us to 2.5 ms when its two
+cores are shared (measured: docs/weights.md), seven to thirty times the copy of a 256 KiB model."""
 
 
 class CatalogTooLarge(StartupError):
@@ -164,8 +163,8 @@ class WeightCache:
         self._prefetching: dict[Key, trio.Event] = {}
         self._prefetched: set[Key] = set()
         self._prefetch_counts = [0, 0, 0]     # started, landed, late
+        self._prefetch_copied: dict[Key, list] = {}   # key -> [outcome] once its copy thread is done
         self._pool = WeightPool(self._budget.bytes, collect=device.collect_garbage) if device.pools_weights else None
-        self._inline_max = INLINE_LOAD_MAX_BYTES.get(device.backend, -1)
         self._current: Key | None = None
         self._loads_since_compaction = 0
         self._thrash = ThrashMonitor()
@@ -310,7 +309,8 @@ class WeightCache:
                 raise Unavailable(reason)
         pending = self._prefetching.get(key)
         if pending is not None:
-            self._prefetch_counts[2] += 1
+            # landed: the copy is done and only its bookkeeping task has not run yet
+            self._prefetch_counts[1 if self._prefetch_copied.get(key) else 2] += 1
             await pending.wait()
         elif key in self._prefetched:
             self._prefetch_counts[1] += 1
@@ -352,9 +352,9 @@ class WeightCache:
         model = self._models[key]
         started = time.perf_counter()
         try:
-            if self._copies_inline(key, model, limiter):
+            if self._copies_inline(key, limiter):
                 try:
-                    arrays = self._copy_blocking(key, model)
+                    arrays = await self._copy_in_steps(self._host[key])
                 finally:
                     limiter.release()
             else:
@@ -377,16 +377,28 @@ class WeightCache:
         self._book.begin_load(key)
         return len(plan.evict)
 
-    def _copies_inline(self, key: Key, model: ModelVersion, limiter: trio.CapacityLimiter) -> bool:
-        """Whether this load runs on the Trio thread: a small copy from the host copy, with the
-        device free (then the limiter is held and must be released by the caller)."""
-        if key not in self._host or model.weight_bytes > self._inline_max:
+    def _copies_inline(self, key: Key, limiter: trio.CapacityLimiter) -> bool:
+        """Whether this load runs on the Trio thread: a copy from the host copy into the pool,
+        with the device free (then the limiter is held and must be released by the caller)."""
+        if self._pool is None or key not in self._host:
             return False
         try:
             limiter.acquire_nowait()
         except trio.WouldBlock:
             return False
         return True
+
+    async def _copy_in_steps(self, host: tuple) -> tuple:
+        steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES)
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+                await trio.lowlevel.checkpoint()
+        finally:
+            steps.close()               # cancelled part way: the extent goes back to the pool
 
     def _finish_load(self, key: Key, model: ModelVersion, arrays: tuple, seconds: float, why: str) -> None:
         """The copy of ``key`` is done: it is resident (unless released meanwhile), counted and timed."""
@@ -459,6 +471,7 @@ class WeightCache:
         self._prefetch_counts[0] += 1
         copied = trio.Event()
         result: list[outcome.Outcome] = []
+        self._prefetch_copied[key] = result
         token = trio.lowlevel.current_trio_token()
 
         def deliver(got: outcome.Outcome) -> None:
@@ -490,6 +503,7 @@ class WeightCache:
             self._finish_load(key, model, arrays, time.perf_counter() - started, "prefetch")
         finally:
             del self._prefetching[key]
+            del self._prefetch_copied[key]
             done.set()
 
     # ---- control API ----------------------------------------------------------------------
