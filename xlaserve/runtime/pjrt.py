@@ -377,6 +377,12 @@ COMPILE_OVERRIDES: Mapping[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+@functools.lru_cache(maxsize=4096)
+def _aval(shape: tuple[int, ...], dtype: np.dtype):
+    """The abstract value of a weight (cached: the same few shapes are loaded again and again)."""
+    return jax_core.ShapedArray(shape, dtype)
+
+
 class Device:
     """One PJRT device (``cpu`` or ``cuda``) and the client that owns it.
 
@@ -469,12 +475,14 @@ class Device:
         return tuple(out)
 
     def put_weights(self, host) -> tuple:
-        """Copy a model's host weights onto the device in one batched transfer and wait for it.
-        Every dtype is kept exactly: an i64 or f64 weight (a PyTorch buffer such as BatchNorm's
-        ``num_batches_tracked``) stays 64-bit, as the module takes it, whatever JAX's
-        ``jax_enable_x64`` says (with it off ``device_put`` would make it 32-bit and the module
-        would refuse the buffer). The result never aliases host memory (on cpu, ``device_put`` would otherwise wrap
-        aligned NumPy memory in place, making the "device copy" free and the budget fiction)."""
+        """Copy a model's host weights onto the device in one batched transfer and wait for it,
+        into memory of its own (fresh buffers): for a transient copy outside the weight cache
+        (:meth:`load_weights` is the cache's path). Every dtype is kept exactly: an i64 or f64
+        weight (a PyTorch buffer such as BatchNorm's ``num_batches_tracked``) stays 64-bit, as
+        the module takes it, whatever JAX's ``jax_enable_x64`` says (with it off ``device_put``
+        would make it 32-bit and the module would refuse the buffer). The result never aliases
+        host memory (on cpu, ``device_put`` would otherwise wrap aligned NumPy memory in place,
+        making the "device copy" free and the budget fiction)."""
         if not host:
             return ()
         if self.backend == "cpu":
@@ -487,11 +495,89 @@ class Device:
                 out = jax.device_put(fresh, self._device)
             jax.block_until_ready(out)
             return tuple(out)
+        return self.wait_weights(self.start_weights(host))
+
+    @property
+    def pools_weights(self) -> bool:
+        """Whether the weight cache should give :meth:`load_weights` a
+        :class:`~xlaserve.runtime.pool.WeightPool`: on cpu, where device memory is host memory
+        and the client wraps it without a copy. On cuda the device allocator is already a pool
+        (XLA's BFC allocator, sized once: :func:`cuda_client_options`)."""
+        return self.backend == "cpu"
+
+    def load_weights(self, host, pool=None) -> tuple:
+        """A model's weights on the device, in binding order, ready to use: the weight cache's
+        load. On cpu with ``pool`` (a :class:`~xlaserve.runtime.pool.WeightPool`): see
+        :meth:`load_weights_in_steps`, run to the end. Elsewhere: one batched transfer
+        (:meth:`start_weights`), waited for. Dtypes are kept exactly, as :meth:`put_weights`."""
+        if not host:
+            return ()
+        if pool is None or not self.pools_weights:
+            return self.put_weights(host) if self.backend == "cpu" else self.wait_weights(self.start_weights(host))
+        steps = self.load_weights_in_steps(host, pool, 1 << 62)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def load_weights_in_steps(self, host, pool, step_bytes: int):
+        """A generator that loads a model's weights into ``pool`` (cpu only; see
+        :attr:`pools_weights`), yielding after every ``step_bytes`` or so copied, and returns
+        the device arrays (``StopIteration.value``). One extent of the pool holds the model;
+        each tensor is copied into it (memory an earlier load already mapped) and wrapped as a
+        device buffer without another copy; the extent returns to the pool when the arrays are
+        collected. Closing the generator early gives the extent back. The steps let a caller
+        on an event loop copy a large model without a thread hop and without holding the loop
+        for the whole copy."""
+        lease = pool.lease([a.nbytes for a in host])
+        try:
+            out = []
+            since = 0
+            for src in host:
+                dst = lease.array(src.dtype, src.shape)
+                if src.nbytes > step_bytes and src.flags.c_contiguous:
+                    flat_src, flat_dst = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+                    for at in range(0, src.nbytes, step_bytes):
+                        flat_dst[at:at + step_bytes] = flat_src[at:at + step_bytes]
+                        yield
+                    del flat_src, flat_dst
+                    since = 0
+                else:
+                    np.copyto(dst, src)
+                    since += src.nbytes
+                out.append(_jax.batched_device_put(_aval(src.shape, src.dtype), self._sharding, [dst], [self._device],
+                                                   True, False, _jax.HostBufferSemantics.ZERO_COPY, enable_x64=True))
+                del dst                     # the device array holds it now: its lifetime is the extent's
+                if since >= step_bytes:
+                    since = 0
+                    yield
+        finally:
+            lease.seal()
+        return tuple(out)
+
+    def start_weights(self, host) -> tuple:
+        """Start copying a model's host weights onto the device as one batched, asynchronous
+        transfer; the arrays returned can be passed to an execution at once (PJRT orders it
+        after the copy) or waited for with :meth:`wait_weights`. Meant for cuda, where
+        :meth:`host_store` keeps the weights in page-locked memory, so the copy is a DMA that
+        the host thread does not perform."""
         target = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
         with jax.enable_x64(True):
-            out = jax.device_put(list(host), target, may_alias=False)
-        jax.block_until_ready(out)
-        return tuple(out)
+            return tuple(jax.device_put(list(host), target, may_alias=False))
+
+    @staticmethod
+    def wait_weights(arrays: tuple) -> tuple:
+        """Block until the copies :meth:`start_weights` started are done; returns ``arrays``."""
+        jax.block_until_ready(arrays)
+        return arrays
+
+    @staticmethod
+    def collect_garbage() -> None:
+        """Release now the host memory that device arrays collected since jax's last call
+        wrapped: jaxlib defers those releases to its next call (measured with jax 0.10.2), and a
+        :class:`~xlaserve.runtime.pool.WeightPool` reuses memory only once it is released."""
+        _jax.collect_garbage()
 
     @staticmethod
     def shares_memory(device_array, host: np.ndarray) -> bool:

@@ -4,12 +4,16 @@ One object, used from the Trio thread only (the dispatch loop asks :meth:`Weight
 before each execution; the lifecycle actor calls :meth:`admit` and :meth:`release`; the control
 API calls :meth:`set_residency` and :meth:`compact`). Every transition that copies is serialized
 by one lock, so the bookkeeping in :class:`~xlaserve.runtime.residency.ResidencyBook` always
-matches the device arrays held here. Copies run off the Trio thread: on-demand loads under the
-device's capacity limiter (one thing touches the device at a time), prefetches under a limiter
-of their own so that they overlap the execution that is running.
+matches the device arrays held here. On cpu a load copies into a :class:`~xlaserve.runtime.pool.WeightPool`
+(device memory allocated once and reused). On-demand loads run under the device's capacity
+limiter (one thing touches the device at a time): on the Trio thread when they are expected to
+on cpu, from the host copy: in steps of :data:`LOAD_STEP_BYTES` with checkpoints between (a thread
+hop would cost more than the copy of a small model); else in a thread. A prefetch's copy starts in a thread of its own the moment it
+is hinted, so that it overlaps the execution that follows, even one that runs on the Trio thread.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -18,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import outcome
 import trio
 
 from xlaserve.bundle import ModelVersion
@@ -25,11 +30,19 @@ from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.runtime.cachetrace import TraceWriter
 from xlaserve.runtime.eviction import DEFAULT_POLICY, LoadCost, make_policy
 from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.pool import PoolStats, WeightPool
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
 
 log = logging.getLogger("xlaserve.weights")
 
 Key = tuple[str, int]
+
+LOAD_STEP_BYTES = 4 << 20
+"""On cpu, an on-demand load from the host copy runs on the Trio thread, without a thread hop,
+in steps of about this many bytes with a checkpoint between them (about 0.4 ms of copying each
+on this machine), so that a large model does not hold the event loop for its whole copy. A hop
+costs 75 us here when the machine is idle and from several hundred us to 2.5 ms when its two
+cores are shared (measured: docs/weights.md), seven to thirty times the copy of a 256 KiB model."""
 
 
 class CatalogTooLarge(StartupError):
@@ -67,6 +80,10 @@ class CacheSnapshot:
     models: tuple[ModelResidency, ...]
     policy: str = DEFAULT_POLICY
     next_victim: tuple[str, int] | None = None   # what the policy would evict first now
+    prefetches: int = 0          # copies started by a hint
+    prefetches_landed: int = 0   # ... done before their model was needed
+    prefetches_late: int = 0     # ... still copying when their model was needed (it waited)
+    pool: PoolStats | None = None    # device memory for weights (cpu), None where the allocator pools
 
     def __iter__(self):
         """Iterating a snapshot yields its per-model entries."""
@@ -116,7 +133,6 @@ class WeightCache:
                  eviction: str = DEFAULT_POLICY, trace: TraceWriter | None = None) -> None:
         self._device = device
         self._limiter = limiter
-        self._transfer_limiter = trio.CapacityLimiter(1)
         self._budget = budget or Budget(1 << 62, 1.0, 0)
         self._budget_logged = False
         self._load_cost = LoadCost()
@@ -146,6 +162,9 @@ class WeightCache:
         self._counts: dict[Key, _Counts] = {}
         self._prefetching: dict[Key, trio.Event] = {}
         self._prefetched: set[Key] = set()
+        self._prefetch_counts = [0, 0, 0]     # started, landed, late
+        self._prefetch_copied: dict[Key, list] = {}   # key -> [outcome] once its copy thread is done
+        self._pool = WeightPool(self._budget.bytes, collect=device.collect_garbage) if device.pools_weights else None
         self._current: Key | None = None
         self._loads_since_compaction = 0
         self._thrash = ThrashMonitor()
@@ -290,7 +309,11 @@ class WeightCache:
                 raise Unavailable(reason)
         pending = self._prefetching.get(key)
         if pending is not None:
+            # landed: the copy is done and only its bookkeeping task has not run yet
+            self._prefetch_counts[1 if self._prefetch_copied.get(key) else 2] += 1
             await pending.wait()
+        elif key in self._prefetched:
+            self._prefetch_counts[1] += 1
         evicted = 0
         loaded: float | None = None
         if self._book.is_resident(key):
@@ -325,22 +348,63 @@ class WeightCache:
         """Evict what the plan says and copy ``key`` onto the device; the lock is held. Returns
         how many models were evicted and the device arrays. Raises Unavailable when it cannot
         fit now."""
+        evicted = self._begin_load(key, protect)
+        model = self._models[key]
+        started = time.perf_counter()
+        try:
+            if self._copies_inline(key, limiter):
+                try:
+                    arrays = await self._copy_in_steps(self._host[key])
+                finally:
+                    limiter.release()
+            else:
+                arrays = await trio.to_thread.run_sync(self._copy_blocking, key, model, limiter=limiter)
+        except BaseException:
+            self._book.finish_load(key, ok=False)
+            raise
+        self._finish_load(key, model, arrays, time.perf_counter() - started, why)
+        await self._maybe_compact()
+        return evicted, arrays
+
+    def _begin_load(self, key: Key, protect: tuple[Key, ...]) -> int:
+        """Evict what the plan says and reserve ``key``'s bytes; returns how many were evicted.
+        Raises Unavailable when it cannot fit now."""
         plan = self._book.plan(key, protect)
         if not plan.ok:
             raise Unavailable(f"model '{key[0]}' cannot be made resident now: {plan.refused}")
         for victim in plan.evict:
             self._evict(victim)
         self._book.begin_load(key)
-        model = self._models[key]
-        started = time.perf_counter()
+        return len(plan.evict)
+
+    def _copies_inline(self, key: Key, limiter: trio.CapacityLimiter) -> bool:
+        """Whether this load runs on the Trio thread: a copy from the host copy into the pool,
+        with the device free (then the limiter is held and must be released by the caller)."""
+        if self._pool is None or key not in self._host:
+            return False
         try:
-            arrays = await trio.to_thread.run_sync(self._copy_blocking, key, model, limiter=limiter)
-        except BaseException:
-            self._book.finish_load(key, ok=False)
-            raise
-        seconds = self._last_load_seconds = time.perf_counter() - started
+            limiter.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        return True
+
+    async def _copy_in_steps(self, host: tuple) -> tuple:
+        steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES)
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+                await trio.lowlevel.checkpoint()
+        finally:
+            steps.close()               # cancelled part way: the extent goes back to the pool
+
+    def _finish_load(self, key: Key, model: ModelVersion, arrays: tuple, seconds: float, why: str) -> None:
+        """The copy of ``key`` is done: it is resident (unless released meanwhile), counted and timed."""
+        self._last_load_seconds = seconds
         if key not in self._book:          # released while the copy ran: usable once, not kept
-            return len(plan.evict), arrays
+            return
         self._load_cost.observe(model.weight_bytes, seconds, self._source(key))
         self._book.finish_load(key)
         self._device_arrays[key] = arrays
@@ -352,10 +416,9 @@ class WeightCache:
         if self._metrics is not None:
             self._metrics.load(key[0], seconds, miss=why == "demand", nbytes=model.weight_bytes)
         self._publish(key[0])
-        log.debug("loaded %s v%d: %s in %.1f ms%s", key[0], key[1], fmt_bytes(model.weight_bytes),
-                  seconds * 1e3, f" ({why})")
-        await self._maybe_compact()
-        return len(plan.evict), arrays
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("loaded %s v%d: %s in %.1f ms (%s)", key[0], key[1], fmt_bytes(model.weight_bytes),
+                      seconds * 1e3, why)
 
     def _copy_blocking(self, key: Key, model: ModelVersion) -> tuple:
         host = self._host.get(key)
@@ -365,7 +428,7 @@ class WeightCache:
             except OSError as exc:
                 raise Unavailable(f"model '{model.name}' (residency unpinned) cannot read its weights from "
                                   f"{model.weights.file}: {exc.strerror or exc}") from None
-        return self._device.put_weights(host)
+        return self._device.load_weights(host, self._pool)
 
     def _evict(self, key: Key) -> None:
         self._book.evict(key)
@@ -390,28 +453,57 @@ class WeightCache:
 
     def hint_next(self, model: ModelVersion | None) -> None:
         """The scheduler expects to dispatch ``model`` next: start copying its weights now, while
-        the current model executes, unless that would evict the model in use or a pinned one."""
+        the current model executes, unless that would evict the model in use or a pinned one.
+        One prefetch at a time. The copy starts in a thread before this returns, so it overlaps
+        the execution even when that runs on the Trio thread (an inline execution would
+        otherwise run before a task started here had begun)."""
         if (model is None or model.weights is None or not self._prefetch_enabled or self._nursery is None
-                or self._lock.locked()):
+                or self._lock.locked() or self._prefetching):
             return
         key = (model.name, model.version)
-        if key not in self._book or self._book.is_resident(key) or key in self._prefetching:
+        if key not in self._book or self._book.is_resident(key):
             return
         protect = (self._current,) if self._current else ()
         if not self._book.plan(key, protect).ok:
             return
+        self._begin_load(key, protect)
         done = self._prefetching[key] = trio.Event()
-        self._nursery.start_soon(self._prefetch, key, protect, done)
+        self._prefetch_counts[0] += 1
+        copied = trio.Event()
+        result: list[outcome.Outcome] = []
+        self._prefetch_copied[key] = result
+        token = trio.lowlevel.current_trio_token()
 
-    async def _prefetch(self, key: Key, protect: tuple[Key, ...], done: trio.Event) -> None:
+        def deliver(got: outcome.Outcome) -> None:
+            result.append(got)
+            try:
+                token.run_sync_soon(copied.set)
+            except trio.RunFinishedError:
+                pass                        # the server stopped while this copy ran
+
+        started = time.perf_counter()
+        trio.lowlevel.start_thread_soon(functools.partial(self._copy_blocking, key, model), deliver,
+                                        name=f"xlaserve prefetch {key[0]}")
+        self._nursery.start_soon(self._finish_prefetch, key, model, started, copied, result, done)
+
+    async def _finish_prefetch(self, key: Key, model: ModelVersion, started: float, copied: trio.Event,
+                               result: list, done: trio.Event) -> None:
         try:
-            async with self._lock:
-                if key in self._book and not self._book.is_resident(key):
-                    await self._make_resident(key, self._transfer_limiter, why="prefetch", protect=protect)
-        except Unavailable as exc:
-            log.debug("prefetch of %s skipped: %s", key[0], exc)
+            await copied.wait()
+            arrays = result[0].unwrap()
+        except BaseException as exc:
+            self._book.finish_load(key, ok=False)
+            if isinstance(exc, (Unavailable, OSError)):
+                log.debug("prefetch of %s failed: %s", key[0], exc)
+            elif isinstance(exc, Exception):
+                log.exception("prefetch of %s failed", key[0])
+            else:
+                raise
+        else:
+            self._finish_load(key, model, arrays, time.perf_counter() - started, "prefetch")
         finally:
             del self._prefetching[key]
+            del self._prefetch_copied[key]
             done.set()
 
     # ---- control API ----------------------------------------------------------------------
@@ -476,6 +568,12 @@ class WeightCache:
 
     async def _compact_locked(self) -> tuple[str, int]:
         before = self._device.memory_in_use()
+        if self._pool is not None:
+            freed = self._pool.trim()
+            stats = self._pool.stats()
+            return (f"gave {fmt_bytes(freed)} of empty weight-pool regions back to the system; the pool keeps "
+                    f"{stats.regions} region(s), {fmt_bytes(stats.capacity_bytes)}" if freed else
+                    "nothing to do: the weight pool has no empty region", freed)
         if self._device.backend == "cpu":
             return ("nothing to do: the cpu backend allocates each buffer from the system allocator, "
                     "so device memory does not fragment", 0)
@@ -513,7 +611,8 @@ class WeightCache:
         return CacheSnapshot(self._budget.bytes, self._book.resident_bytes(), self._book.pinned_bytes(),
                              self._budget.arena, self._budget.headroom, self._budget.on_demand,
                              self._device.host_memory_kind, tuple(models), self._policy.name,
-                             next(self._book.evictable((self._current,) if self._current else ()), None))
+                             next(self._book.evictable((self._current,) if self._current else ()), None),
+                             *self._prefetch_counts, self._pool.stats() if self._pool is not None else None)
 
     def _describe_resident(self) -> str:
         keys = [k for k in self._book.keys() if self._book.is_resident(k)]

@@ -1,0 +1,195 @@
+"""Time per weight-cache miss against one memcpy of the model's bytes (issue 25, part 1).
+
+  python -m benchmarks.miss_cost_bench [--backend cpu|cuda] [--sizes-kb 256 1024 4096 16384]
+                                       [--tensors 8] [--rounds 7] [--misses 30]
+  python -m benchmarks.miss_cost_bench stages [--backend cpu]    # where the time of a load goes
+  python -m benchmarks.miss_cost_bench profile --sizes-kb 1024    # cProfile of a run of misses
+
+Per size, two models of that many bytes (``--tensors`` f32 tensors each) and a budget that
+holds one: every ``ensure_resident`` alternates between them, so each is a miss that evicts the
+other. Measured in process with the real device, the real ``WeightCache`` and its own thread
+and lock; no server, no execution. "memcpy" is ``numpy.copyto`` of the same number of bytes
+into a buffer already written (pages mapped), interleaved with the misses, alternating between
+two pairs of buffers as the misses alternate between two models ("hot memcpy": the same pair
+every time, so small sizes copy within the CPU's caches). Each round gives a
+median; the table shows the median of the rounds and its ratio; the machine may be shared, so
+look at the spread (min..max of the rounds' ratios) too.
+
+Uses only APIs that predate issue 25, so the same script measures an older checkout
+(``git worktree add /tmp/before <commit>``; run it from there) for a before/after.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import MappingProxyType, SimpleNamespace
+
+import numpy as np
+
+KB = 1024
+VERBOSE = False
+FEATURES = 256
+
+
+def make_model(tmp: Path, name: str, nbytes: int, tensors: int, fill: float):
+    """A ModelVersion with ``tensors`` f32 weights totalling ``nbytes`` (no modules: the cache
+    needs none)."""
+    from safetensors.numpy import save_file
+
+    from xlaserve.bundle import ModelVersion, read_weights
+    bundle = tmp / name
+    bundle.mkdir()
+    rows = max(1, nbytes // (4 * FEATURES * tensors))
+    arrays = {f"w{i:02d}": np.full((rows, FEATURES), fill + i, np.float32) for i in range(tensors)}
+    save_file(arrays, str(bundle / "weights.safetensors"))
+    manifest = SimpleNamespace(bundle=bundle.name, weights_file="weights.safetensors", weights_order=None)
+    weights = read_weights(bundle, manifest)
+    return ModelVersion(name, 1, bundle, None, "f", weights, weights.nbytes, MappingProxyType({}), None, 0.0)
+
+
+def _open_device(backend: str):
+    from xlaserve.runtime import pjrt
+    if hasattr(pjrt, "configure_client"):
+        pjrt.configure_client(backend)
+    return pjrt.Device(backend)
+
+
+def measure(device, tmp: Path, nbytes: int, tensors: int, misses: int) -> tuple[float, float, float]:
+    """One round: median seconds per miss, per memcpy of the same bytes (alternating buffers,
+    as the misses alternate), per memcpy repeated on the same (hot) buffers."""
+    import trio
+
+    from xlaserve.runtime.residency import Budget
+    from xlaserve.runtime.weights import WeightCache
+
+    tag = f"{nbytes}-{time.perf_counter_ns()}"
+    a = make_model(tmp, f"a{tag}", nbytes, tensors, 1.0)
+    b = make_model(tmp, f"b{tag}", nbytes, tensors, 100.0)
+    # memcpy like the misses: two sources and two destinations used in turn, so each copy
+    # reads and writes bytes last touched two copies ago, as a miss does (its host copy, its
+    # extent of the pool); and the hot memcpy (the same buffers every time) for reference
+    srcs = [np.ones(a.weight_bytes, np.uint8) for _ in range(2)]
+    dsts = [np.zeros(a.weight_bytes, np.uint8) for _ in range(2)]
+
+    async def main():
+        cache = WeightCache(device, trio.CapacityLimiter(1), Budget(a.weight_bytes + a.weight_bytes // 2, 1.0, 0),
+                            prefetch=False)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            assert await cache.admit(a) == "" and await cache.admit(b) == ""
+            await cache.ensure_resident(a)
+            await cache.ensure_resident(b)               # warm: both have loaded once
+            miss, copy, hot = [], [], []
+            for i in range(misses):
+                model, mark = (a, 1.0) if i % 2 == 0 else (b, 100.0)
+                t = time.perf_counter()
+                arrays = await cache.ensure_resident(model)
+                miss.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                np.copyto(dsts[i % 2], srcs[i % 2])
+                copy.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                np.copyto(dsts[i % 2], srcs[i % 2])
+                hot.append(time.perf_counter() - t)
+                if i < 2:                                # the weights that came back are the model's
+                    assert float(np.asarray(arrays[0]).reshape(-1)[0]) == mark
+                del arrays
+            snap = cache.snapshot()
+            if getattr(snap, "pool", None) is not None and VERBOSE:
+                print(f"  {nbytes >> 10} KiB: {snap.pool}")
+            loads = sum(r.loads for r in snap)
+            assert loads >= misses, f"{loads} loads for {misses} misses: not every call missed"
+            nursery.cancel_scope.cancel()
+        return statistics.median(miss), statistics.median(copy), statistics.median(hot)
+    return trio.run(main)
+
+
+def table(args) -> None:
+    device = _open_device(args.backend)
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-miss-"))
+    rounds: dict[int, list[tuple[float, float, float]]] = {kb: [] for kb in args.sizes_kb}
+    for _ in range(args.rounds):                          # sizes interleaved round by round
+        for kb in args.sizes_kb:
+            rounds[kb].append(measure(device, tmp, kb * KB, args.tensors, args.misses))
+    print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, {args.rounds} rounds x "
+          f"{args.misses} misses; medians of the rounds' medians")
+    print(f"{'size':>9} {'miss us':>9} {'memcpy us':>10} {'miss/memcpy':>12} {'rounds min..max':>16} {'goal<=2':>8} "
+          f"{'hot memcpy us':>14} {'miss/hot':>9}")
+    for kb, got in rounds.items():
+        miss = statistics.median(m for m, _, _ in got)
+        copy = statistics.median(c for _, c, _ in got)
+        hot = statistics.median(h for _, _, h in got)
+        ratios = sorted(m / c for m, c, _ in got)
+        print(f"{kb:>6}KiB {miss * 1e6:>9.1f} {copy * 1e6:>10.1f} {miss / copy:>12.2f} "
+              f"{ratios[0]:>7.2f}..{ratios[-1]:<7.2f} {'yes' if miss / copy <= 2 else 'no':>8} "
+              f"{hot * 1e6:>14.1f} {miss / hot:>9.2f}")
+
+
+def stages(args) -> None:
+    """The pieces of a load, each timed alone (medians of 200): what the old path paid for."""
+    import jax
+    import trio
+    device = _open_device(args.backend)
+
+    def med(fn, n=200):
+        out = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+        return statistics.median(out) * 1e6
+
+    async def hop():
+        await trio.to_thread.run_sync(lambda: None)
+    hops = []
+
+    async def hops_main():
+        for _ in range(200):
+            t = time.perf_counter()
+            await hop()
+            hops.append(time.perf_counter() - t)
+    trio.run(hops_main)
+    print(f"trio.to_thread.run_sync of nothing: {statistics.median(hops) * 1e6:.1f} us")
+    print(f"{'size':>9} {'memcpy':>8} {'alloc+copy':>11} {'device_put':>11} {'put_weights':>12}   (us)")
+    for kb in args.sizes_kb:
+        per = kb * KB // args.tensors // 4
+        host = [np.ones(per, np.float32) for _ in range(args.tensors)]
+        dst = [np.zeros_like(h) for h in host]
+        memcpy = med(lambda: [np.copyto(d, h) for d, h in zip(dst, host)])
+        fresh = med(lambda: [np.copyto(np.empty_like(h), h) for h in host])
+
+        def put():
+            jax.block_until_ready(jax.device_put(dst, jax.devices(args.backend)[0]))
+        print(f"{kb:>6}KiB {memcpy:>8.1f} {fresh:>11.1f} {med(put):>11.1f} {med(lambda: device.put_weights(host)):>12.1f}")
+
+
+def profile(args) -> None:
+    device = _open_device(args.backend)
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-miss-"))
+    prof = cProfile.Profile()
+    prof.enable()
+    for kb in args.sizes_kb:
+        measure(device, tmp, kb * KB, args.tensors, args.misses * 10)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", nargs="?", default="table", choices=("table", "stages", "profile"))
+    parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--sizes-kb", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument("--tensors", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--misses", type=int, default=30)
+    args = parser.parse_args()
+    {"table": table, "stages": stages, "profile": profile}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""The weight pool (issue 25): pure allocation, reuse and fragmentation, and its use by the
+weight cache on the real cpu device (weights intact through loads, evictions and reloads;
+memory an execution still holds is never reused)."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import trio
+
+from tests.test_weights import cache_for, make_model
+from xlaserve.runtime.pool import ALIGN, Extents, WeightPool
+
+KB = 1024
+
+
+# ---- Extents: pure -------------------------------------------------------------------------
+
+def test_extents_are_aligned_and_best_fit():
+    ext = Extents(10 * KB, align=ALIGN)
+    a = ext.alloc(1)                    # rounded up to one ALIGN
+    b = ext.alloc(2 * KB + 1)
+    assert (a, b) == (0, ALIGN)
+    assert ext.used_bytes == ALIGN + 2 * KB + ALIGN
+    c = ext.alloc(KB)
+    ext.free(b)                         # a hole of 2 KiB + 64 before c
+    # 1 KiB fits both the hole and the tail: best fit takes the hole, the tail stays whole
+    tail = ext.largest_free
+    d = ext.alloc(KB)
+    assert d == b and ext.largest_free == tail
+    assert ext.alloc(10 * KB) is None   # more than is free anywhere
+    for off in (a, c, d):
+        ext.free(off)
+    assert ext.empty and ext.free_extents() == ((0, ext.capacity),)
+
+
+def test_extents_coalesce_whatever_order_they_are_freed_in():
+    rng = np.random.default_rng(3)
+    ext = Extents(1 << 20)
+    for _ in range(20):
+        offsets = [ext.alloc(int(n)) for n in rng.integers(1, 64 * KB, 12)]
+        assert None not in offsets
+        for i in rng.permutation(len(offsets)):
+            ext.free(offsets[i])
+        assert ext.free_extents() == ((0, ext.capacity),)
+
+
+def test_extents_refuse_a_double_free():
+    ext = Extents(4 * KB)
+    off = ext.alloc(KB)
+    ext.free(off)
+    with pytest.raises(KeyError):
+        ext.free(off)
+
+
+def test_fragmentation_fails_a_fit_that_the_free_total_allows():
+    ext = Extents(4 * KB)
+    blocks = [ext.alloc(KB) for _ in range(4)]
+    ext.free(blocks[0])
+    ext.free(blocks[2])
+    assert ext.free_bytes == 2 * KB and ext.largest_free == KB
+    assert ext.alloc(2 * KB) is None    # two 1 KiB holes are not one 2 KiB extent
+    ext.free(blocks[1])                 # the neighbours merge: 3 KiB in one piece
+    assert ext.largest_free == 3 * KB and ext.alloc(2 * KB) == 0
+
+
+# ---- WeightPool: reuse, growth, release ------------------------------------------------------
+
+def _fill(pool: WeightPool, nbytes: int, value: int) -> np.ndarray:
+    lease = pool.lease([nbytes])
+    arr = lease.array(np.uint8, (nbytes,))
+    arr[:] = value
+    lease.seal()
+    return arr
+
+
+def test_pool_reuses_the_memory_of_dropped_arrays_without_growing():
+    pool = WeightPool(64 * KB)
+    first = _fill(pool, 48 * KB, 1)
+    address = first.ctypes.data
+    del first
+    gc.collect()
+    again = _fill(pool, 48 * KB, 2)
+    stats = pool.stats()
+    assert again.ctypes.data == address and again.ctypes.data % ALIGN == 0
+    assert (stats.regions, stats.grown, stats.leases, stats.used_bytes) == (1, 1, 2, 48 * KB)
+
+
+def test_pool_never_hands_out_memory_an_array_still_uses():
+    """An evicted model's arrays may still be in an execution: their extent must not be reused
+    until they are gone, so the pool grows instead."""
+    pool = WeightPool(64 * KB)
+    held = _fill(pool, 48 * KB, 7)
+    other = _fill(pool, 48 * KB, 9)     # does not fit beside `held`: a second region
+    assert pool.stats().regions == 2
+    assert (held == 7).all() and (other == 9).all()
+    del held, other
+    gc.collect()
+    assert pool.stats().used_bytes == 0
+    assert pool.trim() == 2 * 64 * KB and pool.stats().regions == 0
+
+
+def test_pool_collects_before_growing_and_gives_back_past_four_times_its_size():
+    pending = []
+    pool = WeightPool(16 * KB, collect=pending.clear)   # a library that defers its last decref
+    pending.append(_fill(pool, 12 * KB, 1))
+    assert pool.stats().used_bytes == 12 * KB
+    _fill(pool, 12 * KB, 2)             # needs the first extent: collect() drops it
+    stats = pool.stats()
+    assert (stats.regions, stats.grown) == (1, 1)
+    held = [_fill(pool, 12 * KB, i) for i in range(6)]  # all alive: six regions
+    assert pool.stats().regions == 6
+    del held
+    gc.collect()
+    stats = pool.stats()
+    # empty regions are kept up to four times keep_bytes (64 KiB: four regions), the rest given back
+    assert stats.regions == 4 and stats.released == 2 and stats.used_bytes == 0
+    assert pool.trim() == 4 * 16 * KB and pool.stats().regions == 0
+
+
+def test_lease_places_each_tensor_aligned_in_one_extent():
+    pool = WeightPool(64 * KB)
+    sizes = [12, 4000, 1]
+    lease = pool.lease(sizes)
+    arrays = [lease.array(np.float32, (3,)), lease.array(np.int64, (500,)), lease.array(np.bool_, ())]
+    lease.seal()
+    starts = [a.ctypes.data for a in arrays]
+    assert all(s % ALIGN == 0 for s in starts) and starts == sorted(starts)
+    assert starts[-1] - starts[0] < WeightPool.extent_bytes(sizes)
+    assert [a.shape for a in arrays] == [(3,), (500,), ()] and all(a.flags.writeable for a in arrays)
+    assert pool.stats().used_bytes == WeightPool.extent_bytes(sizes)
+    del arrays[1]
+    gc.collect()
+    assert pool.stats().used_bytes == WeightPool.extent_bytes(sizes)   # one extent: freed with the last
+    del arrays
+    gc.collect()
+    assert pool.stats().used_bytes == 0
+
+
+# ---- on the cpu device ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def device():
+    from xlaserve.runtime.pjrt import Device
+    return Device("cpu")
+
+
+def test_device_load_aliases_the_pool_and_returns_the_extent_when_collected(device):
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    host = (np.arange(1000, dtype=np.float32), np.full((3, 5), 7, np.int64), np.array(True))
+    arrays = device.load_weights(host, pool)
+    for got, want in zip(arrays, host):
+        assert np.asarray(got).dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert pool.stats().used_bytes == WeightPool.extent_bytes([a.nbytes for a in host])
+    assert not any(device.shares_memory(a, h) for a, h in zip(arrays, host))   # never the host copy
+    del arrays, got
+    device.collect_garbage()
+    gc.collect()
+    assert pool.stats().used_bytes == 0
+
+
+def test_loading_in_steps_copies_large_tensors_in_pieces_and_closing_early_frees(device):
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    host = (np.arange(100_000, dtype=np.float32), np.ones(10, np.float32))
+    steps = device.load_weights_in_steps(host, pool, 64 * KB)
+    yielded = 0
+    while True:
+        try:
+            next(steps)
+            yielded += 1
+        except StopIteration as done:
+            arrays = done.value
+            break
+    assert yielded >= 400_000 // (64 * KB)
+    np.testing.assert_array_equal(np.asarray(arrays[0]), host[0])
+    steps = device.load_weights_in_steps(host, pool, 64 * KB)
+    next(steps)
+    steps.close()                       # cancelled part way
+    del steps
+    gc.collect()
+    assert pool.stats().used_bytes == WeightPool.extent_bytes([a.nbytes for a in host])   # only `arrays`
+
+
+def test_weights_stay_right_through_loads_evictions_and_reloads(tmp_path, device):
+    """Three models through a budget of one, many times over, with one model's arrays held
+    across its eviction (as an execution would): every array returned holds its own model's
+    weights, then and later, and after the first loads the pool stops growing."""
+    mb = 1 << 20
+    models = [make_model(tmp_path, n, mb, fill=float(i + 1)) for i, n in enumerate("abc")]
+
+    async def main():
+        cache = cache_for(device, int(1.5 * mb))
+        for m in models:
+            assert await cache.admit(m) == ""
+        held = await cache.ensure_resident(models[0])
+        grown = None
+        for i in range(30):
+            model = models[(i % 2) + 1]     # b, c, b, ...: a is evicted at once, its arrays still held
+            (w,) = await cache.ensure_resident(model)
+            assert float(np.asarray(w).reshape(-1)[0]) == float((i % 2) + 2)
+            assert float(np.asarray(held[0]).reshape(-1)[0]) == 1.0
+            if i == 3:
+                grown = cache.snapshot().pool.grown
+        assert cache.snapshot().pool.grown == grown
+        del held, w
+        for i in range(30):
+            (w,) = await cache.ensure_resident(models[i % 3])
+            assert float(np.asarray(w).reshape(-1)[-1]) == float(i % 3 + 1)
+        snap = cache.snapshot()
+        assert sum(r.evictions for r in snap) >= 55
+        # at most: a's extent held, the previous model's (alive while the next loads), the new one
+        assert snap.pool.grown == grown and snap.pool.capacity_bytes <= 3 * int(1.5 * mb)
+    trio.run(main)
+
+
+def test_prefetch_copy_starts_at_the_hint_and_lands_during_an_inline_execution(tmp_path, device):
+    """The dispatch loop hints the next model and then executes on the Trio thread without a
+    checkpoint (an inline execution): the copy must already be running in its own thread, so
+    that by the time the execution ends the next model is resident and its use does not wait."""
+    import time
+
+    mb = 1 << 20
+    a, b = make_model(tmp_path, "a", mb, fill=1.0), make_model(tmp_path, "b", mb, fill=2.0)
+
+    async def main():
+        cache = cache_for(device, 4 * mb)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            await cache.admit(a)
+            await cache.admit(b)
+            await cache.ensure_resident(a)
+            cache.hint_next(b)
+            # "execution": the Trio thread is busy, no checkpoint, until the copy thread is done
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not cache._prefetch_copied.get(("b", 1)):
+                time.sleep(0.001)
+            await trio.sleep(0)                 # one checkpoint: the prefetch's task finishes it
+            (w,) = await cache.ensure_resident(b)
+            assert float(np.asarray(w).reshape(-1)[0]) == 2.0
+            snap = cache.snapshot()
+            assert (snap.prefetches, snap.prefetches_landed, snap.prefetches_late) == (1, 1, 0)
+            assert {r.model: r.hits for r in snap}["b"] == 1
+            nursery.cancel_scope.cancel()
+    trio.run(main)
