@@ -296,6 +296,9 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         assert out.shape == (1, 10) or out.shape[0] == 1
         status, text = node.get("/metrics")
         assert status == 200 and 'xlaserve_gateway_worker_up{worker="a"} 1.0' in text
+        # answered: nothing in flight, though the gateway's status stream to each worker stays open
+        assert 'xlaserve_gateway_in_flight{worker="a"} 0.0' in text, text
+        assert 'xlaserve_gateway_in_flight{worker="b"} 0.0' in text, text
         deadline = time.monotonic() + TIMEOUT        # the workers' own metrics, scraped, with their names
         scraped = [re.compile(rf'^xlaserve_weight_cache\w*\{{worker="{w}"', re.MULTILINE) for w in "ab"]
         while time.monotonic() < deadline and not all(p.search(text) for p in scraped):

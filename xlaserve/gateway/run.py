@@ -100,7 +100,8 @@ class Gateway:
                                  max_send_bytes=config.grpc.max_send_msg_bytes)
         self.registry = CollectorRegistry()
         self.registry.register(_RoutedCollector(self.service))
-        self._in_flight = Gauge("xlaserve_gateway_in_flight", "requests in flight to each worker",
+        self._in_flight = Gauge("xlaserve_gateway_in_flight", "requests in flight to each worker (the gateway's own "
+                                "status stream to it not counted)",
                                 ["worker"], registry=self.registry)
         self._up = Gauge("xlaserve_gateway_worker_up", "1 when the gateway's connection to the worker is up",
                          ["worker"], registry=self.registry)
@@ -420,7 +421,8 @@ class Gateway:
 
         def metrics():
             for name, upstream in self.upstreams.items():
-                self._in_flight.labels(name).set(upstream.outstanding)
+                # requests: the long-lived status stream of discovery is not one
+                self._in_flight.labels(name).set(upstream.outstanding - upstream.streaming)
                 self._up.labels(name).set(1 if upstream.up else 0)
             for cause, n in self.service.errors.items():
                 self._errors.labels(cause).set(n)

@@ -154,6 +154,7 @@ class Upstream:
         self.up = False
         self.last_error = "not connected yet"
         self.outstanding = 0              # calls started and not yet answered (queued ones too)
+        self.streaming = 0                # of those, server-streaming calls (the discovery's status stream)
         self.connects = 0
         self._authority = f"{host}:{port}"
         self._stream: trio.SocketStream | None = None
@@ -215,6 +216,7 @@ class Upstream:
         call = _Call(block, MESSAGE_PREFIX.pack(0, len(message)) + message, on_done,
                      trio.current_time() + timeout, on_message)
         self.outstanding += 1
+        self.streaming += on_message is not None
         if not self.up:
             self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
             return call
@@ -632,6 +634,7 @@ class Upstream:
             return
         call.done = True
         self.outstanding -= 1
+        self.streaming -= call.on_message is not None
         on_done = call.on_done
         # what the call held goes now: its timer entry stays in the heap until its deadline
         # comes up or the heap is compacted
