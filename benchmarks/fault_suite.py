@@ -224,6 +224,22 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free (a two-worker node's base ports)."""
+    for _ in range(100):
+        p = free_ports(1)[0]
+        if p >= 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 def make_certs(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (the TLS target's)."""
     import datetime
@@ -305,6 +321,18 @@ def _start(name: str, args: list[str], workdir: Path) -> Process:
 
 
 def _wait_ready(processes: list[Process], admins: list[int], timeout: float = 300.0) -> None:
+    """Wait until every admin port says ready; on failure the processes are killed, then raise."""
+    try:
+        _poll_ready(processes, admins, timeout)
+    except BaseException:
+        for p in processes:
+            if p.proc.poll() is None:
+                os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait()
+        raise
+
+
+def _poll_ready(processes: list[Process], admins: list[int], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for port in admins:
         while True:
@@ -338,8 +366,8 @@ def start_target(kind: str, repo: Path, workdir: Path) -> Target:
         _wait_ready([p], [http])
         return Target(kind, grpc, http, [http], None, [p], tls_context)
     if kind == "node":
-        grpc, http, base, metrics_base = free_ports(4)
-        # two workers on consecutive ports from base and metrics_base: make sure those are free too
+        grpc, http = free_ports(2)
+        base, metrics_base = free_port_pair(), free_port_pair()     # worker i serves on base + i
         node = _node_file(workdir / "node.yaml", repo, grpc, http, base_port=base,
                           metrics_base_port=metrics_base, workers=[{"name": "a"}, {"name": "b"}])
         p = _start("node", ["run", str(node)], workdir)
@@ -1186,7 +1214,11 @@ def targets_running(names: list[str], workdir: Path):
     with ExitStack() as stack:
         running = []
         for name in names:
-            t = start_target(name, repo, workdir / name)
+            try:
+                t = start_target(name, repo, workdir / name)
+            except RuntimeError as exc:     # a port taken between choosing it and binding it: once more
+                print(f"{name} did not start ({str(exc)[:300]}); trying again", file=sys.stderr)
+                t = start_target(name, repo, workdir / f"{name}-again")
             stack.callback(stop_target, t)
             running.append(t)
         yield running

@@ -13,6 +13,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from benchmarks import fault_suite
 from examples import reference
 from tests.conftest import infer_input, serve
 
@@ -60,3 +61,33 @@ def test_absurd_shapes_are_invalid_argument_and_give_their_admission_slot_back(e
         assert _gauge(server, "xlaserve_requests_in_flight") == 0
         assert _gauge(server, "xlaserve_held_request_bytes") == 0
         assert "Traceback" not in server.log()
+
+
+# ---- the seeded subset of the fault-injection suite ---------------------------------------------------
+CASES = 1000       # per target: 4,000 cases, about 9,000 requests, in about 40 s on two cores
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    with fault_suite.targets_running(["worker", "gateway", "node", "tls"], tmp_path_factory.mktemp("faults")) as t:
+        yield {target.name: target for target in t}
+    codes = [p.proc.returncode for target in t for p in target.processes]
+    assert codes == [0] * len(codes), f"exit statuses after SIGTERM: {codes}"
+
+
+@pytest.mark.parametrize("name", ["worker", "gateway", "node", "tls"])
+def test_seeded_fault_cases_leave_every_process_alive_every_request_answered_once_and_no_leak(targets, name):
+    target = targets[name]
+    report = fault_suite.run_target(target, CASES, seed=24, round_size=50, threads=8)
+    fault_suite.print_report(report)
+    assert not report.failed(), "\n".join(report.examples)
+    assert report.cases == CASES and report.deaths == 0
+    assert report.unanswered == report.twice == report.wrong == report.leaks == report.log_records == 0
+    # the faults fired: malformed requests were refused, user code failed, and good requests were served
+    assert report.statuses[3] > 50                      # INVALID_ARGUMENT
+    assert report.statuses[0] > 50                      # OK
+    if name != "tls":
+        assert report.statuses[13] > 10                 # INTERNAL: hooks that raise or return junk
+        assert report.by_family["conn"] > 100
+    else:
+        assert report.by_family["tls"] > 50
