@@ -147,6 +147,7 @@ class WeightCache:
         self._prefetching: dict[Key, trio.Event] = {}
         self._prefetched: set[Key] = set()
         self._current: Key | None = None
+        self._queued: frozenset[Key] = frozenset()   # models with queued work (the scheduler says)
         self._loads_since_compaction = 0
         self._thrash = ThrashMonitor()
         self._recent_evictions: deque[tuple[str, int]] = deque(maxlen=self._thrash.window)
@@ -325,7 +326,7 @@ class WeightCache:
         """Evict what the plan says and copy ``key`` onto the device; the lock is held. Returns
         how many models were evicted and the device arrays. Raises Unavailable when it cannot
         fit now."""
-        plan = self._book.plan(key, protect)
+        plan = self._book.plan(key, protect, spare=self._queued)
         if not plan.ok:
             raise Unavailable(f"model '{key[0]}' cannot be made resident now: {plan.refused}")
         for victim in plan.evict:
@@ -388,6 +389,19 @@ class WeightCache:
                     "weight_cache_fraction", 100 * self._thrash.evicting_share, self._thrash.window, listed,
                     self._budget.explain())
 
+    def load_estimate(self, model: ModelVersion) -> float:
+        """0.0 when a dispatch of ``model`` finds its weights on the device (or it has none),
+        else the seconds its load is expected to take (the learned load cost)."""
+        key = (model.name, model.version)
+        if model.weights is None or self._book.is_resident(key):
+            return 0.0
+        return max(1e-9, self._load_cost(model.weight_bytes, self._source(key)))
+
+    def set_queued(self, models) -> None:
+        """The scheduler's models with queued work now: a load evicts them only when the other
+        models do not make room, and a prefetch never does."""
+        self._queued = frozenset((m.name, m.version) for m in models if m.weights is not None)
+
     def hint_next(self, model: ModelVersion | None) -> None:
         """The scheduler expects to dispatch ``model`` next: start copying its weights now, while
         the current model executes, unless that would evict the model in use or a pinned one."""
@@ -397,7 +411,7 @@ class WeightCache:
         key = (model.name, model.version)
         if key not in self._book or self._book.is_resident(key) or key in self._prefetching:
             return
-        protect = (self._current,) if self._current else ()
+        protect = ((self._current,) if self._current else ()) + tuple(self._queued)   # speculative: spare them
         if not self._book.plan(key, protect).ok:
             return
         done = self._prefetching[key] = trio.Event()
