@@ -3,10 +3,12 @@
   python -m benchmarks.weights_bench cold [--sizes-mb 1 16 128 512]
       In process, real cpu device: per size, cold call (weights evicted) minus warm call,
       against bytes / host-to-device bandwidth measured in the same run.
-  python -m benchmarks.weights_bench density [--seconds 60] [--configs ...]
+  python -m benchmarks.weights_bench density [--seconds 60] [--configs ...] [--budget-ratio 10]
+          [--discipline fifo] [--rounds N] [--tree before=/path --tree after=/path]
       Real server + Triton client: 100 bundles of mixed sizes totalling 10x the budget, Zipf(1.0)
       over them at concurrency 16; budgeted (prefetch on/off), all resident, all unpinned. Also
-      reports the server's RSS against the sum of the weights.
+      reports the server's RSS against the sum of the weights, misses per request, and (with
+      several trees or rounds) medians and ratios to the same tree's all-resident run.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from benchmarks.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
 
@@ -155,20 +158,29 @@ def drive(url: str, names: list[str], seconds: float, concurrency: int) -> dict:
     for t in threads:
         t.join()
     lat = np.array(latencies)
-    return {"rps": len(lat) / seconds, "p50": float(np.percentile(lat, 50)) * 1e3,
+    return {"rps": len(lat) / seconds, "requests": len(lat), "p50": float(np.percentile(lat, 50)) * 1e3,
             "p99": float(np.percentile(lat, 99)) * 1e3, "errors": errors[0]}
 
 
-def density(seconds: float, configs: list[str], count: int, concurrency: int) -> None:
-    from tests.conftest import serve
+def density(seconds: float, configs: list[str], count: int, concurrency: int, *, budget_ratio: float = 10.0,
+            discipline: str = "fifo", trees: dict[str, Path] | None = None, rounds: int = 1,
+            sched: dict[str, dict] | None = None) -> None:
+    """Each round runs every config on every tree (checkout) in turn, so that a before/after
+    comparison on a shared machine sees the same background load; the summary gives medians
+    over the rounds and, per round, each config's throughput and p99 against the same tree's
+    all-resident run of that round. ``sched``: extra ``scheduler:`` keys per tree name."""
+    from tests.conftest import ROOT, serve
 
+    trees = trees or {"this": ROOT}
     tmp = _scratch("xlaserve-density-")
     sizes = build_catalog(tmp / "models", count)
     total = sum(sizes.values())
-    budget = total // 10
+    budget = int(total / budget_ratio)
     wiggle = 0.1
     arena = int(budget / (1 - wiggle))
-    print(f"catalog: {count} bundles, {total / MB:.1f} MiB of weights; budget {budget / MB:.1f} MiB (1/10)")
+    print(f"catalog: {count} bundles, {total / MB:.1f} MiB of weights; budget {budget / MB:.1f} MiB "
+          f"(1/{budget_ratio:g}); discipline {discipline}; Zipf(1.0), {concurrency} closed-loop clients, "
+          f"{seconds:g} s per run; trees: {', '.join(f'{k}={v}' for k, v in trees.items())}")
     settings = {
         "budgeted": ({"device_memory_bytes": arena}, {}, {}),
         "budgeted-noprefetch": ({"device_memory_bytes": arena}, {}, {"XLASERVE_WEIGHT_PREFETCH": "0"}),
@@ -177,20 +189,47 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int) ->
                           {"models": {n: {"residency": "unpinned"} for n in sizes}}, {}),
     }
     settings["unpinned-cold"] = settings["unpinned-warm"]
-    for name in configs:
-        runtime, sched, env = settings[name]
-        glob = {"runtime": {"backend": "cpu", "weight_cache_wiggle_fraction": wiggle, **runtime},
-                "scheduler": {"discipline": "fifo", **sched}}
-        with serve(tmp / name, tmp / "models", glob, env=env, timeout=600) as server:
-            rss = rss_bytes(server.process.pid)
-            with page_cache_dropped(name.endswith("-cold")):
-                result = drive(server.url, sorted(sizes), seconds, concurrency)
-            _, text = server.get("/metrics")
-        counters = {k: _metric(text, f"xlaserve_weight_cache_{k}") for k in
-                    ("hits", "misses", "evictions", "prefetch_hits")}
-        print(f"{name:>20}: {result['rps']:8.1f} req/s  p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms  "
-              f"errors {result['errors']}  RSS after load {rss / MB:.0f} MiB  "
-              + "  ".join(f"{k} {int(v)}" for k, v in counters.items()))
+    results: dict[tuple[str, str], list[dict]] = {}
+    for r in range(rounds):
+        for tree_name, tree in trees.items():
+            for name in configs:
+                runtime, models, env = settings[name]
+                glob = {"runtime": {"backend": "cpu", "weight_cache_wiggle_fraction": wiggle, **runtime},
+                        "scheduler": {"discipline": discipline, **(sched or {}).get(tree_name, {}), **models}}
+                with serve(tmp / f"{tree_name}-{name}", tmp / "models", glob, env=env, timeout=600,
+                           root=tree) as server:
+                    rss = rss_bytes(server.process.pid)
+                    before = _counters(server)
+                    with page_cache_dropped(name.endswith("-cold")):
+                        result = drive(server.url, sorted(sizes), seconds, concurrency)
+                    after = _counters(server)
+                counters = {k: after[k] - before[k] for k in after}
+                result["misses_per_request"] = counters["misses"] / max(1, result["requests"])
+                result["loads_per_request"] = counters["loads"] / max(1, result["requests"])
+                results.setdefault((tree_name, name), []).append(result)
+                print(f"round {r + 1} {tree_name:>8} {name:>20}: {result['rps']:8.1f} req/s  "
+                      f"p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms  errors {result['errors']}  "
+                      f"RSS after load {rss / MB:.0f} MiB  misses/req {result['misses_per_request']:.3f}  "
+                      f"loads/req {result['loads_per_request']:.3f}  "
+                      + "  ".join(f"{k} {int(v)}" for k, v in counters.items()), flush=True)
+    print("\nmedians over rounds (ratios: per round against the same tree's all-resident, then the median)")
+    for (tree_name, name), runs in results.items():
+        line = (f"{tree_name:>8} {name:>20}: {statistics.median(x['rps'] for x in runs):8.1f} req/s  "
+                f"p99 {statistics.median(x['p99'] for x in runs):7.2f} ms  "
+                f"misses/req {statistics.median(x['misses_per_request'] for x in runs):.3f}  "
+                f"loads/req {statistics.median(x['loads_per_request'] for x in runs):.3f}")
+        base = results.get((tree_name, "all-resident"))
+        if base and name != "all-resident":
+            line += (f"  throughput/all-resident {statistics.median(x['rps'] / b['rps'] for x, b in zip(runs, base)):.2f}"
+                     f"  p99/all-resident {statistics.median(x['p99'] / b['p99'] for x, b in zip(runs, base)):.2f}")
+        print(line)
+
+
+def _counters(server) -> dict[str, float]:
+    _, text = server.get("/metrics")
+    out = {k: _metric(text, f"xlaserve_weight_cache_{k}") for k in ("hits", "misses", "evictions", "prefetch_hits")}
+    out["loads"] = _metric(text, "xlaserve_weight_cache_load_seconds_count")    # on demand and prefetch
+    return out
 
 
 @contextlib.contextmanager
@@ -247,13 +286,28 @@ def main(argv=None) -> None:
     d.add_argument("--concurrency", type=int, default=16)
     d.add_argument("--configs", nargs="+", default=["budgeted", "budgeted-noprefetch", "all-resident",
                                                    "unpinned-warm"])
+    d.add_argument("--budget-ratio", type=float, default=10.0, help="catalog bytes / weight budget")
+    d.add_argument("--discipline", default="fifo", choices=("fair", "fifo", "edf"))
+    d.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians reported)")
+    d.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
+                   help="run the server from this checkout (repeat to compare; default: this one)")
+    d.add_argument("--sched", action="append", default=[], metavar="TREE:KEY=VALUE",
+                   help="a scheduler key for one tree's runs, e.g. after:cold_defer_dispatches=0 (the same "
+                        "checkout may be given twice under two names)")
     r = sub.add_parser("rss")
     r.add_argument("--count", type=int, default=100)
     args = parser.parse_args(argv)
     if args.cmd == "cold":
         cold(args.sizes_mb, args.repeats)
     elif args.cmd == "density":
-        density(args.seconds, args.configs, args.count, args.concurrency)
+        trees = {k: Path(v).resolve() for k, v in (t.split("=", 1) for t in args.tree)} or None
+        sched: dict[str, dict] = {}
+        for item in args.sched:
+            tree, _, kv = item.partition(":")
+            key, _, value = kv.partition("=")
+            sched.setdefault(tree, {})[key] = yaml.safe_load(value)
+        density(args.seconds, args.configs, args.count, args.concurrency, budget_ratio=args.budget_ratio,
+                discipline=args.discipline, trees=trees, rounds=args.rounds, sched=sched)
     else:
         rss(args.count)
 

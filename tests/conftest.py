@@ -66,8 +66,9 @@ def write_node(path: Path, repo: Path, global_: dict | None = None, **top) -> Pa
 
 @contextmanager
 def serve(tmp: Path, repo: Path, global_: dict | None = None, *, wait_ready: bool = True,
-          env: dict | None = None, timeout: float = 120.0, **top):
-    """Start ``xlaserve run`` on a node file built from the arguments; stop it with SIGTERM."""
+          env: dict | None = None, timeout: float = 120.0, root: Path = ROOT, **top):
+    """Start ``xlaserve run`` on a node file built from the arguments; stop it with SIGTERM.
+    ``root``: the checkout whose ``xlaserve`` runs (benchmarks compare two)."""
     tmp.mkdir(parents=True, exist_ok=True)
     node = write_node(tmp / "node.yaml", repo, global_, **top)
     ready = tmp / "ready.json"
@@ -75,7 +76,7 @@ def serve(tmp: Path, repo: Path, global_: dict | None = None, *, wait_ready: boo
     log_path = tmp / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "run", str(node), "--ready-file", str(ready)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})})
+                            stdout=log, stderr=subprocess.STDOUT, cwd=root, env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + timeout
         while not ready.exists():

@@ -62,11 +62,11 @@ def config(**kw) -> SchedulerConfig:
 
 
 class Harness:
-    def __init__(self, cfg: SchedulerConfig, cost: dict, nursery: trio.Nursery) -> None:
+    def __init__(self, cfg: SchedulerConfig, cost: dict, nursery: trio.Nursery, weights=None) -> None:
         self.device = FakeDevice(cost)
         self.stats = StatsBook()
         self.metrics = Metrics()
-        self.scheduler = Scheduler(cfg, self.device, FakeWeights(), self.stats, self.metrics)
+        self.scheduler = Scheduler(cfg, self.device, weights or FakeWeights(), self.stats, self.metrics)
         self.send, self._inbox = trio.open_memory_channel(1000)
         self.models: dict[str, FakeModel] = {}
         self.nursery = nursery

@@ -436,3 +436,32 @@ def test_weight_trace_path_per_worker():
     assert path_of("/tmp/{worker}-trace.jsonl", workers=2, which=0) == Path("/tmp/w0-trace.jsonl")
     node = parse_node_config({"model_repo": "m"}, Path("/srv"))
     assert weight_trace_path(resolve_worker(node)) is None
+
+
+def test_models_with_queued_work_are_evicted_last_and_never_by_a_prefetch(tmp_path, device):
+    """The scheduler tells the cache which models have queued work (issue 25, part 3): a load
+    evicts an idle model instead, and ``load_estimate`` says who is cold."""
+    a, b, c, d = (make_model(tmp_path, n, MB) for n in "abcd")
+
+    async def main():
+        cache = cache_for(device, 2 * MB, eviction="lru")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in (a, b, c, d):
+                await cache.admit(m)
+            assert cache.load_estimate(a) > 0
+            await cache.ensure_resident(a)
+            await cache.ensure_resident(b)
+            assert cache.load_estimate(a) == 0.0 and cache.load_estimate(c) > 0
+            cache.set_queued([a])                        # a is least recently used but has work
+            await cache.ensure_resident(c)
+            resident = {r.model for r in cache.snapshot() if r.resident_bytes}
+            assert resident == {"a", "c"}
+            cache.set_queued([a, c])
+            cache.hint_next(d)                           # would have to evict a (queued) or c (in use)
+            assert all(r.loads == 0 for r in cache.snapshot() if r.model == "d")
+            await cache.ensure_resident(b)               # both have work: the policy's order (LRU: a)
+            resident = {r.model for r in cache.snapshot() if r.resident_bytes}
+            assert resident == {"b", "c"}
+            nursery.cancel_scope.cancel()
+    run(main)

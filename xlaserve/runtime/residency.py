@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Collection, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 from xlaserve.runtime.eviction import LeastRecentlyUsed, Policy
@@ -191,9 +191,12 @@ class ResidencyBook:
         return self.budget - self.used_bytes()
 
     # ---- decisions -------------------------------------------------------------------------
-    def plan(self, key: Hashable, protect: Iterable[Hashable] = (), *, may_evict: bool = True) -> Plan:
+    def plan(self, key: Hashable, protect: Iterable[Hashable] = (), *, may_evict: bool = True,
+             spare: Collection[Hashable] = ()) -> Plan:
         """What making ``key`` resident takes. With ``may_evict=False`` (prefetch is polite)
-        the plan is refused unless the model fits in free space already."""
+        the plan is refused unless the model fits in free space already. Models in ``spare``
+        (those with queued work) are victims only when the others do not make room, and then
+        in the policy's order."""
         entry = self._entries[key]
         if entry.resident or entry.loading:
             return Plan()
@@ -203,7 +206,16 @@ class ResidencyBook:
         if not may_evict:
             return Plan(refused=f"needs {fmt_bytes(need)} more than is free")
         victims: list[Hashable] = []
+        spared: list[Hashable] = []
         for other in self.evictable((*protect, key)):
+            if other in spare:
+                spared.append(other)
+                continue
+            victims.append(other)
+            need -= self._entries[other].nbytes
+            if need <= 0:
+                return Plan(tuple(victims))
+        for other in spared:
             victims.append(other)
             need -= self._entries[other].nbytes
             if need <= 0:

@@ -166,6 +166,7 @@ class WeightCache:
         self._prefetch_copied: dict[Key, list] = {}   # key -> [outcome] once its copy thread is done
         self._pool = WeightPool(self._budget.bytes, collect=device.collect_garbage) if device.pools_weights else None
         self._current: Key | None = None
+        self._queued: frozenset[Key] = frozenset()   # models with queued work (the scheduler says)
         self._loads_since_compaction = 0
         self._thrash = ThrashMonitor()
         self._recent_evictions: deque[tuple[str, int]] = deque(maxlen=self._thrash.window)
@@ -369,7 +370,7 @@ class WeightCache:
     def _begin_load(self, key: Key, protect: tuple[Key, ...]) -> int:
         """Evict what the plan says and reserve ``key``'s bytes; returns how many were evicted.
         Raises Unavailable when it cannot fit now."""
-        plan = self._book.plan(key, protect)
+        plan = self._book.plan(key, protect, spare=self._queued)
         if not plan.ok:
             raise Unavailable(f"model '{key[0]}' cannot be made resident now: {plan.refused}")
         for victim in plan.evict:
@@ -451,6 +452,19 @@ class WeightCache:
                     "weight_cache_fraction", 100 * self._thrash.evicting_share, self._thrash.window, listed,
                     self._budget.explain())
 
+    def load_estimate(self, model: ModelVersion) -> float:
+        """0.0 when a dispatch of ``model`` finds its weights on the device (or it has none),
+        else the seconds its load is expected to take (the learned load cost)."""
+        key = (model.name, model.version)
+        if model.weights is None or self._book.is_resident(key):
+            return 0.0
+        return max(1e-9, self._load_cost(model.weight_bytes, self._source(key)))
+
+    def set_queued(self, models) -> None:
+        """The scheduler's models with queued work now: a load evicts them only when the other
+        models do not make room, and a prefetch never does."""
+        self._queued = frozenset((m.name, m.version) for m in models if m.weights is not None)
+
     def hint_next(self, model: ModelVersion | None) -> None:
         """The scheduler expects to dispatch ``model`` next: start copying its weights now, while
         the current model executes, unless that would evict the model in use or a pinned one.
@@ -463,7 +477,7 @@ class WeightCache:
         key = (model.name, model.version)
         if key not in self._book or self._book.is_resident(key):
             return
-        protect = (self._current,) if self._current else ()
+        protect = ((self._current,) if self._current else ()) + tuple(self._queued)   # speculative: spare them
         if not self._book.plan(key, protect).ok:
             return
         self._begin_load(key, protect)

@@ -42,7 +42,7 @@ from xlaserve.runtime.weights import WeightCache
 from xlaserve.worker.batching import BatchPlan, plan_batch, smallest_holding
 from xlaserve.worker.executor import Executor
 from xlaserve.worker.messages import CancelRequest, DropModel, InferRequest, InferResult, SchedulerMessage
-from xlaserve.worker.policy import Candidate, CostModel, CostSnapshot, Policy, make_policy
+from xlaserve.worker.policy import Candidate, ColdDeferral, CostModel, CostSnapshot, Policy, make_policy
 from xlaserve.worker.stats import StatsBook
 
 log = logging.getLogger("xlaserve.scheduler")
@@ -82,7 +82,10 @@ class Scheduler:
     ``executor`` needs ``await run(model, size, weights, inputs, rows) -> BatchResult``;
     ``weights`` needs ``await ensure_resident(model) -> weights`` and ``hint_next(model)`` (the
     prefetch hint). Both are used on the dispatch loop only, so tests can pass fakes that
-    ``await trio.sleep(cost)``.
+    ``await trio.sleep(cost)``. A weight cache that also answers ``load_estimate(model) ->
+    seconds`` (0 when resident) and takes ``set_queued(models)`` makes the scheduler
+    cache-aware (:class:`~xlaserve.worker.policy.ColdDeferral`, ``cold_defer_dispatches``);
+    without them every model counts as resident.
     """
 
     def __init__(self, config: SchedulerConfig, executor: Executor, weights: WeightCache,
@@ -95,6 +98,10 @@ class Scheduler:
         self._costs = CostModel(config.ema_halflife_seconds)
         self._overrides: dict[str, dict[str, float | int | None]] = {}
         self._policy = policy or make_policy(config.discipline, self._costs, self.weight)
+        self._load_estimate = getattr(weights, "load_estimate", None)
+        self._set_queued = getattr(weights, "set_queued", None)
+        self._cold = ColdDeferral(self._policy, self._costs,
+                                  config.cold_defer_dispatches if self._load_estimate is not None else 0)
         self._edf = config.discipline == "edf" and policy is None
         self._queues: dict[str, deque[Queued]] = {}
         self._queued: set[int] = set()                          # seqs still waiting
@@ -393,11 +400,15 @@ class Scheduler:
             now = trio.current_time()
             plans: dict[str, tuple[list[Queued], BatchPlan]] = {}
             candidates: dict[str, Candidate] = {}
+            estimate = self._load_estimate
             for name, queue in backlog.items():
                 order, plan = self._plan(name, queue)
                 plans[name] = order, plan
                 due = order[0].dispatch_by      # under edf, _plan ordered by dispatch_by
-                candidates[name] = Candidate(name, plan.size, queue[0].seq, due)
+                load = estimate(order[0].request.model) if estimate is not None else 0.0
+                if load > 0:                    # cold: its batch's most urgent request bounds its wait
+                    due = min(order[i].dispatch_by for i in plan.indices)
+                candidates[name] = Candidate(name, plan.size, queue[0].seq, due, load > 0, load)
             if len(backlog) == 1 and not self._closing:
                 (name, queue), = backlog.items()
                 until, target = self._hold_until(name, queue, plans[name][1], now)
@@ -409,13 +420,17 @@ class Scheduler:
                     self._held = None
                     woken = True
                     continue
-            name = self._policy.pick(candidates, now)
+            decision = self._cold.decide(candidates, now)
+            name = decision.model
             order, plan = plans[name]
             batch = [order[i] for i in plan.indices]
             if self._edf and self._shed(name, batch, plan.size, now):
                 continue
             self._take(name, batch)
-            await self._dispatch(name, batch, plan.size)
+            if self._set_queued is not None:     # their device copies are evicted last
+                self._set_queued([q[0].request.model for q in self._queues.values() if q])
+            hint = plans[decision.next_cold][0][0].request.model if decision.next_cold else None
+            await self._dispatch(name, batch, plan.size, hint)
 
     def _plan(self, name: str, queue: deque[Queued]) -> tuple[list[Queued], BatchPlan]:
         """The order in which ``queue`` is considered for the next batch, and the batch."""
@@ -480,7 +495,9 @@ class Scheduler:
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, len(queue))
 
-    async def _dispatch(self, name: str, batch: list[Queued], size: int) -> None:
+    async def _dispatch(self, name: str, batch: list[Queued], size: int, hint: ModelVersion | None = None) -> None:
+        """Make the weights resident, run ``batch`` at ``size`` and queue its answers. ``hint``:
+        the cold model likely dispatched next, to prefetch (None: the oldest other request's)."""
         model = batch[0].request.model
         rows = [q.request.rows for q in batch]
         started_ns = time.perf_counter_ns()
@@ -496,10 +513,14 @@ class Scheduler:
             self._reject_all(batch, WEIGHTS_UNAVAILABLE, error)
             return
         try:
-            # Prefetch hint: the model of the oldest other queued request likely runs next.
-            waiting = [q[0] for n, q in self._queues.items() if q and n != name]
-            if waiting:
-                self._weights.hint_next(min(waiting, key=lambda q: q.seq).request.model)
+            # Prefetch hint: the cold model the policy expects to run next, else the model of
+            # the oldest other queued request.
+            if hint is None:
+                waiting = [q[0] for n, q in self._queues.items() if q and n != name]
+                if waiting:
+                    hint = min(waiting, key=lambda q: q.seq).request.model
+            if hint is not None:
+                self._weights.hint_next(hint)
             started = trio.current_time()
             result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows)
             finished = trio.current_time()
