@@ -96,10 +96,10 @@ async def guarded(stream: trio.abc.AsyncResource, handler: Callable[[trio.abc.As
         await handler(stream)
     except Exception as exc:
         if expected(exc):
-            limiter.line(logging.INFO, "a %s connection ended: %s", what, describe(exc))
+            limiter.line(logging.INFO, "%s %s connection ended: %s", _article(what), what, describe(exc))
         else:
-            limiter.line(logging.ERROR, "a %s connection failed (%s); it is closed, the server goes on",
-                         what, describe(exc), exc=exc)
+            limiter.line(logging.ERROR, "%s %s connection failed (%s); it is closed, the server goes on",
+                         _article(what), what, describe(exc), exc=exc)
     finally:
         try:
             await trio.aclose_forcefully(stream)
@@ -128,6 +128,10 @@ async def accept_loop(listener: trio.abc.Listener, nursery: trio.Nursery, handle
             continue
         delay = 0.0
         nursery.start_soon(guarded, stream, handler, limiter, what)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
 
 
 async def serve_guarded(handler, listeners: list[trio.abc.Listener], *, nursery: trio.Nursery,
