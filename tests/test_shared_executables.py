@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from benchmarks.catalog_bench import bundle_name, clone_variant, export_architecture, reference, variant_weights
-from xlaserve.bundle import load_bundle
+from xlaserve.bundle import load_bundle, read_manifest
 from xlaserve.errors import BundleError
 from xlaserve.runtime import executables as executables_module
 from xlaserve.runtime.executables import ExecutableTable
@@ -205,3 +205,18 @@ def test_dynamic_batch_specializations_are_shared(tmp_path, device, monkeypatch)
     assert all(b.modules[s].executable is a.modules[s].executable and b.modules[s].shared for s in (1, 4))
     x = np.ones((4, 8), np.float32)
     assert np.array_equal(_run(device, b, x), 2 * x) and np.array_equal(_run(device, a, x), x)
+
+
+def test_an_invalid_manifest_is_reported_as_the_python_loader_reports_it(tmp_path):
+    # manifests are parsed by libyaml where PyYAML has it; a broken one still gets the message
+    # (and line and column) of the pure-Python loader
+    bundle = tmp_path / "broken"
+    bundle.mkdir()
+    text = "name: broken\nexecutable_inputs: [\n  {name: input, dtype: f32\n"
+    (bundle / "manifest.yaml").write_text(text)
+    with pytest.raises(yaml.YAMLError) as expected:
+        yaml.safe_load(text)
+    with pytest.raises(BundleError) as err:
+        read_manifest(bundle)
+    assert str(err.value).endswith(f"manifest.yaml is not valid YAML: {expected.value}")
+    assert "bundle 'broken'" in str(err.value) and "line 4" in str(err.value)
