@@ -46,6 +46,9 @@ def test_twenty_bundles_over_two_architectures(tmp_path, catalog):
         assert (f"(0 module(s) from the executable cache, {distinct} compiled, {modules - distinct} shared with "
                 f"another bundle's identical module; {distinct} distinct executable(s))") in log
         assert len(re.findall(r"model\.b\d+\.mlir compiled in", log)) == distinct
+        metrics = server.get("/metrics")[1]
+        assert re.search(rf"^xlaserve_executables {distinct}\.0$", metrics, re.M)
+        assert re.search(rf"^xlaserve_executable_references {modules}\.0$", metrics, re.M)
         # every variant answers with its own weights, at both compiled sizes and a padded one
         for arch in range(ARCHS):
             for variant in range(VARIANTS):
@@ -62,4 +65,7 @@ def test_twenty_bundles_over_two_architectures(tmp_path, catalog):
         assert len(re.findall(r"model\.b\d+\.mlir compiled in", server.log())) == distinct
         for variant in (3, 4):
             _check(client, 0, variant, 4)
+        metrics = server.get("/metrics")[1]
+        assert re.search(rf"^xlaserve_executables {distinct}\.0$", metrics, re.M)
+        assert re.search(rf"^xlaserve_executable_references {modules}\.0$", metrics, re.M)
         _check(client, 1, 3, 1)

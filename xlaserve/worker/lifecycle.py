@@ -86,7 +86,7 @@ class LifecycleMetrics:
     """The lifecycle's Prometheus series, registered in the worker's registry."""
 
     def __init__(self, registry) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
         self.loads = Counter("xlaserve_model_loads", "Bundle load attempts (start-up, reload, control RPC), "
                              "by model and outcome (ok, failed)", ["model", "outcome"], registry=registry)
         self.load_seconds = Histogram("xlaserve_model_load_duration_seconds",
@@ -97,6 +97,11 @@ class LifecycleMetrics:
         self.executable_cache = Counter("xlaserve_executable_cache", "Compiled-executable cache lookups by "
                                         "result (hit, miss, rejected: a corrupt or mismatched entry rebuilt)",
                                         ["result"], registry=registry)
+        self.executables = Gauge("xlaserve_executables", "Loaded executables: one per distinct module, shared by "
+                                 "every bundle whose module is identical", registry=registry)
+        self.executable_references = Gauge("xlaserve_executable_references", "Modules of the loaded versions "
+                                           "(bundles x compiled batch sizes) served by those executables",
+                                           registry=registry)
 
 
 class Lifecycle:
@@ -112,6 +117,9 @@ class Lifecycle:
         # fine-tuned variants compiles (and holds) one per architecture and batch size.
         self.executables = ExecutableTable(device, compile_module)
         self._metrics = metrics
+        if metrics is not None:
+            metrics.executables.set_function(lambda: self.executables.statistics().executables)
+            metrics.executable_references.set_function(lambda: self.executables.statistics().references)
         self._versions: dict[str, int] = {}
         self._seen: dict[str, str] = {}   # bundle -> fingerprint at its last load attempt or unload
         self._compile_limiter = trio.CapacityLimiter(1)
