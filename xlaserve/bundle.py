@@ -17,6 +17,7 @@ import re
 import struct
 import sys
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +32,8 @@ from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.progress import Step
-from xlaserve.runtime.pjrt import (CompiledMemory, Device, ModuleError, Signature, TensorType, kernel_permutations,
-                                   read_signature, relayout,
-                                   specialize)
+from xlaserve.runtime.executables import ExecutableTable
+from xlaserve.runtime.pjrt import CompiledMemory, Device, ModuleError, Signature, TensorType
 
 MANIFEST = "manifest.yaml"
 HOOKS_FILE = "model.py"
@@ -139,7 +139,10 @@ class HostWeights:
 @dataclass(frozen=True, slots=True)
 class CompiledModule:
     """One compiled batch size. ``path`` is its module file: ``model.b{N}.mlir``, or for a
-    dynamic-batch bundle the one ``model.mlir`` every size was specialized from (``dynamic``)."""
+    dynamic-batch bundle the one ``model.mlir`` every size was specialized from (``dynamic``).
+    ``shared``: the executable was already loaded for another version with the identical module
+    (:class:`~xlaserve.runtime.executables.ExecutableTable`), so neither compiled nor looked up
+    in the executable cache; ``key`` is its entry there."""
 
     batch_size: int
     path: Path
@@ -147,6 +150,8 @@ class CompiledModule:
     memory: CompiledMemory
     cache_hit: bool = False
     dynamic: bool = False
+    shared: bool = False
+    key: str = ""
 
     @property
     def label(self) -> str:
@@ -191,6 +196,12 @@ def bundle_fingerprint(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+#: libyaml's safe loader where PyYAML has it: a catalog of a thousand bundles parses a thousand
+#: manifests, and the pure-Python loader took most of the time of loading a bundle whose
+#: executable is shared (about 8 ms of 10).
+_FAST_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def read_manifest(path: Path) -> Manifest:
     name = path.name
     try:
@@ -198,9 +209,14 @@ def read_manifest(path: Path) -> Manifest:
     except OSError as exc:
         raise BundleError(name, f"cannot read {MANIFEST}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise BundleError(name, f"{MANIFEST} is not valid YAML: {exc}") from None
+        data = yaml.load(text, Loader=_FAST_SAFE_LOADER)
+    except yaml.YAMLError:
+        # parsed again by the pure-Python loader, whose message (and its marks) is the one
+        # documented and tested, whichever loader found the problem
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise BundleError(name, f"{MANIFEST} is not valid YAML: {exc}") from None
     return parse_manifest(data, name)
 
 
@@ -424,7 +440,8 @@ def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration |
 Compile = Callable[[Path, bytes], tuple[object, bool]]
 
 
-def _permute_kernels(weights: HostWeights, texts: dict[int, bytes]) -> tuple[HostWeights, dict[int, bytes]]:
+def _permute_kernels(weights: HostWeights, texts: dict[int, bytes],
+                     table: ExecutableTable) -> tuple[HostWeights, dict[int, bytes]]:
     """The weights and modules with every convolution-kernel weight handed over in the order
     the device's convolutions take kernels in (:func:`~xlaserve.runtime.pjrt.kernel_permutations`):
     the weight is transposed once, when it is read from disk, instead of inside every call. A
@@ -434,25 +451,41 @@ def _permute_kernels(weights: HostWeights, texts: dict[int, bytes]) -> tuple[Hos
     count = len(weights.tensors)
     agreed: dict[int, tuple[int, ...]] | None = None
     for text in texts.values():
-        found = {i: p for i, p in kernel_permutations(text).items() if i < count}
+        found = {i: p for i, p in table.kernel_permutations(text).items() if i < count}
         agreed = found if agreed is None else {i: p for i, p in agreed.items() if found.get(i) == p}
     if not agreed:
         return weights, texts
     permutations = tuple(agreed.get(i) for i in range(count))
     return (dataclasses.replace(weights, permutations=permutations),
-            {size: relayout(text, agreed) for size, text in texts.items()})
+            {size: table.relayout(text, agreed) for size, text in texts.items()})
 
 
 def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
-                progress: Callable[[str], None] | None = None, fingerprint: str | None = None) -> ModelVersion:
-    """Read, validate and compile one bundle. ``compile_module(path, module_bytes)`` returns
-    ``(executable, cache_hit)``; by default it compiles with ``device`` directly. A dynamic-batch
-    bundle's ``model.mlir`` is specialized to each compiled batch size first
-    (:func:`xlaserve.runtime.pjrt.specialize`), and ``compile_module`` gets the specialized
-    module, so an executable cache keys on it. ``progress`` hears one
-    :class:`~xlaserve.progress.Step` per module XLA compiled (the slow part; executable-cache
-    hits are left to the caller's summary). ``fingerprint``:
-    the bundle's :func:`bundle_fingerprint` when the caller has just taken it (else taken here)."""
+                progress: Callable[[str], None] | None = None, fingerprint: str | None = None,
+                executables: ExecutableTable | None = None) -> ModelVersion:
+    """Read, validate and compile one bundle.
+
+    ``executables``: the worker's :class:`~xlaserve.runtime.executables.ExecutableTable`, which
+    holds one executable per distinct module and hands it to every version built from that
+    module (variants of one architecture share it); it also remembers each distinct module's
+    signature and specializations, so an identical module is parsed once. Each module's
+    ``@main`` is still validated against this bundle's manifest and weights, so errors name this
+    bundle. The version holds one reference per module and gives them back when it is collected.
+    Without a table, a private one is used (nothing is shared), compiling with
+    ``compile_module(path, module_bytes) -> (executable, cache_hit)`` (default: ``device``
+    directly); with one, the table's own compile function is used and ``compile_module`` must
+    be None.
+
+    A dynamic-batch bundle's ``model.mlir`` is specialized to each compiled batch size first
+    (:func:`xlaserve.runtime.pjrt.specialize`), and the executable is keyed on the specialized
+    module. ``progress`` hears one :class:`~xlaserve.progress.Step` per module XLA compiled (the
+    slow part; executable-cache hits and shared executables are left to the caller's summary).
+    ``fingerprint``: the bundle's :func:`bundle_fingerprint` when the caller has just taken it
+    (else taken here)."""
+    if executables is None:
+        executables = ExecutableTable(device, compile_module)
+    elif compile_module is not None:
+        raise TypeError("load_bundle: pass compile_module or executables, not both (the table compiles)")
     fingerprint = fingerprint or bundle_fingerprint(path)
     manifest = read_manifest(path)
     hooks = import_hooks(path, manifest, version)
@@ -470,7 +503,7 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
         file = next(iter(module_files.values()))
         try:
             source = file.read_bytes()
-            sig = read_signature(source)
+            sig = executables.signature(source)
         except OSError as exc:
             raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
         except ModuleError as exc:
@@ -478,9 +511,9 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
         validate_signature(manifest, file, None, sig, weights, f"{file.name} (the dynamic-batch module)")
     for size, file in module_files.items():
         try:
-            texts[size] = (specialize(source, _argument_types(manifest, weights, size)) if dynamic
+            texts[size] = (executables.specialize(source, _argument_types(manifest, weights, size)) if dynamic
                            else file.read_bytes())
-            sig = read_signature(texts[size])
+            sig = executables.signature(texts[size])
         except OSError as exc:
             raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
         except ModuleError as exc:
@@ -488,27 +521,34 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
             raise BundleError(manifest.bundle, f"{where}: {exc}") from None
         validate_signature(manifest, file, size, sig, weights, f"{file.name}@b{size}" if dynamic else None)
     if weights is not None and device.permutes_kernels:
-        weights, texts = _permute_kernels(weights, texts)
-    if compile_module is None:
-        def compile_module(_file: Path, data: bytes) -> tuple[object, bool]:
-            return device.compile(data), False
+        weights, texts = _permute_kernels(weights, texts, executables)
     modules: dict[int, CompiledModule] = {}
-    for index, (size, file) in enumerate(module_files.items(), 1):
-        label = f"{file.name}@b{size}" if dynamic else file.name
-        started = time.perf_counter()
-        try:
-            executable, hit = compile_module(file, texts[size])
-        except BundleError:
-            raise
-        except Exception as exc:
-            raise BundleError(manifest.bundle, f"{label}: XLA could not compile it: {_oneline(exc)}") from None
-        modules[size] = CompiledModule(size, file, executable, device.compiled_memory(executable), hit, dynamic)
-        if progress and not hit:
-            progress(Step("compile", index, len(module_files),
-                          f"{manifest.bundle}: {label} compiled in {time.perf_counter() - started:.2f}s"
-                          f" ({index}/{len(module_files)})"))
-    return ModelVersion(manifest.bundle, version, path, manifest, fingerprint, weights,
-                        weights.nbytes if weights else 0, MappingProxyType(modules), hooks, time.time())
+    try:
+        for index, (size, file) in enumerate(module_files.items(), 1):
+            label = f"{file.name}@b{size}" if dynamic else file.name
+            started = time.perf_counter()
+            try:
+                got = executables.acquire(file, texts[size])
+            except BundleError:
+                raise
+            except Exception as exc:
+                raise BundleError(manifest.bundle, f"{label}: XLA could not compile it: {_oneline(exc)}") from None
+            entry = got.entry
+            modules[size] = CompiledModule(size, file, entry.executable, entry.memory, got.how == "cache", dynamic,
+                                           got.how == "shared", entry.key)
+            if progress and got.how == "compiled":
+                progress(Step("compile", index, len(module_files),
+                              f"{manifest.bundle}: {label} compiled in {time.perf_counter() - started:.2f}s"
+                              f" ({index}/{len(module_files)})"))
+        model = ModelVersion(manifest.bundle, version, path, manifest, fingerprint, weights,
+                             weights.nbytes if weights else 0, MappingProxyType(modules), hooks, time.time())
+    except BaseException:
+        executables.release(*(m.key for m in modules.values()))
+        raise
+    # The version's references are given back when it is collected (unloaded, or replaced and
+    # its last request answered), wherever that happens; not at exit, when nothing needs them.
+    weakref.finalize(model, executables.release, *(m.key for m in modules.values())).atexit = False
+    return model
 
 
 def _oneline(exc: BaseException) -> str:

@@ -35,6 +35,7 @@ import trio
 from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, is_bundle, load_bundle
 from xlaserve.config import WorkerConfig
 from xlaserve.errors import BundleError, ModelNotFound, Unavailable
+from xlaserve.runtime.executables import ExecutableTable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.worker.messages import DropModel, SchedulerMessage
 from xlaserve.worker.registry import ModelEntry, ModelState, ModelTable
@@ -85,7 +86,7 @@ class LifecycleMetrics:
     """The lifecycle's Prometheus series, registered in the worker's registry."""
 
     def __init__(self, registry) -> None:
-        from prometheus_client import Counter, Histogram
+        from prometheus_client import Counter, Gauge, Histogram
         self.loads = Counter("xlaserve_model_loads", "Bundle load attempts (start-up, reload, control RPC), "
                              "by model and outcome (ok, failed)", ["model", "outcome"], registry=registry)
         self.load_seconds = Histogram("xlaserve_model_load_duration_seconds",
@@ -96,6 +97,11 @@ class LifecycleMetrics:
         self.executable_cache = Counter("xlaserve_executable_cache", "Compiled-executable cache lookups by "
                                         "result (hit, miss, rejected: a corrupt or mismatched entry rebuilt)",
                                         ["result"], registry=registry)
+        self.executables = Gauge("xlaserve_executables", "Loaded executables: one per distinct module, shared by "
+                                 "every bundle whose module is identical", registry=registry)
+        self.executable_references = Gauge("xlaserve_executable_references", "Modules of the loaded versions "
+                                           "(bundles x compiled batch sizes) served by those executables",
+                                           registry=registry)
 
 
 class Lifecycle:
@@ -107,8 +113,13 @@ class Lifecycle:
         self._table = table
         self._scheduler = scheduler
         self._weights = weights
-        self._compile_module = compile_module
+        # One executable per distinct module, shared by every version built from it: a catalog of
+        # fine-tuned variants compiles (and holds) one per architecture and batch size.
+        self.executables = ExecutableTable(device, compile_module)
         self._metrics = metrics
+        if metrics is not None:
+            metrics.executables.set_function(lambda: self.executables.statistics().executables)
+            metrics.executable_references.set_function(lambda: self.executables.statistics().references)
         self._versions: dict[str, int] = {}
         self._seen: dict[str, str] = {}   # bundle -> fingerprint at its last load attempt or unload
         self._compile_limiter = trio.CapacityLimiter(1)
@@ -232,7 +243,8 @@ class Lifecycle:
     # ---- loading -------------------------------------------------------------------------
     async def load_all(self, names: list[str]) -> None:
         started = time.perf_counter()
-        hits = compiled = 0
+        hits = compiled = shared = 0
+        distinct: set[str] = set()
         # Every bundle is LOADING from the start, not absent until its turn: the index, the
         # status stream and a gateway in front show what this worker is about to serve.
         self._table.publish_all(ModelEntry(name, ModelState.LOADING, QUEUED) for name in names
@@ -243,11 +255,14 @@ class Lifecycle:
             if entry.serving is not None:
                 for module in entry.serving.modules.values():
                     hits += module.cache_hit
-                    compiled += not module.cache_hit
+                    shared += module.shared
+                    compiled += not (module.cache_hit or module.shared)
+                    distinct.add(module.key)
         ready = sum(1 for n in names if self._table.snapshot[n].state is ModelState.READY)
         log.info("start-up: %d of %d bundle(s) ready, %d failed, in %.1fs (%d module(s) from the executable "
-                 "cache, %d compiled)", ready, len(names), len(names) - ready, time.perf_counter() - started,
-                 hits, compiled)
+                 "cache, %d compiled, %d shared with another bundle's identical module; %d distinct "
+                 "executable(s))", ready, len(names), len(names) - ready, time.perf_counter() - started,
+                 hits, compiled, shared, len(distinct))
 
     async def _load_requested(self, name: str) -> Exception | None:
         if not self._included(name) or not is_bundle(self.repo / name):
@@ -285,8 +300,9 @@ class Lifecycle:
         self._versions[name] = version
         self._table.publish(entry)
         hits = sum(m.cache_hit for m in model.modules.values())
-        log.info("%s version %d ready in %.2fs (%d of %d module(s) from the executable cache)", name, version,
-                 seconds, hits, len(model.modules))
+        shared = sum(m.shared for m in model.modules.values())
+        log.info("%s version %d ready in %.2fs (%d of %d module(s) from the executable cache, %d shared)", name,
+                 version, seconds, hits, len(model.modules), shared)
         if self._metrics is not None:
             self._metrics.loads.labels(name, "ok").inc()
             self._metrics.load_seconds.labels(name).observe(seconds)
@@ -312,8 +328,8 @@ class Lifecycle:
         if not (path / MANIFEST).is_file():
             raise BundleError(path.name, f"{MANIFEST} is missing (a bundle directory needs one)")
         # load() has just fingerprinted it; "" when that failed, and load_bundle tries again
-        return load_bundle(path, version, self._device, self._compile_module, progress=log.info,
-                           fingerprint=self._seen.get(path.name))
+        return load_bundle(path, version, self._device, progress=log.info,
+                           fingerprint=self._seen.get(path.name), executables=self.executables)
 
     async def unload(self, name: str) -> Exception | None:
         entry = self._table.snapshot.get(name)
