@@ -293,3 +293,22 @@ def test_grpclib_stubs_carry_our_messages() -> None:
     assert status.models[0].learned_cost_seconds[8] == 0.004
     assert unset_status == Status.INVALID_ARGUMENT
     assert watched == [_Control.STATUS, _Control.STATUS]
+
+
+def test_cache_state_fields_round_trip() -> None:
+    """Issue 25 part 5: a model's weight misses and eviction rank, and the worker's policy,
+    survive the wire (and a gateway's nesting of worker statuses)."""
+    pb = xlaserve_control_pb2
+    worker = pb.ModelControlStatusResponse(
+        worker="w0", eviction_policy="gdsf",
+        models=[pb.ModelControl(name="a", weight_misses=2**40 + 3, eviction_rank=1),
+                pb.ModelControl(name="pinned", weight_misses=0, eviction_rank=0)])
+    back = pb.ModelControlStatusResponse.FromString(
+        pb.ModelControlStatusResponse(workers=[worker]).SerializeToString()).workers[0]
+    assert back == worker
+    assert back.eviction_policy == "gdsf"
+    assert [(m.name, m.weight_misses, m.eviction_rank) for m in back.models] == [
+        ("a", 2**40 + 3, 1), ("pinned", 0, 0)]
+    fields = pb.ModelControl.DESCRIPTOR.fields_by_name
+    assert (fields["weight_misses"].number, fields["eviction_rank"].number) == (28, 29)
+    assert pb.ModelControlStatusResponse.DESCRIPTOR.fields_by_name["eviction_policy"].number == 12

@@ -482,7 +482,8 @@ def _fixed_worker(name: str, step: int) -> pb.ModelControlStatusResponse:
                  queue_seconds=0.5 + 0.4 * step, executions_by_batch_size={8: 90 + 790 * step, 1: 10 + 10 * step},
                  latency_bucket_counts=buckets, device_seconds=4.0 + 0.6 * step, weight=2.0,
                  learned_cost_seconds={1: 0.0004, 8: 0.0012}, residency="system", resident_bytes=1 << 20,
-                 weight_bytes=1 << 20, weight_loads=10 + 3 * step, evictions=9 + 3 * step)
+                 weight_bytes=1 << 20, weight_loads=10 + 3 * step, evictions=9 + 3 * step,
+                 weight_misses=8 + 3 * step, eviction_rank=1)
     cnn = _model("cnn", queue_depth=12, in_flight=12, requests=50 + 10 * step, executions=50 + 10 * step,
                  successes=50 + 10 * step, success_seconds=5.0, device_seconds=1.0 + 0.2 * step, weight=1.0,
                  rejections={"queue_full": 4 + 6 * step}, residency="device", resident_bytes=5 << 20,
@@ -493,6 +494,7 @@ def _fixed_worker(name: str, step: int) -> pb.ModelControlStatusResponse:
     return pb.ModelControlStatusResponse(
         models=[mlp, cnn, simple, failed], worker=name, backend="cpu", discipline="fair",
         budget_bytes=64 << 20, resident_bytes=6 << 20, latency_bucket_bounds=BOUNDS, in_flight=47,
+        eviction_policy="gdsf",
         uptime_seconds=3725.0 + step, executable_cache={"hit": 7, "miss": 1, "rejected": 0})
 
 
@@ -567,3 +569,24 @@ def test_a_gateway_worker_that_goes_quiet_is_marked_silent_and_keeps_its_rows():
             assert lines[2].startswith("worker1 cpu fair  silent 4 s  budget")
             assert len(app.rows) == 8          # its rows stay, with their last figures
     asyncio.run(run())
+
+
+def test_misses_per_request_and_eviction_rank_show_in_the_row_and_the_json():
+    before = _status(_model("a", successes=100, failures=0, weight_misses=10, eviction_rank=2),
+                     _model("pinned", successes=5, weight_misses=0))
+    after = _status(_model("a", successes=130, failures=10, weight_misses=20, eviction_rank=1),
+                    _model("pinned", successes=5, weight_misses=0), _model("new", weight_misses=4, eviction_rank=3))
+    after.eviction_policy = "gdsf"
+    _, (a, pinned, new) = derive(after, before, 1.0)
+    # 10 misses over the 40 requests answered (30 OK, 10 failed) in the update
+    assert (a.weight_misses, a.misses_per_request, a.eviction_rank, a.eviction_policy) == (20, 0.25, 1, "gdsf")
+    assert (pinned.misses_per_request, pinned.eviction_rank) == (None, None)    # nothing answered; not evictable
+    assert (new.misses_per_request, new.eviction_rank) == (None, 3)             # no previous snapshot
+    assert cells(a)[COLUMN_KEYS.index("misses_per_request")] == "0.25"
+    assert cells(a)[COLUMN_KEYS.index("eviction_rank")] == "1"
+    assert cells(pinned)[COLUMN_KEYS.index("eviction_rank")] == "-"
+    # sorting by rank puts the next victim first and the models that cannot be evicted last
+    assert [r.name for r in visible((a, pinned, new), "", "eviction_rank", False)] == ["a", "new", "pinned"]
+    data = snapshot_dict(after)
+    assert data["eviction_policy"] == "gdsf"
+    assert [(m["weight_misses"], m["eviction_rank"]) for m in data["models"]] == [(20, 1), (0, 0), (4, 3)]

@@ -465,3 +465,137 @@ def test_models_with_queued_work_are_evicted_last_and_never_by_a_prefetch(tmp_pa
             assert resident == {"b", "c"}
             nursery.cancel_scope.cancel()
     run(main)
+
+
+# ---- what the cache would evict next, and its metrics (issue 25, part 5) -------------------
+
+def test_eviction_order_is_the_order_plan_takes_them():
+    book = ResidencyBook(4 * MB)
+    for k in ("pinned", "a", "b", "c", "queued"):
+        book.add(k, MB, Floor.DEVICE if k == "pinned" else Floor.SYSTEM)
+    book.add("new", 3 * MB, Floor.SYSTEM)
+    book.add("loading", MB, Floor.SYSTEM)
+    for k in ("pinned", "queued", "a", "b"):
+        book.begin_load(k)
+        book.finish_load(k)
+    # LRU: queued is the least recently used, but it has work: it goes last; pinned never
+    assert book.eviction_order(spare={"queued"}) == ("a", "b", "queued")
+    assert book.eviction_order() == ("queued", "a", "b")
+    assert book.plan("new", spare={"queued"}).evict == ("a", "b", "queued")
+    assert book.plan("c", spare={"queued"}).evict == ("a",)         # a prefix of the order
+    book.evict("a")
+    book.begin_load("loading")                                      # a copy under way: not a victim
+    assert book.eviction_order(spare={"queued"}) == ("b", "queued")
+    assert book.eviction_order(protect=("b",)) == ("queued",)
+
+
+@pytest.mark.parametrize("eviction", ["gdsf", "lru"])
+def test_eviction_rank_is_the_order_the_cache_then_evicts(tmp_path, device, eviction):
+    """At every step the snapshot's eviction order (rank 1 first) is exactly what the next load
+    evicts, in order, with a pinned model, models with queued work and the model just used."""
+    names = [f"m{i}" for i in range(8)]
+    models = {n: make_model(tmp_path, n, MB) for n in names}
+    models["pin"] = make_model(tmp_path, "pin", MB)
+    models["big"] = make_model(tmp_path, "big", 3 * MB)
+    rng = np.random.default_rng(5)
+
+    async def main():
+        cache = cache_for(device, 5 * MB, floors={"pin": "device"}, eviction=eviction)
+        evicted: list[tuple[str, int]] = []
+        book_evict = cache._book.evict
+
+        def recording(key):
+            evicted.append(key)
+            book_evict(key)
+        cache._book.evict = recording
+        for m in models.values():
+            await cache.admit(m)
+        checked = 0
+        for step in range(60):
+            name = "big" if step % 9 == 8 else str(rng.choice(names[:6] if step < 30 else names))
+            queued = [models[n] for n in rng.choice(names, 2, replace=False)] if step % 3 else []
+            cache.set_queued(queued)
+            snap = cache.snapshot()
+            order = snap.eviction_order
+            ranks = {(r.model, r.version): r.eviction_rank for r in snap}
+            assert [k for k, _ in sorted(((k, r) for k, r in ranks.items() if r), key=lambda x: x[1])] == list(order)
+            assert snap.next_victim == (order[0] if order else None)
+            assert ("pin", 1) not in order and ranks[("pin", 1)] == 0
+            spared = {(m.name, 1) for m in queued}
+            # those with queued work come after every other evictable model
+            assert [k in spared for k in order] == sorted(k in spared for k in order)
+            evicted.clear()
+            await cache.ensure_resident(models[name])
+            assert tuple(evicted) == order[:len(evicted)], (step, order, evicted)
+            checked += len(evicted)
+        assert checked > 20                               # the catalog is larger than the budget: many victims
+    run(main)
+
+
+def _samples(registry) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client import generate_latest
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_after_loads_evictions_and_prefetches(tmp_path, device):
+    """On a real cpu cache: the per-model counters and histograms, the eviction order, the
+    prefetch counters and the weight pool, as /metrics shows them."""
+    from xlaserve.metrics import Metrics, WeightCacheMetrics
+
+    a, b, c = (make_model(tmp_path, n, MB) for n in "abc")
+    pin = make_model(tmp_path, "pin", 2 * MB)
+
+    async def main():
+        metrics = Metrics()
+        cache = cache_for(device, 4 * MB, floors={"pin": "device"}, eviction="lru",
+                          metrics=WeightCacheMetrics(metrics.registry))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in (a, b, c, pin):
+                await cache.admit(m)
+            await cache.ensure_resident(a)                 # miss
+            await cache.ensure_resident(b)                 # miss (fills the budget with pin)
+            await cache.ensure_resident(a)                 # hit
+            await cache.ensure_resident(c)                 # miss, evicts b (least recently used)
+            cache.hint_next(b)                             # prefetch: evicts a, not c (in use)
+            await cache.ensure_resident(b)                 # waits for it or finds it landed: a hit
+            got = _samples(metrics.registry)
+            snap = cache.snapshot()
+            nursery.cancel_scope.cancel()
+        return got, snap
+
+    got, snap = run(main)
+
+    def model(name, metric):
+        return got.get((metric, (("model", name),)), 0)     # a counter never moved has no series
+    assert [model(n, "xlaserve_weight_cache_model_misses_total") for n in "abc"] == [1, 1, 1]
+    assert [model(n, "xlaserve_weight_cache_model_evictions_total") for n in "abc"] == [1, 1, 0]
+    # every copy: pin at admission, a, b twice (the second by the prefetch), c
+    assert [model(n, "xlaserve_weight_cache_model_load_seconds_count") for n in ("a", "b", "c", "pin")] == [1, 2, 1, 1]
+    assert model("b", "xlaserve_weight_cache_model_bytes_copied_total") == 2 * MB
+    assert model("pin", "xlaserve_weight_cache_model_misses_total") == 0     # pinned at admission: no miss
+    assert got[("xlaserve_weight_cache_bytes_copied_total", ())] == 6 * MB
+    assert model("b", "xlaserve_weight_cache_model_prefetch_hits_total") == 1
+    # the eviction order: c then b (LRU; pin never); as the snapshot says, ranks from 1
+    assert snap.eviction_order == (("c", 1), ("b", 1))
+    ranks = {labels: v for (name, labels), v in got.items() if name == "xlaserve_weight_cache_model_eviction_rank"}
+    assert ranks == {(("model", "c"), ("version", "1")): 1, (("model", "b"), ("version", "1")): 2}
+    assert got[("xlaserve_weight_cache_policy_info", (("policy", "lru"),))] == 1
+    assert got[("xlaserve_weight_cache_prefetches_total", ())] == 1
+    assert (got[("xlaserve_weight_cache_prefetches_landed_total", ())]
+            + got[("xlaserve_weight_cache_prefetches_late_total", ())]) == 1
+    assert (snap.prefetches_landed, snap.prefetches_late) == (
+        got[("xlaserve_weight_cache_prefetches_landed_total", ())], got[("xlaserve_weight_cache_prefetches_late_total", ())])
+    pool = snap.pool
+    assert got[("xlaserve_weight_pool_regions", ())] == pool.regions >= 1
+    assert got[("xlaserve_weight_pool_reserved_bytes", ())] == pool.capacity_bytes >= 4 * MB
+    assert got[("xlaserve_weight_pool_used_bytes", ())] == pool.used_bytes
+    assert got[("xlaserve_weight_pool_largest_free_bytes", ())] == pool.largest_free_bytes
+    by = {r.model: r for r in snap}
+    assert (by["a"].misses, by["b"].misses, by["pin"].misses) == (1, 1, 0)
+    assert [by[n].eviction_rank for n in ("c", "b", "a", "pin")] == [1, 2, 0, 0]

@@ -1,6 +1,7 @@
 """End to end: a catalog three times the device weight budget, served by the real server."""
 from __future__ import annotations
 
+import asyncio
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -10,6 +11,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import serve
+from tui.connection import fetch_status, parse_address
 from benchmarks.weight_bundles import FEATURES, clone_weight_bundle, export_weight_bundle
 
 MB = 1 << 20
@@ -41,6 +43,11 @@ def metric(text: str, name: str, model: str | None = None) -> float:
     label = f'{{model="{model}"}}' if model else ""
     m = re.search(rf"^{name}(?:_total)?{re.escape(label)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def eviction_ranks(text: str) -> dict[str, int]:
+    return {m: int(float(v)) for m, v in re.findall(
+        r'^xlaserve_weight_cache_model_eviction_rank\{model="(\w+)",version="1"\} (\S+)$', text, re.M)}
 
 
 def test_catalog_three_times_the_budget(tmp_path, catalog):
@@ -80,6 +87,27 @@ def test_catalog_three_times_the_budget(tmp_path, catalog):
         assert metric(text, "xlaserve_weight_cache_model_misses", "pinned") == 0     # loaded at admission
         assert metric(text, "xlaserve_weight_cache_model_bytes_copied", "pinned") == MB
         assert metric(text, "xlaserve_weight_cache_bytes_copied") >= MB * (1 + metric(text, "xlaserve_weight_cache_misses"))
+        # what the cache would evict next, in order: every resident model but the pinned one,
+        # ranked 1..n; the status stream says the same (a prefetch may still land after the
+        # last answer: read until two scrapes around the status agree)
+        for _ in range(100):
+            status = asyncio.run(fetch_status(parse_address(server.url)))
+            again = server.get("/metrics")[1]
+            if eviction_ranks(again) == eviction_ranks(text):
+                break
+            text = again
+        ranks = eviction_ranks(text)
+        resident = {m for m in MARKS if metric(text, "xlaserve_weight_cache_model_resident_bytes", m) > 0}
+        assert set(ranks) == resident - {"pinned"} and sorted(ranks.values()) == list(range(1, len(ranks) + 1))
+        assert re.search(r'^xlaserve_weight_cache_policy_info\{policy="gdsf"\} 1\.0$', text, re.M)
+        assert metric(text, "xlaserve_weight_cache_prefetches") >= (
+            metric(text, "xlaserve_weight_cache_prefetches_landed") + metric(text, "xlaserve_weight_cache_prefetches_late"))
+        assert metric(text, "xlaserve_weight_pool_regions") >= 1
+        pool_used = metric(text, "xlaserve_weight_pool_used_bytes")
+        assert metric(text, "xlaserve_weight_pool_reserved_bytes") >= pool_used > 0
+        assert status.eviction_policy == "gdsf"
+        assert {m.name: m.eviction_rank for m in status.models if m.eviction_rank} == ranks
+        assert sum(m.weight_misses for m in status.models) == metric(text, "xlaserve_weight_cache_misses")
 
         # unpinned keeps no host copy: with its file gone, its next load fails; a system model
         # whose file is gone still loads from its host copy

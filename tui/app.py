@@ -61,6 +61,8 @@ Over the last update: rows/s, p50/p99 (receipt to answer, from the latency
 buckets), rej/s (scheduler rejections), fail/s, rows/exec. share/wt: device
 time it had / what its weight is due under fair. ld/ev: weight loads and
 evictions since start, ! when both moved in the last update (thrashing).
+miss/req: dispatches that waited for its weights per request answered.
+evict#: its place in the order the cache would evict now (1: next to go).
 cost: the learned cost of the largest batch size learned (1.2ms@8)."""
 
 
@@ -428,6 +430,11 @@ class TopApp(App[None]):
         hooks = ", ".join(f"{n} {hook}" for hook, n in row.hook_failures)
         thrash = "  [b red]thrashing[/b red]: loaded and evicted within the last update" if row.thrashing else ""
         on = f" on {escape(row.worker)}" if self.gateway else ""
+        per_request = ("" if row.misses_per_request is None
+                       else f" ({row.misses_per_request:.2f} per request last update)")
+        policy = f" ({escape(row.eviction_policy)})" if row.eviction_policy else ""
+        evict = ("not evictable now" if row.eviction_rank is None
+                 else f"eviction rank {row.eviction_rank}{policy}" + (": next to go" if row.eviction_rank == 1 else ""))
         history = spark(self._model_rates.get(self._key(row), ()))
         detail.update(
             f"[b]{escape(row.name)}[/b]{on} {escape(row.state)} v{row.version}"
@@ -435,6 +442,7 @@ class TopApp(App[None]):
             + (f"reason: {escape(row.reason)}\n" if row.reason else "")
             + f"residency {escape(row.residency)}: {human_bytes(row.resident_bytes)} of "
               f"{human_bytes(row.weight_bytes)} on the device; loads/evictions {loads_text(row)}{thrash}\n"
+              f"weight misses {row.weight_misses}{per_request}; {evict}\n"
               f"queue {row.queue_depth}, in flight {row.in_flight}; weight {row.weight:g} "
               f"(device share/due {share_text(row)}); max_batch_size {row.max_batch_size or 'uncapped'}\n"
               f"batch hold: {hold}\n"

@@ -27,6 +27,8 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("p99_seconds", "p99"),
     ("device_share", "share/wt"),
     ("weight_loads", "ld/ev"),
+    ("misses_per_request", "miss/req"),
+    ("eviction_rank", "evict#"),
     ("rejected_per_second", "rej/s"),
     ("failures_per_second", "fail/s"),
     ("rows_per_execution", "rows/exec"),
@@ -59,6 +61,11 @@ class ModelRow:
     under ``fair`` among the models that ran or waited then (``None`` for a model that did
     neither, or another discipline). ``loads_delta``/``evictions_delta`` are the weight copies
     onto the device and evictions over the interval; ``thrashing`` when both moved.
+    ``weight_misses`` are the dispatches that waited for its weights since the worker started;
+    ``misses_per_request`` those of the interval over the requests answered (OK or failed) in it
+    (``None`` when none was). ``eviction_rank`` is where its weights stand in the order its
+    worker's cache (policy ``eviction_policy``) would evict them now, 1 first; ``None`` when they
+    are not evictable (not resident, pinned or being copied).
     ``rejections`` are the scheduler's since the worker started, by reason; ``rejected_per_second``
     over the interval, all reasons. ``hook_failures`` are the requests its Python code failed
     since the worker started, by hook (preprocess, postprocess, run)."""
@@ -101,6 +108,10 @@ class ModelRow:
     rejections: tuple[tuple[str, int], ...] = ()
     rejected_per_second: float | None = None
     hook_failures: tuple[tuple[str, int], ...] = ()
+    weight_misses: int = 0
+    misses_per_request: float | None = None
+    eviction_rank: int | None = None
+    eviction_policy: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,10 +168,10 @@ def percentile(bounds: Sequence[float], counts: Sequence[int], q: float) -> floa
 
 
 def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float | None,
-         worker: str = "", bounds: Sequence[float] = ()) -> ModelRow:
+         worker: str = "", bounds: Sequence[float] = (), policy: str = "") -> ModelRow:
     costs = tuple(sorted((int(k), float(v)) for k, v in model.learned_cost_seconds.items()))
     rate = per_execution = latency = queue_wait = failure_rate = None
-    p50 = p99 = rejected_rate = None
+    p50 = p99 = rejected_rate = misses_per_request = None
     loads_delta = evictions_delta = None
     mix: tuple[tuple[int, int], ...] = ()
     if before is not None and seconds is not None:
@@ -183,6 +194,10 @@ def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float 
         rejected_rate = _per(sum(model.rejections.values()) - sum(before.rejections.values()), seconds)
         loads_delta = model.weight_loads - before.weight_loads
         evictions_delta = model.evictions - before.evictions
+        requests = model.successes + model.failures - before.successes - before.failures
+        misses = model.weight_misses - before.weight_misses
+        if requests > 0 and misses >= 0:
+            misses_per_request = misses / requests
     return ModelRow(
         worker=worker, name=model.name, state=model.state, version=model.version, reason=model.reason,
         queue_depth=model.queue_depth, rows_per_second=rate, rows_per_execution=per_execution,
@@ -200,7 +215,9 @@ def _row(model: pb.ModelControl, before: pb.ModelControl | None, seconds: float 
         # budget is too small for what it serves at once
         thrashing=bool(loads_delta and evictions_delta and loads_delta > 0 and evictions_delta > 0),
         rejections=tuple(sorted(model.rejections.items())), rejected_per_second=rejected_rate,
-        hook_failures=tuple(sorted(model.hook_failures.items())))
+        hook_failures=tuple(sorted(model.hook_failures.items())),
+        weight_misses=model.weight_misses, misses_per_request=misses_per_request,
+        eviction_rank=model.eviction_rank or None, eviction_policy=policy)
 
 
 def _shares(current: pb.ModelControlStatusResponse, before: dict[str, pb.ModelControl],
@@ -232,7 +249,7 @@ def derive(current: pb.ModelControlStatusResponse, previous: pb.ModelControlStat
     before = {m.name: m for m in previous.models} if previous is not None else {}
     bounds = tuple(current.latency_bucket_bounds)
     rows = tuple(_row(m, before.get(m.name), seconds if previous is not None else None,
-                      current.worker, bounds) for m in current.models)
+                      current.worker, bounds, current.eviction_policy) for m in current.models)
     if previous is not None and seconds is not None:
         rows = _shares(current, before, rows)
     rates = [r.rows_per_second for r in rows if r.rows_per_second is not None]
@@ -328,7 +345,8 @@ def cells(row: ModelRow) -> tuple[str, ...]:
         return "-" if value is None else human_seconds(value)
     return (row.name, row.state, str(row.queue_depth), str(row.in_flight),
             opt(row.rows_per_second, ".1f"), seconds(row.p50_seconds), seconds(row.p99_seconds),
-            share_text(row), loads_text(row), opt(row.rejected_per_second, ".1f"),
+            share_text(row), loads_text(row), opt(row.misses_per_request, ".2f"),
+            "-" if row.eviction_rank is None else str(row.eviction_rank), opt(row.rejected_per_second, ".1f"),
             opt(row.failures_per_second, ".1f"), opt(row.rows_per_execution, ".2f"), cost,
             f"{row.weight:g}", str(row.max_batch_size) if row.max_batch_size else "uncapped",
             row.residency, human_bytes(row.resident_bytes), human_bytes(row.weight_bytes), str(row.version))
@@ -375,10 +393,12 @@ def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
             "device_seconds": m.device_seconds, "rejections": dict(sorted(m.rejections.items())),
             "weight_loads": m.weight_loads, "evictions": m.evictions,
             "hook_failures": dict(sorted(m.hook_failures.items())),
+            "weight_misses": m.weight_misses, "eviction_rank": m.eviction_rank,
         })
     return {"worker": status.worker, "backend": status.backend, "discipline": status.discipline,
             "budget_bytes": status.budget_bytes, "resident_bytes": status.resident_bytes,
             "in_flight": status.in_flight, "uptime_seconds": status.uptime_seconds,
+            "eviction_policy": status.eviction_policy,
             "executable_cache": dict(sorted(status.executable_cache.items())),
             "latency_bucket_bounds": list(status.latency_bucket_bounds), "models": models}
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # public: the control status sends these bounds with its latency counts
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -165,6 +166,13 @@ class WeightCacheMetrics:
         self.load_seconds_total = Histogram("xlaserve_weight_cache_load_seconds",
                                             "Time of one host-to-device weight copy, all models",
                                             buckets=_LOAD_BUCKETS, registry=r)
+        self._state = _CacheStateCollector()
+        r.register(self._state)
+
+    def watch(self, snapshot) -> None:
+        """Read the cache's state from ``snapshot()`` (a :class:`~xlaserve.runtime.weights.CacheSnapshot`)
+        when the registry is collected: the eviction order, prefetch counts and the weight pool."""
+        self._state.snapshot = snapshot
 
     def hit(self, model: str, prefetched: bool) -> None:
         self.hits.inc(model)
@@ -197,3 +205,57 @@ class WeightCacheMetrics:
             self.resident_model.remove(model)
         except KeyError:
             pass
+
+
+class _CacheStateCollector:
+    """The weight cache's state, read from its snapshot when ``/metrics`` is scraped (nothing is
+    kept up to date per request): the eviction order, the prefetch counters, the weight pool.
+    Before :meth:`WeightCacheMetrics.watch` its families have no samples."""
+
+    def __init__(self) -> None:
+        self.snapshot = None
+
+    def describe(self):
+        return self._families(None)
+
+    def collect(self):
+        return self._families(self.snapshot() if self.snapshot is not None else None)
+
+    @staticmethod
+    def _families(snap):
+        rank = GaugeMetricFamily(
+            "xlaserve_weight_cache_model_eviction_rank",
+            "Where the model stands in the order a load would evict resident models now: 1 is the next "
+            "victim (models with queued work come last); absent: not evictable (not resident, pinned, loading)",
+            labels=["model", "version"])
+        policy = GaugeMetricFamily("xlaserve_weight_cache_policy_info",
+                                   "The weight cache's replacement policy (runtime.weight_eviction), as a label",
+                                   labels=["policy"])
+        started = CounterMetricFamily("xlaserve_weight_cache_prefetches",
+                                      "Weight copies started by a prefetch hint")
+        landed = CounterMetricFamily("xlaserve_weight_cache_prefetches_landed",
+                                     "Prefetched copies done before their model was dispatched")
+        late = CounterMetricFamily("xlaserve_weight_cache_prefetches_late",
+                                   "Prefetched copies still under way when their model was dispatched (it waited)")
+        regions = GaugeMetricFamily("xlaserve_weight_pool_regions",
+                                    "Regions of device memory the weight pool holds (cpu)")
+        reserved = GaugeMetricFamily("xlaserve_weight_pool_reserved_bytes",
+                                     "Bytes of device memory the weight pool holds, all regions (cpu)")
+        used = GaugeMetricFamily("xlaserve_weight_pool_used_bytes",
+                                 "Bytes of the weight pool held by resident weights (cpu)")
+        largest = GaugeMetricFamily("xlaserve_weight_pool_largest_free_bytes",
+                                    "The largest free extent of the weight pool: the largest model that loads "
+                                    "without growing it (cpu)")
+        if snap is not None:
+            for i, (model, version) in enumerate(snap.eviction_order, 1):
+                rank.add_metric([model, str(version)], i)
+            policy.add_metric([snap.policy], 1)
+            started.add_metric([], snap.prefetches)
+            landed.add_metric([], snap.prefetches_landed)
+            late.add_metric([], snap.prefetches_late)
+            if snap.pool is not None:
+                regions.add_metric([], snap.pool.regions)
+                reserved.add_metric([], snap.pool.capacity_bytes)
+                used.add_metric([], snap.pool.used_bytes)
+                largest.add_metric([], snap.pool.largest_free_bytes)
+        return [rank, policy, started, landed, late, regions, reserved, used, largest]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _POOL.AddSerializedFile(b'\n\x16xlaserve_control.proto\x12\x10xlaserve.control\"\x91\x08\n\x0cModelControl\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tresidency\x18\x05 \x01(\t\x12\x16\n\x0eresident_bytes\x18\x06 \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\x03\x12T\n\x14learned_cost_seconds\x18\t \x03(\x0b\x32\x36.xlaserve.control.ModelControl.LearnedCostSecondsEntry\x12\x0e\n\x06weight\x18\n \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\x03\x12\x10\n\x08requests\x18\x0c \x01(\x03\x12\x12\n\nexecutions\x18\r \x01(\x03\x12\x1b\n\x13\x62\x61tch_delay_seconds\x18\x0e \x01(\x01\x12\x19\n\x11\x62\x61tch_target_rows\x18\x0f \x01(\x03\x12\x11\n\tsuccesses\x18\x10 \x01(\x03\x12\x17\n\x0fsuccess_seconds\x18\x11 \x01(\x01\x12\x10\n\x08\x66\x61ilures\x18\x12 \x01(\x03\x12\x15\n\rqueue_seconds\x18\x13 \x01(\x01\x12[\n\x18\x65xecutions_by_batch_size\x18\x14 \x03(\x0b\x32\x39.xlaserve.control.ModelControl.ExecutionsByBatchSizeEntry\x12\x11\n\tin_flight\x18\x15 \x01(\x03\x12\x1d\n\x15latency_bucket_counts\x18\x16 \x03(\x03\x12\x16\n\x0e\x64\x65vice_seconds\x18\x17 \x01(\x01\x12\x42\n\nrejections\x18\x18 \x03(\x0b\x32..xlaserve.control.ModelControl.RejectionsEntry\x12\x14\n\x0cweight_loads\x18\x19 \x01(\x03\x12\x11\n\tevictions\x18\x1a \x01(\x03\x12G\n\rhook_failures\x18\x1b \x03(\x0b\x32\x30.xlaserve.control.ModelControl.HookFailuresEntry\x1a\x39\n\x17LearnedCostSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a<\n\x1a\x45xecutionsByBatchSizeEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x31\n\x0fRejectionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11HookFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1b\n\x19ModelControlStatusRequest\"\xcd\x03\n\x1aModelControlStatusResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.xlaserve.control.ModelControl\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x03\x12\x16\n\x0eresident_bytes\x18\x05 \x01(\x03\x12\x12\n\ndiscipline\x18\x06 \x01(\t\x12\x1d\n\x15latency_bucket_bounds\x18\x07 \x03(\x01\x12\x16\n\x0euptime_seconds\x18\x08 \x01(\x01\x12[\n\x10\x65xecutable_cache\x18\t \x03(\x0b\x32\x41.xlaserve.control.ModelControlStatusResponse.ExecutableCacheEntry\x12\x11\n\tin_flight\x18\n \x01(\x03\x12=\n\x07workers\x18\x0b \x03(\x0b\x32,.xlaserve.control.ModelControlStatusResponse\x1a\x36\n\x14\x45xecutableCacheEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"L\n\x18SetModelResidencyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tresidency\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\"\x1b\n\x19SetModelResidencyResponse\"\xf6\x01\n\x15SetModelPolicyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0emax_batch_size\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12 \n\x13\x62\x61tch_delay_seconds\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11\x62\x61tch_target_rows\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0e\n\x06worker\x18\x06 \x01(\tB\t\n\x07_weightB\x11\n\x0f_max_batch_sizeB\x16\n\x14_batch_delay_secondsB\x14\n\x12_batch_target_rows\"\x18\n\x16SetModelPolicyResponse\"&\n\x14\x43ompactMemoryRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\"=\n\x15\x43ompactMemoryResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x03\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\x32\xa4\x04\n\rWorkerControl\x12q\n\x12ModelControlStatus\x12+.xlaserve.control.ModelControlStatusRequest\x1a,.xlaserve.control.ModelControlStatusResponse\"\x00\x12n\n\x11SetModelResidency\x12*.xlaserve.control.SetModelResidencyRequest\x1a+.xlaserve.control.SetModelResidencyResponse\"\x00\x12\x65\n\x0eSetModelPolicy\x12\'.xlaserve.control.SetModelPolicyRequest\x1a(.xlaserve.control.SetModelPolicyResponse\"\x00\x12\x62\n\rCompactMemory\x12&.xlaserve.control.CompactMemoryRequest\x1a\'.xlaserve.control.CompactMemoryResponse\"\x00\x12\x65\n\x0bWatchStatus\x12$.xlaserve.control.WatchStatusRequest\x1a,.xlaserve.control.ModelControlStatusResponse\"\x00\x30\x01\x62\x06proto3')
+DESCRIPTOR = _POOL.AddSerializedFile(b'\n\x16xlaserve_control.proto\x12\x10xlaserve.control\"\xbf\x08\n\x0cModelControl\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tresidency\x18\x05 \x01(\t\x12\x16\n\x0eresident_bytes\x18\x06 \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x07 \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x08 \x01(\x03\x12T\n\x14learned_cost_seconds\x18\t \x03(\x0b\x32\x36.xlaserve.control.ModelControl.LearnedCostSecondsEntry\x12\x0e\n\x06weight\x18\n \x01(\x01\x12\x16\n\x0emax_batch_size\x18\x0b \x01(\x03\x12\x10\n\x08requests\x18\x0c \x01(\x03\x12\x12\n\nexecutions\x18\r \x01(\x03\x12\x1b\n\x13\x62\x61tch_delay_seconds\x18\x0e \x01(\x01\x12\x19\n\x11\x62\x61tch_target_rows\x18\x0f \x01(\x03\x12\x11\n\tsuccesses\x18\x10 \x01(\x03\x12\x17\n\x0fsuccess_seconds\x18\x11 \x01(\x01\x12\x10\n\x08\x66\x61ilures\x18\x12 \x01(\x03\x12\x15\n\rqueue_seconds\x18\x13 \x01(\x01\x12[\n\x18\x65xecutions_by_batch_size\x18\x14 \x03(\x0b\x32\x39.xlaserve.control.ModelControl.ExecutionsByBatchSizeEntry\x12\x11\n\tin_flight\x18\x15 \x01(\x03\x12\x1d\n\x15latency_bucket_counts\x18\x16 \x03(\x03\x12\x16\n\x0e\x64\x65vice_seconds\x18\x17 \x01(\x01\x12\x42\n\nrejections\x18\x18 \x03(\x0b\x32..xlaserve.control.ModelControl.RejectionsEntry\x12\x14\n\x0cweight_loads\x18\x19 \x01(\x03\x12\x11\n\tevictions\x18\x1a \x01(\x03\x12G\n\rhook_failures\x18\x1b \x03(\x0b\x32\x30.xlaserve.control.ModelControl.HookFailuresEntry\x12\x15\n\rweight_misses\x18\x1c \x01(\x03\x12\x15\n\reviction_rank\x18\x1d \x01(\x03\x1a\x39\n\x17LearnedCostSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a<\n\x1a\x45xecutionsByBatchSizeEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x31\n\x0fRejectionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a\x33\n\x11HookFailuresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x1b\n\x19ModelControlStatusRequest\"\xe6\x03\n\x1aModelControlStatusResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.xlaserve.control.ModelControl\x12\x0e\n\x06worker\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x14\n\x0c\x62udget_bytes\x18\x04 \x01(\x03\x12\x16\n\x0eresident_bytes\x18\x05 \x01(\x03\x12\x12\n\ndiscipline\x18\x06 \x01(\t\x12\x1d\n\x15latency_bucket_bounds\x18\x07 \x03(\x01\x12\x16\n\x0euptime_seconds\x18\x08 \x01(\x01\x12[\n\x10\x65xecutable_cache\x18\t \x03(\x0b\x32\x41.xlaserve.control.ModelControlStatusResponse.ExecutableCacheEntry\x12\x11\n\tin_flight\x18\n \x01(\x03\x12=\n\x07workers\x18\x0b \x03(\x0b\x32,.xlaserve.control.ModelControlStatusResponse\x12\x17\n\x0f\x65viction_policy\x18\x0c \x01(\t\x1a\x36\n\x14\x45xecutableCacheEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"L\n\x18SetModelResidencyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tresidency\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\"\x1b\n\x19SetModelResidencyResponse\"\xf6\x01\n\x15SetModelPolicyRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06weight\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0emax_batch_size\x18\x03 \x01(\x03H\x01\x88\x01\x01\x12 \n\x13\x62\x61tch_delay_seconds\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11\x62\x61tch_target_rows\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0e\n\x06worker\x18\x06 \x01(\tB\t\n\x07_weightB\x11\n\x0f_max_batch_sizeB\x16\n\x14_batch_delay_secondsB\x14\n\x12_batch_target_rows\"\x18\n\x16SetModelPolicyResponse\"&\n\x14\x43ompactMemoryRequest\x12\x0e\n\x06worker\x18\x01 \x01(\t\"=\n\x15\x43ompactMemoryResponse\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x13\n\x0b\x66reed_bytes\x18\x02 \x01(\x03\".\n\x12WatchStatusRequest\x12\x18\n\x10interval_seconds\x18\x01 \x01(\x01\x32\xa4\x04\n\rWorkerControl\x12q\n\x12ModelControlStatus\x12+.xlaserve.control.ModelControlStatusRequest\x1a,.xlaserve.control.ModelControlStatusResponse\"\x00\x12n\n\x11SetModelResidency\x12*.xlaserve.control.SetModelResidencyRequest\x1a+.xlaserve.control.SetModelResidencyResponse\"\x00\x12\x65\n\x0eSetModelPolicy\x12\'.xlaserve.control.SetModelPolicyRequest\x1a(.xlaserve.control.SetModelPolicyResponse\"\x00\x12\x62\n\rCompactMemory\x12&.xlaserve.control.CompactMemoryRequest\x1a\'.xlaserve.control.CompactMemoryResponse\"\x00\x12\x65\n\x0bWatchStatus\x12$.xlaserve.control.WatchStatusRequest\x1a,.xlaserve.control.ModelControlStatusResponse\"\x00\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELCONTROLSTATUSRESPONSE_EXECUTABLECACHEENTRY']._loaded_options = None
   _globals['_MODELCONTROLSTATUSRESPONSE_EXECUTABLECACHEENTRY']._serialized_options = b'8\001'
   _globals['_MODELCONTROL']._serialized_start=45
-  _globals['_MODELCONTROL']._serialized_end=1086
-  _globals['_MODELCONTROL_LEARNEDCOSTSECONDSENTRY']._serialized_start=863
-  _globals['_MODELCONTROL_LEARNEDCOSTSECONDSENTRY']._serialized_end=920
-  _globals['_MODELCONTROL_EXECUTIONSBYBATCHSIZEENTRY']._serialized_start=922
-  _globals['_MODELCONTROL_EXECUTIONSBYBATCHSIZEENTRY']._serialized_end=982
-  _globals['_MODELCONTROL_REJECTIONSENTRY']._serialized_start=984
-  _globals['_MODELCONTROL_REJECTIONSENTRY']._serialized_end=1033
-  _globals['_MODELCONTROL_HOOKFAILURESENTRY']._serialized_start=1035
-  _globals['_MODELCONTROL_HOOKFAILURESENTRY']._serialized_end=1086
-  _globals['_MODELCONTROLSTATUSREQUEST']._serialized_start=1088
-  _globals['_MODELCONTROLSTATUSREQUEST']._serialized_end=1115
-  _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_start=1118
-  _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_end=1579
-  _globals['_MODELCONTROLSTATUSRESPONSE_EXECUTABLECACHEENTRY']._serialized_start=1525
-  _globals['_MODELCONTROLSTATUSRESPONSE_EXECUTABLECACHEENTRY']._serialized_end=1579
-  _globals['_SETMODELRESIDENCYREQUEST']._serialized_start=1581
-  _globals['_SETMODELRESIDENCYREQUEST']._serialized_end=1657
-  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_start=1659
-  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_end=1686
-  _globals['_SETMODELPOLICYREQUEST']._serialized_start=1689
-  _globals['_SETMODELPOLICYREQUEST']._serialized_end=1935
-  _globals['_SETMODELPOLICYRESPONSE']._serialized_start=1937
-  _globals['_SETMODELPOLICYRESPONSE']._serialized_end=1961
-  _globals['_COMPACTMEMORYREQUEST']._serialized_start=1963
-  _globals['_COMPACTMEMORYREQUEST']._serialized_end=2001
-  _globals['_COMPACTMEMORYRESPONSE']._serialized_start=2003
-  _globals['_COMPACTMEMORYRESPONSE']._serialized_end=2064
-  _globals['_WATCHSTATUSREQUEST']._serialized_start=2066
-  _globals['_WATCHSTATUSREQUEST']._serialized_end=2112
-  _globals['_WORKERCONTROL']._serialized_start=2115
-  _globals['_WORKERCONTROL']._serialized_end=2663
+  _globals['_MODELCONTROL']._serialized_end=1132
+  _globals['_MODELCONTROL_LEARNEDCOSTSECONDSENTRY']._serialized_start=909
+  _globals['_MODELCONTROL_LEARNEDCOSTSECONDSENTRY']._serialized_end=966
+  _globals['_MODELCONTROL_EXECUTIONSBYBATCHSIZEENTRY']._serialized_start=968
+  _globals['_MODELCONTROL_EXECUTIONSBYBATCHSIZEENTRY']._serialized_end=1028
+  _globals['_MODELCONTROL_REJECTIONSENTRY']._serialized_start=1030
+  _globals['_MODELCONTROL_REJECTIONSENTRY']._serialized_end=1079
+  _globals['_MODELCONTROL_HOOKFAILURESENTRY']._serialized_start=1081
+  _globals['_MODELCONTROL_HOOKFAILURESENTRY']._serialized_end=1132
+  _globals['_MODELCONTROLSTATUSREQUEST']._serialized_start=1134
+  _globals['_MODELCONTROLSTATUSREQUEST']._serialized_end=1161
+  _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_start=1164
+  _globals['_MODELCONTROLSTATUSRESPONSE']._serialized_end=1650
+  _globals['_MODELCONTROLSTATUSRESPONSE_EXECUTABLECACHEENTRY']._serialized_start=1596
+  _globals['_MODELCONTROLSTATUSRESPONSE_EXECUTABLECACHEENTRY']._serialized_end=1650
+  _globals['_SETMODELRESIDENCYREQUEST']._serialized_start=1652
+  _globals['_SETMODELRESIDENCYREQUEST']._serialized_end=1728
+  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_start=1730
+  _globals['_SETMODELRESIDENCYRESPONSE']._serialized_end=1757
+  _globals['_SETMODELPOLICYREQUEST']._serialized_start=1760
+  _globals['_SETMODELPOLICYREQUEST']._serialized_end=2006
+  _globals['_SETMODELPOLICYRESPONSE']._serialized_start=2008
+  _globals['_SETMODELPOLICYRESPONSE']._serialized_end=2032
+  _globals['_COMPACTMEMORYREQUEST']._serialized_start=2034
+  _globals['_COMPACTMEMORYREQUEST']._serialized_end=2072
+  _globals['_COMPACTMEMORYRESPONSE']._serialized_start=2074
+  _globals['_COMPACTMEMORYRESPONSE']._serialized_end=2135
+  _globals['_WATCHSTATUSREQUEST']._serialized_start=2137
+  _globals['_WATCHSTATUSREQUEST']._serialized_end=2183
+  _globals['_WORKERCONTROL']._serialized_start=2186
+  _globals['_WORKERCONTROL']._serialized_end=2734
 # @@protoc_insertion_point(module_scope)

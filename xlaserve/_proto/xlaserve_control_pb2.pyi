@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ModelControl(_message.Message):
-    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows", "successes", "success_seconds", "failures", "queue_seconds", "executions_by_batch_size", "in_flight", "latency_bucket_counts", "device_seconds", "rejections", "weight_loads", "evictions", "hook_failures")
+    __slots__ = ("name", "state", "version", "reason", "residency", "resident_bytes", "weight_bytes", "queue_depth", "learned_cost_seconds", "weight", "max_batch_size", "requests", "executions", "batch_delay_seconds", "batch_target_rows", "successes", "success_seconds", "failures", "queue_seconds", "executions_by_batch_size", "in_flight", "latency_bucket_counts", "device_seconds", "rejections", "weight_loads", "evictions", "hook_failures", "weight_misses", "eviction_rank")
     class LearnedCostSecondsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class ModelControl(_message.Message):
     WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     HOOK_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_RANK_FIELD_NUMBER: _ClassVar[int]
     name: str
     state: str
     version: int
@@ -90,14 +92,16 @@ class ModelControl(_message.Message):
     weight_loads: int
     evictions: int
     hook_failures: _containers.ScalarMap[str, int]
-    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ..., successes: _Optional[int] = ..., success_seconds: _Optional[float] = ..., failures: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., executions_by_batch_size: _Optional[_Mapping[int, int]] = ..., in_flight: _Optional[int] = ..., latency_bucket_counts: _Optional[_Iterable[int]] = ..., device_seconds: _Optional[float] = ..., rejections: _Optional[_Mapping[str, int]] = ..., weight_loads: _Optional[int] = ..., evictions: _Optional[int] = ..., hook_failures: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    weight_misses: int
+    eviction_rank: int
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., residency: _Optional[str] = ..., resident_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., queue_depth: _Optional[int] = ..., learned_cost_seconds: _Optional[_Mapping[int, float]] = ..., weight: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., requests: _Optional[int] = ..., executions: _Optional[int] = ..., batch_delay_seconds: _Optional[float] = ..., batch_target_rows: _Optional[int] = ..., successes: _Optional[int] = ..., success_seconds: _Optional[float] = ..., failures: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., executions_by_batch_size: _Optional[_Mapping[int, int]] = ..., in_flight: _Optional[int] = ..., latency_bucket_counts: _Optional[_Iterable[int]] = ..., device_seconds: _Optional[float] = ..., rejections: _Optional[_Mapping[str, int]] = ..., weight_loads: _Optional[int] = ..., evictions: _Optional[int] = ..., hook_failures: _Optional[_Mapping[str, int]] = ..., weight_misses: _Optional[int] = ..., eviction_rank: _Optional[int] = ...) -> None: ...
 
 class ModelControlStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelControlStatusResponse(_message.Message):
-    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline", "latency_bucket_bounds", "uptime_seconds", "executable_cache", "in_flight", "workers")
+    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline", "latency_bucket_bounds", "uptime_seconds", "executable_cache", "in_flight", "workers", "eviction_policy")
     class ExecutableCacheEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +120,7 @@ class ModelControlStatusResponse(_message.Message):
     EXECUTABLE_CACHE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelControl]
     worker: str
     backend: str
@@ -127,7 +132,8 @@ class ModelControlStatusResponse(_message.Message):
     executable_cache: _containers.ScalarMap[str, int]
     in_flight: int
     workers: _containers.RepeatedCompositeFieldContainer[ModelControlStatusResponse]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ..., uptime_seconds: _Optional[float] = ..., executable_cache: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[ModelControlStatusResponse, _Mapping]]] = ...) -> None: ...
+    eviction_policy: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ..., uptime_seconds: _Optional[float] = ..., executable_cache: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[ModelControlStatusResponse, _Mapping]]] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
 
 class SetModelResidencyRequest(_message.Message):
     __slots__ = ("model", "residency", "worker")

@@ -39,10 +39,15 @@ def status_snapshot(worker: WorkerPort, admission: Admission | None = None) -> p
     resident: dict[str, int] = {}
     loads: dict[str, int] = {}
     evictions: dict[str, int] = {}
+    misses: dict[str, int] = {}
+    rank: dict[str, int] = {}       # a model's versions: the rank of the first to go
     for r in cache.models:
         resident[r.model] = resident.get(r.model, 0) + r.resident_bytes
         loads[r.model] = loads.get(r.model, 0) + r.loads
         evictions[r.model] = evictions.get(r.model, 0) + r.evictions
+        misses[r.model] = misses.get(r.model, 0) + r.misses
+        if r.eviction_rank and (r.model not in rank or r.eviction_rank < rank[r.model]):
+            rank[r.model] = r.eviction_rank
     in_flight = admission.by_model if admission is not None else {}
     no_tally = RequestTally()
     costs: dict[str, dict[int, float]] = {}
@@ -70,13 +75,14 @@ def status_snapshot(worker: WorkerPort, admission: Admission | None = None) -> p
             in_flight=in_flight.get(entry.name, 0), latency_bucket_counts=tally.latency_counts,
             device_seconds=device_ns / 1e9, rejections=tally.rejections,
             weight_loads=loads.get(entry.name, 0), evictions=evictions.get(entry.name, 0),
-            hook_failures=tally.hook_failures))
+            hook_failures=tally.hook_failures, weight_misses=misses.get(entry.name, 0),
+            eviction_rank=rank.get(entry.name, 0)))
     return pb.ModelControlStatusResponse(
         models=models, worker=worker.worker_name, backend=worker.backend, budget_bytes=cache.budget_bytes,
         resident_bytes=cache.resident_bytes, discipline=worker.discipline, latency_bucket_bounds=LATENCY_BUCKETS,
         uptime_seconds=worker.uptime() if worker.uptime is not None else 0.0,
         executable_cache=worker.executable_cache() if worker.executable_cache is not None else {},
-        in_flight=admission.in_flight if admission is not None else 0)
+        in_flight=admission.in_flight if admission is not None else 0, eviction_policy=cache.policy)
 
 
 class WorkerControlService(WorkerControlBase):

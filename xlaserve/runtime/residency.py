@@ -206,16 +206,7 @@ class ResidencyBook:
         if not may_evict:
             return Plan(refused=f"needs {fmt_bytes(need)} more than is free")
         victims: list[Hashable] = []
-        spared: list[Hashable] = []
-        for other in self.evictable((*protect, key)):
-            if other in spare:
-                spared.append(other)
-                continue
-            victims.append(other)
-            need -= self._entries[other].nbytes
-            if need <= 0:
-                return Plan(tuple(victims))
-        for other in spared:
+        for other in self._in_eviction_order((*protect, key), spare):
             victims.append(other)
             need -= self._entries[other].nbytes
             if need <= 0:
@@ -223,6 +214,22 @@ class ResidencyBook:
         return Plan(refused=(f"it needs {fmt_bytes(entry.nbytes)}; the budget is {fmt_bytes(self.budget)}, "
                              f"{fmt_bytes(self.used_bytes())} of it held by models that cannot be evicted now "
                              "(pinned, in use or loading)"))
+
+    def eviction_order(self, protect: Iterable[Hashable] = (),
+                       spare: Collection[Hashable] = ()) -> tuple[Hashable, ...]:
+        """Every model a load would evict now, in the order :meth:`plan` takes them (the next
+        victim first): the evictable models (:meth:`evictable`) not in ``spare`` in the policy's
+        order, then those in ``spare`` in the policy's order. A load evicts a prefix of it."""
+        return tuple(self._in_eviction_order(protect, spare))
+
+    def _in_eviction_order(self, protect: Iterable[Hashable], spare: Collection[Hashable]) -> Iterator[Hashable]:
+        spared: list[Hashable] = []
+        for other in self.evictable(protect):
+            if other in spare:
+                spared.append(other)
+            else:
+                yield other
+        yield from spared
 
     def begin_load(self, key: Hashable) -> None:
         """Reserve the model's bytes: a copy onto the device is under way."""

@@ -63,6 +63,8 @@ class ModelResidency:
     hits: int
     evictions: int
     bytes_copied: int = 0    # onto the device, all loads (on demand, prefetch, pin)
+    misses: int = 0          # loads a dispatch waited for (not prefetch or pin)
+    eviction_rank: int = 0   # 1: the next victim of a load; 0: not evictable now (not resident, pinned, loading)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +81,15 @@ class CacheSnapshot:
     host_memory_kind: str
     models: tuple[ModelResidency, ...]
     policy: str = DEFAULT_POLICY
-    next_victim: tuple[str, int] | None = None   # what the policy would evict first now
+    next_victim: tuple[str, int] | None = None   # what a load would evict first now (eviction_order[0])
     prefetches: int = 0          # copies started by a hint
     prefetches_landed: int = 0   # ... done before their model was needed
     prefetches_late: int = 0     # ... still copying when their model was needed (it waited)
     pool: PoolStats | None = None    # device memory for weights (cpu), None where the allocator pools
+    # What a load would evict now, in order (next victim first; a load evicts a prefix): the
+    # policy's order over the resident models that are not pinned or loading, those with queued
+    # work (the scheduler's set_queued) last, as ResidencyBook.plan takes them.
+    eviction_order: tuple[tuple[str, int], ...] = ()
 
     def __iter__(self):
         """Iterating a snapshot yields its per-model entries."""
@@ -120,6 +126,7 @@ class _Counts:
     hits: int = 0
     evictions: int = 0
     bytes_copied: int = 0
+    misses: int = 0
 
 
 class WeightCache:
@@ -172,6 +179,9 @@ class WeightCache:
         self._recent_evictions: deque[tuple[str, int]] = deque(maxlen=self._thrash.window)
         self._nursery: trio.Nursery | None = None
         self._publish_totals()
+        watch = getattr(metrics, "watch", None)
+        if watch is not None:               # the state gauges read snapshot() when scraped
+            watch(self.snapshot)
 
     # ---- the actor's home: a nursery for prefetches ---------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -412,7 +422,9 @@ class WeightCache:
         counts = self._counts[key]
         counts.loads += 1
         counts.bytes_copied += model.weight_bytes
-        if why == "prefetch":
+        if why == "demand":
+            counts.misses += 1
+        elif why == "prefetch":
             self._prefetched.add(key)
         if self._metrics is not None:
             self._metrics.load(key[0], seconds, miss=why == "demand", nbytes=model.weight_bytes)
@@ -611,9 +623,15 @@ class WeightCache:
 
     # ---- introspection --------------------------------------------------------------------
     def snapshot(self) -> CacheSnapshot:
+        """The cache now. Built when asked (a scrape, a status message), never per request:
+        the eviction order costs one ranking of the resident models by the policy."""
         lru = self._book.lru_order()
         order = [k for k in lru if self._book.is_resident(k)] + sorted(
             k for k in self._book.keys() if not self._book.is_resident(k))
+        # an on-demand load plans with nothing protected but the model it loads (dispatches are
+        # serial: the model that ran last is idle by then) and the queued models spared
+        evictions = self._book.eviction_order(spare=self._queued)
+        rank = {key: i for i, key in enumerate(evictions, 1)}
         models = []
         for key in order:
             counts = self._counts.get(key, _Counts())
@@ -621,12 +639,14 @@ class WeightCache:
             models.append(ModelResidency(key[0], key[1], self._book.floor(key).value, nbytes,
                                          nbytes if self._book.is_resident(key) else 0,
                                          nbytes if key in self._host else 0,
-                                         counts.loads, counts.hits, counts.evictions, counts.bytes_copied))
+                                         counts.loads, counts.hits, counts.evictions, counts.bytes_copied,
+                                         counts.misses, rank.get(key, 0)))
         return CacheSnapshot(self._budget.bytes, self._book.resident_bytes(), self._book.pinned_bytes(),
                              self._budget.arena, self._budget.headroom, self._budget.on_demand,
                              self._device.host_memory_kind, tuple(models), self._policy.name,
-                             next(self._book.evictable((self._current,) if self._current else ()), None),
-                             *self._prefetch_counts, self._pool.stats() if self._pool is not None else None)
+                             evictions[0] if evictions else None,
+                             *self._prefetch_counts, self._pool.stats() if self._pool is not None else None,
+                             evictions)
 
     def _describe_resident(self) -> str:
         keys = [k for k in self._book.keys() if self._book.is_resident(k)]
