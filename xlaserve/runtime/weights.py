@@ -136,7 +136,8 @@ class WeightCache:
         self._budget = budget or Budget(1 << 62, 1.0, 0)
         self._budget_logged = False
         self._load_cost = LoadCost()
-        self._policy = make_policy(eviction, self._cost_of)
+        self._host_changes = 0       # counts changes of self._host, which decides a load's source
+        self._policy = make_policy(eviction, self._cost_of, self._cost_generation)
         self._book = ResidencyBook(self._budget.bytes, self._policy)
         self._trace = trace
         self._last_load_seconds = 0.0
@@ -149,6 +150,7 @@ class WeightCache:
             os.environ.get("XLASERVE_WEIGHT_PREFETCH", "1") != "0"
         self._lock = trio.Lock()
         self._models: dict[Key, ModelVersion] = {}
+        self._versions: dict[str, set[Key]] = {}     # model name -> its keys in the book
         self._host: dict[Key, tuple] = {}
         # Issue 5 (reload): a replaced version's host copy, kept for requests admitted to it
         # that have not run yet; they get a transient device copy. Re-reading by path would give
@@ -196,6 +198,11 @@ class WeightCache:
     def _cost_of(self, key: Key, nbytes: int) -> float:
         return self._load_cost(nbytes, self._source(key))
 
+    def _cost_generation(self) -> int:
+        """Changes whenever :meth:`_cost_of` may answer differently: a load was timed, or a host
+        copy came or went (both counters only grow, so their sum changes with either)."""
+        return self._load_cost.generation + self._host_changes
+
     # ---- admission (lifecycle) ------------------------------------------------------------
     def floor_of(self, name: str) -> Floor:
         if not self._budget.on_demand:
@@ -223,10 +230,12 @@ class WeightCache:
                     raise CatalogTooLarge(reason)
             return reason
         self._models[key] = model
+        self._versions.setdefault(model.name, set()).add(key)
         self._counts[key] = _Counts()
         try:
             if floor is not Floor.UNPINNED:
                 self._host[key] = await trio.to_thread.run_sync(self._read_host, model)
+                self._host_changes += 1
             if floor is Floor.DEVICE:
                 async with self._lock:
                     await self._make_resident(key, self._limiter, why="pin")
@@ -277,7 +286,13 @@ class WeightCache:
             self._book.remove(key)
             self._device_arrays.pop(key, None)
             self._host.pop(key, None)
+            self._host_changes += 1
             self._models.pop(key, None)
+            versions = self._versions.get(key[0])
+            if versions is not None:
+                versions.discard(key)
+                if not versions:
+                    del self._versions[key[0]]
             self._counts.pop(key, None)
             self._prefetched.discard(key)
         if self._metrics is not None:
@@ -321,13 +336,20 @@ class WeightCache:
             self._hit(key)
             arrays = self._device_arrays[key]
         else:
-            async with self._lock:
+            lock = self._lock
+            try:
+                lock.acquire_nowait()       # free (the usual case): no trip through the scheduler
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
                 if self._book.is_resident(key):
                     self._hit(key)
                     arrays = self._device_arrays[key]
                 else:
                     evicted, arrays = await self._make_resident(key, self._limiter)
                     loaded = self._last_load_seconds
+            finally:
+                lock.release()
         self._current = key
         self._book.touch(key)
         if self._trace is not None and key in self._book:
@@ -550,6 +572,7 @@ class WeightCache:
         for key in keys:
             if new is Floor.UNPINNED:
                 self._host.pop(key, None)
+                self._host_changes += 1
         if self._nursery is not None and new is not Floor.UNPINNED:
             self._nursery.start_soon(self._apply_residency, keys)
         for key in keys:
@@ -565,6 +588,7 @@ class WeightCache:
                     host = await trio.to_thread.run_sync(self._read_host, self._models[key])
                     if key in self._book and self._book.floor(key) is not Floor.UNPINNED:
                         self._host[key] = host
+                        self._host_changes += 1
                 if key in self._book and self._book.floor(key) is Floor.DEVICE:
                     async with self._lock:
                         if key in self._book and not self._book.is_resident(key):
@@ -637,7 +661,7 @@ class WeightCache:
     def _publish(self, name: str) -> None:
         if self._metrics is None:
             return
-        resident = sum(self._book.nbytes(k) for k in self._book.keys() if k[0] == name and self._book.is_resident(k))
+        resident = sum(self._book.nbytes(k) for k in self._versions.get(name, ()) if self._book.is_resident(k))
         self._metrics.resident(name, resident)
         self._publish_totals()
 
