@@ -44,6 +44,11 @@ on this machine), so that a large model does not hold the event loop for its who
 costs 75 us here when the machine is idle and from several hundred us to 2.5 ms when its two
 cores are shared (measured: docs/weights.md), seven to thirty times the copy of a 256 KiB model."""
 
+TRANSFER_POLL_SECONDS = 0.005
+"""On a GPU with page-locked host copies, a load's DMA is started on the Trio thread and its end
+is polled for at every pass of the scheduler for up to this long (a load of up to about 100 MiB
+over PCIe 4), without a thread hop or a wake-up; a longer one is then waited for in a thread."""
+
 
 class CatalogTooLarge(StartupError):
     """With ``weight_cache_fraction: 0`` every model must be resident, and they do not fit."""
@@ -380,6 +385,8 @@ class WeightCache:
                     arrays = await self._copy_in_steps(self._host[key])
                 finally:
                     limiter.release()
+            elif self._device.transfers_async and key in self._host:
+                arrays = await self._transfer(self._host[key], limiter)
             else:
                 arrays = await trio.to_thread.run_sync(self._copy_blocking, key, model, limiter=limiter)
         except BaseException:
@@ -410,6 +417,20 @@ class WeightCache:
         except trio.WouldBlock:
             return False
         return True
+
+    async def _transfer(self, host: tuple, limiter: trio.CapacityLimiter) -> tuple:
+        """A load that is a DMA from page-locked host memory (cuda): started here (PJRT enqueues
+        it and returns), then polled for at each scheduler pass, so that the load costs the
+        transfer, not a thread hop and two wake-ups; after :data:`TRANSFER_POLL_SECONDS` the
+        rest is waited for in a thread."""
+        async with limiter:
+            arrays = self._device.start_weights(host)
+            give_up = time.perf_counter() + TRANSFER_POLL_SECONDS
+            while not self._device.weights_ready(arrays):
+                if time.perf_counter() > give_up:
+                    return await trio.to_thread.run_sync(self._device.wait_weights, arrays)
+                await trio.sleep(0)
+            return self._device.wait_weights(arrays)    # done: raises if the transfer failed
 
     async def _copy_in_steps(self, host: tuple) -> tuple:
         steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES)
