@@ -2,7 +2,8 @@
 
   python -m benchmarks.miss_cost_bench [--backend cpu|cuda] [--sizes-kb 256 1024 4096 16384]
                                        [--tensors 8] [--rounds 7] [--misses 30]
-  python -m benchmarks.miss_cost_bench stages [--backend cpu]    # where the time of a load goes
+  python -m benchmarks.miss_cost_bench stages [--backend cuda]   # where the time of a load goes
+                                                                 # (and of a pinned_host transfer)
   python -m benchmarks.miss_cost_bench profile --sizes-kb 1024    # cProfile of a run of misses
 
 Per size, two models of that many bytes (``--tensors`` f32 tensors each) and a budget that
@@ -130,19 +131,22 @@ def table(args) -> None:
               f"{hot * 1e6:>14.1f} {miss / hot:>9.2f}")
 
 
+def _median_us(fn, n=200) -> float:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out) * 1e6
+
+
 def stages(args) -> None:
-    """The pieces of a load, each timed alone (medians of 200): what the old path paid for."""
+    """The pieces of a load, each timed alone (medians of 200): what the old path paid for, and
+    the pieces of a transfer from page-locked host memory (the cuda path)."""
     import jax
     import trio
     device = _open_device(args.backend)
-
-    def med(fn, n=200):
-        out = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t)
-        return statistics.median(out) * 1e6
+    med = _median_us
 
     async def hop():
         await trio.to_thread.run_sync(lambda: None)
@@ -154,6 +158,7 @@ def stages(args) -> None:
             await hop()
             hops.append(time.perf_counter() - t)
     trio.run(hops_main)
+    print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, jax {jax.__version__}")
     print(f"trio.to_thread.run_sync of nothing: {statistics.median(hops) * 1e6:.1f} us")
     print(f"{'size':>9} {'memcpy':>8} {'alloc+copy':>11} {'device_put':>11} {'put_weights':>12}   (us)")
     for kb in args.sizes_kb:
@@ -166,6 +171,82 @@ def stages(args) -> None:
         def put():
             jax.block_until_ready(jax.device_put(dst, jax.devices(args.backend)[0]))
         print(f"{kb:>6}KiB {memcpy:>8.1f} {fresh:>11.1f} {med(put):>11.1f} {med(lambda: device.put_weights(host)):>12.1f}")
+    transfer_stages(device, args)
+
+
+def transfer_stages(device, args) -> None:
+    """A load from page-locked host memory (``pinned_host``: what ``Device.host_store`` keeps on
+    cuda; the cpu client has one too), piece by piece. Columns (us, medians):
+
+    * start: ``Device.start_weights`` returning (the batched copy enqueued, not waited for);
+    * start+block: start, then ``block_until_ready`` (``Device.load_weights``' cuda path);
+    * start+poll: start, then ``is_ready`` polled in a loop (the cache's cuda path, less Trio):
+      the transfer's own time, without a blocking wait's wake-up;
+    * block(ready): ``block_until_ready`` of arrays already done (the wait's fixed cost);
+    * device_put: the path before this change, ``jax.device_put(list, memory_kind="device",
+      may_alias=False)`` under x64, then blocked for;
+    * pageable: a plain NumPy list (not page-locked) put with ``jax.device_put`` and blocked for;
+    * in thread: start+block in ``trio.to_thread.run_sync`` (the old cache path, hop included);
+    * GB/s: the bytes over start+poll.
+    """
+    import jax
+    import trio
+    dev = device._device
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    target = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    print(f"transfer from pinned_host ({'the cache path' if device.transfers_async else 'not the cache path here'})")
+    print(f"{'size':>9} {'start':>8} {'start+block':>12} {'start+poll':>11} {'block(ready)':>13} {'device_put':>11} "
+          f"{'pageable':>9} {'in thread':>10} {'GB/s':>6}   (us)")
+    for kb in args.sizes_kb:
+        per = kb * KB // args.tensors // 4
+        numpy_host = [np.full(per, float(i), np.float32) for i in range(args.tensors)]
+        with jax.enable_x64(True):
+            host = tuple(jax.device_put(numpy_host, pinned))
+        jax.block_until_ready(host)
+        held = []
+
+        def start():
+            held.append(device.start_weights(host))
+
+        def start_block():
+            device.wait_weights(device.start_weights(host))
+
+        def start_poll():
+            arrays = device.start_weights(host)
+            while not device.weights_ready(arrays):
+                pass
+            device.wait_weights(arrays)
+
+        done = device.wait_weights(device.start_weights(host))
+
+        def old_put():
+            with jax.enable_x64(True):
+                jax.block_until_ready(jax.device_put(list(host), target, may_alias=False))
+
+        def pageable():
+            jax.block_until_ready(jax.device_put(numpy_host, dev))
+
+        t_start = _median_us(start, 100)
+        jax.block_until_ready(held)
+        held.clear()
+        t_block = _median_us(start_block)
+        t_poll = _median_us(start_poll)
+        t_ready = _median_us(lambda: device.wait_weights(done))
+        t_old = _median_us(old_put)
+        t_page = _median_us(pageable)
+        hops = []
+
+        async def threaded():
+            for _ in range(100):
+                t = time.perf_counter()
+                await trio.to_thread.run_sync(start_block)
+                hops.append(time.perf_counter() - t)
+        trio.run(threaded)
+        t_thread = statistics.median(hops) * 1e6
+        got = device.wait_weights(device.start_weights(host))
+        assert float(np.asarray(got[-1])[0]) == float(args.tensors - 1), "the transfer gave other bytes"
+        print(f"{kb:>6}KiB {t_start:>8.1f} {t_block:>12.1f} {t_poll:>11.1f} {t_ready:>13.1f} {t_old:>11.1f} "
+              f"{t_page:>9.1f} {t_thread:>10.1f} {kb * KB / t_poll / 1e3:>6.1f}")
 
 
 def profile(args) -> None:

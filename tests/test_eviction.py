@@ -190,3 +190,118 @@ def test_catalog_that_fits_misses_only_once_per_model():
     trace = synthetic("zipf:1.0", 1, 3000, seed=2)
     for policy in ("lru", "gdsf", "min"):
         assert replay(trace, policy).misses == len(set(trace.refs))
+
+
+class _SortedGdsf(GreedyDualSizeFrequency):
+    """The order as a full sort of every resident model (how the policy computed it before the
+    heap): the reference the heap must equal."""
+
+    def _order(self):
+        return sorted(self._standing, key=lambda k: (self.priority(k), self._standing[k].seq))
+
+    def _top(self):
+        order = self._order()
+        return order[0] if order else None
+
+    def victims(self):
+        return iter(self._order())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gdsf_heap_order_equals_the_sort_on_random_sequences(seed):
+    import random
+    rng = random.Random(seed)
+    keys = [f"m{i}" for i in range(12)]
+    sizes = {k: rng.choice((1, 2, 3)) * MB for k in keys}
+    costs = {k: rng.choice((0.5, 1.0, 2.0)) for k in keys}
+    generation = [0]
+    cost = lambda key, nbytes: costs[key] * nbytes / MB     # noqa: E731
+    heap = GreedyDualSizeFrequency(cost, cost_generation=lambda: generation[0], max_frequency=4)
+    ref = _SortedGdsf(cost, cost_generation=lambda: generation[0], max_frequency=4)
+    for step in range(1500):
+        op = rng.random()
+        resident = list(ref._standing)
+        if op < 0.3 or not resident:
+            key = rng.choice(keys)
+            for p in (heap, ref):
+                p.insert(key, sizes[key])
+        elif op < 0.75:
+            key = rng.choice(resident)
+            first = rng.random() < 0.1
+            for p in (heap, ref):
+                p.hit(key, first=first)
+        elif op < 0.9:
+            key = next(ref.victims()) if rng.random() < 0.8 else rng.choice(resident)
+            evicted = rng.random() < 0.9
+            for p in (heap, ref):
+                p.remove(key, evicted=evicted)
+        elif op < 0.95:
+            key = rng.choice(keys)
+            for p in (heap, ref):
+                p.forget(key)
+        else:                                   # the cost is learned: every priority may move
+            costs[rng.choice(keys)] = rng.choice((0.5, 1.0, 2.0, 4.0))
+            generation[0] += 1
+        assert list(heap.victims()) == list(ref.victims()), step
+        assert heap.clock == ref.clock and heap._counts == ref._counts
+    assert len(heap._heap) <= 2 * len(heap._standing) + 32 + 12    # stale entries do not pile up
+
+
+def test_gdsf_without_a_cost_generation_takes_the_cost_as_fixed_and_with_one_follows_it():
+    costs = {"a": 1.0, "b": 2.0}
+    generation = [0]
+    policy = GreedyDualSizeFrequency(lambda key, nbytes: costs[key], admission=False,
+                                     cost_generation=lambda: generation[0])
+    for key in ("a", "b"):
+        policy.insert(key, MB)
+    assert list(policy.victims()) == ["a", "b"]
+    costs["a"] = 3.0
+    generation[0] += 1
+    assert list(policy.victims()) == ["b", "a"]
+
+
+def test_load_cost_answers_again_from_memory_until_the_next_load():
+    cost = LoadCost()
+    cost.observe(MB, 1e-3)
+    before = cost.generation
+    guess = cost(2 * MB)
+    assert guess == pytest.approx(2e-3) and cost(2 * MB) == guess
+    cost.observe(2 * MB, 5e-3)
+    assert cost.generation == before + 1
+    assert cost(2 * MB) > 3e-3                # the new load moved the line, not a remembered answer
+    cost.observe(MB, float("nan"))           # ignored: no change
+    assert cost.generation == before + 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "gdsf"])
+def test_residency_book_running_sums_equal_a_scan(policy):
+    import random
+    rng = random.Random(7)
+    book = ResidencyBook(8 * MB, make_policy(policy, UNIT))
+    keys = [f"m{i}" for i in range(10)]
+    for step in range(3000):
+        key = rng.choice(keys)
+        op = rng.random()
+        if key not in book:
+            book.add(key, rng.choice((1, 2, 3)) * MB, Floor.DEVICE if rng.random() < 0.1 else Floor.SYSTEM)
+        elif op < 0.35:
+            plan = book.plan(key)
+            if plan.ok and not book.is_resident(key) and key not in book.lru_order():
+                for victim in plan.evict:
+                    book.evict(victim)
+                book.begin_load(key)
+                book.finish_load(key, ok=rng.random() < 0.9)
+        elif op < 0.6:
+            book.touch(key)
+        elif op < 0.75 and book.is_resident(key) and book.floor(key) is not Floor.DEVICE:
+            book.evict(key)
+        elif op < 0.85:
+            book.set_floor(key, rng.choice(list(Floor)))
+        elif op < 0.9:
+            book.set_budget(rng.choice((6, 8, 10)) * MB)
+        else:
+            book.remove(key)
+        entries = book._entries
+        assert book.used_bytes() == sum(entries[k].nbytes for k in book.lru_order()), step
+        assert book.resident_bytes() == sum(e.nbytes for e in entries.values() if e.resident), step
+        assert book.pinned_bytes() == sum(e.nbytes for e in entries.values() if e.floor is Floor.DEVICE), step

@@ -599,3 +599,56 @@ def test_metrics_after_loads_evictions_and_prefetches(tmp_path, device):
     by = {r.model: r for r in snap}
     assert (by["a"].misses, by["b"].misses, by["pin"].misses) == (1, 1, 0)
     assert [by[n].eviction_rank for n in ("c", "b", "a", "pin")] == [1, 2, 0, 0]
+
+
+class _PinnedCpu(Device):
+    """The cpu device made to take the cuda path of the cache: page-locked host copies (the cpu
+    client has a ``pinned_host`` memory too), no weight pool, loads started and polled."""
+
+    @property
+    def host_memory_kind(self) -> str:
+        return "pinned_host"
+
+    @property
+    def pools_weights(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("poll_seconds", [5.0, 0.0])
+def test_the_gpu_path_starts_the_transfer_and_polls_for_its_end(tmp_path, monkeypatch, poll_seconds):
+    import xlaserve.runtime.weights as weights_module
+    device = _PinnedCpu("cpu")
+    assert device.transfers_async
+    monkeypatch.setattr(weights_module, "TRANSFER_POLL_SECONDS", poll_seconds)
+    polls, waits = [], []
+    ready = device.weights_ready
+
+    def weights_ready(arrays):
+        polls.append(1)
+        return len(polls) > 1 and ready(arrays)          # not ready at the first look
+    wait = device.wait_weights
+
+    def wait_weights(arrays):
+        waits.append(trio.lowlevel.in_trio_run())
+        return wait(arrays)
+    monkeypatch.setattr(device, "weights_ready", weights_ready)
+    monkeypatch.setattr(device, "wait_weights", wait_weights)
+    a = make_model(tmp_path, "a", MB, fill=2.0)
+    b = make_model(tmp_path, "b", MB, fill=5.0)
+
+    async def main():
+        cache = cache_for(device, 3 * MB // 2)
+        assert await cache.admit(a) == "" and await cache.admit(b) == ""
+        for model, fill in ((a, 2.0), (b, 5.0), (a, 2.0)):
+            arrays = await cache.ensure_resident(model)
+            assert arrays[0].sharding.memory_kind == "device"
+            assert arrays[0].unsafe_buffer_pointer() != cache._host[(model.name, 1)][0].unsafe_buffer_pointer()
+            assert float(np.asarray(arrays[0])[7]) == fill
+        assert cache._host[("a", 1)][0].sharding.memory_kind == "pinned_host"
+        assert sorted(m.loads for m in cache.snapshot()) == [1, 2]
+        assert cache.snapshot().pool is None
+    run(main)
+    if poll_seconds:
+        assert waits == [True] * 3 and len(polls) >= 4       # polled on the Trio thread, waited there when done
+    else:
+        assert waits == [False] * 3                         # gave up polling: waited in a thread

@@ -21,6 +21,7 @@ times; ``benchmarks/cache_sim.py`` replays traces under each policy and Belady's
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import OrderedDict
@@ -98,8 +99,13 @@ class GreedyDualSizeFrequency:
     clock and evicted in time. Frequency counts references since the model became resident
     (it restarts after an eviction) and saturates at ``max_frequency``: unbounded, a model
     hot for a long time keeps its place for as long again after popularity moves on (on the
-    simulator's shifting trace, 1.9x MIN's misses at 5x the budget instead of 1.2x). ``cost(key, nbytes)`` is read when the order is asked
-    for, so a cost that is still being learned applies to every model alike.
+    simulator's shifting trace, 1.9x MIN's misses at 5x the budget instead of 1.2x).
+
+    ``cost(key, nbytes)`` may change as it is learned; the order always uses the cost as it is
+    when the order is asked for, so a learned cost applies to every model alike.
+    ``cost_generation()`` says when it changed: any value other than the last one seen means
+    every priority is recomputed (one pass over the resident models). Without it the cost is
+    taken to be fixed.
 
     With ``admission`` (the default), every model's references are also counted across
     evictions, and every count is halved each time the references since the last halving
@@ -107,12 +113,20 @@ class GreedyDualSizeFrequency:
     keys are the cache's own models, not a stream of strangers). A newcomer whose count is
     not above that of the model next in line for eviction enters on probation: frequency 0,
     so its priority is the clock and it goes first unless it is used again.
+
+    The order is kept in a binary heap of ``(priority, seq, key)`` with lazy invalidation: a
+    reference re-files its model (at the next question, once however many references came
+    between), the entries it leaves behind are recognised by their old ``seq`` and dropped
+    when they reach the top, and the heap is rebuilt when stale entries outnumber live ones or
+    the cost changed. The next victim costs O(log n), not a sort of every resident model; the
+    order is exactly the sort's (``seq`` is unique, so ties never reach the key).
     """
 
     name = "gdsf"
 
     def __init__(self, cost: Callable[[Hashable, int], float], *, admission: bool = True,
-                 aging: int = 10, max_frequency: int = 16) -> None:
+                 aging: int = 10, max_frequency: int = 16,
+                 cost_generation: Callable[[], Hashable] | None = None) -> None:
         self._cost = cost
         self._standing: dict[Hashable, _Standing] = {}
         self._seq = itertools.count()
@@ -122,6 +136,11 @@ class GreedyDualSizeFrequency:
         self._counts: dict[Hashable, int] = {}
         self._since_aging = 0
         self.max_frequency = max_frequency
+        self._cost_generation = cost_generation
+        self._heap: list[tuple[float, int, Hashable]] = []
+        self._heap_generation: Hashable = None
+        self._stale = True               # the heap must be rebuilt before it is read
+        self._dirty: set[Hashable] = set()   # referenced since the heap was last brought up to date
 
     def _count(self, key: Hashable) -> int:
         self._counts[key] = self._counts.get(key, 0) + 1
@@ -135,14 +154,42 @@ class GreedyDualSizeFrequency:
         s = self._standing[key]
         return s.clock + s.frequency * self._cost(key, s.nbytes) / max(1, s.nbytes)
 
+    def _sync(self) -> None:
+        """Bring the heap up to date: rebuilt when the cost changed or stale entries pile up,
+        else the models referenced since the last question filed again."""
+        generation = self._cost_generation() if self._cost_generation is not None else None
+        heap = self._heap
+        if self._stale or generation != self._heap_generation or len(heap) > 2 * len(self._standing) + 32:
+            heap[:] = [(self.priority(k), s.seq, k) for k, s in self._standing.items()]
+            heapq.heapify(heap)
+            self._heap_generation = generation
+            self._stale = False
+        else:
+            for key in self._dirty:
+                heapq.heappush(heap, (self.priority(key), self._standing[key].seq, key))
+        self._dirty.clear()
+
+    def _top(self) -> Hashable | None:
+        """The model to evict first now (None when none is held)."""
+        self._sync()
+        heap, standing = self._heap, self._standing
+        while heap:
+            _, seq, key = heap[0]
+            s = standing.get(key)
+            if s is not None and s.seq == seq:
+                return key
+            heapq.heappop(heap)
+        return None
+
     def insert(self, key: Hashable, nbytes: int) -> None:
         frequency = 1
         if self.admission:
             count = self._count(key)
-            rival = min(self._standing, key=lambda k: (self.priority(k), self._standing[k].seq), default=None)
+            rival = self._top()
             if rival is not None and count <= self._counts.get(rival, 0):
                 frequency = 0
         self._standing[key] = _Standing(nbytes, frequency, self.clock, next(self._seq))
+        self._dirty.add(key)
 
     def hit(self, key: Hashable, *, first: bool = False) -> None:
         s = self._standing.get(key)
@@ -154,6 +201,7 @@ class GreedyDualSizeFrequency:
                 self._count(key)
         s.clock = self.clock
         s.seq = next(self._seq)
+        self._dirty.add(key)
 
     def remove(self, key: Hashable, *, evicted: bool) -> None:
         if key not in self._standing:
@@ -161,14 +209,27 @@ class GreedyDualSizeFrequency:
         if evicted:
             self.clock = max(self.clock, self.priority(key))
         del self._standing[key]
+        self._dirty.discard(key)
 
     def forget(self, key: Hashable) -> None:
-        self._standing.pop(key, None)
+        if self._standing.pop(key, None) is not None:
+            self._dirty.discard(key)
         self._counts.pop(key, None)
 
     def victims(self) -> Iterator[Hashable]:
-        ranked = sorted((self.priority(k), s.seq, i, k) for i, (k, s) in enumerate(self._standing.items()))
-        return iter([k for *_, k in ranked])
+        """The order now, lazily (each next victim O(log n)); do not change the policy while
+        iterating."""
+        if self._top() is None:
+            return iter(())
+        return self._in_order(list(self._heap))
+
+    def _in_order(self, heap: list[tuple[float, int, Hashable]]) -> Iterator[Hashable]:
+        standing = self._standing
+        while heap:
+            _, seq, key = heapq.heappop(heap)
+            s = standing.get(key)
+            if s is not None and s.seq == seq:
+                yield key
 
 
 class LoadCost:
@@ -186,6 +247,8 @@ class LoadCost:
         self.default_bandwidth = default_bandwidth
         self._decay = 0.5 ** (1.0 / halflife)
         self._sums: dict[str, list[float]] = {}     # source -> [w, sx, sy, sxx, sxy] (x in MiB)
+        self.generation = 0                         # changes with every observation
+        self._known: dict[tuple[int, str], float] = {}   # answers given since the last observation
 
     def observe(self, nbytes: int, seconds: float, source: str = "host") -> None:
         if not (seconds >= 0 and math.isfinite(seconds)):
@@ -194,8 +257,16 @@ class LoadCost:
         sums = self._sums.setdefault(source, [0.0] * 5)
         for i, term in enumerate((1.0, x, seconds, x * x, x * seconds)):
             sums[i] = sums[i] * self._decay + term
+        self.generation += 1
+        self._known.clear()
 
     def __call__(self, nbytes: int, source: str = "host") -> float:
+        known = self._known.get((nbytes, source))
+        if known is None:
+            known = self._known[(nbytes, source)] = self._line(nbytes, source)
+        return known
+
+    def _line(self, nbytes: int, source: str) -> float:
         sums = self._sums.get(source)
         if sums is None:
             return nbytes / self.default_bandwidth
@@ -214,10 +285,12 @@ class LoadCost:
         return max(overhead + slope * x, 1e-12)
 
 
-def make_policy(name: str, cost: Callable[[Hashable, int], float]) -> Policy:
-    """The policy ``name`` (one of :data:`POLICIES`); ValueError naming the choices otherwise."""
+def make_policy(name: str, cost: Callable[[Hashable, int], float],
+                cost_generation: Callable[[], Hashable] | None = None) -> Policy:
+    """The policy ``name`` (one of :data:`POLICIES`); ValueError naming the choices otherwise.
+    ``cost_generation``: see :class:`GreedyDualSizeFrequency` (None: ``cost`` never changes)."""
     if name == "lru":
         return LeastRecentlyUsed()
     if name == "gdsf":
-        return GreedyDualSizeFrequency(cost)
+        return GreedyDualSizeFrequency(cost, cost_generation=cost_generation)
     raise ValueError(f"unknown weight eviction policy {name!r}; expected one of {', '.join(POLICIES)}")

@@ -377,6 +377,13 @@ COMPILE_OVERRIDES: Mapping[str, tuple[tuple[str, str], ...]] = {
 }
 
 
+# The batched copy of jax.Arrays that jax.device_put ends in (jax 0.10.2); None where a jax
+# release lacks it (then jax.device_put is used).
+_batched_copy = getattr(xla_client, "batched_copy_array_to_devices_with_sharding", None)
+_ALWAYS_COPY = getattr(getattr(xla_client, "ArrayCopySemantics", None), "ALWAYS_COPY", None)
+_ArrayImpl = getattr(_jax, "ArrayImpl", None)
+
+
 @functools.lru_cache(maxsize=4096)
 def _aval(shape: tuple[int, ...], dtype: np.dtype):
     """The abstract value of a weight (cached: the same few shapes are loaded again and again)."""
@@ -398,6 +405,8 @@ class Device:
         self._device = devices[ordinal]
         self._device_list = xla_client.DeviceList((self._device,))
         self._sharding = jax.sharding.SingleDeviceSharding(self._device)
+        self._device_memory: jax.sharding.Sharding | None = None    # memory_kind="device", made once
+        self._host_memory_kind: str | None = None
 
     @property
     def kind(self) -> str:
@@ -457,10 +466,18 @@ class Device:
     def host_memory_kind(self) -> str:
         """Where :meth:`host_store` keeps weights: ``pinned_host`` (page-locked, DMA-able) when
         the device offers that memory kind and is not the cpu, else ``numpy``."""
-        if self.backend == "cpu":
-            return "numpy"
-        kinds = {m.kind for m in self._device.addressable_memories()}
-        return "pinned_host" if "pinned_host" in kinds else "numpy"
+        if self._host_memory_kind is None:
+            kinds = {m.kind for m in self._device.addressable_memories()}
+            self._host_memory_kind = ("pinned_host" if self.backend != "cpu" and "pinned_host" in kinds
+                                      else "numpy")
+        return self._host_memory_kind
+
+    @property
+    def transfers_async(self) -> bool:
+        """Whether a load from :meth:`host_store`'s copy is a DMA that :meth:`start_weights`
+        only enqueues (returning at once), to be waited for separately: on a GPU with
+        page-locked host memory."""
+        return self.host_memory_kind == "pinned_host"
 
     def host_store(self, arrays) -> tuple:
         """The host copy of a model's weights. On a GPU with page-locked host memory the arrays
@@ -562,9 +579,24 @@ class Device:
         after the copy) or waited for with :meth:`wait_weights`. Meant for cuda, where
         :meth:`host_store` keeps the weights in page-locked memory, so the copy is a DMA that
         the host thread does not perform."""
-        target = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
+        target = self._device_memory
+        if target is None:
+            target = self._device_memory = jax.sharding.SingleDeviceSharding(self._device, memory_kind="device")
+        host = list(host)
+        if (_batched_copy is not None and _ALWAYS_COPY is not None
+                and all(type(a) is _ArrayImpl and a.sharding.device_set == {self._device} for a in host)):
+            # page-locked host arrays of this device (host_store): the one batched call that
+            # jax.device_put ends in, without its Python layers per array (tens of us each)
+            n = len(host)
+            return tuple(_batched_copy(host, [self._device_list] * n, [target] * n, [_ALWAYS_COPY] * n))
         with jax.enable_x64(True):
-            return tuple(jax.device_put(list(host), target, may_alias=False))
+            return tuple(jax.device_put(host, target, may_alias=False))
+
+    @staticmethod
+    def weights_ready(arrays: tuple) -> bool:
+        """Whether the copies :meth:`start_weights` started are done (or failed: then
+        :meth:`wait_weights` raises), without blocking."""
+        return all(a.is_ready() for a in arrays)
 
     @staticmethod
     def wait_weights(arrays: tuple) -> tuple:

@@ -112,22 +112,38 @@ class ResidencyBook:
         self.policy: Policy = policy or LeastRecentlyUsed()
         self._entries: dict[Hashable, _Entry] = {}
         self._lru: OrderedDict[Hashable, None] = OrderedDict()  # resident or loading, oldest first
+        # running sums, so that no question about bytes scans every model
+        self._used = 0          # bytes of the models in _lru (resident or loading)
+        self._resident = 0      # bytes of the resident models
+        self._pinned = 0        # bytes of the models with floor device
 
     # ---- registration ----------------------------------------------------------------------
     def add(self, key: Hashable, nbytes: int, floor: Floor) -> str:
-        """Register a model; returns why it can never be served under this budget, or ''."""
+        """Register a model (a key already known is forgotten first); returns why it can never be
+        served under this budget, or ''."""
         if nbytes > self.budget:
             return (f"its weights take {fmt_bytes(nbytes)} but the whole device weight budget is "
                     f"{fmt_bytes(self.budget)}")
         if floor is Floor.DEVICE and self.pinned_bytes() + nbytes > self.budget:
             return (f"pinning it (residency: device) needs {fmt_bytes(nbytes)} but models already pinned "
                     f"hold {fmt_bytes(self.pinned_bytes())} of the {fmt_bytes(self.budget)} budget")
+        if key in self._entries:
+            self.remove(key)
         self._entries[key] = _Entry(nbytes, floor)
+        if floor is Floor.DEVICE:
+            self._pinned += nbytes
         return ""
 
     def remove(self, key: Hashable) -> bool:
         """Forget a model; True when it was resident or loading (its device copy must go)."""
         entry = self._entries.pop(key, None)
+        if entry is not None:
+            if key in self._lru:
+                self._used -= entry.nbytes
+            if entry.resident:
+                self._resident -= entry.nbytes
+            if entry.floor is Floor.DEVICE:
+                self._pinned -= entry.nbytes
         self._lru.pop(key, None)
         self.policy.forget(key)
         return entry is not None and (entry.resident or entry.loading)
@@ -140,6 +156,7 @@ class ResidencyBook:
             if pinned + entry.nbytes > self.budget:
                 return (f"pinning it needs {fmt_bytes(entry.nbytes)} but models already pinned hold "
                         f"{fmt_bytes(pinned)} of the {fmt_bytes(self.budget)} budget")
+        self._pinned += entry.nbytes * ((floor is Floor.DEVICE) - (entry.floor is Floor.DEVICE))
         entry.floor = floor
         return ""
 
@@ -179,13 +196,13 @@ class ResidencyBook:
 
     def used_bytes(self) -> int:
         """Bytes resident or reserved by a copy under way."""
-        return sum(self._entries[k].nbytes for k in self._lru)
+        return self._used
 
     def resident_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values() if e.resident)
+        return self._resident
 
     def pinned_bytes(self) -> int:
-        return sum(e.nbytes for e in self._entries.values() if e.floor is Floor.DEVICE)
+        return self._pinned
 
     def free_bytes(self) -> int:
         return self.budget - self.used_bytes()
@@ -236,6 +253,8 @@ class ResidencyBook:
         entry = self._entries[key]
         entry.loading = True
         entry.fresh = True
+        if key not in self._lru:
+            self._used += entry.nbytes
         self._lru[key] = None
         self._lru.move_to_end(key)
         self.policy.insert(key, entry.nbytes)
@@ -245,19 +264,27 @@ class ResidencyBook:
         if entry is None:      # removed while the copy ran
             return
         entry.loading = False
+        if ok and not entry.resident:
+            self._resident += entry.nbytes
+        elif not ok and entry.resident:
+            self._resident -= entry.nbytes
         entry.resident = ok
         if ok:
             self._lru.move_to_end(key)
         else:
-            self._lru.pop(key, None)
+            if self._lru.pop(key, 0) is None:
+                self._used -= entry.nbytes
             self.policy.remove(key, evicted=False)
 
     def evict(self, key: Hashable) -> None:
         entry = self._entries[key]
         if entry.floor is Floor.DEVICE:
             raise ValueError(f"{key!r} is pinned (residency: device) and cannot be evicted")
+        if entry.resident:
+            self._resident -= entry.nbytes
         entry.resident = False
-        self._lru.pop(key, None)
+        if self._lru.pop(key, 0) is None:
+            self._used -= entry.nbytes
         self.policy.remove(key, evicted=True)
 
     def touch(self, key: Hashable) -> None:
@@ -279,17 +306,22 @@ class ThrashMonitor:
         self.window = window
         self.threshold = threshold
         self._recent: deque[bool] = deque(maxlen=window)
+        self._evicting = 0          # how many of _recent are True
         self._since_warning = window
 
     def record(self, evicted: bool) -> bool:
-        self._recent.append(evicted)
+        recent = self._recent
+        if len(recent) == self.window:
+            self._evicting -= recent[0]
+        recent.append(evicted)
+        self._evicting += evicted
         self._since_warning += 1
-        if (len(self._recent) == self.window and self._since_warning >= self.window
-                and sum(self._recent) > self.threshold * self.window):
+        if (len(recent) == self.window and self._since_warning >= self.window
+                and self._evicting > self.threshold * self.window):
             self._since_warning = 0
             return True
         return False
 
     @property
     def evicting_share(self) -> float:
-        return sum(self._recent) / len(self._recent) if self._recent else 0.0
+        return self._evicting / len(self._recent) if self._recent else 0.0

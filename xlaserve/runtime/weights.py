@@ -44,6 +44,11 @@ on this machine), so that a large model does not hold the event loop for its who
 costs 75 us here when the machine is idle and from several hundred us to 2.5 ms when its two
 cores are shared (measured: docs/weights.md), seven to thirty times the copy of a 256 KiB model."""
 
+TRANSFER_POLL_SECONDS = 0.005
+"""On a GPU with page-locked host copies, a load's DMA is started on the Trio thread and its end
+is polled for at every pass of the scheduler for up to this long (a load of up to about 100 MiB
+over PCIe 4), without a thread hop or a wake-up; a longer one is then waited for in a thread."""
+
 
 class CatalogTooLarge(StartupError):
     """With ``weight_cache_fraction: 0`` every model must be resident, and they do not fit."""
@@ -143,7 +148,8 @@ class WeightCache:
         self._budget = budget or Budget(1 << 62, 1.0, 0)
         self._budget_logged = False
         self._load_cost = LoadCost()
-        self._policy = make_policy(eviction, self._cost_of)
+        self._host_changes = 0       # counts changes of self._host, which decides a load's source
+        self._policy = make_policy(eviction, self._cost_of, self._cost_generation)
         self._book = ResidencyBook(self._budget.bytes, self._policy)
         self._trace = trace
         self._last_load_seconds = 0.0
@@ -156,6 +162,7 @@ class WeightCache:
             os.environ.get("XLASERVE_WEIGHT_PREFETCH", "1") != "0"
         self._lock = trio.Lock()
         self._models: dict[Key, ModelVersion] = {}
+        self._versions: dict[str, set[Key]] = {}     # model name -> its keys in the book
         self._host: dict[Key, tuple] = {}
         # Issue 5 (reload): a replaced version's host copy, kept for requests admitted to it
         # that have not run yet; they get a transient device copy. Re-reading by path would give
@@ -206,6 +213,11 @@ class WeightCache:
     def _cost_of(self, key: Key, nbytes: int) -> float:
         return self._load_cost(nbytes, self._source(key))
 
+    def _cost_generation(self) -> int:
+        """Changes whenever :meth:`_cost_of` may answer differently: a load was timed, or a host
+        copy came or went (both counters only grow, so their sum changes with either)."""
+        return self._load_cost.generation + self._host_changes
+
     # ---- admission (lifecycle) ------------------------------------------------------------
     def floor_of(self, name: str) -> Floor:
         if not self._budget.on_demand:
@@ -233,10 +245,12 @@ class WeightCache:
                     raise CatalogTooLarge(reason)
             return reason
         self._models[key] = model
+        self._versions.setdefault(model.name, set()).add(key)
         self._counts[key] = _Counts()
         try:
             if floor is not Floor.UNPINNED:
                 self._host[key] = await trio.to_thread.run_sync(self._read_host, model)
+                self._host_changes += 1
             if floor is Floor.DEVICE:
                 async with self._lock:
                     await self._make_resident(key, self._limiter, why="pin")
@@ -287,7 +301,13 @@ class WeightCache:
             self._book.remove(key)
             self._device_arrays.pop(key, None)
             self._host.pop(key, None)
+            self._host_changes += 1
             self._models.pop(key, None)
+            versions = self._versions.get(key[0])
+            if versions is not None:
+                versions.discard(key)
+                if not versions:
+                    del self._versions[key[0]]
             self._counts.pop(key, None)
             self._prefetched.discard(key)
         if self._metrics is not None:
@@ -331,13 +351,20 @@ class WeightCache:
             self._hit(key)
             arrays = self._device_arrays[key]
         else:
-            async with self._lock:
+            lock = self._lock
+            try:
+                lock.acquire_nowait()       # free (the usual case): no trip through the scheduler
+            except trio.WouldBlock:
+                await lock.acquire()
+            try:
                 if self._book.is_resident(key):
                     self._hit(key)
                     arrays = self._device_arrays[key]
                 else:
                     evicted, arrays = await self._make_resident(key, self._limiter)
                     loaded = self._last_load_seconds
+            finally:
+                lock.release()
         self._current = key
         self._book.touch(key)
         if self._trace is not None and key in self._book:
@@ -368,6 +395,8 @@ class WeightCache:
                     arrays = await self._copy_in_steps(self._host[key])
                 finally:
                     limiter.release()
+            elif self._device.transfers_async and key in self._host:
+                arrays = await self._transfer(self._host[key], limiter)
             else:
                 arrays = await trio.to_thread.run_sync(self._copy_blocking, key, model, limiter=limiter)
         except BaseException:
@@ -398,6 +427,20 @@ class WeightCache:
         except trio.WouldBlock:
             return False
         return True
+
+    async def _transfer(self, host: tuple, limiter: trio.CapacityLimiter) -> tuple:
+        """A load that is a DMA from page-locked host memory (cuda): started here (PJRT enqueues
+        it and returns), then polled for at each scheduler pass, so that the load costs the
+        transfer, not a thread hop and two wake-ups; after :data:`TRANSFER_POLL_SECONDS` the
+        rest is waited for in a thread."""
+        async with limiter:
+            arrays = self._device.start_weights(host)
+            give_up = time.perf_counter() + TRANSFER_POLL_SECONDS
+            while not self._device.weights_ready(arrays):
+                if time.perf_counter() > give_up:
+                    return await trio.to_thread.run_sync(self._device.wait_weights, arrays)
+                await trio.sleep(0)
+            return self._device.wait_weights(arrays)    # done: raises if the transfer failed
 
     async def _copy_in_steps(self, host: tuple) -> tuple:
         steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES)
@@ -562,6 +605,7 @@ class WeightCache:
         for key in keys:
             if new is Floor.UNPINNED:
                 self._host.pop(key, None)
+                self._host_changes += 1
         if self._nursery is not None and new is not Floor.UNPINNED:
             self._nursery.start_soon(self._apply_residency, keys)
         for key in keys:
@@ -577,6 +621,7 @@ class WeightCache:
                     host = await trio.to_thread.run_sync(self._read_host, self._models[key])
                     if key in self._book and self._book.floor(key) is not Floor.UNPINNED:
                         self._host[key] = host
+                        self._host_changes += 1
                 if key in self._book and self._book.floor(key) is Floor.DEVICE:
                     async with self._lock:
                         if key in self._book and not self._book.is_resident(key):
@@ -657,7 +702,7 @@ class WeightCache:
     def _publish(self, name: str) -> None:
         if self._metrics is None:
             return
-        resident = sum(self._book.nbytes(k) for k in self._book.keys() if k[0] == name and self._book.is_resident(k))
+        resident = sum(self._book.nbytes(k) for k in self._versions.get(name, ()) if self._book.is_resident(k))
         self._metrics.resident(name, resident)
         self._publish_totals()
 
