@@ -107,3 +107,17 @@ def test_rpc_wrapper_maps_expected_errors_and_bugs(caplog):
     assert info.value.message == "internal error in Bug: KeyError: 'oops'"
     assert [r.getMessage() for r in caplog.records] == ["Bug failed"]   # logged once, with its traceback
     assert caplog.records[0].exc_info is not None
+
+
+def test_an_internal_message_is_bounded_and_survives_an_exception_that_cannot_be_printed():
+    """A bug's INTERNAL answer quotes at most a few hundred characters of its exception, and an
+    exception whose __str__ raises (user code can make one) still gives a message: the status is
+    built where a failure is already being handled, so it must not raise itself."""
+    class Unprintable(Exception):
+        def __str__(self):
+            raise RuntimeError("no")
+
+    assert errors.internal_message(Unprintable(), "h") == "internal error in h: Unprintable: <Unprintable whose str() raised>"
+    long = errors.internal_message(ValueError("x" * 5000))
+    assert long.startswith("internal error: ValueError: " + "x" * 200 + "... (4800 more characters)")
+    assert len(long) < 300

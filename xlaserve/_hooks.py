@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from xlaserve.dtypes import from_numpy
-from xlaserve.errors import InternalError
+from xlaserve.errors import InternalError, describe_exception
+from xlaserve.errors import cut_text as _cut
 from xlaserve.manifest import TensorDecl
 
 
@@ -96,32 +97,14 @@ def conform(tensors: Any, decls: Sequence[TensorDecl], *, where: str, rows: int 
 
 EXPECTED_TENSORS = "a list of NamedTensor(name: str, data: numpy.ndarray) or a dict of str to numpy.ndarray"
 
-# What an error message quotes of a value or an exception user code made, at most.
-_QUOTE_CHARS = 200
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``str(exc)``, safe for a status message: cut to a few hundred characters, and a
-    placeholder when its ``__str__`` raises (user code made it)."""
-    try:
-        text = str(exc)
-    except Exception:
-        return f"<{type(exc).__name__} whose str() raised>"
-    return _cut(text)
-
 
 def _quote(value: Any) -> str:
+    """What an error message quotes of a value user code made, at most (its repr, cut)."""
     try:
         text = repr(value)
     except Exception:
         return f"<{type(value).__name__} whose repr() raised>"
     return _cut(text)
-
-
-def _cut(text: str) -> str:
-    if len(text) <= _QUOTE_CHARS:
-        return text
-    return f"{text[:_QUOTE_CHARS]}... ({len(text) - _QUOTE_CHARS} more characters)"
 
 
 def _conform(tensors: Any, decls: Sequence[TensorDecl], where: str, rows: int | None, any_rows: bool,

@@ -87,10 +87,32 @@ class InternalError(XlaserveError):
     status = Status.INTERNAL
 
 
+QUOTE_CHARS = 200
+"""How much of an exception's text (or a value's repr) a status message quotes."""
+
+
+def cut_text(text: str, limit: int = QUOTE_CHARS) -> str:
+    """``text``, cut to ``limit`` characters with a note of how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``str(exc)``, safe for a status message: cut to a few hundred characters, and a
+    placeholder when its ``__str__`` raises (user code, or a bug, made it)."""
+    try:
+        text = str(exc)
+    except Exception:
+        return f"<{type(exc).__name__} whose str() raised>"
+    return cut_text(text)
+
+
 def internal_message(exc: BaseException, where: str = "") -> str:
     """What an INTERNAL answer to an unexpected exception (a bug, logged with its traceback
-    where it is caught) says: where, if known, and the exception's type and text."""
-    return f"internal error{' in ' + where if where else ''}: {type(exc).__name__}: {exc}"
+    where it is caught) says: where, if known, and the exception's type and text (cut, and never
+    raising, whatever the exception's ``__str__`` does)."""
+    return f"internal error{' in ' + where if where else ''}: {type(exc).__name__}: {describe_exception(exc)}"
 
 
 class BundleError(Exception):
