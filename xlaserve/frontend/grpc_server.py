@@ -1505,11 +1505,10 @@ class GrpcServer:
         #: worker threads inflating large compressed messages at once (their bytes are reserved
         #: in the budgets before they wait here)
         self.inflate_threads = trio.CapacityLimiter(INFLATE_THREADS)
-        self._refusals_logged_at: float | None = None
+        self._refusals = LineLimiter(log, interval=60.0)   # a flood of connections is when it happens
         #: one line a second for connections that fail (accept errors, resets during set-up, bugs)
         self._faults = LineLimiter(log)
-        self._closings_logged_at = -60.0
-        self._closings_unlogged = 0
+        self._closings = LineLimiter(log)
         self._connections: set[Connection] = set()
         self._none_left = trio.Event()
         self.ssl_context: ssl.SSLContext | None = None     # set by serve()
@@ -1673,23 +1672,14 @@ class GrpcServer:
     def log_closing(self, conn: Connection, exc: ConnectionError_) -> None:
         """Log why a connection is being ended: at most one line a second, since a flood of
         offending connections is when it happens (the next line counts those not logged)."""
-        now = trio.current_time()
-        if now - self._closings_logged_at < 1.0:
-            self._closings_unlogged += 1
-            return
-        more = f" ({self._closings_unlogged} more since the last line)" if self._closings_unlogged else ""
-        self._closings_logged_at, self._closings_unlogged = now, 0
-        log.info("closing the gRPC connection from %s: GOAWAY %s: %s%s", conn.peer or "a client",
-                 _ERROR_NAMES.get(exc.code, exc.code), exc, more)
+        self._closings.line(logging.INFO, "closing the gRPC connection from %s: GOAWAY %s: %s",
+                            conn.peer or "a client", _ERROR_NAMES.get(exc.code, exc.code), exc)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """One connection too many: our preface (SETTINGS), then GOAWAY naming the limit, then
         close. Logged at most once a minute, since a flood of connections is when it happens."""
         message = f"this server serves at most {self.max_connections} connections at once (endpoints.max_connections)"
-        now = trio.current_time()
-        if self._refusals_logged_at is None or now - self._refusals_logged_at >= 60:
-            self._refusals_logged_at = now
-            log.warning("refusing gRPC connections: %s", message)
+        self._refusals.line(logging.WARNING, "refusing gRPC connections: %s", message)
         with trio.move_on_after(FLUSH_SECONDS):
             try:
                 await stream.send_all(frame(SETTINGS, 0, 0) + frame(

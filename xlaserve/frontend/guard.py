@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from xlaserve.errors import describe_exception
+
 #: accept(2) errors that mean the process or the system ran out of descriptors or memory
 CAPACITY_ERRNOS = frozenset((errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM))
 BACKOFF_FIRST = 0.1
@@ -84,7 +86,7 @@ def describe(exc: BaseException) -> str:
         exc = exc.exceptions[0]
     if isinstance(exc, OSError) and exc.errno is not None:
         return f"{errno.errorcode.get(exc.errno, exc.errno)} ({exc.strerror or exc})"
-    text = str(exc)
+    text = describe_exception(exc)         # cut, and never raising: it is called while handling a fault
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
