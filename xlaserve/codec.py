@@ -119,10 +119,11 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
             if max_rows is not None and n > max_rows:
                 raise InvalidArgument(f"input '{tensor.name}': batch size {n} is larger than the largest compiled "
                                       f"batch size {max_rows}")
+        count = math.prod(shape)        # exact: np.prod would wrap past int64
         params = tensor.parameters
         in_shm = "shared_memory_region" in params
         if max_bytes is not None and not in_shm:
-            _check_size(tensor.name, decl.dtype, shape, max_bytes)
+            _check_size(tensor.name, decl.dtype, shape, count, max_bytes)
         buffer = None
         if in_shm:
             if read_shm is None:
@@ -133,9 +134,9 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
             buffer = raw[next_raw]
             next_raw += 1
         if buffer is not None:
-            arrays[tensor.name] = _from_buffer(tensor.name, decl.dtype, shape, buffer)
+            arrays[tensor.name] = _from_buffer(tensor.name, decl.dtype, shape, count, buffer)
         else:
-            arrays[tensor.name] = _from_contents(tensor, decl.dtype, shape)
+            arrays[tensor.name] = _from_contents(tensor, decl.dtype, shape, count)
     missing = [d.name for d in expected if d.name not in arrays]
     if missing:
         raise InvalidArgument(f"missing input(s) {', '.join(repr(m) for m in missing)}; the model takes {want()}")
@@ -154,18 +155,17 @@ def _check_shape(name: str, decl: TensorDecl, shape: tuple[int, ...]) -> None:
                               f"got {_shape_text(shape)}")
 
 
-def _check_size(name: str, dtype: DType, shape: tuple[int, ...], max_bytes: int) -> None:
+def _check_size(name: str, dtype: DType, shape: tuple[int, ...], count: int, max_bytes: int) -> None:
     """Refuse a tensor whose shape alone says it is larger than ``max_bytes`` (a BYTES element
     is at least its 4-byte length prefix on the wire)."""
-    size = math.prod(shape) * (dtype.itemsize or 4)
+    size = count * (dtype.itemsize or 4)
     if size > max_bytes:
         raise InvalidArgument(f"input '{name}': shape {_shape_text(shape)} of {dtype.kserve} is {size} bytes, more "
                               f"than a request may carry (endpoints.max_recv_msg_bytes is {max_bytes}); send large "
                               "tensors through shared memory")
 
 
-def _from_buffer(name: str, dtype: DType, shape: tuple[int, ...], buffer) -> np.ndarray:
-    count = math.prod(shape)        # exact: np.prod would wrap past int64
+def _from_buffer(name: str, dtype: DType, shape: tuple[int, ...], count: int, buffer) -> np.ndarray:
     got = len(buffer) if not isinstance(buffer, memoryview) else buffer.nbytes
     if dtype.kserve == "BYTES":
         if count * 4 > got:         # each element has at least its length prefix
@@ -179,13 +179,12 @@ def _from_buffer(name: str, dtype: DType, shape: tuple[int, ...], buffer) -> np.
     return np.frombuffer(buffer, dtype=dtype.numpy, count=count).reshape(shape)
 
 
-def _from_contents(tensor, dtype: DType, shape: tuple[int, ...]) -> np.ndarray:
+def _from_contents(tensor, dtype: DType, shape: tuple[int, ...], count: int) -> np.ndarray:
     name = tensor.name
     field = CONTENTS_FIELD.get(dtype.kserve)
     if field is None:
         raise InvalidArgument(f"input '{name}': {dtype.kserve} can only travel in raw_input_contents")
     values = getattr(tensor.contents, field)
-    count = math.prod(shape)        # exact: np.prod would wrap past int64
     if len(values) != count:
         raise InvalidArgument(f"input '{name}': expected {count} values in contents.{field} for "
                               f"{dtype.kserve}{_shape_text(shape)}, got {len(values)}")
