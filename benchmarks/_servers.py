@@ -60,6 +60,22 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def consecutive_free_pair() -> int:
+    """A port ``p`` with ``p`` and ``p + 1`` both free (a two-worker node's base ports)."""
+    for _ in range(100):
+        base = free_port()
+        if base >= 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base))
+                b.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
+
+
 @contextmanager
 def xlaserve(repo: Path, scheduler: dict | None = None, log_path: Path | None = None, timeout: float = 300,
              source: Path = ROOT):

@@ -71,6 +71,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._servers import consecutive_free_pair, free_ports  # noqa: E402
 from xlaserve._proto import grpc_service_pb2 as pb  # noqa: E402
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -212,34 +213,6 @@ def build_repo(repo: Path) -> Path:
     return repo
 
 
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (a two-worker node's base ports)."""
-    for _ in range(100):
-        p = free_ports(1)[0]
-        if p >= 65535:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports on 127.0.0.1")
-
-
 def make_certs(directory: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (the TLS target's)."""
     import datetime
@@ -370,7 +343,7 @@ def start_target(kind: str, repo: Path, workdir: Path) -> Target:
         return Target(kind, grpc, http, [http], None, [p], tls_context)
     if kind == "node":
         grpc, http = free_ports(2)
-        base, metrics_base = free_port_pair(), free_port_pair()     # worker i serves on base + i
+        base, metrics_base = consecutive_free_pair(), consecutive_free_pair()     # worker i serves on base + i
         node = _node_file(workdir / "node.yaml", repo, grpc, http, base_port=base,
                           metrics_base_port=metrics_base, workers=[{"name": "a"}, {"name": "b"}])
         p = _start("node", ["run", str(node)], workdir)

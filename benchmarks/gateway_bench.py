@@ -27,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks._servers import export_mlp_as, free_port, free_ports, stop, tree_cpu_seconds, wait_ready, xlaserve
+from benchmarks._servers import (consecutive_free_pair, export_mlp_as, free_ports, stop, tree_cpu_seconds, wait_ready,
+                                 xlaserve)
 from xlaserve.bench import loadgen
 
 INPUTS = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
@@ -54,20 +55,6 @@ def gateway(endpoints: list[str], work: Path, mode: str = "round_robin", timeout
     finally:
         stop(proc)
         log.close()
-
-
-def _consecutive_free_pair() -> int:
-    import socket
-    for _ in range(100):
-        base = free_port()
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base))
-                b.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _counter(text: str, name: str) -> float:
@@ -99,7 +86,7 @@ def placement(args) -> int:
     for round_ in range(args.rounds):
         for mode in (("round_robin", "lpt_packing") if round_ % 2 == 0 else ("lpt_packing", "round_robin")):
             grpc0, grpc1 = free_ports(2)
-            metrics = _consecutive_free_pair()
+            metrics = consecutive_free_pair()
             glob = {"runtime": {"backend": "cpu", "device_memory_bytes": arena, "weight_cache_wiggle_fraction": wiggle},
                     "scheduler": {"discipline": "fifo"}}
             with serve(tmp / f"{mode}-{round_}", tmp / "models", glob, timeout=600,
@@ -144,7 +131,7 @@ def replicas(args) -> int:
     for round_ in range(args.rounds):
         for mode in (("round_robin", "lpt_packing") if round_ % 2 == 0 else ("lpt_packing", "round_robin")):
             grpc0, grpc1 = free_ports(2)
-            metrics = _consecutive_free_pair()
+            metrics = consecutive_free_pair()
             gateway = {"scheduling": {"mode": mode}}
             if mode == "lpt_packing":
                 gateway["scheduling"]["models"] = {"mlp": {"replicas": 2}}
@@ -202,7 +189,7 @@ def faults(args) -> int:
     repo = tmp / "models"
     export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
     grpc0, grpc1 = free_ports(2)
-    metrics = _consecutive_free_pair()
+    metrics = consecutive_free_pair()
     x = np.full((1, 512), 0.5, np.float32)
     with serve(tmp / "node", repo, {"scheduler": {"discipline": "fifo"}}, timeout=600,
                workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}], metrics_base_port=metrics,
