@@ -22,7 +22,8 @@ log = logging.getLogger("xlaserve.bridge")
 
 
 def _logged(fn: Callable[..., None], *args: Any) -> None:
-    """A run_sync_soon callback must not raise (it would end the Trio run): log instead."""
+    """A reply must not raise into whoever made it (a run_sync_soon callback that raised would
+    end the Trio run; on the Trio thread, the actor that replied): log instead."""
     try:
         fn(*args)
     except Exception:
@@ -36,9 +37,11 @@ class Bridge:
 
     def on_trio(self, fn: Callable[..., None], *args: Any) -> None:
         """``fn(*args)`` on the Trio thread: now if this is it, else soon (dropped once the
-        worker has stopped)."""
+        worker has stopped). Either way an exception from ``fn`` is logged, not raised: a reply
+        is made from whichever actor finished the work (the dispatch loop, the expiry task), and
+        a bug in answering one request must not end that actor."""
         if threading.get_ident() == self._thread:
-            fn(*args)
+            _logged(fn, *args)
             return
         try:
             self._token.run_sync_soon(_logged, fn, *args)
