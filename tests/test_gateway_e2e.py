@@ -14,8 +14,8 @@ import trio
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from benchmarks._servers import free_ports
-from benchmarks.gateway_bench import _child, _consecutive_free_pair
+from benchmarks._servers import consecutive_free_pair, free_ports
+from benchmarks.gateway_bench import _child
 from tests.conftest import infer_input, serve
 from tests.trio_thread import TrioServerThread
 from xlaserve.config.gateway import parse_gateway_config
@@ -283,7 +283,7 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
     the unchanged Triton client sees one server; a killed worker is restarted and used again."""
     import re
     grpc0, grpc1 = free_ports(2)
-    http0 = _consecutive_free_pair()
+    http0 = consecutive_free_pair()
     with serve(tmp_path, examples_repo, workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
                metrics_base_port=http0,
                supervisor={"restart_backoff_initial_seconds": 0.1},
