@@ -9,6 +9,11 @@
       over them at concurrency 16; budgeted (prefetch on/off), all resident, all unpinned. Also
       reports the server's RSS against the sum of the weights, misses per request, and (with
       several trees or rounds) medians and ratios to the same tree's all-resident run.
+  python -m benchmarks.weights_bench sweep [--seconds 20] [--catalog 1 2 5 10] [--policies lru gdsf]
+          [--popularity zipf:0.6 zipf:1.0 zipf:1.2 uniform shift:1.0] [--shift-seconds 30]
+      Issue 25's sweep: per popularity and catalog/budget ratio, each policy's throughput and p99
+      against all-resident, and its copies per reference against Belady's MIN on the run's own
+      recorded references.
 """
 from __future__ import annotations
 
@@ -122,16 +127,34 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def drive(url: str, names: list[str], seconds: float, concurrency: int) -> dict:
+def popularity_weights(popularity: str, n: int) -> np.ndarray:
+    """``zipf:<s>``, ``uniform`` or ``shift:<s>`` (Zipf(s) whose ranking changes every
+    ``shift_seconds``): the probability of each rank."""
+    kind, _, s = popularity.partition(":")
+    if kind == "uniform":
+        p = np.ones(n)
+    elif kind in ("zipf", "shift"):
+        p = 1.0 / np.arange(1, n + 1) ** float(s or 1.0)
+    else:
+        raise SystemExit(f"unknown popularity {popularity!r}; expected zipf:<s>, uniform or shift:<s>")
+    return p / p.sum()
+
+
+def drive(url: str, names: list[str], seconds: float, concurrency: int, *, popularity: str = "zipf:1.0",
+          shift_seconds: float = 30.0) -> dict:
+    """``concurrency`` closed-loop clients for ``seconds``, each request's model drawn from
+    ``popularity`` over ``names``. Under ``shift:<s>`` the ranking is redrawn every
+    ``shift_seconds`` (the same rankings, at the same times, for every server driven)."""
     import tritonclient.grpc as grpcclient
-    ranks = np.arange(1, len(names) + 1)
-    p = 1.0 / ranks
-    p /= p.sum()
-    order = np.random.default_rng(7).permutation(len(names))   # popularity not tied to size
+    p = popularity_weights(popularity, len(names))
+    shifting = popularity.startswith("shift")
+    rankings = [np.random.default_rng(7 + k).permutation(len(names))     # popularity not tied to size
+                for k in range(1 + (int(seconds // shift_seconds) if shifting else 0))]
     latencies: list[float] = []
     errors = [0]
     lock = threading.Lock()
-    stop = time.perf_counter() + seconds
+    start = time.perf_counter()
+    stop = start + seconds
 
     def worker(seed: int) -> None:
         client = grpcclient.InferenceServerClient(url)
@@ -140,14 +163,17 @@ def drive(url: str, names: list[str], seconds: float, concurrency: int) -> dict:
         inp = grpcclient.InferInput("input", [1, FEATURES], "FP32")
         inp.set_data_from_numpy(x)
         mine = []
-        while time.perf_counter() < stop:
+        while (now := time.perf_counter()) < stop:
+            order = rankings[int((now - start) // shift_seconds)] if shifting else rankings[0]
             name = names[order[rng.choice(len(names), p=p)]]
             t = time.perf_counter()
             try:
                 client.infer(name, [inp])
-            except Exception:
+            except Exception as exc:
                 with lock:
                     errors[0] += 1
+                    if errors[0] == 1:
+                        print(f"first error: {exc}", flush=True)
                 continue
             mine.append(time.perf_counter() - t)
         with lock:
@@ -225,6 +251,76 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int, *,
         print(line)
 
 
+def sweep(seconds: float, count: int, concurrency: int, *, popularities: list[str], catalogs: list[float],
+          policies: list[str], discipline: str, shift_seconds: float, rounds: int) -> None:
+    """Issue 25's sweep on a live server: per popularity, the catalog all resident, then at each
+    catalog/budget ratio each replacement policy with the weight trace on. Per run: throughput
+    and p99 against the all-resident run of the same popularity and round, and the copies per
+    request (misses plus prefetches: every load) against Belady's MIN replayed over the run's
+    own recorded references with its budget (benchmarks/cache_sim.py)."""
+    from benchmarks.cache_sim import compare, recorded
+    from tests.conftest import serve
+
+    tmp = _scratch("xlaserve-sweep-")
+    sizes = build_catalog(tmp / "models", count)
+    total = sum(sizes.values())
+    wiggle = 0.1
+    print(f"catalog: {count} bundles, {total / MB:.1f} MiB of weights; discipline {discipline}; "
+          f"{concurrency} closed-loop clients, {seconds:g} s per run; shift every {shift_seconds:g} s; "
+          f"{rounds} round(s)", flush=True)
+    rows: dict[tuple[str, float, str], list[dict]] = {}
+    for r in range(rounds):
+        for pop in popularities:
+            runs = [("all-resident", None, None)] + [(policy, x, policy) for x in catalogs for policy in policies]
+            base = None
+            for label, x, policy in runs:
+                runtime = {"backend": "cpu", "weight_cache_wiggle_fraction": wiggle}
+                trace = tmp / f"trace-{r}-{pop.replace(':', '')}-{x}-{label}.jsonl"
+                if policy is not None:
+                    budget = int(total / x)
+                    runtime |= {"device_memory_bytes": int(budget / (1 - wiggle)), "weight_eviction": policy,
+                                "weight_trace": str(trace)}
+                glob = {"runtime": runtime, "scheduler": {"discipline": discipline}}
+                with serve(tmp / f"run-{label}", tmp / "models", glob, timeout=600) as server:
+                    before = _counters(server)
+                    result = drive(server.url, sorted(sizes), seconds, concurrency, popularity=pop,
+                                   shift_seconds=shift_seconds)
+                    after = _counters(server)
+                loads = after["loads"] - before["loads"]
+                result["loads_per_request"] = loads / max(1, result["requests"])
+                if policy is None:
+                    base = result
+                    print(f"round {r + 1} {pop:>9} {'all-resident':>12}: {result['rps']:8.1f} req/s  "
+                          f"p99 {result['p99']:7.2f} ms  errors {result['errors']}", flush=True)
+                    continue
+                sim = compare(recorded(str(trace)), [])["min"]
+                refs = sim.requests
+                result["throughput_ratio"] = result["rps"] / base["rps"]
+                result["p99_ratio"] = result["p99"] / base["p99"]
+                result["copies_per_ref"] = loads / max(1, refs)
+                result["min_per_ref"] = sim.misses / max(1, refs)
+                result["vs_min"] = loads / sim.misses if sim.misses else (1.0 if loads == 0 else float("inf"))
+                rows.setdefault((pop, x, policy), []).append(result)
+                trace.unlink(missing_ok=True)
+                print(f"round {r + 1} {pop:>9} {x:>4g}x {policy:>6}: {result['rps']:8.1f} req/s "
+                      f"({result['throughput_ratio']:.2f} of all-resident)  p99 {result['p99']:7.2f} ms "
+                      f"({result['p99_ratio']:.2f})  copies/ref {result['copies_per_ref']:.3f}  "
+                      f"MIN {result['min_per_ref']:.3f}  vs MIN {result['vs_min']:.2f}  "
+                      f"({refs} refs, errors {result['errors']})", flush=True)
+    print("\nmedians over rounds: throughput / all-resident, p99 / all-resident, copies per reference / "
+          "Belady's MIN on the run's own references")
+    print(f"{'popularity':>10} {'catalog':>8} | " + " | ".join(f"{p:^26}" for p in policies))
+    for pop in popularities:
+        for x in catalogs:
+            cells = []
+            for policy in policies:
+                runs = rows[(pop, x, policy)]
+                cells.append(f"{statistics.median(v['throughput_ratio'] for v in runs):5.2f} "
+                             f"{statistics.median(v['p99_ratio'] for v in runs):6.2f} "
+                             f"{statistics.median(v['vs_min'] for v in runs):6.2f}x MIN")
+            print(f"{pop:>10} {x:>7g}x | " + " | ".join(f"{c:^26}" for c in cells))
+
+
 def _counters(server) -> dict[str, float]:
     _, text = server.get("/metrics")
     out = {k: _metric(text, f"xlaserve_weight_cache_{k}") for k in ("hits", "misses", "evictions", "prefetch_hits")}
@@ -294,6 +390,16 @@ def main(argv=None) -> None:
     d.add_argument("--sched", action="append", default=[], metavar="TREE:KEY=VALUE",
                    help="a scheduler key for one tree's runs, e.g. after:cold_defer_dispatches=0 (the same "
                         "checkout may be given twice under two names)")
+    w = sub.add_parser("sweep")
+    w.add_argument("--seconds", type=float, default=20.0)
+    w.add_argument("--count", type=int, default=100)
+    w.add_argument("--concurrency", type=int, default=16)
+    w.add_argument("--popularity", nargs="+", default=["zipf:0.6", "zipf:1.0", "zipf:1.2", "uniform", "shift:1.0"])
+    w.add_argument("--catalog", nargs="+", type=float, default=[1, 2, 5, 10], help="catalog bytes / budget")
+    w.add_argument("--policies", nargs="+", default=["lru", "gdsf"])
+    w.add_argument("--discipline", default="fair", choices=("fair", "fifo", "edf"))
+    w.add_argument("--shift-seconds", type=float, default=30.0, help="shift:<s>: the ranking changes this often")
+    w.add_argument("--rounds", type=int, default=1)
     r = sub.add_parser("rss")
     r.add_argument("--count", type=int, default=100)
     args = parser.parse_args(argv)
@@ -308,6 +414,10 @@ def main(argv=None) -> None:
             sched.setdefault(tree, {})[key] = yaml.safe_load(value)
         density(args.seconds, args.configs, args.count, args.concurrency, budget_ratio=args.budget_ratio,
                 discipline=args.discipline, trees=trees, rounds=args.rounds, sched=sched)
+    elif args.cmd == "sweep":
+        sweep(args.seconds, args.count, args.concurrency, popularities=args.popularity, catalogs=args.catalog,
+              policies=args.policies, discipline=args.discipline, shift_seconds=args.shift_seconds,
+              rounds=args.rounds)
     else:
         rss(args.count)
 

@@ -277,6 +277,29 @@ def test_prefetch_copies_the_hinted_model_without_evicting_the_one_in_use(tmp_pa
     run(main)
 
 
+def test_a_dispatch_that_fits_only_once_a_prefetch_lands_waits_for_it(tmp_path, device):
+    # budget 2 MB: 'a' (1 MB) in use, 'b' (1 MB) being prefetched, then a dispatch of 'c' (2 MB):
+    # only the bytes the prefetch holds keep 'c' out, so the dispatch waits for them, not fails
+    a, b = make_model(tmp_path, "a", MB), make_model(tmp_path, "b", MB)
+    c = make_model(tmp_path, "c", 2 * MB)
+
+    async def main():
+        cache = cache_for(device, 2 * MB, metrics=None)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in (a, b, c):
+                await cache.admit(m)
+            await cache.ensure_resident(a)
+            cache.hint_next(b)
+            assert cache._prefetching                    # under way when 'c' is asked for
+            arrays = await cache.ensure_resident(c)
+            assert len(arrays) == 1 and not cache._prefetching
+            by = {r.model: r for r in cache.snapshot()}
+            assert by["c"].loads == 1 and by["b"].loads == 1 and by["b"].evictions == 1
+            nursery.cancel_scope.cancel()
+    run(main)
+
+
 def test_set_residency_pins_and_refuses_past_the_budget(tmp_path, device):
     a, b = make_model(tmp_path, "a", MB), make_model(tmp_path, "b", MB)
 

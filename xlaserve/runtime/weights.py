@@ -361,7 +361,7 @@ class WeightCache:
                     self._hit(key)
                     arrays = self._device_arrays[key]
                 else:
-                    evicted, arrays = await self._make_resident(key, self._limiter)
+                    evicted, arrays = await self._make_resident_after_prefetch(key)
                     loaded = self._last_load_seconds
             finally:
                 lock.release()
@@ -380,6 +380,20 @@ class WeightCache:
         self._prefetched.discard(key)
         if self._metrics is not None:
             self._metrics.hit(key[0], prefetched)
+
+    async def _make_resident_after_prefetch(self, key: Key) -> tuple[int, tuple]:
+        """:meth:`_make_resident` for a dispatch; the lock is held. A prefetch under way holds
+        bytes nothing may evict until its copy lands: when those are what keeps ``key`` from
+        fitting, wait for it (it cannot take long: it is one model's copy, and no other prefetch
+        starts while the lock is held) and plan again, rather than failing the request."""
+        while True:
+            try:
+                return await self._make_resident(key, self._limiter)
+            except Unavailable:
+                pending = next(iter(self._prefetching.values()), None)
+                if pending is None:
+                    raise
+                await pending.wait()
 
     async def _make_resident(self, key: Key, limiter: trio.CapacityLimiter, *, why: str = "demand",
                              protect: tuple[Key, ...] = ()) -> tuple[int, tuple]:
