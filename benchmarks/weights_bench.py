@@ -120,6 +120,21 @@ def build_catalog(repo: Path, count: int) -> dict[str, int]:
     return sizes
 
 
+def build_variant_catalog(repo: Path, archs: int, variants: int, hidden: int) -> tuple[dict[str, int], dict[str, int]]:
+    """``archs`` MLP architectures x ``variants`` bundles each that differ only in their weights
+    (benchmarks/catalog_bench.py: fine-tuned variants sharing one executable per architecture).
+    Returns each bundle's weight bytes and input width."""
+    from benchmarks.catalog_bench import bundle_name, export_catalog, width_of
+    export_catalog(repo, archs, variants, hidden, (1, 4, 16))
+    sizes, features = {}, {}
+    for arch in range(archs):
+        for variant in range(variants):
+            name = bundle_name(arch, variant)
+            sizes[name] = 2 * width_of(arch) * hidden * 4
+            features[name] = width_of(arch)
+    return sizes, features
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -141,10 +156,11 @@ def popularity_weights(popularity: str, n: int) -> np.ndarray:
 
 
 def drive(url: str, names: list[str], seconds: float, concurrency: int, *, popularity: str = "zipf:1.0",
-          shift_seconds: float = 30.0) -> dict:
+          shift_seconds: float = 30.0, features: dict[str, int] | None = None) -> dict:
     """``concurrency`` closed-loop clients for ``seconds``, each request's model drawn from
     ``popularity`` over ``names``. Under ``shift:<s>`` the ranking is redrawn every
-    ``shift_seconds`` (the same rankings, at the same times, for every server driven)."""
+    ``shift_seconds`` (the same rankings, at the same times, for every server driven).
+    ``features``: each model's input width (default :data:`FEATURES` for all)."""
     import tritonclient.grpc as grpcclient
     p = popularity_weights(popularity, len(names))
     shifting = popularity.startswith("shift")
@@ -159,13 +175,20 @@ def drive(url: str, names: list[str], seconds: float, concurrency: int, *, popul
     def worker(seed: int) -> None:
         client = grpcclient.InferenceServerClient(url)
         rng = np.random.default_rng(seed)
-        x = np.ones((1, FEATURES), np.float32)
-        inp = grpcclient.InferInput("input", [1, FEATURES], "FP32")
-        inp.set_data_from_numpy(x)
+        inputs: dict[int, object] = {}
+
+        def input_for(name: str):
+            width = (features or {}).get(name, FEATURES)
+            inp = inputs.get(width)
+            if inp is None:
+                inp = inputs[width] = grpcclient.InferInput("input", [1, width], "FP32")
+                inp.set_data_from_numpy(np.ones((1, width), np.float32))
+            return inp
         mine = []
         while (now := time.perf_counter()) < stop:
             order = rankings[int((now - start) // shift_seconds)] if shifting else rankings[0]
             name = names[order[rng.choice(len(names), p=p)]]
+            inp = input_for(name)
             t = time.perf_counter()
             try:
                 client.infer(name, [inp])
@@ -190,7 +213,7 @@ def drive(url: str, names: list[str], seconds: float, concurrency: int, *, popul
 
 def density(seconds: float, configs: list[str], count: int, concurrency: int, *, budget_ratio: float = 10.0,
             discipline: str = "fifo", trees: dict[str, Path] | None = None, rounds: int = 1,
-            sched: dict[str, dict] | None = None) -> None:
+            sched: dict[str, dict] | None = None, archs: tuple[int, int, int] | None = None) -> None:
     """Each round runs every config on every tree (checkout) in turn, so that a before/after
     comparison on a shared machine sees the same background load; the summary gives medians
     over the rounds and, per round, each config's throughput and p99 against the same tree's
@@ -199,7 +222,12 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int, *,
 
     trees = trees or {"this": ROOT}
     tmp = _scratch("xlaserve-density-")
-    sizes = build_catalog(tmp / "models", count)
+    features = None
+    if archs is None:
+        sizes = build_catalog(tmp / "models", count)
+    else:
+        sizes, features = build_variant_catalog(tmp / "models", *archs)
+        count = len(sizes)
     total = sum(sizes.values())
     budget = int(total / budget_ratio)
     wiggle = 0.1
@@ -227,7 +255,7 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int, *,
                     rss = rss_bytes(server.process.pid)
                     before = _counters(server)
                     with page_cache_dropped(name.endswith("-cold")):
-                        result = drive(server.url, sorted(sizes), seconds, concurrency)
+                        result = drive(server.url, sorted(sizes), seconds, concurrency, features=features)
                     after = _counters(server)
                 counters = {k: after[k] - before[k] for k in after}
                 result["misses_per_request"] = counters["misses"] / max(1, result["requests"])
@@ -387,6 +415,10 @@ def main(argv=None) -> None:
     d.add_argument("--rounds", type=int, default=1, help="interleaved rounds (medians reported)")
     d.add_argument("--tree", action="append", default=[], metavar="NAME=PATH",
                    help="run the server from this checkout (repeat to compare; default: this one)")
+    d.add_argument("--archs", default=None, metavar="ARCHSxVARIANTSxHIDDEN",
+                   help="the catalog: ARCHS MLP architectures x VARIANTS bundles each that differ only in "
+                        "their weights, hidden width HIDDEN (e.g. 10x100x512: 1,000 bundles); default: "
+                        "--count bundles of 256 KiB to 4 MiB")
     d.add_argument("--sched", action="append", default=[], metavar="TREE:KEY=VALUE",
                    help="a scheduler key for one tree's runs, e.g. after:cold_defer_dispatches=0 (the same "
                         "checkout may be given twice under two names)")
@@ -413,7 +445,8 @@ def main(argv=None) -> None:
             key, _, value = kv.partition("=")
             sched.setdefault(tree, {})[key] = yaml.safe_load(value)
         density(args.seconds, args.configs, args.count, args.concurrency, budget_ratio=args.budget_ratio,
-                discipline=args.discipline, trees=trees, rounds=args.rounds, sched=sched)
+                discipline=args.discipline, trees=trees, rounds=args.rounds, sched=sched,
+                archs=tuple(int(v) for v in args.archs.split("x")) if args.archs else None)
     elif args.cmd == "sweep":
         sweep(args.seconds, args.count, args.concurrency, popularities=args.popularity, catalogs=args.catalog,
               policies=args.policies, discipline=args.discipline, shift_seconds=args.shift_seconds,
