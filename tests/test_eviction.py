@@ -273,6 +273,23 @@ def test_load_cost_answers_again_from_memory_until_the_next_load():
     assert cost.generation == before + 1
 
 
+def test_load_cost_keeps_its_answers_while_loads_move_the_line_less_than_the_tolerance():
+    cost = LoadCost(tolerance=0.05)
+    for _ in range(8):
+        cost.observe(MB, 1e-3)
+        cost.observe(4 * MB, 4e-3)
+    generation, one, four = cost.generation, cost(MB), cost(4 * MB)
+    cost.observe(4 * MB, 4.1e-3)               # moves the line about 0.3%: the same answers
+    assert cost.generation == generation and cost(MB) == one and cost(4 * MB) == four
+    for _ in range(60):                         # the device got twice as slow: drift adds up
+        cost.observe(4 * MB, 8e-3)
+        if cost.generation != generation:
+            break
+    assert cost.generation == generation + 1
+    assert cost(4 * MB) > four * 1.05           # the new answers follow the loads
+    assert cost(4 * MB) - four < 0.2 * four     # ... from the first move past the tolerance
+
+
 @pytest.mark.parametrize("policy", ["lru", "gdsf"])
 def test_residency_book_running_sums_equal_a_scan(policy):
     import random

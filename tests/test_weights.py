@@ -643,12 +643,20 @@ def test_the_gpu_path_starts_the_transfer_and_polls_for_its_end(tmp_path, monkey
     device = _PinnedCpu("cpu")
     assert device.transfers_async
     monkeypatch.setattr(weights_module, "TRANSFER_POLL_SECONDS", poll_seconds)
-    polls, waits = [], []
-    ready = device.weights_ready
+    polls, waits, fresh = [], [], [False]
+    ready, start = device.weights_ready, device.start_weights
+
+    def start_weights(host):
+        fresh[0] = True
+        return start(host)
 
     def weights_ready(arrays):
         polls.append(1)
-        return len(polls) > 1 and ready(arrays)          # not ready at the first look
+        if fresh[0]:                                     # not ready at each transfer's first look
+            fresh[0] = False
+            return False
+        return ready(arrays)
+    monkeypatch.setattr(device, "start_weights", start_weights)
     wait = device.wait_weights
 
     def wait_weights(arrays):

@@ -241,14 +241,21 @@ class LoadCost:
     two models of one size then always cost the same, whatever noise their own loads had, so
     the order between them is recency's, and a model never loaded yet is costed from the
     others. Before any load the cost is ``nbytes / default_bandwidth``.
+
+    The answers given are remembered and kept until a load moves the line, for some size asked
+    about since, by more than ``tolerance`` (relative); only then do they change, all at once,
+    and :attr:`generation` with them. Every load nudges the line, and a policy that orders by
+    cost re-ranks every resident model when the generation changes: with a tolerance that is
+    once in a while (when the device's speed really changed), not on every miss.
     """
 
-    def __init__(self, default_bandwidth: float = 10e9, halflife: float = 64.0) -> None:
+    def __init__(self, default_bandwidth: float = 10e9, halflife: float = 64.0, tolerance: float = 1 / 32) -> None:
         self.default_bandwidth = default_bandwidth
+        self.tolerance = tolerance
         self._decay = 0.5 ** (1.0 / halflife)
         self._sums: dict[str, list[float]] = {}     # source -> [w, sx, sy, sxx, sxy] (x in MiB)
-        self.generation = 0                         # changes with every observation
-        self._known: dict[tuple[int, str], float] = {}   # answers given since the last observation
+        self.generation = 0                         # changes when the answers do
+        self._known: dict[tuple[int, str], float] = {}   # answers given in this generation
 
     def observe(self, nbytes: int, seconds: float, source: str = "host") -> None:
         if not (seconds >= 0 and math.isfinite(seconds)):
@@ -257,8 +264,12 @@ class LoadCost:
         sums = self._sums.setdefault(source, [0.0] * 5)
         for i, term in enumerate((1.0, x, seconds, x * x, x * seconds)):
             sums[i] = sums[i] * self._decay + term
-        self.generation += 1
-        self._known.clear()
+        tolerance = self.tolerance
+        for (size, src), given in self._known.items():
+            if abs(self._line(size, src) - given) > tolerance * given:
+                self.generation += 1
+                self._known.clear()
+                return
 
     def __call__(self, nbytes: int, source: str = "host") -> float:
         known = self._known.get((nbytes, source))
