@@ -238,6 +238,7 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int, *,
     settings = {
         "budgeted": ({"device_memory_bytes": arena}, {}, {}),
         "budgeted-noprefetch": ({"device_memory_bytes": arena}, {}, {"XLASERVE_WEIGHT_PREFETCH": "0"}),
+        "budgeted-prefetch": ({"device_memory_bytes": arena}, {}, {"XLASERVE_WEIGHT_PREFETCH": "1"}),
         "all-resident": ({}, {}, {}),
         "unpinned-warm": ({"device_memory_bytes": arena},
                           {"models": {n: {"residency": "unpinned"} for n in sizes}}, {}),

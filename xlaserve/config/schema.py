@@ -173,6 +173,11 @@ class RuntimeConfig:
             Frequency with an admission filter: cost of a load x frequency / size, aged) or
             ``lru`` (least recently used). Default ``gdsf``, chosen on the simulator
             (docs/weights.md).
+        weight_prefetch: whether the weight cache starts copying the model the scheduler expects
+            next while the current one executes: ``on``, ``off`` or ``auto`` (on where the copy
+            is a DMA the host does not perform, ``cuda``; off on ``cpu``, where the copy is a
+            memcpy that competes with execution for the same cores). Default ``auto``
+            (docs/weights.md#prefetch has the measurements).
         weight_trace: a file the worker writes every weight-cache reference to (JSON lines:
             time, model, bytes, hit or miss, load time), for ``benchmarks/cache_sim.py``.
             ``{worker}`` in it is replaced by the worker's name; on a node of several workers
@@ -187,6 +192,7 @@ class RuntimeConfig:
     weight_cache_wiggle_fraction: float = _key(0.1, low=0.0, high=1.0, high_open=True)
     device_memory_bytes: int = _key(0, low=0)
     weight_eviction: str = _key(DEFAULT_POLICY, choices=POLICIES)
+    weight_prefetch: str = _key("auto", choices=("auto", "on", "off"))
     weight_trace: Path | None = _key(None)
 
 

@@ -157,9 +157,10 @@ class WeightCache:
         self._overrides: dict[str, Floor] = {}
         self._metrics = metrics
         self._compaction_interval = compaction_interval
-        # XLASERVE_WEIGHT_PREFETCH=0 turns prefetch off (a benchmarking knob, not a node-file key).
-        self._prefetch_enabled = prefetch if prefetch is not None else \
-            os.environ.get("XLASERVE_WEIGHT_PREFETCH", "1") != "0"
+        # prefetch: runtime.weight_prefetch as resolved for this device (None: on).
+        # XLASERVE_WEIGHT_PREFETCH=0 or 1 overrides it (a benchmarking knob).
+        forced = os.environ.get("XLASERVE_WEIGHT_PREFETCH")
+        self._prefetch_enabled = forced != "0" if forced in ("0", "1") else prefetch is not False
         self._lock = trio.Lock()
         self._models: dict[Key, ModelVersion] = {}
         self._versions: dict[str, set[Key]] = {}     # model name -> its keys in the book

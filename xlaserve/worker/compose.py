@@ -120,6 +120,12 @@ def _health(config: WorkerConfig, table: ModelTable, metrics: Metrics):
     return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics_page}
 
 
+def prefetch_for(setting: str, device) -> bool:
+    """``runtime.weight_prefetch``: ``auto`` prefetches where a load is a DMA (the host is free
+    while it runs), not where it is a memcpy on the cores that also execute (cpu)."""
+    return device.transfers_async if setting == "auto" else setting == "on"
+
+
 def weight_trace_path(config: WorkerConfig) -> Path | None:
     """Where this worker writes its weight trace: ``runtime.weight_trace`` with ``{worker}``
     replaced by the worker's name; on a node of several workers, a path without ``{worker}``
@@ -166,6 +172,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
                           metrics=WeightCacheMetrics(metrics.registry),
                           compaction_interval=config.scheduler.compaction_interval,
                           eviction=config.runtime.weight_eviction,
+                          prefetch=prefetch_for(config.runtime.weight_prefetch, device),
                           trace=open_weight_trace(config, budget.bytes))
     from xlaserve.worker.executor import Executor
     scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
