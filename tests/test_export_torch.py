@@ -89,6 +89,42 @@ def test_state_weights_are_the_state_dict_names_buffers_included_tied_once():
     assert list(tied) == ["embed.weight"]
 
 
+class Positions(nn.Module):
+    """Keeps position ids and a scale in non-persistent buffers, as BERT's embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.register_buffer("position_ids", torch.arange(6).unsqueeze(0), persistent=False)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.embed(tokens) + self.embed(self.position_ids)) * self.scale
+
+
+def test_non_persistent_buffers_are_weights_named_after_their_attributes(tmp_path):
+    torch.manual_seed(2)
+    model = Positions()
+    assert list(state_weights(model)) == ["embed.weight", "position_ids", "scale"]
+    tokens = TensorSpec("tokens", "int64", "xn", {"x": 6})
+    result = export_torch(tmp_path / "pos", model, inputs=[tokens], compiled_batch_sizes=[1, 3])
+    assert result.weights_order == ("embed.weight", "position_ids", "scale") and result.verification.ok
+    stored = load_file(str(tmp_path / "pos" / "weights.safetensors"))
+    np.testing.assert_array_equal(stored["position_ids"], np.arange(6)[None])
+    assert stored["position_ids"].dtype == np.int64
+    # they are arguments, not constants: other values in the file change the answer
+    from xlaserve.bundle import load_bundle
+    from xlaserve.runtime.pjrt import Device
+    device = Device("cpu")
+    bundle = load_bundle(tmp_path / "pos", 1, device)
+    weights = list(bundle.weights.read())
+    ids = np.array([[1, 2, 3, 4, 5, 6]])
+    (before,) = device.execute(bundle.modules[1].executable, [*weights, ids])
+    weights[2] = weights[2] * 2
+    (after,) = device.execute(bundle.modules[1].executable, [*weights, ids])
+    np.testing.assert_allclose(after, before * 2, rtol=1e-6)
+
+
 def test_bfloat16_round_trips_between_torch_and_numpy():
     t = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     array = to_numpy(t)

@@ -8,15 +8,17 @@ module or torch: the command imports it only for ``xlaserve export --torch``.
 How the module becomes a bundle, once per compiled batch size:
 
 1. The module's state (its ``state_dict``: parameters and persistent buffers such as BatchNorm's
-   running statistics, under the module's own names, a tensor shared under two names once) is
-   made into arguments: a wrapper calls ``torch.func.functional_call(module, state, inputs)``,
+   running statistics, under the module's own names, a tensor shared under two names once; then
+   its non-persistent buffers, such as BERT's ``embeddings.position_ids``, under their attribute
+   paths) is made into arguments: a wrapper calls ``torch.func.functional_call(module, state, inputs)``,
    so ``torch.export`` sees the weights as inputs instead of constants to fold into the program.
 2. ``torch.export.export`` traces the wrapper at that batch size (static shapes), and
    ``torch_mlir.fx.export_and_import(..., output_type="stablehlo")`` lowers it to a StableHLO
    ``@main(weights..., inputs...)``, written as ``model.b{N}.mlir``.
 3. The weights go to ``weights.safetensors`` under their ``state_dict`` names, in the order the
    module takes them (``weights.order``), so ``module.load_state_dict(safetensors.torch.load_file(
-   path))`` reads them back.
+   path), strict=False)`` reads them back (``strict=False`` because non-persistent buffers are
+   stored too, which ``load_state_dict`` does not expect).
 
 The outputs are the module's returned tensors flattened the way PyTorch flattens them: one
 tensor is ``output``, a tuple or list gives ``output0``, ``output1``..., a dict its keys in its
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch_mlir import fx as torch_mlir_fx
+from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
                              _check_batch_sizes, dtype_code, module_file_name, write_bundle)
@@ -89,14 +92,21 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
 
 
 def state_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors the module's computation reads from its state, by ``state_dict`` name, in
-    ``state_dict`` order: every parameter and persistent buffer. A tensor reachable under two
-    names (tied weights) is listed once, under its first name; ``functional_call`` ties the
-    others to it. Non-persistent buffers are not in the ``state_dict`` and stay constants of the
-    module."""
+    """The tensors the module's computation reads from its state: every parameter and
+    persistent buffer by ``state_dict`` name, in ``state_dict`` order, then every non-persistent
+    buffer (``register_buffer(..., persistent=False)``, such as BERT's
+    ``embeddings.position_ids``) by its attribute path, in ``named_buffers`` order. A tensor
+    reachable under two names (tied weights) is listed once, under its first name;
+    ``functional_call`` ties the others to it.
+
+    Non-persistent buffers are not in the ``state_dict``, but ``torch.export`` lifts them into
+    the program like any buffer, and torch-mlir's importer then finds no value for them; passed
+    as weights, they are arguments of the module like the rest of its state."""
     weights: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    state = module.state_dict(keep_vars=True)
+    extra = ((name, buffer) for name, buffer in module.named_buffers() if name not in state)
+    for name, tensor in (*state.items(), *extra):
         if not isinstance(tensor, torch.Tensor):
             continue                     # a module's get_extra_state() object, not a tensor
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
@@ -171,7 +181,18 @@ def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequen
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 FutureWarning)
         program = torch.export.export(wrapper, args, strict=False)
-        lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main")
+        program = program.run_decompositions(get_decomposition_table())
+        # torch.export lists the module's own state as inputs of the program too (unused: the
+        # wrapper's arguments replace it), and torch-mlir's importer looks every buffer up in
+        # the program's state_dict, where non-persistent buffers are not: they are among its
+        # constants. Give the importer their values where it looks, after the decompositions
+        # (whose check of the program refuses a non-persistent buffer in the state_dict), and
+        # have it decompose nothing more.
+        for buffer in program.graph_signature.non_persistent_buffers:
+            if buffer not in program.state_dict and buffer in program.constants:
+                program.state_dict[buffer] = program.constants[buffer]
+        lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main",
+                                                  decomposition_table={})
     return str(lowered).encode()
 
 
