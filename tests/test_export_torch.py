@@ -125,6 +125,52 @@ def test_non_persistent_buffers_are_weights_named_after_their_attributes(tmp_pat
     np.testing.assert_allclose(after, before * 2, rtol=1e-6)
 
 
+class PooledBlock(nn.Module):
+    """A ConvNeXt block as torchvision writes one (depthwise 7x7, channels-last LayerNorm and MLP,
+    layer scale) and its adaptive average pooling head: torch-mlir lowers the pooling with
+    index tensors it writes as dense_resource constants, which XLA refuses."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.layer_scale = nn.Parameter(torch.full((dim, 1, 1), 0.5))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        y = self.down(nn.functional.gelu(self.up(self.norm(y)))).permute(0, 3, 1, 2)
+        return self.pool(self.layer_scale * y + x).flatten(1)
+
+
+IMAGE = TensorSpec("image", "float32", "whcn", {"c": 16, "h": 7, "w": 7})
+
+
+@pytest.mark.parametrize("inline_bytes", [64 * 1024, 0], ids=["inline", "as-weights"])
+def test_dense_resource_constants_are_inlined_or_passed_as_weights(tmp_path, monkeypatch, inline_bytes):
+    from xlaserve import export_torch as module
+
+    monkeypatch.setattr(module, "INLINE_CONSTANT_BYTES", inline_bytes)
+    torch.manual_seed(3)
+    model = PooledBlock().eval()
+    result = export_torch(tmp_path / "block", model, inputs=[IMAGE], compiled_batch_sizes=[1, 2])
+    assert result.verification.ok
+    texts = [(tmp_path / "block" / f"model.b{b}.mlir").read_text() for b in (1, 2)]
+    assert all("dense_resource" not in text for text in texts)
+    constants = [w for w in result.weights_order if w.startswith("constant.")]
+    assert list(result.weights_order) == [*model.state_dict(), *constants]
+    if inline_bytes:
+        assert not constants and all("dense<" in text for text in texts)
+    else:
+        # the index tensors of both sizes, each value once; both modules take all of them
+        assert constants and any("passed as weights" in n for n in result.notes)
+        stored = load_file(str(tmp_path / "block" / "weights.safetensors"))
+        assert all(stored[c].dtype == np.int64 for c in constants)
+        from xlaserve.runtime.pjrt import read_signature
+        assert all(len(read_signature(t.encode()).inputs) == len(result.weights_order) + 1 for t in texts)
+
+
 def test_bfloat16_round_trips_between_torch_and_numpy():
     t = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     array = to_numpy(t)

@@ -14,7 +14,12 @@ How the module becomes a bundle, once per compiled batch size:
    so ``torch.export`` sees the weights as inputs instead of constants to fold into the program.
 2. ``torch.export.export`` traces the wrapper at that batch size (static shapes), and
    ``torch_mlir.fx.export_and_import(..., output_type="stablehlo")`` lowers it to a StableHLO
-   ``@main(weights..., inputs...)``, written as ``model.b{N}.mlir``.
+   ``@main(weights..., inputs...)``. torch-mlir writes every literal tensor of more than one
+   element (index tensors of an adaptive pooling, say) as a ``dense_resource`` constant, which
+   XLA refuses; :func:`xlaserve.runtime.pjrt.resolve_dense_resources` makes each an inline
+   ``dense`` constant, or, above :data:`INLINE_CONSTANT_BYTES`, a weight named
+   ``constant.<key>`` that every module takes after the module's state. The result is written
+   as ``model.b{N}.mlir``.
 3. The weights go to ``weights.safetensors`` under their ``state_dict`` names, in the order the
    module takes them (``weights.order``), so ``module.load_state_dict(safetensors.torch.load_file(
    path), strict=False)`` reads them back (``strict=False`` because non-persistent buffers are
@@ -47,6 +52,7 @@ from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abs
                              _check_batch_sizes, dtype_code, module_file_name, write_bundle)
 from xlaserve.export_jax import hooks_skeleton, output_specs
 from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
+from xlaserve.runtime.pjrt import dense_resources, resolve_dense_resources
 
 __all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
 
@@ -196,6 +202,31 @@ def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequen
     return str(lowered).encode()
 
 
+#: torch-mlir writes every literal tensor of more than one element as a ``dense_resource``
+#: constant, which XLA refuses; up to this many bytes one is written into the module inline
+#: (``dense<...>``), a larger one is passed as a weight (:func:`_large_constants`).
+INLINE_CONSTANT_BYTES = 64 * 1024
+
+
+def _large_constants(lowered: Mapping[str, str], taken: set[str]) -> dict[str, np.ndarray]:
+    """The ``dense_resource`` constants of the lowered modules larger than
+    :data:`INLINE_CONSTANT_BYTES`, once each by value (every module takes all of them), named
+    ``constant.<resource key>`` (with a ``.N`` suffix where a name is already taken)."""
+    found: dict[str, np.ndarray] = {}
+    seen: set[tuple[str, tuple[int, ...], bytes]] = set()
+    for text in lowered.values():
+        for key, array in dense_resources(text).items():
+            identity = (array.dtype.str, array.shape, array.tobytes())
+            if array.nbytes <= INLINE_CONSTANT_BYTES or identity in seen:
+                continue
+            seen.add(identity)
+            weight, suffix = f"constant.{key}", 1
+            while weight in taken or weight in found:
+                weight, suffix = f"constant.{key}.{suffix}", suffix + 1
+            found[weight] = array
+    return found
+
+
 def export_torch(
     out_dir: str | os.PathLike[str],
     module: torch.nn.Module,
@@ -279,17 +310,27 @@ def export_torch(
         note(text)
 
     wrapper = _Functional(module, names)
-    modules: dict[str, bytes] = {}
+    lowered: dict[str, str] = {}
     for index, batch in enumerate(sizes, 1):
         started = time.perf_counter()
         try:
-            modules[module_file_name(batch)] = _lower(
-                wrapper, list(weights.values()), sample_inputs(inputs, batch, seed))
+            lowered[module_file_name(batch)] = _lower(
+                wrapper, list(weights.values()), sample_inputs(inputs, batch, seed)).decode()
         except Exception as exc:
             raise TracingError(name, batch, exc, _signature(module, inputs, batch)) from exc
         if progress is not None:
             progress(f"{name}: exported and lowered compiled batch size {batch} ({index}/{len(sizes)})"
                      f" in {time.perf_counter() - started:.2f}s")
+
+    constants = _large_constants(lowered, set(names))
+    if constants:
+        note(f"{len(constants)} constant(s) of the lowered program larger than {INLINE_CONSTANT_BYTES}"
+             f" bytes ({sum(a.nbytes for a in constants.values())} bytes) are passed as weights:"
+             f" {', '.join(constants)}")
+    modules = {file: resolve_dense_resources(text, list(constants.values()), at=len(names)).encode()
+               for file, text in lowered.items()}
+    arrays.update(constants)
+    names += list(constants)
 
     if hooks:
         extra_files = {**(extra_files or {}), "model.py": hooks_skeleton(name, inputs, outputs)}
