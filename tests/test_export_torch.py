@@ -243,7 +243,23 @@ def build():
 
 
 not_a_module = 3
+
+
+def broken():
+    return nn.Linear(3, 4, bais=False)       # a wrong keyword
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
 '''
+
+
+def _line(text: str) -> int:
+    """The line of MODEL's file that holds ``text``."""
+    return next(i for i, line in enumerate(textwrap.dedent(MODEL).splitlines(), 1) if text in line)
 
 
 @pytest.fixture
@@ -271,13 +287,26 @@ def test_the_command_exports_a_torch_module(tmp_path, model_file, capsys):
     (["--torch", "{m}:build", "--flax"], "--flax does not apply to --torch"),
     (["--torch", "{m}:not_a_module"], "expected a torch.nn.Module or a function returning one, found int"),
     (["--torch", "{m}:missing"], "has no attribute 'missing'"),
+    (["--torch", "{m}:broken"], "--torch {m}:broken: calling it raised TypeError: Linear.__init__() got an"
+                                " unexpected keyword argument 'bais' (at {m}:{bais} in broken)"),
+    (["--torch", "{m}:Branchy"], "bundle 'm': the function raised "),
 ])
 def test_torch_usage_errors_exit_2(tmp_path, model_file, capsys, argv, message):
     argv = [a.replace("{m}", str(model_file)) for a in argv]
     rc = main(["export", *argv, "--input", "x:f32:3", "--batch-sizes", "1", "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
+    message = message.replace("{m}", str(model_file)).replace("{bais}", str(_line("bais=False")))
     assert rc == 2 and message in err and err.startswith("xlaserve export: ")
+    assert err.count("\n") == 1 and "Traceback" not in err          # one line, no traceback
     assert not (tmp_path / "m").exists()
+
+
+def test_a_module_that_does_not_export_names_the_users_line(tmp_path, model_file, capsys):
+    rc = main(["export", "--torch", f"{model_file}:Branchy", "--input", "x:f32:3", "--batch-sizes", "1",
+               "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "called as Branchy.forward(x=f32[1,3])" in err
+    assert err.endswith(f"(raised at {model_file}:{_line('if x.sum() > 0:')} in forward)"), err
 
 
 def test_the_example_encoder_serves_and_matches_eager_pytorch(tmp_path):

@@ -33,7 +33,10 @@ batch sizes, as :func:`xlaserve.export_jax.output_specs` says. Then every module
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import logging
 import os
 import time
 import warnings
@@ -53,6 +56,8 @@ from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abs
 from xlaserve.export_jax import hooks_skeleton, output_specs
 from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
 from xlaserve.runtime.pjrt import dense_resources, resolve_dense_resources
+
+log = logging.getLogger("xlaserve.export")
 
 __all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
 
@@ -182,7 +187,18 @@ def _run_eager(module: torch.nn.Module, arrays: Sequence[np.ndarray]) -> Any:
 def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> bytes:
     """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text."""
     args = (*weights, *[to_torch(a) for a in arrays])
-    with torch.no_grad(), warnings.catch_warnings():
+    # torch.export prints the partial graph of a failed export to stderr itself; the failure is
+    # reported as one TracingError line instead, and the graph goes to the debug log.
+    printed = io.StringIO()
+    try:
+        return _export_and_lower(wrapper, args, printed)
+    finally:
+        if printed.getvalue().strip():
+            log.debug("torch.export printed: %s", printed.getvalue())
+
+
+def _export_and_lower(wrapper: _Functional, args: tuple[torch.Tensor, ...], printed: io.StringIO) -> bytes:
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stderr(printed):
         # torch 2.13 deprecates a pytree check that torch.export still makes; not the user's to fix
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 FutureWarning)
