@@ -232,6 +232,38 @@ def test_a_module_that_does_not_export_names_the_call(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+class Upsampled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(nn.functional.interpolate(x, scale_factor=2, mode="nearest"))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = Upsampled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+
+def test_a_lowering_failure_names_the_op_and_the_module_path(tmp_path):
+    """torch-mlir 20261001 does not lower nearest-neighbour upsampling (issue 26): the error says
+    it was the lowering, not the tracing, which op was left and which submodule calls it, and
+    MLIR's first error instead of torch-mlir's generic one."""
+    image = TensorSpec("x", "f32", "whcn", {"c": 4, "h": 4, "w": 4})
+    with pytest.raises(TracingError) as caught:
+        export_torch(tmp_path / "dec", Decoder(), inputs=[image], compiled_batch_sizes=[1])
+    message = str(caught.value)
+    assert "raised LoweringError while being lowered by torch-mlir at compiled batch size 1" in message
+    assert "(left unlowered: aten.__interpolate.size_list_scale_list in up (Upsampled))" in message
+    assert "failed to legalize operation 'torch.constant." in message
+    assert "Decoder.forward(x=f32[1,4,4,4])" in message and not (tmp_path / "dec").exists()
+
+
 MODEL = '''
 import torch
 from torch import nn

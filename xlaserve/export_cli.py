@@ -156,6 +156,8 @@ def where(exc: BaseException) -> str | None:
         return None
     own = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_LIBRARY_DIRS)]
     frame = (own or frames)[-1]
+    if not own and str(Path(frame.filename).resolve()).startswith(str(Path(__file__).parent.resolve())):
+        return None                      # raised by xlaserve itself: its message says where
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 

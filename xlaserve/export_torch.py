@@ -49,6 +49,9 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch_mlir import fx as torch_mlir_fx
+from torch_mlir import ir as torch_mlir_ir
+from torch_mlir.dialects import torch as torch_dialect
+from torch_mlir.extras.fx_importer import FxImporter
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
@@ -213,9 +216,70 @@ def _export_and_lower(wrapper: _Functional, args: tuple[torch.Tensor, ...], prin
         for buffer in program.graph_signature.non_persistent_buffers:
             if buffer not in program.state_dict and buffer in program.constants:
                 program.state_dict[buffer] = program.constants[buffer]
-        lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main",
-                                                  decomposition_table={})
-    return str(lowered).encode()
+        # MLIR prints its diagnostics (what failed to legalize) to the process's stderr and
+        # raises with a generic message; kept here instead, the first error is the message.
+        context = torch_mlir_ir.Context()
+        torch_dialect.register_dialect(context)
+        errors: list[str] = []
+
+        def keep(diagnostic) -> bool:
+            if diagnostic.severity == torch_mlir_ir.DiagnosticSeverity.ERROR:
+                errors.append(diagnostic.message)
+            return True
+
+        handler = context.attach_diagnostic_handler(keep)
+        importer = FxImporter(context=context)
+        try:
+            lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main",
+                                                      decomposition_table={}, fx_importer=importer)
+            return str(lowered).encode()
+        except Exception as exc:
+            found = errors[0] if errors else f"{type(exc).__name__}: {exc}"
+            raise LoweringError(f"torch-mlir could not lower the exported program to StableHLO"
+                                f"{_unlowered(importer, program)}: {found}") from exc
+        finally:
+            handler.detach()
+
+
+# torch-mlir's own ops for what the program calls under another name
+_LOWERED_FROM = {"aten.__interpolate": ("aten.upsample_", "aten.interpolate")}
+
+
+def _unlowered(importer: FxImporter, program: torch.export.ExportedProgram) -> str:
+    """Where a failed lowering stopped: the aten ops left in torch-mlir's module (the pipeline
+    stops with them unconverted) and, for those the program calls by the same name, the module
+    paths that call them (from ``nn_module_stack``); empty if none is found."""
+    left: set[str] = set()
+
+    def visit(op):
+        name = op.operation.name if hasattr(op, "operation") else op.name
+        if name.startswith("torch.aten."):
+            left.add(name[len("torch."):])
+        return torch_mlir_ir.WalkResult.ADVANCE
+
+    try:
+        importer.module.operation.walk(visit)
+    except Exception:          # a module the failure left unreadable: nothing more to say
+        return ""
+    if not left:
+        return ""
+    paths: dict[str, set[str]] = {}
+    for node in program.graph.nodes:
+        target = str(node.target) if node.op == "call_function" else ""
+        for name in left:
+            called = _LOWERED_FROM.get(name.split(".")[0] + "." + name.split(".")[1], ())
+            if target == name or target.startswith(name + ".") or target.startswith(called):
+                stack = list((node.meta.get("nn_module_stack") or {}).values())
+                if stack:                 # (path, type): the innermost module; the wrapper's prefix dropped
+                    path = stack[-1][0].removeprefix("module.").removeprefix("module")
+                    paths.setdefault(name, set()).add(f"{path or '(the model itself)'} ({stack[-1][1].rsplit('.', 1)[-1]})")
+    shown = [name + (f" in {', '.join(sorted(paths[name]))}" if name in paths else "") for name in sorted(left)]
+    return f" (left unlowered: {'; '.join(shown)})"
+
+
+class LoweringError(RuntimeError):
+    """``torch.export`` traced the module, torch-mlir failed to lower the program; the message is
+    MLIR's first error (``failed to legalize operation ...``) or torch-mlir's own."""
 
 
 #: torch-mlir writes every literal tensor of more than one element as a ``dense_resource``
@@ -333,7 +397,8 @@ def export_torch(
             lowered[module_file_name(batch)] = _lower(
                 wrapper, list(weights.values()), sample_inputs(inputs, batch, seed)).decode()
         except Exception as exc:
-            raise TracingError(name, batch, exc, _signature(module, inputs, batch)) from exc
+            stage = "lowered by torch-mlir" if isinstance(exc, LoweringError) else "traced"
+            raise TracingError(name, batch, exc, _signature(module, inputs, batch), stage) from exc
         if progress is not None:
             progress(f"{name}: exported and lowered compiled batch size {batch} ({index}/{len(sizes)})"
                      f" in {time.perf_counter() - started:.2f}s")
