@@ -68,7 +68,8 @@ __all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_nu
 @dataclasses.dataclass(frozen=True, slots=True)
 class TorchExport:
     """What :func:`export_torch` wrote and found: the bundle directory, the output specs, the
-    weights in binding order (``state_dict`` names), notes on defaults it chose, and the
+    weights in binding order (``state_dict`` names, then non-persistent buffers' attribute paths,
+    then any ``constant.<key>`` of the lowering), notes on defaults it chose, and the
     verification (None when ``verify=False``)."""
 
     bundle: Path
@@ -267,7 +268,7 @@ def _unlowered(importer: FxImporter, program: torch.export.ExportedProgram) -> s
     for node in program.graph.nodes:
         target = str(node.target) if node.op == "call_function" else ""
         for name in left:
-            called = _LOWERED_FROM.get(name.split(".")[0] + "." + name.split(".")[1], ())
+            called = _LOWERED_FROM.get(".".join(name.split(".")[:2]), ())
             if target == name or target.startswith(name + ".") or target.startswith(called):
                 stack = list((node.meta.get("nn_module_stack") or {}).values())
                 if stack:                 # (path, type): the innermost module; the wrapper's prefix dropped
