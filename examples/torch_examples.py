@@ -163,7 +163,7 @@ def check_through_server(url: str, names, batch: int = 3) -> int:
                 abs_err, rel_err, bad = compare(want, got, atol, rtol)
                 outside += bad
                 print(f"{name} {output} {list(got.shape)} through the server: max abs error {abs_err:.3g},"
-                      f" max rel error {rel_err:.3g}, {bad} elements outside atol {atol:g} + rtol {rtol:g}")
+                      f" max rel error {rel_err:.3g}, {bad} elements outside atol {atol:g} x scale + rtol {rtol:g}")
     finally:
         client.close()
     return outside

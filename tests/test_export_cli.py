@@ -1,6 +1,7 @@
 """``xlaserve export`` end to end on a tiny model written to a file, and its argument parsing."""
 from __future__ import annotations
 
+import re
 import textwrap
 
 import numpy as np
@@ -107,7 +108,8 @@ def test_export_tracing_error_exits_2_with_the_signature(tmp_path, model_file, c
     assert rc == 2
     assert "traced at compiled batch size 2" in err
     assert "x=f32[2,5]" in err and "'dense1': {'bias': f32[8], 'kernel': f32[3,8]}" in err
-    assert f'File "{model_file}", line' in err          # the user's own line, from the traceback
+    assert err.count("\n") == 1 and "Traceback" not in err           # one line, no traceback
+    assert re.search(rf"\(raised at {re.escape(str(model_file))}:\d+ in forward\)$", err.strip())   # the user's line
     assert not (tmp_path / "bad").exists()
 
 
@@ -119,6 +121,39 @@ def test_export_verification_failure_exits_1(tmp_path, model_file, capsys):
     assert "bundle 'drift' does not match its source function" in err
     assert "model.b1.mlir output (f32)" in err and "FAILED" in err
     assert f"the bundle is left at {tmp_path / 'drift'} for inspection" in err
+    assert err.count("\n") == 1 and "; 1 other output(s) fail too;" in err     # b1 and b2, one line
+
+
+FAULTY = '''
+import numpy as np
+
+def build(width=3):
+    return {"w": np.ones((width,), np.float32)}
+
+def forward(params, x):
+    return x * params["w"]
+
+def broken_params():
+    return build(widht=4)            # a wrong keyword
+'''
+
+
+@pytest.mark.parametrize(("source", "argv", "message"), [
+    (FAULTY, ["{m}:forward", "--params", "broken_params"],
+     r"--params broken_params: calling it raised TypeError: build\(\) got an unexpected keyword argument 'widht'"
+     r" \(at {m}:\d+ in broken_params\)$"),
+    ("import numpy as np\nraise RuntimeError('no GPU here')\n", ["{m}:forward"],
+     r"MODULE:FUNCTION: importing {m} raised RuntimeError: no GPU here \(at {m}:2 in <module>\)$"),
+], ids=["params-factory-raises", "module-raises-on-import"])
+def test_a_function_that_raises_before_the_export_exits_2_in_one_line(tmp_path, capsys, source, argv, message):
+    path = tmp_path / "faulty_e26.py"
+    path.write_text(textwrap.dedent(source))
+    argv = [a.replace("{m}", str(path)) for a in argv]
+    rc = main(["export", *argv, "--input", "x:f32:3", "--batch-sizes", "1", "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert re.fullmatch("xlaserve export: " + message.replace("{m}", re.escape(str(path))), err.strip()), err
+    assert not (tmp_path / "m").exists()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

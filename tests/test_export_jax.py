@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 from xlaserve.bundle import load_bundle
 from xlaserve.export import TensorSpec, TracingError, dtype_code, export_bundle
 from xlaserve.export_jax import default_axes, export_jax, flatten_params, hooks_skeleton, infer_outputs
-from xlaserve.export_verify import (VerificationError, compare, sample_inputs, tolerance,
+from xlaserve.export_verify import (VerificationError, compare, output_scale, sample_inputs, tolerance,
                                     verify_bundle)
 from xlaserve.runtime.pjrt import Device
 
@@ -240,7 +240,7 @@ def test_verification_fails_on_a_module_that_differs(tmp_path):
 def test_integer_outputs_must_match_exactly(tmp_path):
     i32 = TensorSpec("x", "i32", "xn", {"x": 4})
     export_jax(tmp_path / "ints", lambda _, x: x + 1, None, inputs=[i32], compiled_batch_sizes=[2])
-    with pytest.raises(VerificationError, match=r"\(i32\): max abs error 1, .*\(atol 0, rtol 0\) FAILED: 8 of 8"):
+    with pytest.raises(VerificationError, match=r"\(i32\): max abs error 1, .*\(atol 0 x scale, rtol 0\) FAILED: 8 of 8"):
         verify_bundle(tmp_path / "ints", lambda x: [x + 2])
 
 
@@ -254,6 +254,41 @@ def test_compare_and_tolerance_rules():
     assert tolerance("f32") == (1e-5, 1e-5) and tolerance("i64") == (0.0, 0.0)
     assert tolerance("f16")[0] > tolerance("f32")[0] and tolerance("bf16")[1] > tolerance("f16")[1]
     assert tolerance("f32", atol=0.5) == (0.5, 1e-5)
+
+
+def test_the_absolute_tolerance_scales_with_the_output():
+    """float32 noise of a deep network whose logits reach 29 (efficientnet_b0's 9.8e-5, 3.4e-6 of
+    its scale) passes the default; the same noise on numbers near 1 does not, nor does a wrong
+    answer at any scale."""
+    rng = np.random.default_rng(26)
+    logits = np.clip(rng.standard_normal(1000) * 8, -28, 28)
+    logits[17] = 29.0
+    noisy = logits + rng.uniform(-9.8e-5, 9.8e-5, logits.shape)
+    atol, rtol = tolerance("f32")
+    assert output_scale(logits) == 29.0
+    assert compare(logits, noisy, atol, rtol)[2] == 0
+    near_one = np.clip(logits / 29, -1, 1)
+    assert compare(near_one, near_one + (noisy - logits), atol, rtol)[2] > 0     # unscaled: too much
+    wrong = logits.copy()
+    wrong[3] += 0.01                          # one logit off by 3.4e-4 of the scale
+    assert compare(logits, wrong, atol, rtol)[2] == 1
+    assert compare(logits, logits * 1.001, atol, rtol)[2] > 900
+    # the scale is never below 1, and ignores what is not finite
+    assert output_scale(np.array([0.25, -0.5])) == 1.0
+    assert output_scale(np.array([np.inf, -3.0, np.nan])) == 3.0
+    assert output_scale(np.zeros(0)) == 1.0
+
+
+def test_a_failed_verification_reports_the_scale(tmp_path):
+    export_jax(tmp_path / "big", lambda _, x: x * 100, None, inputs=[X], compiled_batch_sizes=[2])
+    with pytest.raises(VerificationError) as caught:
+        verify_bundle(tmp_path / "big", lambda x: [x * 100 + 0.5])
+    (check,) = caught.value.verification.checks
+    assert check.scale == float(np.abs(sample_inputs([X], 2, 2)[0] * 100 + 0.5).max())   # of the reference
+    assert f"scale {check.scale:.3g} (error {0.5 / check.scale:.3g} of it)" in check.line()
+    assert caught.value.summary().startswith("bundle 'big' does not match its source function: model.b2.mlir")
+    assert "\n" not in caught.value.summary()
+    assert verify_bundle(tmp_path / "big", lambda x: [x * 100 + 1e-4]).ok     # 1e-4 < 1e-5 x scale
 
 
 def test_sample_inputs_are_seeded_and_typed():

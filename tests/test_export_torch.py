@@ -89,6 +89,88 @@ def test_state_weights_are_the_state_dict_names_buffers_included_tied_once():
     assert list(tied) == ["embed.weight"]
 
 
+class Positions(nn.Module):
+    """Keeps position ids and a scale in non-persistent buffers, as BERT's embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 4)
+        self.register_buffer("position_ids", torch.arange(6).unsqueeze(0), persistent=False)
+        self.register_buffer("scale", torch.linspace(0.5, 2.0, 4), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.embed(tokens) + self.embed(self.position_ids)) * self.scale
+
+
+def test_non_persistent_buffers_are_weights_named_after_their_attributes(tmp_path):
+    torch.manual_seed(2)
+    model = Positions()
+    assert list(state_weights(model)) == ["embed.weight", "position_ids", "scale"]
+    tokens = TensorSpec("tokens", "int64", "xn", {"x": 6})
+    result = export_torch(tmp_path / "pos", model, inputs=[tokens], compiled_batch_sizes=[1, 3])
+    assert result.weights_order == ("embed.weight", "position_ids", "scale") and result.verification.ok
+    stored = load_file(str(tmp_path / "pos" / "weights.safetensors"))
+    np.testing.assert_array_equal(stored["position_ids"], np.arange(6)[None])
+    assert stored["position_ids"].dtype == np.int64
+    # they are arguments, not constants: other values in the file change the answer
+    from xlaserve.bundle import load_bundle
+    from xlaserve.runtime.pjrt import Device
+    device = Device("cpu")
+    bundle = load_bundle(tmp_path / "pos", 1, device)
+    weights = list(bundle.weights.read())
+    ids = np.array([[1, 2, 3, 4, 5, 6]])
+    (before,) = device.execute(bundle.modules[1].executable, [*weights, ids])
+    weights[2] = weights[2] * 2
+    (after,) = device.execute(bundle.modules[1].executable, [*weights, ids])
+    np.testing.assert_allclose(after, before * 2, rtol=1e-6)
+
+
+class PooledBlock(nn.Module):
+    """A ConvNeXt block as torchvision writes one (depthwise 7x7, channels-last LayerNorm and MLP,
+    layer scale) and its adaptive average pooling head: torch-mlir lowers the pooling with
+    index tensors it writes as dense_resource constants, which XLA refuses."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.layer_scale = nn.Parameter(torch.full((dim, 1, 1), 0.5))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.depthwise(x).permute(0, 2, 3, 1)
+        y = self.down(nn.functional.gelu(self.up(self.norm(y)))).permute(0, 3, 1, 2)
+        return self.pool(self.layer_scale * y + x).flatten(1)
+
+
+IMAGE = TensorSpec("image", "float32", "whcn", {"c": 16, "h": 7, "w": 7})
+
+
+@pytest.mark.parametrize("inline_bytes", [64 * 1024, 0], ids=["inline", "as-weights"])
+def test_dense_resource_constants_are_inlined_or_passed_as_weights(tmp_path, monkeypatch, inline_bytes):
+    from xlaserve import export_torch as module
+
+    monkeypatch.setattr(module, "INLINE_CONSTANT_BYTES", inline_bytes)
+    torch.manual_seed(3)
+    model = PooledBlock().eval()
+    result = export_torch(tmp_path / "block", model, inputs=[IMAGE], compiled_batch_sizes=[1, 2])
+    assert result.verification.ok
+    texts = [(tmp_path / "block" / f"model.b{b}.mlir").read_text() for b in (1, 2)]
+    assert all("dense_resource" not in text for text in texts)
+    constants = [w for w in result.weights_order if w.startswith("constant.")]
+    assert list(result.weights_order) == [*model.state_dict(), *constants]
+    if inline_bytes:
+        assert not constants and all("dense<" in text for text in texts)
+    else:
+        # the index tensors of both sizes, each value once; both modules take all of them
+        assert constants and any("passed as weights" in n for n in result.notes)
+        stored = load_file(str(tmp_path / "block" / "weights.safetensors"))
+        assert all(stored[c].dtype == np.int64 for c in constants)
+        from xlaserve.runtime.pjrt import read_signature
+        assert all(len(read_signature(t.encode()).inputs) == len(result.weights_order) + 1 for t in texts)
+
+
 def test_bfloat16_round_trips_between_torch_and_numpy():
     t = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     array = to_numpy(t)
@@ -150,6 +232,38 @@ def test_a_module_that_does_not_export_names_the_call(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+class Upsampled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(nn.functional.interpolate(x, scale_factor=2, mode="nearest"))
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = Upsampled()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(x)
+
+
+def test_a_lowering_failure_names_the_op_and_the_module_path(tmp_path):
+    """torch-mlir 20261001 does not lower nearest-neighbour upsampling (issue 26): the error says
+    it was the lowering, not the tracing, which op was left and which submodule calls it, and
+    MLIR's first error instead of torch-mlir's generic one."""
+    image = TensorSpec("x", "f32", "whcn", {"c": 4, "h": 4, "w": 4})
+    with pytest.raises(TracingError) as caught:
+        export_torch(tmp_path / "dec", Decoder(), inputs=[image], compiled_batch_sizes=[1])
+    message = str(caught.value)
+    assert "raised LoweringError while being lowered by torch-mlir at compiled batch size 1" in message
+    assert "(left unlowered: aten.__interpolate.size_list_scale_list in up (Upsampled))" in message
+    assert "failed to legalize operation 'torch.constant." in message
+    assert "Decoder.forward(x=f32[1,4,4,4])" in message and not (tmp_path / "dec").exists()
+
+
 MODEL = '''
 import torch
 from torch import nn
@@ -161,7 +275,23 @@ def build():
 
 
 not_a_module = 3
+
+
+def broken():
+    return nn.Linear(3, 4, bais=False)       # a wrong keyword
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x
+        return -x
 '''
+
+
+def _line(text: str) -> int:
+    """The line of MODEL's file that holds ``text``."""
+    return next(i for i, line in enumerate(textwrap.dedent(MODEL).splitlines(), 1) if text in line)
 
 
 @pytest.fixture
@@ -189,13 +319,26 @@ def test_the_command_exports_a_torch_module(tmp_path, model_file, capsys):
     (["--torch", "{m}:build", "--flax"], "--flax does not apply to --torch"),
     (["--torch", "{m}:not_a_module"], "expected a torch.nn.Module or a function returning one, found int"),
     (["--torch", "{m}:missing"], "has no attribute 'missing'"),
+    (["--torch", "{m}:broken"], "--torch {m}:broken: calling it raised TypeError: Linear.__init__() got an"
+                                " unexpected keyword argument 'bais' (at {m}:{bais} in broken)"),
+    (["--torch", "{m}:Branchy"], "bundle 'm': the function raised "),
 ])
 def test_torch_usage_errors_exit_2(tmp_path, model_file, capsys, argv, message):
     argv = [a.replace("{m}", str(model_file)) for a in argv]
     rc = main(["export", *argv, "--input", "x:f32:3", "--batch-sizes", "1", "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
+    message = message.replace("{m}", str(model_file)).replace("{bais}", str(_line("bais=False")))
     assert rc == 2 and message in err and err.startswith("xlaserve export: ")
+    assert err.count("\n") == 1 and "Traceback" not in err          # one line, no traceback
     assert not (tmp_path / "m").exists()
+
+
+def test_a_module_that_does_not_export_names_the_users_line(tmp_path, model_file, capsys):
+    rc = main(["export", "--torch", f"{model_file}:Branchy", "--input", "x:f32:3", "--batch-sizes", "1",
+               "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "called as Branchy.forward(x=f32[1,3])" in err
+    assert err.endswith(f"(raised at {model_file}:{_line('if x.sum() > 0:')} in forward)"), err
 
 
 def test_the_example_encoder_serves_and_matches_eager_pytorch(tmp_path):

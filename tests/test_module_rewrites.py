@@ -1,18 +1,22 @@
 """Rewrites of StableHLO modules: convolution kernels handed to the cpu pre-permuted
 (pjrt.kernel_permutations, relayout, and load_bundle's use of them: the weights transposed once at
-read, the modules rewritten), and common-subexpression elimination of exported text modules."""
+read, the modules rewritten), common-subexpression elimination of exported text modules, and
+torch-mlir's dense_resource constants made inline constants or arguments (dense_resources,
+resolve_dense_resources)."""
 from __future__ import annotations
 
 import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
 from xlaserve.bundle import load_bundle
 from xlaserve.export import TensorSpec, export_bundle
-from xlaserve.runtime.pjrt import Device, ModuleError, kernel_permutations, read_signature, relayout
+from xlaserve.runtime.pjrt import (Device, ModuleError, dense_resources, kernel_permutations, read_signature,
+                                   relayout, resolve_dense_resources)
 
 RNG = np.random.default_rng(7)
 # PyTorch's kernel order, OIHW, and one weight that is a kernel and also read directly.
@@ -115,3 +119,84 @@ def test_compile_overrides_are_part_of_the_executable_cache_key(device, monkeypa
     monkeypatch.setattr(pjrt, "COMPILE_OVERRIDES", {"cpu": (("xla_cpu_experimental_ynn_fusion_type", "bogus"),)})
     with pytest.raises(Exception, match="xla_cpu_experimental_ynn_fusion_type"):    # they reach XLA
         device.compile(b"func.func public @main(%a: tensor<2xf32>) -> tensor<2xf32> { return %a : tensor<2xf32> }")
+
+
+# A module as torch-mlir prints one: literal tensors as dense_resource constants (stablehlo and
+# arith), their bytes in blobs after the module, each behind a 4-byte alignment; one key quoted.
+SCALE = np.arange(6, dtype=np.float32).reshape(2, 3) * 0.5
+STEPS = np.array([3, -1, 7], np.int64)
+MASK = np.array([True, False, True])
+HALVES = np.array([1.5, -2.0], ml_dtypes.bfloat16)
+
+
+def _blob(array: np.ndarray) -> str:
+    return "0x" + (np.uint32(array.dtype.itemsize).tobytes() + array.tobytes()).hex()
+
+
+RESOURCES = f"""module {{
+  func.func @main(%arg0: tensor<2x3xf32>, %arg1: tensor<3xi64>) -> (tensor<2x3xf32>, tensor<3xi64>, tensor<3xi1>, tensor<2xbf16>) {{
+    %c = stablehlo.constant dense_resource<torch_tensor_2_3_torch.float32> : tensor<2x3xf32>
+    %d = arith.constant dense_resource<torch_tensor_3_torch.int64> : tensor<3xi64>
+    %e = stablehlo.constant dense_resource<torch_tensor_3_torch.bool> : tensor<3xi1>
+    %h = stablehlo.constant dense_resource<"a key-with.odd characters"> : tensor<2xbf16>
+    %0 = stablehlo.add %arg0, %c : tensor<2x3xf32>
+    %1 = stablehlo.multiply %arg1, %d : tensor<3xi64>
+    return %0, %1, %e, %h : tensor<2x3xf32>, tensor<3xi64>, tensor<3xi1>, tensor<2xbf16>
+  }}
+}}
+{{-#
+  dialect_resources: {{
+    builtin: {{
+      torch_tensor_2_3_torch.float32: "{_blob(SCALE)}",
+      torch_tensor_3_torch.int64: "{_blob(STEPS)}",
+      torch_tensor_3_torch.bool: "{_blob(MASK)}",
+      "a key-with.odd characters": "{_blob(HALVES)}"
+    }}
+  }}
+#-}}
+"""
+X = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+Y = np.array([1, 2, 3], np.int64)
+
+
+def test_dense_resources_reads_every_constant_with_its_type():
+    found = dense_resources(RESOURCES)
+    assert list(found) == ["torch_tensor_2_3_torch.float32", "torch_tensor_3_torch.int64",
+                           "torch_tensor_3_torch.bool", "a key-with.odd characters"]
+    for got, want in zip(found.values(), (SCALE, STEPS, MASK, HALVES)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+def test_xla_refuses_dense_resource_and_takes_the_inlined_module(device):
+    with pytest.raises(Exception, match="Only dense elements attr are supported"):
+        device.compile(RESOURCES.encode())
+    inlined = resolve_dense_resources(RESOURCES)
+    assert "dense_resource" not in inlined and "dialect_resources" not in inlined
+    assert read_signature(inlined.encode()) == read_signature(RESOURCES.encode())
+    out = device.execute(device.compile(inlined.encode()), [X, Y])
+    for got, want in zip(out, (X + SCALE, Y * STEPS, MASK, HALVES)):
+        np.testing.assert_array_equal(got, want)
+    assert resolve_dense_resources(inlined) is inlined          # nothing left to do
+
+
+def test_a_large_constant_becomes_an_argument_after_the_weights(device):
+    unused = np.zeros((4,), np.int32)
+    rewritten = resolve_dense_resources(RESOURCES, [SCALE, unused], at=1)
+    assert "dense_resource" not in rewritten
+    sig = read_signature(rewritten.encode())
+    assert [(t.shape, t.element) for t in sig.inputs] == [
+        ((2, 3), "f32"), ((2, 3), "f32"), ((4,), "i32"), ((3,), "i64")]
+    assert rewritten.count(" = stablehlo.constant") + rewritten.count(" = arith.constant") == 3   # read, not inlined
+    other = SCALE * 10
+    out = device.execute(device.compile(rewritten.encode()), [X, other, unused, Y])
+    np.testing.assert_array_equal(out[0], X + other)              # the argument, not the old blob
+    np.testing.assert_array_equal(out[1], Y * STEPS)
+    with pytest.raises(ModuleError, match="cannot insert at 5"):
+        resolve_dense_resources(RESOURCES, [SCALE], at=5)
+
+
+def test_a_constant_without_its_blob_is_named():
+    broken = RESOURCES.replace("torch_tensor_3_torch.int64: ", "something_else: ")
+    with pytest.raises(ModuleError, match="dense_resource 'torch_tensor_3_torch.int64' is used but"):
+        resolve_dense_resources(broken)

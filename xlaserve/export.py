@@ -437,14 +437,15 @@ class TracingError(ExportError):
 
     The message names the bundle, the batch size (the symbolic ``b`` of a dynamic-batch export),
     the error and the abstract signature the function was called with (``call``); ``__cause__`` is the function's own exception, with its
-    traceback into the user's code.
+    traceback into the user's code. ``stage`` says what was being done ("traced"; a PyTorch
+    export that torch-mlir fails to lower says so).
     """
 
-    def __init__(self, bundle: str, batch: int, cause: BaseException, call: str) -> None:
+    def __init__(self, bundle: str, batch: int, cause: BaseException, call: str, stage: str = "traced") -> None:
         self.bundle, self.batch, self.cause, self.call = bundle, batch, cause, call
         reason = " ".join(str(cause).split())[:600] or "(no message)"
         super().__init__(
-            f"bundle {bundle!r}: the function raised {type(cause).__name__} while being traced at"
+            f"bundle {bundle!r}: the function raised {type(cause).__name__} while being {stage} at"
             f" {'compiled batch size' if isinstance(batch, int) else 'the symbolic batch size'} {batch}:"
             f" {reason}\n  it was called as {call}"
         )

@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import re
 import sys
+import sysconfig
 import traceback
 from pathlib import Path
 from types import ModuleType
@@ -116,7 +117,11 @@ def _import_module(spec: str, flag: str) -> ModuleType:
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[name]
+            raise UsageError(f"{flag}: importing {spec} raised {describe(exc)}") from None
         return module
     if "" not in sys.path:               # `python -m` would find the user's package here too
         sys.path.insert(0, "")
@@ -124,6 +129,42 @@ def _import_module(spec: str, flag: str) -> ModuleType:
         return importlib.import_module(spec)
     except ModuleNotFoundError as exc:
         raise UsageError(f"{flag}: cannot import {spec!r}: {exc}") from None
+    except Exception as exc:
+        raise UsageError(f"{flag}: importing {spec!r} raised {describe(exc)}") from None
+
+
+def one_line(text: str, limit: int = 2000) -> str:
+    """``text`` with every run of whitespace, newlines included, made one space; cut at
+    ``limit`` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit - 3] + "..."
+
+
+# Frames in these directories are the libraries' and Python's own, not the user's code.
+_LIBRARY_DIRS = tuple({str(Path(p).resolve()) for p in (sysconfig.get_paths()["stdlib"],
+                                                       sysconfig.get_paths()["purelib"],
+                                                       sysconfig.get_paths()["platlib"],
+                                                       Path(__file__).parent)})
+
+
+def where(exc: BaseException) -> str | None:
+    """Where ``exc`` was raised, as ``FILE:LINE in FUNCTION``: the innermost frame of its
+    traceback in the user's code (outside Python's library, installed packages and xlaserve),
+    else the innermost frame; None without a traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return None
+    own = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_LIBRARY_DIRS)]
+    frame = (own or frames)[-1]
+    if not own and str(Path(frame.filename).resolve()).startswith(str(Path(__file__).parent.resolve())):
+        return None                      # raised by xlaserve itself: its message says where
+    return f"{frame.filename}:{frame.lineno} in {frame.name}"
+
+
+def describe(exc: BaseException) -> str:
+    """``ValueError: message (at FILE:LINE in FUNCTION)``, on one line."""
+    at = where(exc)
+    return one_line(f"{type(exc).__name__}: {exc}" + (f" (at {at})" if at else ""))
 
 
 def resolve(target: str, flag: str, default_module: ModuleType | None = None) -> tuple[ModuleType, Any]:
@@ -172,8 +213,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Exit status 0: written (and verified); 1: written, but the verification failed; 2: a
-    mistake on the command line or in the function, nothing written."""
+    """Exit status 0: written (and verified); 1: written, but the verification failed (or the
+    written bundle did not load); 2: anything else (a mistake on the command line, in the
+    function or model factory, or an export that failed), nothing written. Every failure is one
+    line on stderr naming what went wrong and where."""
     from xlaserve.errors import BundleError
     from xlaserve.export import ExportError, TracingError
     from xlaserve.export_jax import export_jax
@@ -198,7 +241,11 @@ def main(args: argparse.Namespace) -> int:
             params = None
             if args.params:
                 _, params = resolve(args.params, "--params", module)
-                params = params() if callable(params) else params
+                if callable(params):
+                    try:
+                        params = params()
+                    except Exception as exc:
+                        raise UsageError(f"--params {args.params}: calling it raised {describe(exc)}") from None
             fn, params = _flax_source(args, fn, params)
         parsed = [parse_input(text) for text in args.input]
         outputs = [parse_output(text) for text in args.output or []]
@@ -207,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
             if atol_or_rtol is not None and not atol_or_rtol >= 0:
                 raise UsageError(f"--atol/--rtol {atol_or_rtol}: expected a number >= 0")
     except UsageError as exc:
-        print(f"xlaserve export: {exc}", file=sys.stderr)
+        print(f"xlaserve export: {one_line(str(exc))}", file=sys.stderr)
         return 2
     progress = ProgressReport(log)          # a bar under the lines on a terminal
     for _, note in parsed:
@@ -229,15 +276,23 @@ def main(args: argparse.Namespace) -> int:
             progress.close()
     except (VerificationError, BundleError) as exc:
         # Written, then failed when run or loaded as the server would (BundleError: a module that
-        # disagrees with its manifest or weights).
-        print(f"xlaserve export: {exc}\nthe bundle is left at {args.out} for inspection", file=sys.stderr)
+        # disagrees with its manifest or weights, or that XLA does not compile).
+        found = exc.summary() if isinstance(exc, VerificationError) else str(exc)
+        print(f"xlaserve export: {one_line(found)}; the bundle is left at {args.out} for inspection",
+              file=sys.stderr)
         return 1
     except TracingError as exc:
-        where = "".join(traceback.format_exception(exc.cause)).rstrip()
-        print(f"xlaserve export: {exc}\n{where}", file=sys.stderr)
+        at = where(exc.cause)
+        print(f"xlaserve export: {one_line(str(exc))}" + (f" (raised at {at})" if at else ""), file=sys.stderr)
+        log.debug("the traceback of that error", exc_info=exc.cause)
         return 2
     except (ExportError, ValueError) as exc:
-        print(f"xlaserve export: {exc}", file=sys.stderr)
+        print(f"xlaserve export: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    except Exception as exc:            # anything else the user's code or a library raised
+        print(f"xlaserve export: the export of {args.torch or args.function} failed: {describe(exc)}",
+              file=sys.stderr)
+        log.debug("the traceback of that error", exc_info=exc)
         return 2
     if result.verification:
         checks = result.verification.checks
@@ -263,7 +318,7 @@ def _flax_source(args: argparse.Namespace, target: Any, params: Any) -> tuple[An
         try:
             target = target()
         except Exception as exc:
-            raise UsageError(f"--flax: {args.function}() raised {type(exc).__name__}: {exc}") from None
+            raise UsageError(f"--flax: {args.function}() raised {describe(exc)}") from None
         if flax_kind(target) is None:
             raise UsageError(f"--flax: {args.function}() returned {type(target).__name__}, not a Flax model"
                              " (an instance of flax.nnx.Module or flax.linen.Module)")
@@ -291,3 +346,5 @@ def _torch_source(target: str) -> tuple[Any, Any]:
         return export_torch, module_from(found, f"--torch {target}")
     except ExportError as exc:
         raise UsageError(str(exc)) from None
+    except Exception as exc:            # the factory itself raised (a wrong keyword, say)
+        raise UsageError(f"--torch {target}: calling it raised {describe(exc)}") from None

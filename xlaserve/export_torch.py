@@ -8,15 +8,22 @@ module or torch: the command imports it only for ``xlaserve export --torch``.
 How the module becomes a bundle, once per compiled batch size:
 
 1. The module's state (its ``state_dict``: parameters and persistent buffers such as BatchNorm's
-   running statistics, under the module's own names, a tensor shared under two names once) is
-   made into arguments: a wrapper calls ``torch.func.functional_call(module, state, inputs)``,
+   running statistics, under the module's own names, a tensor shared under two names once; then
+   its non-persistent buffers, such as BERT's ``embeddings.position_ids``, under their attribute
+   paths) is made into arguments: a wrapper calls ``torch.func.functional_call(module, state, inputs)``,
    so ``torch.export`` sees the weights as inputs instead of constants to fold into the program.
 2. ``torch.export.export`` traces the wrapper at that batch size (static shapes), and
    ``torch_mlir.fx.export_and_import(..., output_type="stablehlo")`` lowers it to a StableHLO
-   ``@main(weights..., inputs...)``, written as ``model.b{N}.mlir``.
+   ``@main(weights..., inputs...)``. torch-mlir writes every literal tensor of more than one
+   element (index tensors of an adaptive pooling, say) as a ``dense_resource`` constant, which
+   XLA refuses; :func:`xlaserve.runtime.pjrt.resolve_dense_resources` makes each an inline
+   ``dense`` constant, or, above :data:`INLINE_CONSTANT_BYTES`, a weight named
+   ``constant.<key>`` that every module takes after the module's state. The result is written
+   as ``model.b{N}.mlir``.
 3. The weights go to ``weights.safetensors`` under their ``state_dict`` names, in the order the
    module takes them (``weights.order``), so ``module.load_state_dict(safetensors.torch.load_file(
-   path))`` reads them back.
+   path), strict=False)`` reads them back (``strict=False`` because non-persistent buffers are
+   stored too, which ``load_state_dict`` does not expect).
 
 The outputs are the module's returned tensors flattened the way PyTorch flattens them: one
 tensor is ``output``, a tuple or list gives ``output0``, ``output1``..., a dict its keys in its
@@ -26,7 +33,10 @@ batch sizes, as :func:`xlaserve.export_jax.output_specs` says. Then every module
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
+import logging
 import os
 import time
 import warnings
@@ -39,11 +49,18 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch_mlir import fx as torch_mlir_fx
+from torch_mlir import ir as torch_mlir_ir
+from torch_mlir.dialects import torch as torch_dialect
+from torch_mlir.extras.fx_importer import FxImporter
+from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
 from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
                              _check_batch_sizes, dtype_code, module_file_name, write_bundle)
 from xlaserve.export_jax import hooks_skeleton, output_specs
 from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
+from xlaserve.runtime.pjrt import dense_resources, resolve_dense_resources
+
+log = logging.getLogger("xlaserve.export")
 
 __all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
 
@@ -51,7 +68,8 @@ __all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_nu
 @dataclasses.dataclass(frozen=True, slots=True)
 class TorchExport:
     """What :func:`export_torch` wrote and found: the bundle directory, the output specs, the
-    weights in binding order (``state_dict`` names), notes on defaults it chose, and the
+    weights in binding order (``state_dict`` names, then non-persistent buffers' attribute paths,
+    then any ``constant.<key>`` of the lowering), notes on defaults it chose, and the
     verification (None when ``verify=False``)."""
 
     bundle: Path
@@ -89,14 +107,21 @@ def to_torch(array: np.ndarray) -> torch.Tensor:
 
 
 def state_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors the module's computation reads from its state, by ``state_dict`` name, in
-    ``state_dict`` order: every parameter and persistent buffer. A tensor reachable under two
-    names (tied weights) is listed once, under its first name; ``functional_call`` ties the
-    others to it. Non-persistent buffers are not in the ``state_dict`` and stay constants of the
-    module."""
+    """The tensors the module's computation reads from its state: every parameter and
+    persistent buffer by ``state_dict`` name, in ``state_dict`` order, then every non-persistent
+    buffer (``register_buffer(..., persistent=False)``, such as BERT's
+    ``embeddings.position_ids``) by its attribute path, in ``named_buffers`` order. A tensor
+    reachable under two names (tied weights) is listed once, under its first name;
+    ``functional_call`` ties the others to it.
+
+    Non-persistent buffers are not in the ``state_dict``, but ``torch.export`` lifts them into
+    the program like any buffer, and torch-mlir's importer then finds no value for them; passed
+    as weights, they are arguments of the module like the rest of its state."""
     weights: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    state = module.state_dict(keep_vars=True)
+    extra = ((name, buffer) for name, buffer in module.named_buffers() if name not in state)
+    for name, tensor in (*state.items(), *extra):
         if not isinstance(tensor, torch.Tensor):
             continue                     # a module's get_extra_state() object, not a tensor
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
@@ -166,13 +191,121 @@ def _run_eager(module: torch.nn.Module, arrays: Sequence[np.ndarray]) -> Any:
 def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> bytes:
     """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text."""
     args = (*weights, *[to_torch(a) for a in arrays])
-    with torch.no_grad(), warnings.catch_warnings():
+    # torch.export prints the partial graph of a failed export to stderr itself; the failure is
+    # reported as one TracingError line instead, and the graph goes to the debug log.
+    printed = io.StringIO()
+    try:
+        return _export_and_lower(wrapper, args, printed)
+    finally:
+        if printed.getvalue().strip():
+            log.debug("torch.export printed: %s", printed.getvalue())
+
+
+def _export_and_lower(wrapper: _Functional, args: tuple[torch.Tensor, ...], printed: io.StringIO) -> bytes:
+    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stderr(printed):
         # torch 2.13 deprecates a pytree check that torch.export still makes; not the user's to fix
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                                 FutureWarning)
         program = torch.export.export(wrapper, args, strict=False)
-        lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main")
-    return str(lowered).encode()
+        program = program.run_decompositions(get_decomposition_table())
+        # torch.export lists the module's own state as inputs of the program too (unused: the
+        # wrapper's arguments replace it), and torch-mlir's importer looks every buffer up in
+        # the program's state_dict, where non-persistent buffers are not: they are among its
+        # constants. Give the importer their values where it looks, after the decompositions
+        # (whose check of the program refuses a non-persistent buffer in the state_dict), and
+        # have it decompose nothing more.
+        for buffer in program.graph_signature.non_persistent_buffers:
+            if buffer not in program.state_dict and buffer in program.constants:
+                program.state_dict[buffer] = program.constants[buffer]
+        # MLIR prints its diagnostics (what failed to legalize) to the process's stderr and
+        # raises with a generic message; kept here instead, the first error is the message.
+        context = torch_mlir_ir.Context()
+        torch_dialect.register_dialect(context)
+        errors: list[str] = []
+
+        def keep(diagnostic) -> bool:
+            if diagnostic.severity == torch_mlir_ir.DiagnosticSeverity.ERROR:
+                errors.append(diagnostic.message)
+            return True
+
+        handler = context.attach_diagnostic_handler(keep)
+        importer = FxImporter(context=context)
+        try:
+            lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main",
+                                                      decomposition_table={}, fx_importer=importer)
+            return str(lowered).encode()
+        except Exception as exc:
+            found = errors[0] if errors else f"{type(exc).__name__}: {exc}"
+            raise LoweringError(f"torch-mlir could not lower the exported program to StableHLO"
+                                f"{_unlowered(importer, program)}: {found}") from exc
+        finally:
+            handler.detach()
+
+
+# torch-mlir's own ops for what the program calls under another name
+_LOWERED_FROM = {"aten.__interpolate": ("aten.upsample_", "aten.interpolate")}
+
+
+def _unlowered(importer: FxImporter, program: torch.export.ExportedProgram) -> str:
+    """Where a failed lowering stopped: the aten ops left in torch-mlir's module (the pipeline
+    stops with them unconverted) and, for those the program calls by the same name, the module
+    paths that call them (from ``nn_module_stack``); empty if none is found."""
+    left: set[str] = set()
+
+    def visit(op):
+        name = op.operation.name if hasattr(op, "operation") else op.name
+        if name.startswith("torch.aten."):
+            left.add(name[len("torch."):])
+        return torch_mlir_ir.WalkResult.ADVANCE
+
+    try:
+        importer.module.operation.walk(visit)
+    except Exception:          # a module the failure left unreadable: nothing more to say
+        return ""
+    if not left:
+        return ""
+    paths: dict[str, set[str]] = {}
+    for node in program.graph.nodes:
+        target = str(node.target) if node.op == "call_function" else ""
+        for name in left:
+            called = _LOWERED_FROM.get(".".join(name.split(".")[:2]), ())
+            if target == name or target.startswith(name + ".") or target.startswith(called):
+                stack = list((node.meta.get("nn_module_stack") or {}).values())
+                if stack:                 # (path, type): the innermost module; the wrapper's prefix dropped
+                    path = stack[-1][0].removeprefix("module.").removeprefix("module")
+                    paths.setdefault(name, set()).add(f"{path or '(the model itself)'} ({stack[-1][1].rsplit('.', 1)[-1]})")
+    shown = [name + (f" in {', '.join(sorted(paths[name]))}" if name in paths else "") for name in sorted(left)]
+    return f" (left unlowered: {'; '.join(shown)})"
+
+
+class LoweringError(RuntimeError):
+    """``torch.export`` traced the module, torch-mlir failed to lower the program; the message is
+    MLIR's first error (``failed to legalize operation ...``) or torch-mlir's own."""
+
+
+#: torch-mlir writes every literal tensor of more than one element as a ``dense_resource``
+#: constant, which XLA refuses; up to this many bytes one is written into the module inline
+#: (``dense<...>``), a larger one is passed as a weight (:func:`_large_constants`).
+INLINE_CONSTANT_BYTES = 64 * 1024
+
+
+def _large_constants(lowered: Mapping[str, str], taken: set[str]) -> dict[str, np.ndarray]:
+    """The ``dense_resource`` constants of the lowered modules larger than
+    :data:`INLINE_CONSTANT_BYTES`, once each by value (every module takes all of them), named
+    ``constant.<resource key>`` (with a ``.N`` suffix where a name is already taken)."""
+    found: dict[str, np.ndarray] = {}
+    seen: set[tuple[str, tuple[int, ...], bytes]] = set()
+    for text in lowered.values():
+        for key, array in dense_resources(text).items():
+            identity = (array.dtype.str, array.shape, array.tobytes())
+            if array.nbytes <= INLINE_CONSTANT_BYTES or identity in seen:
+                continue
+            seen.add(identity)
+            weight, suffix = f"constant.{key}", 1
+            while weight in taken or weight in found:
+                weight, suffix = f"constant.{key}.{suffix}", suffix + 1
+            found[weight] = array
+    return found
 
 
 def export_torch(
@@ -258,17 +391,28 @@ def export_torch(
         note(text)
 
     wrapper = _Functional(module, names)
-    modules: dict[str, bytes] = {}
+    lowered: dict[str, str] = {}
     for index, batch in enumerate(sizes, 1):
         started = time.perf_counter()
         try:
-            modules[module_file_name(batch)] = _lower(
-                wrapper, list(weights.values()), sample_inputs(inputs, batch, seed))
+            lowered[module_file_name(batch)] = _lower(
+                wrapper, list(weights.values()), sample_inputs(inputs, batch, seed)).decode()
         except Exception as exc:
-            raise TracingError(name, batch, exc, _signature(module, inputs, batch)) from exc
+            stage = "lowered by torch-mlir" if isinstance(exc, LoweringError) else "traced"
+            raise TracingError(name, batch, exc, _signature(module, inputs, batch), stage) from exc
         if progress is not None:
             progress(f"{name}: exported and lowered compiled batch size {batch} ({index}/{len(sizes)})"
                      f" in {time.perf_counter() - started:.2f}s")
+
+    constants = _large_constants(lowered, set(names))
+    if constants:
+        note(f"{len(constants)} constant(s) of the lowered program larger than {INLINE_CONSTANT_BYTES}"
+             f" bytes ({sum(a.nbytes for a in constants.values())} bytes) are passed as weights:"
+             f" {', '.join(constants)}")
+    modules = {file: resolve_dense_resources(text, list(constants.values()), at=len(names)).encode()
+               for file, text in lowered.items()}
+    arrays.update(constants)
+    names += list(constants)
 
     if hooks:
         extra_files = {**(extra_files or {}), "model.py": hooks_skeleton(name, inputs, outputs)}

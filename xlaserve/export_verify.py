@@ -3,9 +3,13 @@
 :func:`verify_bundle` loads the bundle as the server does (:func:`xlaserve.bundle.load_bundle`:
 manifest, weights file, each module validated and compiled by PJRT), runs every compiled batch
 size on seeded random inputs, runs the reference on the same inputs, and compares each output
-with ``numpy.allclose``'s rule: ``|module - reference| <= atol + rtol * |reference|`` element by
-element (NaN equals NaN). A tampered weights file, a module that computes something else or a
-wrong binding order all fail here, before a server ever sees the bundle.
+element by element with ``numpy.allclose``'s rule, its absolute term scaled by the output's
+magnitude: ``|module - reference| <= atol * scale + rtol * |reference|``, where ``scale`` is
+``max(1, max |reference|)`` over that output (NaN equals NaN). An error is thus measured against
+the size of the numbers the output holds: float32 rounding in a deep network whose logits reach
+30 differs from the reference by about 30 times what it does where they stay near 1, and passes
+the same default; a module that computes something else, a tampered weights file or a wrong
+binding order still fail, before a server ever sees the bundle.
 """
 from __future__ import annotations
 
@@ -23,13 +27,15 @@ __all__ = [
     "OutputCheck",
     "Verification",
     "VerificationError",
+    "output_scale",
     "sample_inputs",
     "verify_bundle",
 ]
 
-#: (atol, rtol) per output dtype code when none is given. A module and the reference compile the
-#: same program, so these allow for reordered float arithmetic only: a few ulps of the type
-#: (bf16 keeps 8 significant bits, f16 11, f32 24). Integer and boolean outputs must be equal.
+#: (atol, rtol) per output dtype code when none is given; atol is a fraction of the output's
+#: scale (:func:`output_scale`). They allow for reordered float arithmetic only: a few ulps of the
+#: type (bf16 keeps 8 significant bits, f16 11, f32 24), relative to the largest value of the
+#: output. Integer and boolean outputs must be equal.
 DEFAULT_TOLERANCES: Mapping[str, tuple[float, float]] = {
     "f64": (1e-12, 1e-12),
     "f32": (1e-5, 1e-5),
@@ -46,6 +52,15 @@ class VerificationError(ExportError):
         super().__init__(message)
         self.verification = verification
 
+    def summary(self) -> str:
+        """One line: the bundle, the failing output whose error is the largest part of its
+        scale, and how many others fail."""
+        failed = sorted((c for c in self.verification.checks if not c.ok),
+                        key=lambda c: c.max_abs_error / c.scale, reverse=True)
+        more = f"; {len(failed) - 1} other output(s) fail too" if len(failed) > 1 else ""
+        return (f"bundle {self.verification.bundle.name!r} does not match its source function:"
+                f" {failed[0].line() if failed else 'no output checked'}{more}")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputCheck:
@@ -59,8 +74,9 @@ class OutputCheck:
     max_rel_error: float      # over the elements where the reference is not 0
     atol: float
     rtol: float
-    mismatched: int           # elements outside atol + rtol * |reference|
+    mismatched: int           # elements outside atol * scale + rtol * |reference|
     elements: int
+    scale: float = 1.0        # max(1, max |reference|): what atol is a fraction of
 
     @property
     def ok(self) -> bool:
@@ -69,7 +85,9 @@ class OutputCheck:
     def line(self) -> str:
         verdict = "ok" if self.ok else f"FAILED: {self.mismatched} of {self.elements} elements outside"
         return (f"{self.module} {self.output} ({self.dtype}): max abs error {self.max_abs_error:.3g},"
-                f" max rel error {self.max_rel_error:.3g} (atol {self.atol:g}, rtol {self.rtol:g}) {verdict}")
+                f" scale {self.scale:.3g} (error {self.max_abs_error / self.scale:.3g} of it),"
+                f" max rel error {self.max_rel_error:.3g} (atol {self.atol:g} x scale, rtol {self.rtol:g})"
+                f" {verdict}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,14 +135,24 @@ def sample_inputs(specs: Sequence, batch: int, seed: int = 0) -> list[np.ndarray
     return arrays
 
 
+def output_scale(expected: np.ndarray) -> float:
+    """``max(1, max |expected|)`` over the finite elements: the magnitude an output's absolute
+    tolerance is scaled by. Never below 1, so an output of small numbers keeps the plain
+    absolute tolerance."""
+    exp = np.abs(np.asarray(expected).astype(np.float64))
+    finite = exp[np.isfinite(exp)]
+    return max(1.0, float(finite.max())) if finite.size else 1.0
+
+
 def compare(expected: np.ndarray, found: np.ndarray, atol: float, rtol: float) -> tuple[float, float, int]:
-    """(max abs error, max rel error, elements outside ``atol + rtol * |expected|``)."""
+    """(max abs error, max rel error, elements outside ``atol * scale + rtol * |expected|``),
+    ``scale`` being :func:`output_scale` of ``expected``."""
     exp = np.asarray(expected).astype(np.float64)
     got = np.asarray(found).astype(np.float64)
     both_nan = np.isnan(exp) & np.isnan(got)
     error = np.where(both_nan, 0.0, np.abs(got - exp))
     error = np.where(np.isnan(error), np.inf, error)        # NaN on one side only
-    bad = int(np.count_nonzero(error > atol + rtol * np.abs(np.nan_to_num(exp))))
+    bad = int(np.count_nonzero(error > atol * output_scale(exp) + rtol * np.abs(np.nan_to_num(exp))))
     nonzero = np.abs(exp) > 0
     rel = error[nonzero] / np.abs(exp[nonzero]) if nonzero.any() else np.zeros(0)
     return (float(error.max()) if error.size else 0.0, float(rel.max()) if rel.size else 0.0, bad)
@@ -174,7 +202,7 @@ def verify_bundle(
             atol_, rtol_ = tolerance(decl.dtype.code, atol, rtol)
             abs_err, rel_err, bad = compare(want, got, atol_, rtol_)
             check = OutputCheck(module.label, batch, decl.name, decl.dtype.code, abs_err, rel_err,
-                                atol_, rtol_, bad, int(want.size))
+                                atol_, rtol_, bad, int(want.size), output_scale(want))
             checks.append(check)
             if progress is not None:
                 progress(Step("verify", len(checks), total, f"{bundle.name}: verify {check.line()}"))

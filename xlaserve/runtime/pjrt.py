@@ -7,7 +7,8 @@ module's ``@main`` signature (jaxlib's MLIR bindings), specializing a module exp
 symbolic batch to one static size (:func:`specialize`: StableHLO shape refinement, as jax does for
 its own shape-polymorphic modules), rewriting modules to take convolution kernels in the order
 the cpu wants them (:func:`kernel_permutations`, :func:`relayout`), merging common
-subexpressions of exported text (:func:`eliminate_common_subexpressions`), compiling
+subexpressions of exported text (:func:`eliminate_common_subexpressions`), replacing the
+``dense_resource`` constants XLA refuses (:func:`dense_resources`, :func:`resolve_dense_resources`), compiling
 (``compile_and_load``, with :data:`COMPILE_OVERRIDES`),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
 ``jax.device_put`` costs about 80 µs a call on this path, the call underneath it about 7), and
@@ -39,6 +40,8 @@ from jax._src.interpreters import mlir as jax_mlir_internal
 from jax._src.lib import _jax, xla_client
 from jax._src.lib.mlir import ir, passmanager
 from jax._src.lib.mlir.dialects import hlo
+
+from xlaserve.dtypes import BY_MLIR
 
 JAX_VERSION = jax.__version__
 JAXLIB_VERSION = jaxlib.__version__
@@ -341,6 +344,132 @@ def relayout(module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
                 inputs[index] = new
         main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, ftype.results))
         return bytes(jax_mlir_internal.module_to_bytecode(parsed))
+
+
+_RESOURCE_REF = re.compile(r'dense_resource<("(?:[^"\\]|\\.)*"|[^>]+)>')
+_RESOURCE_BLOB = re.compile(r'("(?:[^"\\]|\\.)*"|[A-Za-z_$.][\w$.\-]*)\s*:\s*"0x([0-9A-Fa-f]*)"')
+
+
+def _resource_blobs(module: str) -> dict[str, bytes]:
+    """The builtin dialect's resource blobs of a text module (``{-# dialect_resources: { builtin:
+    { key: "0x..." } } #-}``), by key, without their leading 4-byte alignment."""
+    start = module.find("{-#")
+    blobs = {}
+    if start >= 0:
+        for key, hexed in _RESOURCE_BLOB.findall(module[start:]):
+            raw = bytes.fromhex(hexed)
+            blobs[key[1:-1] if key.startswith('"') else key] = raw[4:]
+    return blobs
+
+
+def _resource_constants(parsed: ir.Module) -> list[tuple[ir.Operation, str, ir.RankedTensorType]]:
+    """Every op (a ``stablehlo.constant``, an ``arith.constant``) whose ``value`` is a
+    ``dense_resource`` attribute: (op, resource key, tensor type), in program order."""
+    found = []
+
+    def visit(op):
+        operation = op.operation if hasattr(op, "operation") else op
+        if "value" in operation.attributes:
+            attr = operation.attributes["value"]
+            text = str(attr)
+            if text.startswith("dense_resource<"):
+                key = _RESOURCE_REF.match(text).group(1)
+                found.append((operation, key[1:-1] if key.startswith('"') else key,
+                              ir.RankedTensorType(attr.type)))
+        return ir.WalkResult.ADVANCE
+
+    parsed.operation.walk(visit)
+    return found
+
+
+def _resource_array(key: str, blob: bytes | None, ttype: ir.RankedTensorType) -> np.ndarray:
+    element = str(ttype.element_type)
+    dtype = BY_MLIR.get(element)
+    if dtype is None:
+        raise ModuleError(f"dense_resource {key!r} holds {element}, which no bundle tensor can hold")
+    if blob is None:
+        raise ModuleError(f"dense_resource {key!r} is used but the module carries no blob for it")
+    shape = [ttype.get_dim_size(i) for i in range(ttype.rank)]
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(blob) != count * dtype.numpy.itemsize:
+        raise ModuleError(f"dense_resource {key!r} has {len(blob)} bytes, {ttype} needs"
+                          f" {count * dtype.numpy.itemsize}")
+    return np.frombuffer(blob, dtype=dtype.numpy).reshape(shape).copy()
+
+
+def dense_resources(module: str) -> dict[str, np.ndarray]:
+    """The value of every ``dense_resource`` constant of a StableHLO text module, by resource
+    key: the blob the module carries, as an array of the constant's type."""
+    blobs = _resource_blobs(module)
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        parsed = _parse(module.encode(), ctx)
+        return {key: _resource_array(key, blobs.get(key), ttype)
+                for _, key, ttype in _resource_constants(parsed)}
+
+
+def _dense_attr(array: np.ndarray, ttype: ir.RankedTensorType):
+    """``array`` as an inline ``dense<...>`` attribute of type ``ttype``."""
+    if array.dtype == BY_MLIR["bf16"].numpy:
+        array = array.view(np.uint16)           # the bindings take bf16 as its bits
+    return ir.DenseElementsAttr.get(np.ascontiguousarray(array), type=ttype.element_type,
+                                    shape=list(array.shape))
+
+
+def resolve_dense_resources(module: str, arguments: Sequence[np.ndarray] = (), at: int = 0) -> str:
+    """``module`` (StableHLO text) with no ``dense_resource`` constant left, which XLA refuses
+    ("Only dense elements attr are supported"): torch-mlir writes every literal tensor of more
+    than one element that way, its bytes in a blob at the end of the text.
+
+    ``@main`` gets one new argument for each of ``arguments`` (every one, used or not, so that
+    every module of a bundle takes the same weights), inserted from index ``at`` on (after the
+    weights it already takes, before its inputs); a constant of ``@main`` whose value is one of
+    them (dtype, shape and bytes) reads that argument instead. Every other ``dense_resource``
+    constant becomes an inline ``dense<...>`` constant holding the same value. Returns the text
+    module, printed without the blobs; ``module`` itself when there is nothing to do."""
+    if "dense_resource<" not in module and not arguments:
+        return module
+    blobs = _resource_blobs(module)
+    wanted = {(a.dtype.str, a.shape, np.ascontiguousarray(a).tobytes()): i for i, a in enumerate(arguments)}
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        parsed = _parse(module.encode(), ctx)
+        main = _main(parsed)
+        block = main.regions[0].blocks[0]
+        ftype = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+        inputs = list(ftype.inputs)
+        if not 0 <= at <= len(inputs):
+            raise ModuleError(f"@main takes {len(inputs)} argument(s); cannot insert at {at}")
+        new_arguments = []
+        if arguments:
+            # Block arguments can only be appended: append the new ones, then every argument
+            # that must follow them again, and drop the originals.
+            for array in arguments:
+                element = next((d.mlir for d in BY_MLIR.values() if d.numpy == array.dtype), None)
+                if element is None:
+                    raise ModuleError(f"an argument of dtype {array.dtype} cannot be passed to a module")
+                ttype = ir.RankedTensorType.get(list(array.shape), ir.Type.parse(element))
+                new_arguments.append(block.add_argument(ttype, ir.Location.unknown()))
+            moved = list(block.arguments)[at:len(inputs)]
+            for old in moved:
+                again = block.add_argument(old.type, ir.Location.unknown())
+                old.replace_all_uses_with(again)
+            for index in reversed(range(at, len(inputs))):
+                block.erase_argument(index)
+            inputs[at:at] = [a.type for a in new_arguments]
+            main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(inputs, ftype.results))
+            if "arg_attrs" in main.attributes:
+                attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"]))
+                attrs[at:at] = [ir.DictAttr.get({}) for _ in new_arguments]
+                main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
+        for op, key, ttype in _resource_constants(parsed):
+            array = _resource_array(key, blobs.get(key), ttype)
+            index = wanted.get((array.dtype.str, array.shape, array.tobytes()))
+            in_main = op.parent is not None and op.parent.operation == main.operation
+            if index is not None and in_main:
+                op.results[0].replace_all_uses_with(new_arguments[index])
+                op.erase()
+            else:
+                op.attributes["value"] = _dense_attr(array, ttype)
+        return parsed.operation.get_asm()
 
 
 def _tensor_type(t) -> TensorType:
