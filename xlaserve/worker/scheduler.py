@@ -584,18 +584,18 @@ class Scheduler:
             execution["xlaserve.compute.input_ns"] = result.compute_input_ns
             execution["xlaserve.compute.infer_ns"] = result.compute_infer_ns
             execution["xlaserve.compute.output_ns"] = result.compute_output_ns
+        queued = {"xlaserve.model": model.name, "xlaserve.batch.id": batch_id}
+        # the attribute mappings are shared by the batch's spans: read-only from here on
         for q in batch:
             trace = q.request.trace
             if trace is None:
                 continue
-            trace.record("xlaserve.queue", trace.enqueued_ns or started_ns, started_ns,
-                         {"xlaserve.model": model.name, "xlaserve.queue.requests_in_batch": len(batch)})
+            trace.record("xlaserve.queue", trace.enqueued_ns or started_ns, started_ns, queued)
             if not loaded:
                 trace.record("xlaserve.weights", started_ns, done_ns, weights, error)
                 continue
             trace.record("xlaserve.weights", started_ns, weights_ns, weights)
-            trace.record("xlaserve.execute", weights_ns, done_ns, {**execution, "xlaserve.request.rows": q.request.rows},
-                         error)
+            trace.record("xlaserve.execute", weights_ns, done_ns, execution, error)
 
     def _answer_pending(self) -> None:
         """Reply to every executed batch not yet answered. Replying encodes each response (the
