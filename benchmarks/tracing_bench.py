@@ -1,7 +1,7 @@
 """What tracing costs: the reference ``mlp`` served three ways in alternating rounds.
 
     python -m benchmarks.tracing_bench --baseline CHECKOUT [--rounds 4] [--duration 5]
-        [--concurrency 8,32] [--spans FILE]
+        [--concurrency 8,32] [--spans FILE] [--variants baseline,off,on]
 
 - ``baseline``: ``xlaserve run`` from CHECKOUT, a ``git worktree`` of the commit before tracing;
 - ``off``: this checkout, no ``tracing:`` block (tracing off, the default);
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--concurrency", default="8,32")
     p.add_argument("--spans", type=Path, help="the file the 'on' server writes its spans to")
+    p.add_argument("--variants", default="baseline,off,on", help="which of baseline, off, on to run")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rows: list[dict] = []
@@ -52,6 +53,7 @@ def main() -> None:
         tracing = {"tracing": {"enabled": True, "sampling_ratio": 1.0, "exporter": "file", "file": str(spans)}}
         variants = {"baseline": {"source": args.baseline}, "off": {"source": ROOT},
                     "on": {"source": ROOT, "top": tracing}}
+        variants = {name: variants[name] for name in args.variants.split(",")}
         for round_ in range(args.rounds):
             order = list(variants)
             if round_ % 2:

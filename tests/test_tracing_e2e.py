@@ -135,8 +135,8 @@ def traced(repo, tmp_path_factory):
         # a malformed traceparent is ignored: the request is served, and (ratio 0) not traced
         c.infer("mlp", [infer_input("input", x, "FP32")], headers={"traceparent": "00-nonsense"})
         with pytest.raises(InferenceServerException):
-            c.infer("no_such_model", [infer_input("input", x, "FP32")],
-                    headers={"traceparent": f"00-{'4' * 32}-{CALLER}-01"})
+            c.infer("no_such_model" + "x" * 2000, [infer_input("input", x, "FP32")],
+                    headers={"traceparent": f"00-{'4' * 32}-{CALLER}-01"}, request_id="i" * 5000)
         c.close()
     assert server.process.returncode == 0, server.log()
     return read_spans(spans), {"hooks": hooks_trace, "meta": meta_trace}
@@ -214,6 +214,10 @@ def test_untraced_and_failed_requests(traced):
     assert failed["name"] == "xlaserve.infer" and failed["status"] == "ERROR"
     assert failed["status_message"].startswith("NOT_FOUND: ")
     assert failed["attributes"]["rpc.grpc.status_code"] == 5
+    # what the client chose is kept bounded in the trace
+    assert failed["attributes"]["xlaserve.request_id"] == "i" * 256
+    assert failed["attributes"]["xlaserve.model"] == ("no_such_model" + "x" * 2000)[:256]
+    assert len(failed["status_message"]) <= 1024
 
 
 def test_the_gateway_continues_the_trace_and_the_worker_continues_the_gateways(repo, tmp_path):

@@ -28,7 +28,7 @@ from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.frontend.statuses import rpc
 from xlaserve.manifest import TensorDecl
-from xlaserve.tracing import RequestTrace, Tracing
+from xlaserve.tracing import MAX_ATTRIBUTE, MAX_ERROR, RequestTrace, Tracing
 from xlaserve.worker.inference import ClientRequest
 from xlaserve.worker.messages import InferResult
 from xlaserve.worker.registry import ModelEntry, ModelState
@@ -93,7 +93,7 @@ def finish_trace(trace: RequestTrace, outcome, model: ModelVersion | None) -> No
         attributes["xlaserve.model_version"] = model.version
     if isinstance(outcome, XlaserveError):
         attributes["rpc.grpc.status_code"] = outcome.status.value
-        trace.finish(f"{outcome.status.name}: {outcome}", attributes)
+        trace.finish(f"{outcome.status.name}: {outcome}"[:MAX_ERROR], attributes)
     else:
         attributes["rpc.grpc.status_code"] = 0
         trace.finish(None, attributes)
@@ -272,8 +272,8 @@ class KServeService(GRPCInferenceServiceBase):
         cancelled = False
         trace = None if self._tracing is None else self._tracing.start(
             "xlaserve.infer", stream.metadata, received_ns,
-            {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": request.model_name,
-             "xlaserve.request_id": request.id})
+            {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": request.model_name[:MAX_ATTRIBUTE],
+             "xlaserve.request_id": request.id[:MAX_ATTRIBUTE]})
 
         def cancel() -> None:
             nonlocal cancelled

@@ -39,7 +39,7 @@ from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
 from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
-from xlaserve.tracing import CLIENT, TRACEPARENT, RequestTrace, Tracing
+from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
 
 log = logging.getLogger("xlaserve.gateway")
@@ -601,7 +601,7 @@ def _traced(tracing: Tracing, incoming, forwarded: tuple[tuple[str, str], ...], 
     its ``traceparent`` names the forward's span, so the worker's spans are its children; an
     unsampled request passes on a ``traceparent`` that says so, and the worker follows."""
     trace = tracing.start("xlaserve.gateway.forward", incoming, time.perf_counter_ns(),
-                          {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": model,
+                          {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": model[:MAX_ATTRIBUTE],
                            "xlaserve.worker": worker}, kind=CLIENT)
     traceparent = trace.traceparent() if trace is not None else tracing.unsampled_traceparent(incoming)
     if traceparent is None:         # unsampled by the caller: its traceparent goes on unchanged
@@ -611,9 +611,10 @@ def _traced(tracing: Tracing, incoming, forwarded: tuple[tuple[str, str], ...], 
 
 def _finish_forward(trace: RequestTrace, outcome) -> None:
     if isinstance(outcome, UpstreamError):
-        trace.finish(f"{outcome.status.name}: {outcome.message}", {"rpc.grpc.status_code": outcome.status.value})
+        trace.finish(f"{outcome.status.name}: {outcome.message}"[:MAX_ERROR],
+                     {"rpc.grpc.status_code": outcome.status.value})
     elif outcome.status != 0:
-        trace.finish(f"{status_named(outcome.status).name}: {outcome.message}",
+        trace.finish(f"{status_named(outcome.status).name}: {outcome.message}"[:MAX_ERROR],
                      {"rpc.grpc.status_code": outcome.status})
     else:
         trace.finish(None, {"rpc.grpc.status_code": 0})

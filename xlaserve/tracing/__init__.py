@@ -33,6 +33,11 @@ log = logging.getLogger("xlaserve.tracing")
 
 __all__ = ["RequestTrace", "TraceParent", "Tracing", "open_tracing", "parse_traceparent", "sampled"]
 
+MAX_ATTRIBUTE = 256
+"""Characters kept of a span attribute the client chose (a request id, a model name): a trace
+costs bounded bytes whatever the client sends."""
+MAX_ERROR = 1024
+"""Characters kept of a failed span's status message."""
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 EXTRA = "otel"
@@ -99,10 +104,7 @@ def sampled(trace_id: int, parent: TraceParent | None, ratio: float) -> bool:
 
 
 def _new_id(bits: int) -> int:
-    while True:
-        n = random.getrandbits(bits)
-        if n:
-            return n
+    return random.getrandbits(bits) or 1      # W3C: an all-zero id is invalid
 
 
 #: a span's kind, as the export maps it to OpenTelemetry's SpanKind
