@@ -252,3 +252,22 @@ def test_the_gateway_continues_the_trace_and_the_worker_continues_the_gateways(r
     (root,) = [s for s in worker_spans if s["name"] == "xlaserve.infer"]
     assert root["parent_span_id"] == f"{forward.context.span_id:016x}"
     assert forward.start_time <= root["start_time_ns"] <= root["end_time_ns"] <= forward.end_time + 1_000_000
+
+
+def test_a_worker_with_tracing_enabled_but_without_the_sdk_serves_untraced(repo, tmp_path):
+    # the server's interpreter lacks OpenTelemetry, as when the 'otel' extra is not installed
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['opentelemetry'] = None\n")
+    spans = tmp_path / "spans.jsonl"
+    x = np.ones((1, 512), np.float32)
+    with serve(tmp_path / "w", repo, tracing={"enabled": True, "exporter": "file", "file": str(spans)},
+               env={"PYTHONPATH": str(hide)}) as server:
+        c = grpcclient.InferenceServerClient(server.url)
+        r = c.infer("mlp", [infer_input("input", x, "FP32")], headers={"traceparent": f"00-{TRACE}-{CALLER}-01"})
+        np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-4, atol=1e-5)
+        c.close()
+    assert server.process.returncode == 0, server.log()
+    errors = [line for line in server.log().splitlines() if "OpenTelemetry SDK is not installed" in line]
+    assert len(errors) == 1 and "pip install 'xlaserve[otel]'" in errors[0], server.log()
+    assert not spans.exists()
