@@ -78,13 +78,14 @@ def consecutive_free_pair() -> int:
 
 @contextmanager
 def xlaserve(repo: Path, scheduler: dict | None = None, log_path: Path | None = None, timeout: float = 300,
-             source: Path = ROOT):
+             source: Path = ROOT, top: dict | None = None):
     """Run ``xlaserve run`` on ``repo``; yields (url, pid). ``source``: the checkout whose
-    ``xlaserve`` runs (another commit's, to compare with)."""
+    ``xlaserve`` runs (another commit's, to compare with); ``top``: more top-level blocks of the
+    node file (``tracing``)."""
     work = Path(tempfile.mkdtemp(prefix="xlaserve-bench-"))
     node = {"model_repo": str(repo), "listen": {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0"},
             "global": {"runtime": {"backend": "cpu"}, "model_control_mode": "static",
-                       "scheduler": scheduler or {}}}
+                       "scheduler": scheduler or {}}, **(top or {})}
     (work / "node.yaml").write_text(yaml.safe_dump(node))
     ready = work / "ready.json"
     log = open(log_path or work / "server.log", "w")

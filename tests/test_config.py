@@ -13,6 +13,7 @@ from xlaserve.config import (
     EndpointsConfig,
     ListenConfig,
     LoggingConfig,
+    TracingConfig,
     ModelSchedConfig,
     NodeConfig,
     RuntimeConfig,
@@ -261,13 +262,13 @@ def test_annotated_example_in_the_docs_is_a_valid_node_file():
 def test_every_documented_key_is_in_the_docs():
     text = DOCS.read_text()
     for cls in (RuntimeConfig, SchedulerConfig, ModelSchedConfig, EndpointsConfig, TlsConfig, ListenConfig,
-                SupervisorConfig, LoggingConfig):
+                SupervisorConfig, LoggingConfig, TracingConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in text, f"{cls.__name__}.{f.name} is not documented"
     for var in environment_variables():
         short = var.removeprefix("INFERENCE_SERVER_")
         assert var in text or short.split("_")[0] in ("RUNTIME", "SCHEDULER", "ENDPOINTS",
-                                                      "SUPERVISOR", "LOGGING"), var
+                                                      "SUPERVISOR", "LOGGING", "TRACING"), var
 
 
 # --- per-worker merging and the pin map ----------------------------------------------------------
@@ -463,7 +464,7 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
     ({"global": {"runtime": ["cpu"]}}, "global.runtime: expected a mapping, got a list"),
     ({"global": {"workers": []}}, "global.workers: unknown key"),
     ({"wokers": []}, ("wokers: unknown key (known: base_port, gateway, global, gpus, listen, "
-                      "logging, metrics_base_port, model_repo, models, supervisor, workers)")),
+                      "logging, metrics_base_port, model_repo, models, supervisor, tracing, workers)")),
     ({"base_port": -5}, "base_port: expected an integer in [1, 65535], got -5"),
     ({"gpus": 0}, ("gpus: expected 'auto', a positive integer or a list of distinct device "
                    "ordinals, got 0")),
@@ -705,6 +706,63 @@ def test_supervisor_and_logging_errors_name_the_key(data: dict, message: str):
 def test_a_bad_supervisor_variable_names_it():
     message = error_of({}, {"INFERENCE_SERVER_SUPERVISOR_MAX_RESTARTS": "many"})
     assert message == "INFERENCE_SERVER_SUPERVISOR_MAX_RESTARTS: expected a non-negative integer, got 'many'"
+
+
+# --- tracing: ------------------------------------------------------------------------------------
+
+def test_tracing_is_off_by_default_and_reaches_every_worker_and_the_gateway():
+    from xlaserve.config import embedded_gateway_config
+    node = parse({"gpus": 2})
+    assert node.tracing == TracingConfig() and node.tracing.enabled is False
+    assert TracingConfig().sampling_ratio == 1.0 and TracingConfig().exporter == "otlp"
+    on = parse({"gpus": 2, "tracing": {"enabled": True, "sampling_ratio": 0.25, "exporter": "file",
+                                       "file": "spans.jsonl", "service_name": "edge"}})
+    assert on.tracing.file == BASE / "spans.jsonl"
+    assert resolve_worker(on, 1).tracing == on.tracing
+    gateway = embedded_gateway_config(on)
+    assert gateway.tracing == on.tracing
+    # a tracing: block inside gateway: overrides the node's for the gateway alone
+    own = parse({"gpus": 2, "tracing": {"enabled": True}, "gateway": {"tracing": {"sampling_ratio": 0.5}}})
+    assert embedded_gateway_config(own).tracing == TracingConfig(enabled=True, sampling_ratio=0.5)
+    assert resolve_worker(own, 0).tracing.sampling_ratio == 1.0
+
+
+def test_tracing_variables_override_the_file():
+    node = parse({"tracing": {"sampling_ratio": 0.5}},
+                 {"INFERENCE_SERVER_TRACING_ENABLED": "true", "INFERENCE_SERVER_TRACING_SAMPLING_RATIO": "0.01"})
+    assert node.tracing.enabled is True and node.tracing.sampling_ratio == 0.01
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"tracing": {"enabled": "yes"}}, "tracing.enabled: expected true or false, got 'yes'"),
+    ({"tracing": {"sampling_ratio": 1.5}}, "tracing.sampling_ratio: expected a number in [0, 1], got 1.5"),
+    ({"tracing": {"sampling_ratio": -0.1}}, "tracing.sampling_ratio: expected a number in [0, 1], got -0.1"),
+    ({"tracing": {"exporter": "jaeger"}}, "tracing.exporter: expected one of otlp, file, got 'jaeger'"),
+    ({"tracing": {"otlp_endpoint": "localhost:4318"}},
+     "tracing.otlp_endpoint: expected an http:// or https:// URL, got 'localhost:4318'"),
+    ({"tracing": {"otlp_timeout_seconds": 0}}, "tracing.otlp_timeout_seconds: expected a positive number, got 0"),
+    ({"tracing": {"max_queued_spans": 0}}, "tracing.max_queued_spans: expected a positive integer, got 0"),
+    ({"tracing": {"service_name": ""}}, "tracing.service_name: expected a non-empty string, got ''"),
+    ({"tracing": {"exporter": "file"}},
+     "tracing.file: required with tracing.exporter file (the JSON-lines file spans are appended to)"),
+    ({"tracing": {"file": "spans.jsonl"}},
+     "tracing.file: applies only to tracing.exporter file (tracing.exporter is otlp; otlp sends spans to "
+     "tracing.otlp_endpoint)"),
+    ({"tracing": {"sample": 0.1}}, "tracing.sample: unknown key (known: enabled, export_interval_seconds, exporter, "
+                                   "file, max_queued_spans, otlp_endpoint, otlp_timeout_seconds, sampling_ratio, "
+                                   "service_name)"),
+    ({"tracing": [1]}, "tracing: expected a mapping, got a list"),
+    ({"global": {"tracing": {}}}, "global.tracing: unknown key"),
+    ({"gpus": 2, "gateway": {"tracing": {"exporter": "file"}}},
+     "gateway.tracing.file: required with gateway.tracing.exporter file"),
+])
+def test_tracing_errors_name_the_key(data: dict, message: str):
+    assert error_of(data).startswith(message)
+
+
+def test_a_bad_tracing_variable_names_it():
+    message = error_of({}, {"INFERENCE_SERVER_TRACING_SAMPLING_RATIO": "half"})
+    assert message == "INFERENCE_SERVER_TRACING_SAMPLING_RATIO: expected a number in [0, 1], got 'half'"
 
 
 def test_split_address():

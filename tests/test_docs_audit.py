@@ -9,7 +9,7 @@ from pathlib import Path
 from xlaserve._proto import xlaserve_control_pb2
 from xlaserve.config import (EndpointsConfig, ListenConfig, LoggingConfig, ModelSchedConfig,
                              NodeConfig, RuntimeConfig, SchedulerConfig, SupervisorConfig,
-                             TlsConfig, WorkerEntry)
+                             TlsConfig, TracingConfig, WorkerEntry)
 from xlaserve.config.gateway import (GatewayConfig, GatewayGrpcConfig, GatewayListenConfig,
                                      GatewayLoggingConfig, ModelReplicasConfig, SchedulingConfig,
                                      WorkerClientConfig)
@@ -20,7 +20,8 @@ DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 GATEWAY_BLOCKS = (GatewayConfig, GatewayListenConfig, GatewayGrpcConfig, WorkerClientConfig,
                   GatewayLoggingConfig, SchedulingConfig, ModelReplicasConfig)
 BLOCKS = (NodeConfig, ListenConfig, RuntimeConfig, SchedulerConfig, ModelSchedConfig,
-          EndpointsConfig, TlsConfig, WorkerEntry, SupervisorConfig, LoggingConfig, *GATEWAY_BLOCKS)
+          EndpointsConfig, TlsConfig, WorkerEntry, SupervisorConfig, LoggingConfig, TracingConfig,
+          *GATEWAY_BLOCKS)
 
 # Keys the node file accepts that no code acts on yet, and why. Remove a key from here once the
 # code reads it; a key read by nothing must be documented as such.

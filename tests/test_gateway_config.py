@@ -239,7 +239,7 @@ def test_http_is_an_alias_of_metrics():
     ({"endpoint_refresh_seconds": 0}, "endpoint_refresh_seconds: expected a positive number, got 0"),
     ({"endpoint": ["w0:1"]},
      "endpoint: unknown key (known: endpoint_refresh_seconds, endpoints, grpc, listen, logging, "
-     "metrics_endpoints, scheduling, worker_client)"),
+     "metrics_endpoints, scheduling, tracing, worker_client)"),
 ])
 def test_errors_name_the_key_and_what_was_expected(data: dict, message: str):
     assert gateway_error(data).startswith(message)
@@ -381,7 +381,7 @@ def test_the_node_loader_validates_the_gateway_block():
         "(gateway.scheduling.mode is round_robin;")
     assert node_error({"gateway": {"workers": []}}).startswith(
         "gateway.workers: unknown key (known: endpoint_refresh_seconds, grpc, listen, logging, "
-        "scheduling, worker_client)")
+        "scheduling, tracing, worker_client)")
 
 
 @pytest.mark.parametrize("key", ["endpoints", "metrics_endpoints"])

@@ -4,7 +4,7 @@ A node file names one shared model repository, the defaults every worker runs wi
 optionally one entry per worker (``workers:``) whose blocks merge over those defaults, an optional
 pin map (``models:``), the node's public addresses (``listen:``), how a multi-worker node's
 supervisor restarts and stops its workers (``supervisor:``), the log level and format
-(``logging:``) and the ``gateway:`` block of the gateway that fronts a multi-worker node.
+(``logging:``), OpenTelemetry tracing (``tracing:``) and the ``gateway:`` block of the gateway that fronts a multi-worker node.
 
 Four modules, one idea each:
 
@@ -28,8 +28,8 @@ from xlaserve.config.resolve import (ENV_PREFIX, effective_config_lines, environ
                                      to_plain, worker_count)
 from xlaserve.config.schema import (EndpointsConfig, ListenConfig, LoggingConfig,
                                     ModelSchedConfig, NodeConfig, RuntimeConfig, SchedulerConfig,
-                                    SupervisorConfig, TlsConfig, WorkerConfig, WorkerEntry,
-                                    split_address)
+                                    SupervisorConfig, TlsConfig, TracingConfig, WorkerConfig,
+                                    WorkerEntry, split_address)
 
 __all__ = [
     "ENV_PREFIX",
@@ -44,6 +44,7 @@ __all__ = [
     "SchedulerConfig",
     "SupervisorConfig",
     "TlsConfig",
+    "TracingConfig",
     "WorkerConfig",
     "WorkerEntry",
     "effective_config_lines",

@@ -31,8 +31,8 @@ from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _Invali
 from xlaserve.config.resolve import (GATEWAY_ENV_PREFIX, NODE_CHECKS, _from_text, load_yaml_file,
                                      resolve_worker)
 from xlaserve.config.resolve import worker_count as _node_worker_count
-from xlaserve.config.schema import (MAX_PORT, NodeConfig, _join_address, _parse_address, _parse_networks,
-                                    split_address)
+from xlaserve.config.schema import (MAX_PORT, NodeConfig, TracingConfig, _join_address, _parse_address,
+                                    _parse_networks, check_tracing, split_address)
 from xlaserve.frontend.access import LOOPBACK_NETWORKS, IPNetwork, parse_network
 
 _MIB = 1024 * 1024
@@ -253,6 +253,9 @@ class GatewayConfig:
         worker_client: calls to workers (:class:`WorkerClientConfig`).
         logging: the log (:class:`GatewayLoggingConfig`).
         scheduling: routing and placement (:class:`SchedulingConfig`).
+        tracing: OpenTelemetry tracing of the requests the gateway forwards
+            (:class:`~xlaserve.config.schema.TracingConfig`; a node's gateway starts from the
+            node's ``tracing:`` block).
         endpoints: the workers' gRPC addresses, ``"host:port"``; a host may be a DNS name that
             resolves to several addresses (each one a worker). A standalone gateway needs at
             least one. In a node file it is not a key: the node's workers are the endpoints.
@@ -268,6 +271,7 @@ class GatewayConfig:
     worker_client: WorkerClientConfig = field(default_factory=WorkerClientConfig)
     logging: GatewayLoggingConfig = field(default_factory=GatewayLoggingConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     endpoints: tuple[str, ...] = _key(
         (), parse=_parse_endpoints, describe="a list of host:port addresses")
     endpoint_refresh_seconds: float = _key(10.0, low=0.0, low_open=True)
@@ -277,7 +281,8 @@ class GatewayConfig:
 
 _SECTIONS: dict[str, type] = {"listen": GatewayListenConfig, "grpc": GatewayGrpcConfig,
                               "worker_client": WorkerClientConfig,
-                              "logging": GatewayLoggingConfig, "scheduling": SchedulingConfig}
+                              "logging": GatewayLoggingConfig, "scheduling": SchedulingConfig,
+                              "tracing": TracingConfig}
 _TOP_FIELDS = ("endpoints", "endpoint_refresh_seconds", "metrics_endpoints")
 _WORKER_ADDRESSES = ("endpoints", "metrics_endpoints")
 
@@ -395,6 +400,7 @@ def _parse(data: Any, prefix: str, environ: Mapping[str, str] | None, embedded: 
         if key in top:
             changes[key] = _value(GatewayConfig, key, top[key], _join(prefix, key), None)
     changes.update(env.values[""])
+    check_tracing(changes["tracing"], _join(prefix, "tracing"))
     listen = _mapping(top.get("listen"), _join(prefix, "listen"))
     origins = {}
     for key, alias in (("grpc", None), ("metrics", "http")):
@@ -429,7 +435,8 @@ def load_gateway_file(path: str | Path, environ: Mapping[str, str] | None = None
 
 def _node_base(node: NodeConfig) -> GatewayConfig:
     return GatewayConfig(listen=GatewayListenConfig(grpc=node.listen.grpc, metrics=node.listen.http),
-                         grpc=GatewayGrpcConfig(client_shm_peers=node.endpoints.client_shm_peers))
+                         grpc=GatewayGrpcConfig(client_shm_peers=node.endpoints.client_shm_peers),
+                         tracing=node.tracing)
 
 
 def check_node_gateway(node: NodeConfig, environ: Mapping[str, str] | None) -> None:

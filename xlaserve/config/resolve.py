@@ -32,7 +32,8 @@ from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _is_int
                                     _value)
 from xlaserve.config.schema import (MAX_PORT, EndpointsConfig, ListenConfig, LoggingConfig,
                                     NodeConfig, RuntimeConfig, SchedulerConfig, SupervisorConfig,
-                                    WorkerConfig, WorkerEntry, split_address)
+                                    TracingConfig, WorkerConfig, WorkerEntry, check_tracing,
+                                    split_address)
 
 ENV_PREFIX = "INFERENCE_SERVER_"
 GATEWAY_ENV_PREFIX = f"{ENV_PREFIX}GATEWAY_"
@@ -46,7 +47,7 @@ _NODE_ENV_FIELDS = ("model_repo", "base_port", "metrics_base_port", "cache_dir",
                     "model_control_mode", "model_poll_seconds", "models_include")
 # Top-level blocks read whole by the node (never per worker), like ``listen:``.
 _NODE_BLOCKS: dict[str, type] = {"listen": ListenConfig, "supervisor": SupervisorConfig,
-                                 "logging": LoggingConfig}
+                                 "logging": LoggingConfig, "tracing": TracingConfig}
 _TRUE = ("true", "1", "yes")
 _FALSE = ("false", "0", "no")
 
@@ -229,6 +230,7 @@ def parse_node_config(data: Any, base_dir: str | Path,
         written = _parse_partial(cls, top.get(section), section, base_dir)
         node_fields[section] = _merge(_merge(cls(), written), env[section])
     _check_supervisor(node_fields["supervisor"])
+    check_tracing(node_fields["tracing"])
     node_fields.update(env["node"])
     if "model_repo" not in node_fields:
         raise ConfigError(
@@ -497,6 +499,7 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
         grpc_port=binding.grpc_port,
         http_host=binding.http_host,
         http_port=binding.http_port,
+        tracing=node.tracing,
     )
 
 

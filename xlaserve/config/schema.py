@@ -507,6 +507,65 @@ class LoggingConfig:
     format: str = _key("text", choices=("text", "json"))
 
 
+TRACING_EXPORTERS = ("otlp", "file")
+
+
+def _parse_otlp_endpoint(value: Any) -> str:
+    if isinstance(value, str) and re.match(r"https?://[^/\s]+", value) and not any(c.isspace() for c in value):
+        return value
+    raise _Invalid
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry traces of each request's stages (YAML top-level block ``tracing:``; see
+    docs/tracing.md). Off unless ``enabled``; while off, the OpenTelemetry packages are not
+    imported and a request costs one or two ``is None`` checks more. The OTLP exporter and the
+    SDK are the install extra ``otel``; a node with tracing enabled but without them starts and
+    serves untraced, logging one error that names the extra.
+
+    Attributes:
+        enabled: trace requests. Default false.
+        sampling_ratio: the share of requests without a sampled parent that are traced, in
+            [0, 1] (the decision is made from the trace id, so every process of a trace makes
+            the same one). A request whose W3C ``traceparent`` says the caller sampled it is
+            traced, and one whose caller did not is not (parent-based sampling). Default 1.
+        service_name: the ``service.name`` resource attribute of every span. Default
+            ``xlaserve``.
+        exporter: ``otlp`` (OTLP over HTTP/protobuf to ``otlp_endpoint``) or ``file`` (one JSON
+            object a finished span, a line, appended to ``file``). Default ``otlp``.
+        otlp_endpoint: where ``otlp`` posts spans, an ``http://`` or ``https://`` URL. Default
+            ``http://localhost:4318/v1/traces`` (an OpenTelemetry Collector on this machine).
+        otlp_timeout_seconds: how long one export may take, > 0. Default 10.
+        file: the JSON-lines file the ``file`` exporter appends to (created if missing; every
+            process of a node may share it). Required with ``exporter: file``; only with it.
+        max_queued_spans: finished spans waiting to be exported, >= 1; past it new spans are
+            dropped (and counted in the log at shutdown), never held. Default 2048.
+        export_interval_seconds: how often queued spans are exported, > 0. Default 1.
+    """
+
+    enabled: bool = _key(False)
+    sampling_ratio: float = _key(1.0, low=0.0, high=1.0)
+    service_name: str = _key("xlaserve")
+    exporter: str = _key("otlp", choices=TRACING_EXPORTERS)
+    otlp_endpoint: str = _key("http://localhost:4318/v1/traces", parse=_parse_otlp_endpoint,
+                              describe="an http:// or https:// URL")
+    otlp_timeout_seconds: float = _key(10.0, low=0.0, low_open=True)
+    file: Path | None = _key(None)
+    max_queued_spans: int = _key(2048, low=1)
+    export_interval_seconds: float = _key(1.0, low=0.0, low_open=True)
+
+
+def check_tracing(tracing: TracingConfig, path: str = "tracing") -> None:
+    """The rules between ``tracing:`` keys that no single key's bounds can say."""
+    if tracing.exporter == "file" and tracing.file is None:
+        raise ConfigError(f"{path}.file: required with {path}.exporter file (the JSON-lines file spans are "
+                          "appended to)")
+    if tracing.exporter != "file" and tracing.file is not None:
+        raise ConfigError(f"{path}.file: applies only to {path}.exporter file ({path}.exporter is "
+                          f"{tracing.exporter}; otlp sends spans to {path}.otlp_endpoint)")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerEntry:
     """One entry of ``workers:``, as written (override blocks validated but not yet merged).
@@ -580,6 +639,7 @@ class NodeConfig:
         supervisor: how a multi-worker node's workers are restarted and stopped
             (:class:`SupervisorConfig`).
         logging: log level and format (:class:`LoggingConfig`).
+        tracing: OpenTelemetry tracing of requests (:class:`TracingConfig`).
         env_overrides: the ``INFERENCE_SERVER_*`` overrides, by section (``node``, ``listen``,
             ``supervisor``, ``logging``, ``runtime``, ``scheduler``, ``endpoints``); already
             applied to the fields above, and applied again on top of each worker's blocks by
@@ -606,6 +666,7 @@ class NodeConfig:
     listen: ListenConfig = field(default_factory=ListenConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     env_overrides: Mapping[str, Mapping[str, Any]] = field(
         default_factory=lambda: MappingProxyType({}))
 
@@ -617,7 +678,7 @@ class WorkerConfig:
     ``index`` is the worker's position in the node and ``worker_count`` the node's number of
     workers (two or more: the port rules of a multi-worker node apply). ``gpu`` is null when
     nothing names an ordinal; the worker then uses ordinal 0. ``grpc_*`` and ``http_*`` are
-    the addresses to bind.
+    the addresses to bind. ``tracing`` is the node's ``tracing:`` block.
     """
 
     name: str
@@ -636,6 +697,7 @@ class WorkerConfig:
     grpc_port: int
     http_host: str
     http_port: int
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     @property
     def grpc_address(self) -> str:

@@ -28,6 +28,7 @@ from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.frontend.statuses import rpc
 from xlaserve.manifest import TensorDecl
+from xlaserve.tracing import MAX_ATTRIBUTE, MAX_ERROR, RequestTrace, Tracing
 from xlaserve.worker.inference import ClientRequest
 from xlaserve.worker.messages import InferResult
 from xlaserve.worker.registry import ModelEntry, ModelState
@@ -84,12 +85,27 @@ def _request_timeout(request, stream) -> float | None:
     return min(timeouts) if timeouts else None
 
 
+def finish_trace(trace: RequestTrace, outcome, model: ModelVersion | None) -> None:
+    """End a request's root span with how it was answered (``outcome``: the response or the
+    XlaserveError); ``model``: the version that served it, once known."""
+    attributes: dict = {}
+    if model is not None:
+        attributes["xlaserve.model_version"] = model.version
+    if isinstance(outcome, XlaserveError):
+        attributes["rpc.grpc.status_code"] = outcome.status.value
+        trace.finish(f"{outcome.status.name}: {outcome}"[:MAX_ERROR], attributes)
+    else:
+        attributes["rpc.grpc.status_code"] = 0
+        trace.finish(None, attributes)
+
+
 class KServeService(GRPCInferenceServiceBase):
     """The KServe V2 service of one worker, reached through ``worker``; ``endpoints`` gives the
     admission limits. :attr:`admission` is public so that its counts can be exported as gauges."""
 
-    def __init__(self, worker: WorkerPort, endpoints: EndpointsConfig) -> None:
+    def __init__(self, worker: WorkerPort, endpoints: EndpointsConfig, tracing: Tracing | None = None) -> None:
         self._worker = worker
+        self._tracing = tracing         # None: tracing off (xlaserve.tracing)
         self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
         self._max_recv_bytes = endpoints.max_recv_msg_bytes
         self._shm_peers = endpoints.client_shm_peers
@@ -254,6 +270,10 @@ class KServeService(GRPCInferenceServiceBase):
         admitted = self.admission.admit()    # given back once, by finish, whatever happens
         model = wanted = None
         cancelled = False
+        trace = None if self._tracing is None else self._tracing.start(
+            "xlaserve.infer", stream.metadata, received_ns,
+            {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": request.model_name[:MAX_ATTRIBUTE],
+             "xlaserve.request_id": request.id[:MAX_ATTRIBUTE]})
 
         def cancel() -> None:
             nonlocal cancelled
@@ -282,6 +302,8 @@ class KServeService(GRPCInferenceServiceBase):
                 log.exception("model '%s': answering request '%s' failed", request.model_name, request.id)
                 outcome = InternalError(f"model '{request.model_name}': answering the request failed: "
                                         f"{type(exc).__name__}: {exc}")
+            if trace is not None:
+                finish_trace(trace, outcome, model)
             done(outcome)
 
         try:
@@ -307,9 +329,11 @@ class KServeService(GRPCInferenceServiceBase):
             if cancellable:
                 stream.on_cancel = cancel
             on_trio = worker.bridge.on_trio
+            if trace is not None:
+                trace.record("xlaserve.admission", received_ns, time.perf_counter_ns(), {"xlaserve.rows": decoded.rows})
             worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
                                         lambda outcome: on_trio(finish, outcome), received_ns,
-                                        stream if cancellable else None))
+                                        stream if cancellable else None, trace))
         except XlaserveError as exc:
             finish(exc)
         except Exception as exc:

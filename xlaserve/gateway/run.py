@@ -25,12 +25,14 @@ from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.admin import serve_admin
 from xlaserve.config.gateway import GatewayConfig
+from xlaserve.errors import StartupError
 from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.gateway.control import GatewayControlService, StatusBoard
 from xlaserve.gateway.placement import ModelLoad, Placement, WorkerBudget, place
 from xlaserve.gateway.router import ModelOnWorker, Router
 from xlaserve.gateway.service import GatewayService
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
+from xlaserve.tracing import open_tracing
 
 log = logging.getLogger("xlaserve.gateway")
 
@@ -73,7 +75,9 @@ class Gateway:
     """The gateway over ``workers``. :meth:`run` serves until cancelled (or :meth:`close`)."""
 
     def __init__(self, workers: list[WorkerAddress], config: GatewayConfig = GatewayConfig(), *,
-                 metrics_names: list[str] | None = None) -> None:
+                 metrics_names: list[str] | None = None, span_exporter=None) -> None:
+        """``span_exporter``: an OpenTelemetry SDK span exporter to use instead of the one
+        ``config.tracing`` names (when tracing is enabled)."""
         self.config = config
         #: config.metrics_endpoints' worker labels (the endpoint itself when not given)
         self._metrics_names = metrics_names or list(config.metrics_endpoints)
@@ -88,9 +92,14 @@ class Gateway:
         self._capacity_asked: set[str] = set()
         self._residency: dict[tuple[str, str], str] = {}     # (worker, model) -> as WatchStatus says
         self._refused: set[str] = set()                      # lpt_packing: workers that run fair
+        try:
+            self.tracing = open_tracing(config.tracing, "gateway", span_exporter=span_exporter)
+        except OSError as exc:
+            raise StartupError(f"tracing.file: cannot write spans to {config.tracing.file}: "
+                               f"{exc.strerror or exc}; give a writable file or another tracing.exporter") from None
         self.service = GatewayService(self.upstreams, self.router,
                                       max_per_worker=config.grpc.max_concurrent_requests_per_worker,
-                                      shm_peers=config.grpc.client_shm_peers)
+                                      shm_peers=config.grpc.client_shm_peers, tracing=self.tracing)
         #: each worker's latest status, as discovery receives it: the gateway's WorkerControl
         #: service streams it to dashboards (xlaserve top) without a subscription of its own
         self.board = StatusBoard()
@@ -161,6 +170,13 @@ class Gateway:
 
     async def run(self, grpc_host: str = "127.0.0.1", grpc_port: int = 0, http_host: str = "127.0.0.1",
                   http_port: int = 0, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(grpc_host, grpc_port, http_host, http_port, task_status)
+        finally:
+            if self.tracing is not None:
+                self.tracing.close()        # what is queued is exported before the gateway stops
+
+    async def _run(self, grpc_host: str, grpc_port: int, http_host: str, http_port: int, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for name in list(self.upstreams):

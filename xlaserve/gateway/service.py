@@ -27,6 +27,7 @@ workers (RESOURCE_EXHAUSTED beyond); each worker connection carries at most its
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 
@@ -38,6 +39,7 @@ from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
 from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
+from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
 
 log = logging.getLogger("xlaserve.gateway")
@@ -221,7 +223,7 @@ class GatewayService:
     ``max_per_worker`` x workers (0: uncapped)."""
 
     def __init__(self, upstreams: Mapping[str, Upstream], router: Router, *, max_per_worker: int = 0,
-                 shm_peers: tuple = LOOPBACK) -> None:
+                 shm_peers: tuple = LOOPBACK, tracing: Tracing | None = None) -> None:
         self.upstreams = upstreams          # shared with the gateway, which adds and removes workers
         self.router = router
         self.max_per_worker = max_per_worker
@@ -230,6 +232,8 @@ class GatewayService:
         self.in_flight = 0
         self.routed: dict[tuple[str, str], int] = {}        # (worker, model) -> requests routed
         self.errors: dict[str, int] = {}                    # cause -> requests failed at the gateway
+        #: each forward's span, its traceparent passed on to the worker; None: tracing off
+        self.tracing = tracing
 
     # ---- grpclib-shaped service ------------------------------------------------------------
     def __mapping__(self) -> dict[str, Handler]:
@@ -302,6 +306,10 @@ class GatewayService:
         self.router.started(worker, model)
 
         answered = False
+        metadata = _forwarded(call.metadata)
+        trace = None
+        if self.tracing is not None:
+            trace, metadata = _traced(self.tracing, call.metadata, metadata, model, worker)
 
         def done(outcome: Reply | UpstreamError) -> None:
             nonlocal answered
@@ -312,6 +320,8 @@ class GatewayService:
             answered = True
             self.in_flight -= 1
             self.router.finished(worker, model)
+            if trace is not None:
+                _finish_forward(trace, outcome)
             try:
                 if retries and isinstance(outcome, UpstreamError) and outcome.unprocessed \
                         and not getattr(call, "finished", False):
@@ -330,7 +340,7 @@ class GatewayService:
                                                    f"{type(exc).__name__}: {exc}")
             call.complete(reply)
         try:
-            handle = upstream.start(INFER, request.data, done, metadata=_forwarded(call.metadata),
+            handle = upstream.start(INFER, request.data, done, metadata=metadata,
                                     timeout=_time_left(call, upstream.request_timeout))
         except Exception as exc:
             log.exception("worker %s: forwarding a ModelInfer of model %s failed", worker, model)
@@ -583,6 +593,31 @@ def _forwarded(metadata) -> tuple[tuple[str, str], ...]:
         _FORWARDED.clear()
     _FORWARDED[id(metadata)] = (metadata, forwarded)
     return forwarded
+
+
+def _traced(tracing: Tracing, incoming, forwarded: tuple[tuple[str, str], ...], model: str,
+            worker: str) -> tuple[RequestTrace | None, tuple[tuple[str, str], ...]]:
+    """The span of one forward (None when it is not sampled) and the metadata the worker gets:
+    its ``traceparent`` names the forward's span, so the worker's spans are its children; an
+    unsampled request passes on a ``traceparent`` that says so, and the worker follows."""
+    trace = tracing.start("xlaserve.gateway.forward", incoming, time.perf_counter_ns(),
+                          {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": model[:MAX_ATTRIBUTE],
+                           "xlaserve.worker": worker}, kind=CLIENT)
+    traceparent = trace.traceparent() if trace is not None else tracing.unsampled_traceparent(incoming)
+    if traceparent is None:         # unsampled by the caller: its traceparent goes on unchanged
+        return None, forwarded
+    return trace, tuple(p for p in forwarded if p[0] != TRACEPARENT) + ((TRACEPARENT, traceparent),)
+
+
+def _finish_forward(trace: RequestTrace, outcome) -> None:
+    if isinstance(outcome, UpstreamError):
+        trace.finish(f"{outcome.status.name}: {outcome.message}"[:MAX_ERROR],
+                     {"rpc.grpc.status_code": outcome.status.value})
+    elif outcome.status != 0:
+        trace.finish(f"{status_named(outcome.status).name}: {outcome.message}"[:MAX_ERROR],
+                     {"rpc.grpc.status_code": outcome.status})
+    else:
+        trace.finish(None, {"rpc.grpc.status_code": 0})
 
 
 def _time_left(call, request_timeout: float) -> float | None:

@@ -181,6 +181,9 @@ class WeightCache:
         self._prefetch_copied: dict[Key, list] = {}   # key -> [outcome] once its copy thread is done
         self._pool = WeightPool(self._budget.bytes, collect=device.collect_garbage) if device.pools_weights else None
         self._current: Key | None = None
+        #: whether the last ensure_resident found the weights on the device (False: it copied
+        #: them; a request's trace says which)
+        self.last_hit = True
         self._queued: frozenset[Key] = frozenset()   # models with queued work (the scheduler says)
         self._loads_since_compaction = 0
         self._thrash = ThrashMonitor()
@@ -327,6 +330,7 @@ class WeightCache:
         """The model's weights as device arrays, in binding order. A cold model costs one
         batched host-to-device copy after evicting unpinned models in the policy's order."""
         if model.weights is None:
+            self.last_hit = True
             return ()
         key = (model.name, model.version)
         if key in self._released:
@@ -334,6 +338,7 @@ class WeightCache:
             if host is None:
                 raise Unavailable(f"model '{model.name}' version {model.version} was replaced or unloaded before "
                                   "this request ran and its weights are gone; retry")
+            self.last_hit = False
             return await trio.to_thread.run_sync(self._device.put_weights, host, limiter=self._limiter)
         if key not in self._book:
             reason = await self.admit(model)
@@ -367,6 +372,7 @@ class WeightCache:
             finally:
                 lock.release()
         self._current = key
+        self.last_hit = loaded is None
         self._book.touch(key)
         if self._trace is not None and key in self._book:
             self._trace.record(key[0], key[1], model.weight_bytes, self._book.floor(key).value,

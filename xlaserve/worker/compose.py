@@ -34,6 +34,7 @@ from xlaserve.runtime.cachetrace import TraceWriter
 from xlaserve.runtime.excache import ExecutableCache, open_executable_cache
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.weights import WeightCache, budget_for
+from xlaserve.tracing import Tracing, open_tracing
 from xlaserve.worker.inference import InferenceService
 from xlaserve.worker.lifecycle import Lifecycle, LifecycleMessage, LifecycleMetrics, LoadModel, UnloadModel
 from xlaserve.worker.registry import ModelTable
@@ -60,6 +61,7 @@ class Actors:
     http_port: int                                        #: the admin HTTP port bound
     started: float = 0.0                                  #: time.monotonic() when the worker started
     excache: ExecutableCache | None = None                #: the compiled-executable cache, if any
+    tracing: Tracing | None = None                        #: OpenTelemetry tracing; None: off
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,25 +177,39 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
                           prefetch=prefetch_for(config.runtime.weight_prefetch, device),
                           trace=open_weight_trace(config, budget.bytes))
     from xlaserve.worker.executor import Executor
-    scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics)
+    tracing = open_request_tracing(config)
+    scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics,
+                          tracing=tracing)
     to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
     to_lifecycle, lifecycle_inbox = trio.open_memory_channel(64)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(weights.run)
-        await nursery.start(scheduler.run, scheduler_inbox)
-        service = InferenceService(to_scheduler, nursery, table, stats, hook_failed=metrics.observe_hook_failure)
-        lifecycle_metrics = LifecycleMetrics(metrics.registry)
-        excache = await trio.to_thread.run_sync(
-            open_executable_cache, config.cache_dir, device,
-            lambda result: lifecycle_metrics.executable_cache.labels(result).inc())
-        lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights,
-                              excache.compile_module if excache else None, lifecycle_metrics)
-        http_port = await nursery.start(functools.partial(
-            serve_admin, config.http_host, config.http_port, _health(config, table, metrics),
-            listeners=admin_listeners))
-        await nursery.start(lifecycle.run, lifecycle_inbox)
-        task_status.started(Actors(config, device, table, stats, metrics, scheduler, service, weights,
-                                   to_lifecycle, nursery, http_port, started, excache))
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(weights.run)
+            await nursery.start(scheduler.run, scheduler_inbox)
+            service = InferenceService(to_scheduler, nursery, table, stats, hook_failed=metrics.observe_hook_failure)
+            lifecycle_metrics = LifecycleMetrics(metrics.registry)
+            excache = await trio.to_thread.run_sync(
+                open_executable_cache, config.cache_dir, device,
+                lambda result: lifecycle_metrics.executable_cache.labels(result).inc())
+            lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights,
+                                  excache.compile_module if excache else None, lifecycle_metrics)
+            http_port = await nursery.start(functools.partial(
+                serve_admin, config.http_host, config.http_port, _health(config, table, metrics),
+                listeners=admin_listeners))
+            await nursery.start(lifecycle.run, lifecycle_inbox)
+            task_status.started(Actors(config, device, table, stats, metrics, scheduler, service, weights,
+                                       to_lifecycle, nursery, http_port, started, excache, tracing))
+    finally:
+        if tracing is not None:
+            tracing.close()     # what is queued is exported before the worker exits
+
+
+def open_request_tracing(config: WorkerConfig) -> Tracing | None:
+    try:
+        return open_tracing(config.tracing, config.name)
+    except OSError as exc:
+        raise StartupError(f"tracing.file: cannot write spans to {config.tracing.file}: "
+                           f"{exc.strerror or exc}; give a writable file or another tracing.exporter") from None
 
 
 def _lookups(excache: ExecutableCache | None):
@@ -232,7 +248,7 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
     shared_memory = SharedMemoryRegistry() if endpoints.allow_client_shm else None
     port = worker_port(actors, Bridge(trio.lowlevel.current_trio_token()), draining=draining,
                        shared_memory=shared_memory)
-    kserve = KServeService(port, endpoints)
+    kserve = KServeService(port, endpoints, actors.tracing)
     admission = kserve.admission
     actors.metrics.held_request_bytes.set_function(lambda: admission.held_bytes)
     actors.metrics.requests_in_flight.set_function(lambda: admission.in_flight)

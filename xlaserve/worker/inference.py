@@ -45,6 +45,7 @@ from xlaserve.bundle import ModelVersion
 from xlaserve.errors import (Cancelled, DeadlineExceeded, InternalError, ModelNotFound, ModelNotReady, QueueFull,
                              Unavailable, XlaserveError, internal_message)
 from xlaserve.manifest import TensorDecl
+from xlaserve.tracing import RequestTrace
 from xlaserve.worker.messages import CancelRequest, InferRequest, InferResult, Outcome, Reply, SchedulerMessage
 from xlaserve.worker.registry import ModelState
 
@@ -78,6 +79,7 @@ class ClientRequest:
     reply: Reply
     received_ns: int
     ticket: object = None       # what InferenceService.cancel names it by (hashable); None: not cancellable
+    trace: RequestTrace | None = None   # its spans, when it is traced (xlaserve.tracing)
 
 
 class Stages:
@@ -284,7 +286,7 @@ class InferenceService:
         deadline = math.inf if request.timeout is None else trio.current_time() + request.timeout
         if not model.is_meta and (hooks is None or (hooks.preprocess is None and hooks.postprocess is None)):
             self._enqueue(model, request.inputs, request.rows, request.request_id, deadline, request.reply,
-                          request.received_ns, request.ticket)
+                          request.received_ns, request.ticket, request.trace)
             return
         answer = _Answer(request.reply)
         try:
@@ -295,7 +297,7 @@ class InferenceService:
                 self._enqueue(model, request.inputs, request.rows, request.request_id, deadline,
                               self._then_postprocess(request, deadline, answer,
                                                      self._stages(request.ticket, queued=True)),
-                              request.received_ns, request.ticket)
+                              request.received_ns, request.ticket, request.trace)
             else:
                 self._start(self._with_hooks, request, deadline, answer)
         except Exception as exc:        # a bug here fails this request only
@@ -376,6 +378,7 @@ class InferenceService:
                 def work() -> None:
                     if answer.done:         # the deadline answered while this waited for a thread
                         return
+                    started_ns = time.perf_counter_ns()
                     try:
                         done: Outcome = postprocessed(model, result, request.rows, self.hook_failed)
                     except XlaserveError as exc:
@@ -384,6 +387,8 @@ class InferenceService:
                         log.exception("model '%s': postprocess of request '%s' failed", model.name,
                                       request.request_id)
                         done = InternalError(internal_message(exc, f"model '{model.name}': postprocess"))
+                    if request.trace is not None:
+                        _record_hook(request.trace, "postprocess", started_ns, done)
                     answer(done)            # a ClientRequest's reply is thread-safe
                 self._hook_pool.submit(work)
             except Exception as exc:
@@ -399,9 +404,12 @@ class InferenceService:
         return self._expiry
 
     def _enqueue(self, model: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int, request_id: str,
-                 deadline: float, reply: Reply, received_ns: int, ticket: object = None) -> None:
+                 deadline: float, reply: Reply, received_ns: int, ticket: object = None,
+                 trace: RequestTrace | None = None) -> None:
+        if trace is not None:
+            trace.enqueued_ns = time.perf_counter_ns()
         request = InferRequest(model, inputs, rows, request_id, deadline, reply, received_ns, trio.current_time(),
-                               ticket)
+                               ticket, trace)
         try:
             self._scheduler.send_nowait(request)
         except trio.WouldBlock:
@@ -411,9 +419,10 @@ class InferenceService:
 
     async def execute(self, model: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int,
                       request_id: str, deadline: float = math.inf, received_ns: int | None = None,
-                      stages: Stages | None = None) -> Outcome:
+                      stages: Stages | None = None, trace: RequestTrace | None = None) -> Outcome:
         """Queue executable inputs with what is left until ``deadline`` and wait for their outcome.
-        With ``stages``, not queued once cancelled, and taken out of the queue if cancelled there."""
+        With ``stages``, not queued once cancelled, and taken out of the queue if cancelled there.
+        ``trace``: the span the scheduler's spans of this execution belong under."""
         if stages is not None and stages.cancelled:
             return _cancelled(model.name, request_id)
         if deadline <= trio.current_time():
@@ -426,7 +435,7 @@ class InferenceService:
             stages.queued.add(ticket)
         try:
             self._enqueue(model, inputs, rows, request_id, deadline, send.send_nowait,
-                          received_ns or time.perf_counter_ns(), ticket)
+                          received_ns or time.perf_counter_ns(), ticket, trace)
             async with receive:
                 return await receive.receive()
         finally:
@@ -465,27 +474,42 @@ class InferenceService:
         manifest = model.manifest
         inputs = request.inputs
         if hooks.preprocess is not None:
-            inputs = await self._in_hook_pool(
+            inputs = await self._hook_stage(
                 request, "preprocess", deadline, answer, call_hook, model, "preprocess", hooks.preprocess, inputs,
                 manifest.executable_inputs, request.rows, self.hook_failed)
             if inputs is _LATE:
                 return
         outcome = await self.execute(model, inputs, request.rows, request.request_id, deadline,
-                                     request.received_ns, stages)
+                                     request.received_ns, stages, request.trace)
         if isinstance(outcome, InferResult) and hooks.postprocess is not None:
             if stages.cancelled:
                 outcome = _cancelled(model.name, request.request_id)
             else:
-                outcome = await self._in_hook_pool(request, "postprocess", deadline, answer, postprocessed, model,
-                                                   outcome, request.rows, self.hook_failed)
+                outcome = await self._hook_stage(request, "postprocess", deadline, answer, postprocessed, model,
+                                                 outcome, request.rows, self.hook_failed)
                 if outcome is _LATE:
                     return
         answer(outcome)
 
+    async def _hook_stage(self, request: ClientRequest, hook: str, deadline: float, answer: _Answer, fn, *args):
+        """:meth:`_in_hook_pool`, recorded as the hook's span when the request is traced."""
+        trace = request.trace
+        if trace is None:
+            return await self._in_hook_pool(request, hook, deadline, answer, fn, *args)
+        started_ns = time.perf_counter_ns()
+        try:
+            result = await self._in_hook_pool(request, hook, deadline, answer, fn, *args)
+        except XlaserveError as exc:
+            _record_hook(trace, hook, started_ns, exc)
+            raise
+        _record_hook(trace, hook, started_ns, result)
+        return result
+
     # ---- meta models --------------------------------------------------------------------
     async def _meta(self, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
         model = request.model
-        ctx = MetaContext(self, model, request.request_id, deadline, trio.lowlevel.current_trio_token(), stages)
+        ctx = MetaContext(self, model, request.request_id, deadline, trio.lowlevel.current_trio_token(), stages,
+                          request.trace)
         tensors = [NamedTensor(name, array) for name, array in request.inputs.items()]
         started_ns = time.perf_counter_ns()
         outcome: Outcome | None = None
@@ -498,6 +522,9 @@ class InferenceService:
                        else InferResult(result, 0, 0, 0, time.perf_counter_ns() - started_ns, 0))
         if outcome is None:
             outcome = _late(model.name, request.request_id, "run")
+        if request.trace is not None:
+            request.trace.record("xlaserve.run", started_ns, time.perf_counter_ns(), None,
+                                 str(outcome) if isinstance(outcome, XlaserveError) else None)
         if stages.cancelled:
             outcome = _cancelled(model.name, request.request_id)
         if self._stats is not None:
@@ -530,6 +557,17 @@ def _late(model: str, request_id: str, hook: str) -> DeadlineExceeded:
     or waited for a thread of its pool)."""
     return DeadlineExceeded(f"model '{model}': request '{request_id}': the deadline passed before its {hook} hook "
                             "returned; what it returns is dropped")
+
+
+def _record_hook(trace: RequestTrace, hook: str, started_ns: int, result: Any) -> None:
+    """The span of one pre/postprocess hook, ended now; ``result`` tells whether it failed."""
+    if isinstance(result, XlaserveError):
+        error = str(result)
+    elif result is _LATE:
+        error = f"the deadline passed before the {hook} hook returned"
+    else:
+        error = None
+    trace.record(f"xlaserve.{hook}", started_ns, time.perf_counter_ns(), None, error)
 
 
 def _cancelled(model: str, request_id: str) -> Cancelled:
@@ -573,7 +611,8 @@ class MetaContext:
     """
 
     def __init__(self, service: InferenceService, model: ModelVersion, request_id: str, deadline: float,
-                 token: trio.lowlevel.TrioToken, stages: Stages | None = None) -> None:
+                 token: trio.lowlevel.TrioToken, stages: Stages | None = None,
+                 trace: RequestTrace | None = None) -> None:
         self.model = model.name
         self.request_id = request_id
         self._meta = model
@@ -583,6 +622,7 @@ class MetaContext:
         self._stages = stages or Stages()
         self._run_thread: int | None = None
         self._calls = itertools.count(1)
+        self._trace = trace
 
     def _run(self, tensors: list[NamedTensor]) -> dict[str, np.ndarray] | XlaserveError:
         """The meta request's whole body, in a meta-pool thread: its checked outputs, or the
@@ -606,6 +646,19 @@ class MetaContext:
             return exc
 
     def infer(self, model: str, tensors: Sequence[NamedTensor] | Mapping[str, Any]) -> dict[str, np.ndarray]:
+        if self._trace is None:
+            return self._infer(model, tensors, None)
+        call = self._trace.child("xlaserve.meta.call", {"xlaserve.model": model, "xlaserve.meta.model": self.model})
+        try:
+            outputs = self._infer(model, tensors, call)
+        except BaseException as exc:
+            call.finish(str(exc) or type(exc).__name__)
+            raise
+        call.finish()
+        return outputs
+
+    def _infer(self, model: str, tensors: Sequence[NamedTensor] | Mapping[str, Any],
+               call: RequestTrace | None) -> dict[str, np.ndarray]:
         where = f"model '{self.model}': run: ctx.infer('{model}')"
         failed = self._service.hook_failed
         if self._stages.cancelled:
@@ -624,15 +677,22 @@ class MetaContext:
             raise
         hooks = sub.hooks
         if hooks is not None and hooks.preprocess is not None:
+            started_ns = time.perf_counter_ns()
             try:
                 inputs = call_hook(sub, "preprocess", hooks.preprocess, inputs, manifest.executable_inputs, rows,
                                    failed)
             except InternalError as exc:
+                if call is not None:
+                    _record_hook(call, "preprocess", started_ns, exc)
                 raise SubCallError(f"{where}: {exc}", exc) from None
+            if call is not None:
+                _record_hook(call, "preprocess", started_ns, inputs)
         request_id = f"{self.request_id}/{model}#{next(self._calls)}"
+        if call is not None:
+            call.attributes["xlaserve.request_id"] = request_id
         try:
             outcome = trio.from_thread.run(self._service.execute, sub, inputs, rows, request_id, self._deadline,
-                                           None, self._stages, trio_token=self._token)
+                                           None, self._stages, call, trio_token=self._token)
         except trio.RunFinishedError:
             cause = Unavailable("the worker has stopped")
             raise SubCallError(f"{where}: {cause}", cause) from None
@@ -640,9 +700,14 @@ class MetaContext:
             raise SubCallError(f"{where}: {outcome}", outcome)
         outputs = outcome.outputs
         if hooks is not None and hooks.postprocess is not None:
+            started_ns = time.perf_counter_ns()
             try:
                 outputs = call_hook(sub, "postprocess", hooks.postprocess, outputs, manifest.client_outputs, rows,
                                     failed)
             except InternalError as exc:
+                if call is not None:
+                    _record_hook(call, "postprocess", started_ns, exc)
                 raise SubCallError(f"{where}: {exc}", exc) from None
+            if call is not None:
+                _record_hook(call, "postprocess", started_ns, outputs)
         return dict(outputs)

@@ -8,6 +8,7 @@ import numpy as np
 
 from xlaserve.bundle import ModelVersion
 from xlaserve.errors import XlaserveError
+from xlaserve.tracing import RequestTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class InferRequest:
     received_ns: int               # time.perf_counter_ns() when the frontend received it
     enqueued_at: float             # trio.current_time() when it was handed to the scheduler
     ticket: object = None          # what a CancelRequest names it by (hashable); None: not cancellable
+    trace: RequestTrace | None = None   # its spans, when it is traced (xlaserve.tracing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,7 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, executor: Executor, weights: WeightCache,
-                 stats: StatsBook, metrics=None, policy: Policy | None = None) -> None:
+                 stats: StatsBook, metrics=None, policy: Policy | None = None, tracing=None) -> None:
         self._config = config
         self._executor = executor
         self._weights = weights
@@ -118,6 +118,10 @@ class Scheduler:
         self._answers_ready = trio.Event()
         self._dispatch_done = False
         self._held: tuple[str, int] | None = None   # (model, rows that end the hold) while one is held
+        # Tracing on: each dispatch records its stages' times for the traced requests of the
+        # batch (xlaserve.tracing); off, a dispatch pays this one check.
+        self._tracing = tracing is not None
+        self._batches = itertools.count(1)
         #: Replies to one batch are made inside ``reply_batch()``; the worker sets the gRPC
         #: server's write_batch here so that they leave in one send per connection.
         self.reply_batch: Callable[[], AbstractContextManager] = nullcontext
@@ -510,8 +514,11 @@ class Scheduler:
                 log.exception("model %s: making its weights resident failed", model.name)
                 error = InternalError(f"model '{model.name}': making its weights resident failed: "
                                       f"{type(exc).__name__}: {exc}")
+            if self._tracing:
+                self._trace_batch(batch, size, started_ns, time.perf_counter_ns(), 0, str(error))
             self._reject_all(batch, WEIGHTS_UNAVAILABLE, error)
             return
+        weights_ns = time.perf_counter_ns() if self._tracing else 0
         try:
             # Prefetch hint: the cold model the policy expects to run next, else the model of
             # the oldest other queued request.
@@ -526,14 +533,19 @@ class Scheduler:
             finished = trio.current_time()
         except Exception as exc:  # an XLA runtime failure fails this batch only
             log.exception("model %s: execution at batch size %d failed", model.name, size)
-            self._reject_all(batch, EXECUTION_FAILED, InternalError(
-                f"model '{model.name}': execution at batch size {size} failed: {type(exc).__name__}: {exc}"))
+            error = InternalError(
+                f"model '{model.name}': execution at batch size {size} failed: {type(exc).__name__}: {exc}")
+            if self._tracing:
+                self._trace_batch(batch, size, started_ns, weights_ns, time.perf_counter_ns(), str(error))
+            self._reject_all(batch, EXECUTION_FAILED, error)
             return
         self._costs.observe(name, size, finished - started, finished)
         total_rows = sum(rows)
         self._stats.record_execution(name, size, total_rows, result.compute_input_ns,
                                      result.compute_infer_ns, result.compute_output_ns)
         done_ns = time.perf_counter_ns()
+        if self._tracing:
+            self._trace_batch(batch, size, started_ns, weights_ns, done_ns, None, result)
         now_ms = time.time_ns() // 1_000_000
         queue_ns = [max(0, started_ns - q.request.received_ns) for q in batch]
         if self._metrics is not None:
@@ -550,6 +562,40 @@ class Scheduler:
             self._answer_pending()
         else:
             self._answers_ready.set()
+
+    def _trace_batch(self, batch: list[Queued], size: int, started_ns: int, weights_ns: int, done_ns: int,
+                     error: str | None, result=None) -> None:
+        """Each traced request of ``batch`` gets its own queue, weights and execution spans
+        (``xlaserve.tracing``), the batch's attributes shared: the weight load between
+        ``started_ns`` and ``weights_ns`` (0: it failed at ``done_ns``), the execution up to
+        ``done_ns``. ``error``: why the batch failed."""
+        model = batch[0].request.model
+        batch_id = next(self._batches)
+        loaded = weights_ns != 0
+        hit = getattr(self._weights, "last_hit", None)
+        weights = {"xlaserve.weights.bytes": model.weight_bytes if model.weights is not None else 0,
+                   "xlaserve.batch.id": batch_id}
+        if loaded and hit is not None:
+            weights["xlaserve.weights.hit"] = hit
+            weights["xlaserve.weights.outcome"] = "hit" if hit else "miss"
+        execution = {"xlaserve.batch.id": batch_id, "xlaserve.batch.size": sum(q.request.rows for q in batch),
+                     "xlaserve.batch.requests": len(batch), "xlaserve.batch.compiled_size": size}
+        if result is not None:
+            execution["xlaserve.compute.input_ns"] = result.compute_input_ns
+            execution["xlaserve.compute.infer_ns"] = result.compute_infer_ns
+            execution["xlaserve.compute.output_ns"] = result.compute_output_ns
+        queued = {"xlaserve.model": model.name, "xlaserve.batch.id": batch_id}
+        # the attribute mappings are shared by the batch's spans: read-only from here on
+        for q in batch:
+            trace = q.request.trace
+            if trace is None:
+                continue
+            trace.record("xlaserve.queue", trace.enqueued_ns or started_ns, started_ns, queued)
+            if not loaded:
+                trace.record("xlaserve.weights", started_ns, done_ns, weights, error)
+                continue
+            trace.record("xlaserve.weights", started_ns, weights_ns, weights)
+            trace.record("xlaserve.execute", weights_ns, done_ns, execution, error)
 
     def _answer_pending(self) -> None:
         """Reply to every executed batch not yet answered. Replying encodes each response (the

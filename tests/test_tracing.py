@@ -1,0 +1,261 @@
+"""Tracing's pure parts without a server: W3C traceparent parsing, sampling, a request's spans
+through the export thread into the SDK's in-memory exporter, the JSON-lines exporter, and what
+happens when tracing is off or the SDK is missing."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import SpanKind, StatusCode
+
+from xlaserve.config import TracingConfig
+from xlaserve.tracing import (TraceParent, Tracing, format_traceparent, open_tracing, parse_traceparent,
+                              sampled)
+from xlaserve.tracing.export import SpanExport
+
+from tests.conftest import ROOT
+
+TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPAN = "00f067aa0ba902b7"
+GOOD = f"00-{TRACE}-{SPAN}-01"
+
+
+# ---- traceparent ----------------------------------------------------------------------------
+
+def test_a_valid_traceparent_is_read():
+    assert parse_traceparent({"traceparent": GOOD}) == TraceParent(int(TRACE, 16), int(SPAN, 16), True)
+    assert parse_traceparent({"traceparent": f"00-{TRACE}-{SPAN}-00"}).sampled is False
+    # any flags byte: only the sampled bit counts
+    assert parse_traceparent({"traceparent": f"00-{TRACE}-{SPAN}-03"}).sampled is True
+    assert parse_traceparent({"traceparent": f"00-{TRACE}-{SPAN}-02"}).sampled is False
+
+
+def test_bytes_values_and_surrounding_blanks_are_read():
+    # an HTTP/1.1 library such as h11 gives header values as bytes, with optional white space
+    assert parse_traceparent({"traceparent": GOOD.encode()}).trace_id == int(TRACE, 16)
+    assert parse_traceparent({"traceparent": f" \t{GOOD} "}).span_id == int(SPAN, 16)
+
+
+def test_a_later_version_may_carry_more_fields():
+    assert parse_traceparent({"traceparent": f"01-{TRACE}-{SPAN}-01-what-comes-next"}).sampled is True
+
+
+@pytest.mark.parametrize("value", [
+    "", "garbage", GOOD.upper(), f"ff-{TRACE}-{SPAN}-01", f"00-{'0' * 32}-{SPAN}-01", f"00-{TRACE}-{'0' * 16}-01",
+    f"00-{TRACE}-{SPAN}-01-extra", f"00-{TRACE[:-1]}-{SPAN}-01", f"00-{TRACE}-{SPAN[:-1]}-01", f"00-{TRACE}-{SPAN}-1",
+    f"0-{TRACE}-{SPAN}-01", f"00_{TRACE}_{SPAN}_01", f"00-{TRACE}-{SPAN}-zz", f"00-{TRACE}x-{SPAN}-01",
+    GOOD + "\n", "00-" + "g" * 32 + f"-{SPAN}-01", GOOD + "-" + "x" * 600, b"\xff\xfe", 42, None, ["00"],
+])
+def test_a_malformed_traceparent_is_ignored(value):
+    assert parse_traceparent({"traceparent": value}) is None
+
+
+def test_no_traceparent_is_none_and_other_headers_are_not_read():
+    assert parse_traceparent({}) is None
+    assert parse_traceparent({"tracestate": "a=b", "Traceparent": "x"}) is None
+
+
+def test_random_text_never_raises():
+    rng = random.Random(27)
+    alphabet = "0123456789abcdefABCDEF-xff \t\n\x00é"
+    for _ in range(3000):
+        n = rng.randrange(0, 70)
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        result = parse_traceparent({"traceparent": text})
+        assert result is None or (result.trace_id and result.span_id)
+
+
+def test_format_traceparent_round_trips():
+    parent = TraceParent(int(TRACE, 16), int(SPAN, 16), True)
+    assert parent.header() == GOOD
+    assert parse_traceparent({"traceparent": format_traceparent(5, 7, False)}) == TraceParent(5, 7, False)
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+def test_sampling_follows_the_callers_decision():
+    sampled_parent = TraceParent(1, 1, True)
+    unsampled_parent = TraceParent(1, 1, False)
+    assert sampled(1 << 100, sampled_parent, 0.0)
+    assert not sampled(1, unsampled_parent, 1.0)
+
+
+def test_sampling_without_a_parent_is_the_sdks_trace_id_ratio():
+    rng = random.Random(5)
+    ids = [rng.getrandbits(128) or 1 for _ in range(4000)]
+    for ratio in (0.0, 0.01, 0.25, 0.5, 1.0):
+        sdk = ParentBased(TraceIdRatioBased(ratio))
+        ours = [sampled(i, None, ratio) for i in ids]
+        theirs = [sdk.should_sample(None, i, "x").decision.is_sampled() for i in ids]
+        assert ours == theirs
+    assert not any(sampled(i, None, 0.0) for i in ids)
+    assert all(sampled(i, None, 1.0) for i in ids)
+    share = sum(sampled(i, None, 0.25) for i in ids) / len(ids)
+    assert 0.22 < share < 0.28
+
+
+def test_tracing_at_ratio_zero_traces_only_sampled_callers():
+    tracing = Tracing(0.0, _NoExport())
+    assert tracing.start("r", {}, 0) is None
+    assert tracing.start("r", {"traceparent": f"00-{TRACE}-{SPAN}-00"}, 0) is None
+    trace = tracing.start("r", {"traceparent": GOOD}, 0)
+    assert trace is not None and trace.trace_id == int(TRACE, 16) and trace.parent_id == int(SPAN, 16)
+
+
+def test_an_unsampled_caller_passes_on_a_traceparent_that_says_so():
+    tracing = Tracing(0.0, _NoExport())
+    assert tracing.unsampled_traceparent({"traceparent": GOOD}) is None    # the caller's goes on unchanged
+    made = parse_traceparent({"traceparent": tracing.unsampled_traceparent({})})
+    assert made is not None and made.sampled is False
+
+
+class _NoExport:
+    def wake(self, queued_spans: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# ---- spans into the SDK's in-memory exporter ------------------------------------------------
+
+def _export(memory: InMemorySpanExporter, max_queued_spans: int = 2048) -> tuple[Tracing, SpanExport]:
+    """Tracing into ``memory``, exported when the test flushes or closes (no export thread)."""
+    config = TracingConfig(enabled=True, service_name="svc", max_queued_spans=max_queued_spans)
+    export = SpanExport.from_config(config, "worker7", memory)
+    tracing = Tracing(1.0, export, max_queued_spans)
+    export.start(tracing, thread=False)
+    return tracing, export
+
+
+def test_a_request_trace_becomes_sdk_spans_with_its_parentage_and_times():
+    memory = InMemorySpanExporter()
+    tracing, _ = _export(memory)
+    before = time.time_ns()
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {"traceparent": GOOD}, t0, {"xlaserve.model": "m"})
+    trace.record("xlaserve.admission", t0, t0 + 1000, {"xlaserve.rows": 2})
+    call = trace.child("xlaserve.meta.call", {"xlaserve.model": "sub"})
+    call.record("xlaserve.execute", t0 + 2000, t0 + 5000, {"xlaserve.batch.compiled_size": 4})
+    call.finish("NOT_FOUND: no such model")
+    trace.finish(None, {"rpc.grpc.status_code": 0})
+    tracing.close()
+    after = time.time_ns()
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    assert set(spans) == {"xlaserve.infer", "xlaserve.admission", "xlaserve.meta.call", "xlaserve.execute"}
+    root = spans["xlaserve.infer"]
+    assert {s.context.trace_id for s in spans.values()} == {int(TRACE, 16)}
+    assert root.parent.span_id == int(SPAN, 16) and root.parent.is_remote
+    assert root.kind is SpanKind.SERVER
+    assert dict(root.attributes) == {"xlaserve.model": "m", "rpc.grpc.status_code": 0}
+    assert root.resource.attributes["service.name"] == "svc"
+    assert root.resource.attributes["service.instance.id"] == "worker7"
+    assert spans["xlaserve.admission"].parent.span_id == root.context.span_id
+    assert not spans["xlaserve.admission"].parent.is_remote
+    assert spans["xlaserve.meta.call"].parent.span_id == root.context.span_id
+    assert spans["xlaserve.execute"].parent.span_id == spans["xlaserve.meta.call"].context.span_id
+    assert spans["xlaserve.meta.call"].status.status_code is StatusCode.ERROR
+    assert spans["xlaserve.meta.call"].status.description == "NOT_FOUND: no such model"
+    assert root.status.status_code is StatusCode.UNSET
+    execute = spans["xlaserve.execute"]
+    assert execute.end_time - execute.start_time == 3000
+    assert before - 10**6 <= root.start_time <= execute.start_time < execute.end_time <= root.end_time <= after + 10**6
+    assert len({s.context.span_id for s in spans.values()}) == 4
+
+
+def test_traces_past_the_queue_limit_are_dropped_and_counted():
+    memory = InMemorySpanExporter()
+    tracing, export = _export(memory, max_queued_spans=3)
+    for _ in range(3):
+        trace = tracing.start("r", {}, time.perf_counter_ns())
+        trace.record("a", 0, 1)
+        trace.finish()          # two spans each: the second and third do not fit beside the first
+    assert tracing.dropped_spans == 4
+    export.flush()
+    assert len(memory.get_finished_spans()) == 2
+    trace = tracing.start("r", {}, time.perf_counter_ns())
+    trace.finish()              # the queue emptied: room again
+    tracing.close()
+    assert len(memory.get_finished_spans()) == 3
+
+
+def test_an_exporter_that_raises_loses_its_batch_only():
+    class Failing(InMemorySpanExporter):
+        def export(self, spans):
+            raise RuntimeError("collector down")
+    tracing, export = _export(Failing())
+    tracing.start("r", {}, time.perf_counter_ns()).finish()
+    export.flush()              # logged, not raised
+    tracing.start("r", {}, time.perf_counter_ns()).finish()
+    tracing.close()
+
+
+def test_the_json_lines_exporter_writes_one_object_a_span(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    config = TracingConfig(enabled=True, exporter="file", file=path, export_interval_seconds=60.0)
+    tracing = open_tracing(config, "gw")
+    trace = tracing.start("xlaserve.gateway.forward", {"traceparent": GOOD}, time.perf_counter_ns(),
+                          {"xlaserve.worker": "w0"}, kind=2)
+    trace.record("inner", trace.start_ns, trace.start_ns + 10, None, "boom")
+    trace.finish()
+    tracing.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    by_name = {line["name"]: line for line in lines}
+    assert set(by_name) == {"xlaserve.gateway.forward", "inner"}
+    forward = by_name["xlaserve.gateway.forward"]
+    assert forward["trace_id"] == TRACE and forward["parent_span_id"] == SPAN and forward["kind"] == "CLIENT"
+    assert forward["attributes"] == {"xlaserve.worker": "w0"} and forward["status"] == "OK"
+    assert forward["resource"]["service.instance.id"] == "gw"
+    inner = by_name["inner"]
+    assert inner["parent_span_id"] == forward["span_id"]
+    assert inner["status"] == "ERROR" and inner["status_message"] == "boom"
+    assert inner["end_time_ns"] - inner["start_time_ns"] == 10
+
+
+def test_an_unwritable_trace_file_is_an_os_error(tmp_path):
+    config = TracingConfig(enabled=True, exporter="file", file=tmp_path / "missing" / "spans.jsonl")
+    with pytest.raises(OSError):
+        open_tracing(config, "w")
+
+
+# ---- off, and without the SDK ---------------------------------------------------------------
+
+def test_tracing_off_is_none():
+    assert open_tracing(TracingConfig(), "w") is None
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_request_path_does_not_import_opentelemetry():
+    done = _python("import sys\n"
+                   "import xlaserve.worker.compose, xlaserve.gateway.run, xlaserve.cli\n"
+                   "from xlaserve.config import TracingConfig\n"
+                   "from xlaserve.tracing import open_tracing\n"
+                   "assert open_tracing(TracingConfig(), 'w') is None\n"
+                   "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_tracing_enabled_without_the_sdk_logs_one_error_and_serves_untraced():
+    # the interpreter is made to lack the SDK: importing opentelemetry fails as when the extra is absent
+    done = _python("import logging, sys\n"
+                   "sys.modules['opentelemetry'] = None\n"
+                   "logging.basicConfig(level=logging.INFO, format='%(levelname)s %(message)s')\n"
+                   "from xlaserve.config import TracingConfig\n"
+                   "from xlaserve.tracing import open_tracing\n"
+                   "print(open_tracing(TracingConfig(enabled=True), 'w'))\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None"
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+    assert len(errors) == 1
+    assert "tracing.enabled is true but the OpenTelemetry SDK is not installed" in errors[0]
+    assert "pip install 'xlaserve[otel]'" in errors[0]
