@@ -55,10 +55,13 @@ class Claimed:
     grpc: BoundAddress
     http: BoundAddress
     ssl_context: ssl.SSLContext | None = None
+    rest: BoundAddress | None = None     #: the REST port (``listen.rest``), when the worker serves one
 
     def close(self) -> None:
         self.grpc.close()
         self.http.close()
+        if self.rest is not None:
+            self.rest.close()
 
 
 def address_keys(config: WorkerConfig) -> tuple[str, str]:
@@ -95,12 +98,18 @@ def claim(config: WorkerConfig) -> Claimed:
         ssl_context = server_context(config.endpoints.tls)
     grpc_key, http_key = address_keys(config)
     grpc = bind(grpc_key, config.grpc_host, config.grpc_port)
+    bound = [grpc]
     try:
         http = bind(http_key, config.http_host, config.http_port)
+        bound.append(http)
+        rest = None
+        if config.rest_port is not None:
+            rest = bind("listen.rest", config.rest_host or "", config.rest_port)
     except BaseException:
-        grpc.close()
+        for address in bound:
+            address.close()
         raise
-    return Claimed(grpc, http, ssl_context)
+    return Claimed(grpc, http, ssl_context, rest)
 
 
 def bind(key: str, host: str, port: int) -> BoundAddress:
