@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from examples import reference
@@ -69,7 +70,8 @@ def server(tmp_path_factory):
     broken.mkdir()
     (broken / "manifest.yaml").write_text(BROKEN_META_MANIFEST)
     (broken / "model.py").write_text(BROKEN_META)
-    with serve(tmp_path_factory.mktemp("hooks_server"), repo) as running:
+    with serve(tmp_path_factory.mktemp("hooks_server"), repo,
+               listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as running:
         yield running
     assert running.process.returncode == 0, running.log()
 
@@ -211,3 +213,39 @@ def test_meta_failures_name_the_hook_or_keep_the_sub_call_status(server):
     r = c.infer("simple", [infer_input("INPUT0", np.ones((1, 16), np.int32), "INT32"),
                            infer_input("INPUT1", np.ones((1, 16), np.int32), "INT32")])
     assert (r.as_numpy("OUTPUT0") == 2).all()
+
+
+# ---- the same through REST (listen.rest): hooks, BYTES outputs and meta models unchanged ---------
+
+def test_rest_bytes_outputs_of_a_postprocess_hook_as_json_and_as_binary(server):
+    c = httpclient.InferenceServerClient(server.rest)
+    images = np.random.default_rng(7).integers(0, 256, (3, 224, 224), dtype=np.uint8)
+    grade, label = reference.severity_grader_ref(images)
+    t = httpclient.InferInput("INPUT__0", list(images.shape), "UINT8")
+    t.set_data_from_numpy(images)
+    for binary in (False, True):
+        r = c.infer("severity_grader", [t], outputs=[httpclient.InferRequestedOutput("grade", binary_data=binary),
+                                                     httpclient.InferRequestedOutput("label", binary_data=binary)])
+        np.testing.assert_array_equal(r.as_numpy("grade"), grade)
+        got = r.as_numpy("label")
+        assert [v if isinstance(v, bytes) else v.encode() for v in got.reshape(-1)] == label.reshape(-1).tolist()
+        assert ("data" in r.get_output("label")) == (not binary)
+
+
+def test_rest_meta_model_and_a_raising_hook(server):
+    c = httpclient.InferenceServerClient(server.rest)
+    image = next(im for im in reference.pipeline_images(12) if _reference_is_unambiguous(im))
+    t = httpclient.InferInput("image", list(image.shape), "UINT8")
+    t.set_data_from_numpy(image)
+    r = c.infer("detect_and_classify", [t])
+    want = reference.detect_and_classify_ref(image)
+    np.testing.assert_allclose(r.as_numpy("scores"), want["scores"], atol=1e-5)
+    np.testing.assert_array_equal(r.as_numpy("class_id"), want["class_id"])
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(np.ones((1, 16), np.int32))
+    inputs[1].set_data_from_numpy(np.full((1, 16), 101, np.int32), binary_data=False)
+    with pytest.raises(InferenceServerException) as info:
+        c.infer("flaky", inputs)
+    assert info.value.status() == "500"
+    assert info.value.message() == "model 'flaky': postprocess hook raised ValueError: marker -100 asks me to fail"
+    assert c.is_model_ready("flaky")
