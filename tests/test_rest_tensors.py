@@ -137,3 +137,12 @@ def test_mapping_json_writes_64_bit_integers_as_numbers_and_zeros_too():
     assert doc["model_stats"][0]["inference_count"] == 2 ** 40
     assert doc["model_stats"][0]["execution_count"] == 0
     assert doc["model_stats"][0]["inference_stats"]["success"] == {"count": 3, "ns": 0}
+
+
+def test_non_finite_float_outputs_are_written_as_nan_and_infinity_not_null():
+    wanted = infer_request(b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}', None, "m", "")
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    response.outputs.add(name="y", datatype="FP32", shape=[3])
+    response.raw_output_contents.append(np.array([np.nan, np.inf, 1.5], np.float32).tobytes())
+    body, _ = infer_response(response, wanted)
+    assert b'"data":[NaN,Infinity,1.5]' in body

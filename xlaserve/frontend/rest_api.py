@@ -12,12 +12,12 @@ with (:data:`HTTP_STATUS`), the message in ``{"error": "..."}``.
 """
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Mapping
 from urllib.parse import unquote
 
+import orjson
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
@@ -92,7 +92,7 @@ class _Exchange:
 
 
 def _json(doc: object, status: int = 200) -> HttpResponse:
-    return HttpResponse(status, json.dumps(doc, separators=(",", ":")).encode())
+    return HttpResponse(status, orjson.dumps(doc))
 
 
 class RestApi:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.codec import deserialize_bytes, serialize_bytes
@@ -44,8 +45,8 @@ class RestInfer:
 
 def parse_json(data: bytes | memoryview, what: str) -> object:
     try:
-        return json.loads(bytes(data))
-    except (ValueError, UnicodeDecodeError) as exc:
+        return orjson.loads(data)
+    except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"{what} is not valid JSON: {exc}") from None
 
 
@@ -152,10 +153,16 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: object) 
             exact = np.array(data, dtype=object).reshape(-1)
             if all(type(v) is int for v in exact):
                 values, kind = exact, "I"       # exact Python integers, checked below
+        info = np.iinfo(dtype.numpy)
+        if kind == "f" and np.all(np.isfinite(values)) and np.all(values == np.floor(values)) and (
+                int(values.min()) < info.min or int(values.max()) > info.max):
+            kind = "out"        # integers past 64 bits, which the JSON parser reads as floats
         if kind not in "iuI":
             got = "non-integer numbers" if kind == "f" else "booleans" if kind == "b" else "non-numbers"
+            if kind == "out":
+                raise InvalidArgument(f"input '{name}': a value in 'data' does not fit {datatype} "
+                                      f"[{info.min}, {info.max}]")
             raise InvalidArgument(f"input '{name}': {datatype} 'data' holds integers, got {got}")
-        info = np.iinfo(dtype.numpy)
         if int(values.min()) < info.min or int(values.max()) > info.max:
             raise InvalidArgument(f"input '{name}': a value in 'data' does not fit {datatype} "
                                   f"[{info.min}, {info.max}]")
@@ -263,7 +270,14 @@ def _json_values(name: str, datatype: str, shape: list[int], raw: bytes) -> list
     array = np.frombuffer(raw, dtype=dtype, count=count)
     if datatype in ("FP16", "BF16"):
         array = array.astype(np.float32)
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise _NonFinite
     return array.tolist()
+
+
+class _NonFinite(Exception):
+    """A float output holds NaN or an infinity: orjson would write null, so the standard library
+    writes the response (as NaN, Infinity: what Python's and rapidjson's parsers read)."""
 
 
 def infer_response(response: pb.ModelInferResponse, wanted: RestInfer) -> tuple[bytes, int | None]:
@@ -276,6 +290,7 @@ def infer_response(response: pb.ModelInferResponse, wanted: RestInfer) -> tuple[
         doc["parameters"] = parameters_json(response.parameters)
     outputs = []
     blobs = []
+    nonfinite = False
     raw = response.raw_output_contents
     for i, tensor in enumerate(response.outputs):
         shape = list(tensor.shape)
@@ -290,10 +305,16 @@ def infer_response(response: pb.ModelInferResponse, wanted: RestInfer) -> tuple[
         else:
             if params:
                 out["parameters"] = params
-            out["data"] = _json_values(tensor.name, tensor.datatype, shape, raw[i] if i < len(raw) else b"")
+            data = raw[i] if i < len(raw) else b""
+            try:
+                out["data"] = _json_values(tensor.name, tensor.datatype, shape, data)
+            except _NonFinite:
+                nonfinite = True
+                array = np.frombuffer(data, dtype=BY_KSERVE[tensor.datatype].numpy)
+                out["data"] = array.astype(np.float64).tolist()
         outputs.append(out)
     doc["outputs"] = outputs
-    header = json.dumps(doc, separators=(",", ":")).encode()
+    header = json.dumps(doc, separators=(",", ":")).encode() if nonfinite else orjson.dumps(doc)
     if not blobs:
         return header, None
     return b"".join((header, *blobs)), len(header)
@@ -307,10 +328,6 @@ def _json_only(wanted: RestInfer) -> frozenset[str]:
         if out.name not in wanted.binary:
             names.add(out.name)
     return frozenset(names)
-
-
-def error_body(message: str) -> bytes:
-    return json.dumps({"error": message}).encode()
 
 
 def mapping_json(message) -> dict:
