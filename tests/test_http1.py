@@ -13,6 +13,7 @@ import trio.testing
 from xlaserve.frontend.http1 import Http1Server, HttpLimits, HttpRequest, HttpResponse
 
 LIMITS = HttpLimits(max_header_bytes=2048, max_headers=20, max_body_bytes=1000, max_inflate_bytes=4000,
+                    max_total_body_bytes=1500,
                     header_timeout=10.0, body_timeout=30.0, idle_timeout=60.0, write_timeout=5.0,
                     max_connections=4, keys={"max_body_bytes": "endpoints.max_recv_msg_bytes"})
 GET = b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n"
@@ -279,4 +280,25 @@ def test_close_ends_idle_connections_at_once():
         server.close()
         assert await read_all(client) == b""
         assert trio.current_time() == 0.0
+    run(test)
+
+
+def test_bodies_held_by_all_connections_are_bounded_and_given_back_once_answered():
+    async def test(server, connect):
+        slow = connect()                    # holds 900 bytes, its body unfinished
+        await slow.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n" + b"a" * 900)
+        await trio.sleep(1)
+        assert server.bodies.used == 900
+        greedy = connect()                  # 700 more would make 1600 > 1500: 503, closed
+        await greedy.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 700\r\n\r\n" + b"b" * 700)
+        reply = await read_all(greedy)
+        assert status_of(reply) == 503 and b"1500" in reply and b"retry later" in reply
+        assert server.bodies.used == 900
+        await slow.send_all(b"a" * 100)     # the first finishes and is answered; its bytes come back
+        status, _, body = await read_response(slow)
+        assert status == 200 and json.loads(body)["body"] == 1000
+        assert server.bodies.used == 0
+        again = connect()
+        await again.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 700\r\n\r\n" + b"b" * 700)
+        assert (await read_response(again))[0] == 200
     run(test)

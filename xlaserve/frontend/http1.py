@@ -12,7 +12,8 @@ offender is answered with the status that names it (when it can still read one) 
 
 - header bytes (``max_header_bytes``, 431) and header count (``max_headers``, 431);
 - the body (``max_body_bytes``, 413 before a byte of it is read when ``Content-Length`` says
-  so, else as soon as a chunked body crosses it), and what a compressed body may inflate to
+  so, else as soon as a chunked body crosses it), the bodies all connections hold until they are
+  answered (``max_total_body_bytes``, 503), and what a compressed body may inflate to
   (``max_inflate_bytes``, 413, with a budget over all connections, ``max_total_inflate_bytes``);
 - slow headers (``header_timeout``: a request's head must arrive within it, counted from its
   first byte or from the connection's start; 408) and slow bodies (``body_timeout``: the whole
@@ -59,6 +60,7 @@ class HttpLimits:
     max_body_bytes: int = 256 * 1024 * 1024
     max_inflate_bytes: int = 16 * 1024 * 1024
     max_total_inflate_bytes: int = 256 * 1024 * 1024
+    max_total_body_bytes: int = 2048 * 1024 * 1024
     header_timeout: float = 10.0
     body_timeout: float = 60.0
     idle_timeout: float = 60.0
@@ -117,6 +119,30 @@ class _InflateBudget:
         self.used = 0
 
 
+class _Held:
+    """The request body bytes one connection holds, counted in the server's total from the
+    first byte until the request is answered; :meth:`release` gives them back."""
+
+    __slots__ = ("budget", "bytes", "limits")
+
+    def __init__(self, budget: _InflateBudget, limits: HttpLimits) -> None:
+        self.budget = budget
+        self.limits = limits
+        self.bytes = 0
+
+    def take(self, n: int) -> None:
+        budget = self.budget
+        if budget.used + n > budget.limit:
+            raise _Refusal(503, f"the connections hold {budget.used} bytes of request bodies not yet answered, the "
+                                f"limit ({self.limits.key('max_total_body_bytes')}) is {budget.limit}; retry later")
+        budget.used += n
+        self.bytes += n
+
+    def release(self) -> None:
+        self.budget.used -= self.bytes
+        self.bytes = 0
+
+
 class Http1Server:
     """Serves ``handler`` over HTTP/1.1 on the listeners given to :meth:`serve`; ``what`` names
     the port in log lines (``REST``)."""
@@ -128,6 +154,8 @@ class Http1Server:
         self.port = 0
         self.connections = 0
         self._inflated = _InflateBudget(limits.max_total_inflate_bytes)
+        #: request body bytes held over all connections (received and not yet answered)
+        self.bodies = _InflateBudget(limits.max_total_body_bytes)
         self._inflate_threads = trio.CapacityLimiter(2)
         self._faults = LineLimiter(log)
         self._refusals = LineLimiter(log, 60.0)
@@ -201,17 +229,21 @@ class Http1Server:
         limits = self.limits
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         first = True
+        held = _Held(self.bodies, limits)
         while not self._closing:
             try:
-                request = await self._read_request(conn, stream, peer, first)
-            except _Quiet:
-                return
-            except _Refusal as refusal:
-                await self._refuse(conn, stream, refusal)
-                return
-            first = False
-            response = await self._answer(request)
-            await self._respond(conn, stream, request, response)
+                try:
+                    request = await self._read_request(conn, stream, peer, first, held)
+                except _Quiet:
+                    return
+                except _Refusal as refusal:
+                    await self._refuse(conn, stream, refusal)
+                    return
+                first = False
+                response = await self._answer(request)
+                await self._respond(conn, stream, request, response)
+            finally:
+                held.release()
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return
             try:
@@ -219,7 +251,7 @@ class Http1Server:
             except h11.LocalProtocolError:
                 return
 
-    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool) -> HttpRequest:
+    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, held: _Held) -> HttpRequest:
         limits = self.limits
         now = trio.current_time()
         # a new connection must send its first head within header_timeout; a kept-alive one may
@@ -278,13 +310,14 @@ class Http1Server:
                                 f"is {limits.max_body_bytes}; send large tensors through shared memory")
         target = event.target.decode("latin-1")
         path, _, query = target.partition("?")
-        body = await self._read_body(conn, stream)
+        body = await self._read_body(conn, stream, held)
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("identity", ""):
             body = await self._inflate(body, encoding)
+            held.take(len(body))            # the inflated body is held too, until answered
         return HttpRequest(event.method.decode("latin-1"), path, query, headers, body, peer)
 
-    async def _read_body(self, conn: h11.Connection, stream) -> bytes:
+    async def _read_body(self, conn: h11.Connection, stream, held: _Held) -> bytes:
         limits = self.limits
         parts: list[bytes] = []
         size = 0
@@ -311,6 +344,7 @@ class Http1Server:
                 if size > limits.max_body_bytes:
                     raise _Refusal(413, f"the request body is more than {limits.max_body_bytes} bytes, the limit "
                                         f"({limits.key('max_body_bytes')}); send large tensors through shared memory")
+                held.take(len(event.data))
                 parts.append(event.data)
                 continue
             if isinstance(event, h11.EndOfMessage):
