@@ -3,6 +3,11 @@ several concurrencies, through the gRPC port (``xlaserve bench``'s load generato
 gRPC aio client) and through the REST port with Triton's binary tensor data and with JSON.
 
     python -m benchmarks.rest_bench [--duration 5] [--warmup 1] [--concurrency 1,8,32] [--rounds 1]
+    python -m benchmarks.rest_bench --idle 1000
+
+``--idle N`` measures instead what N slowloris connections cost: each sends half a request head
+and stops; the script prints the server's RSS before and with them open, the latency of a normal
+request meanwhile, and how many the server has closed after its header timeout.
 
 The REST clients are a closed loop of raw HTTP/1.1 keep-alive connections (asyncio streams) that
 send pre-built bodies and read each response whole, so the client costs little next to the
@@ -125,18 +130,63 @@ def grpc_level(url: str, conc: int, duration: float, warmup: float) -> dict:
             "errors": sum(row["errors"].values()), "answered": result.answered}
 
 
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def idle_connections(rest_port: int, pid: int, n: int) -> dict:
+    import socket
+    before = _rss_kib(pid)
+    held = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", rest_port))
+        s.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nhost: x\r\ncontent-le")
+        held.append(s)
+    time.sleep(2)
+    during = _rss_kib(pid)
+    x = np.zeros((1, 512), np.float32)
+    body, headers = rest_body("rest-binary", x)
+    import http.client
+    c = http.client.HTTPConnection("127.0.0.1", rest_port, timeout=30)
+    start = time.perf_counter()
+    c.request("POST", "/v2/models/mlp/infer", body=body, headers=headers)
+    status = c.getresponse().status
+    served_ms = (time.perf_counter() - start) * 1e3
+    c.close()
+    time.sleep(11)          # past the default rest_header_timeout_seconds (10)
+    closed = 0
+    for s in held:
+        s.settimeout(0.5)
+        try:
+            reply = s.recv(100)
+            closed += reply.startswith(b"HTTP/1.1 408") or reply == b""
+        except OSError:
+            pass
+        s.close()
+    return {"idle_connections": n, "rss_before_kib": before, "rss_with_them_kib": during,
+            "kib_per_connection": round((during - before) / n, 1), "other_request_status": status,
+            "other_request_ms": round(served_ms, 2), "closed_by_header_timeout": closed}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--idle", type=int, default=0, help="measure N slowloris connections instead")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
         export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
         with server(repo) as (url, rest_port, pid):
+            if args.idle:
+                print(json.dumps(idle_connections(rest_port, pid, args.idle)), flush=True)
+                return
             for rnd in range(args.rounds):
                 for conc in levels:
                     order = MODES if rnd % 2 == 0 else tuple(reversed(MODES))
