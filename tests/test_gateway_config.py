@@ -441,6 +441,9 @@ def test_embedded_gateway_serves_the_nodes_rest_address_and_checks_its_port():
     config = embedded_gateway_config(node({"gpus": 2, "listen": {"rest": "127.0.0.1:8000"}}))
     assert config.listen.rest == "127.0.0.1:8000"
     assert embedded_gateway_config(node({"gpus": 2})).listen.rest is None
+    standalone = parse_gateway_config({"listen": {"rest": "0.0.0.0:8000"}, "endpoints": ["10.0.0.1:8001"]})
+    assert standalone.listen.rest == "0.0.0.0:8000"
+    assert parse_gateway_config({"endpoints": ["10.0.0.1:8001"]}).listen.rest is None
     with pytest.raises(ConfigError) as caught:
         embedded_gateway_config(node({"gpus": 2, "gateway": {"listen": {"rest": "0.0.0.0:9001"}}}))
     assert str(caught.value) == ("gateway.listen.rest: port 9001 for the gateway's rest is "
