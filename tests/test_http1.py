@@ -24,6 +24,8 @@ async def echo(request: HttpRequest) -> HttpResponse:
         raise ValueError("a bug in the handler")
     if request.path == "/big":
         return HttpResponse(200, b"x" * 5000, "text/plain")
+    if request.path == "/huge":
+        return HttpResponse(200, bytes(range(256)) * 1000, "application/octet-stream")
     return HttpResponse(200, json.dumps({"method": request.method, "path": request.path,
                                          "body": len(request.body)}).encode())
 
@@ -224,6 +226,17 @@ def test_one_connection_past_max_connections_is_answered_503_and_the_others_go_o
         assert trio.current_time() == 1.0
         await held[0].send_all(GET)
         assert (await read_response(held[0]))[0] == 200
+    run(test)
+
+
+def test_a_large_response_arrives_whole_and_the_connection_goes_on():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /huge HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = await read_response(client)
+        assert status == 200 and body == bytes(range(256)) * 1000 and headers["content-length"] == "256000"
+        await client.send_all(GET)
+        assert (await read_response(client))[0] == 200
     run(test)
 
 

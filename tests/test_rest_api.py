@@ -103,3 +103,12 @@ def test_restricted_groups_need_their_header_over_rest_too():
     assert call(api, "POST", "/v2/repository/models/m/unload", headers={"x-admin": "s3cret"}).status == 200
     assert call(api, "GET", "/v2/models/m").status == 200            # metadata is not restricted
     assert [name for name, _, _ in fake.seen] == ["RepositoryModelUnload", "ModelMetadata"]
+
+
+def test_a_response_past_the_send_limit_is_429_naming_the_key():
+    api = RestApi(Fake(), max_send_bytes=100)
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [64], "data": [1] * 64}],
+                       "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]}).encode()
+    response = call(api, "POST", "/v2/models/m/infer", body)
+    assert response.status == 429
+    assert "endpoints.max_send_msg_bytes) is 100" in json.loads(response.body)["error"]

@@ -111,8 +111,8 @@ def error_json(message: str) -> bytes:
     return json.dumps({"error": message}).encode()
 
 
-class _InflateBudget:
-    """Inflated request bytes held over all connections at once."""
+class _Budget:
+    """Bytes held over all connections at once (inflated bodies; received bodies)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -125,7 +125,7 @@ class _Held:
 
     __slots__ = ("budget", "bytes", "limits")
 
-    def __init__(self, budget: _InflateBudget, limits: HttpLimits) -> None:
+    def __init__(self, budget: _Budget, limits: HttpLimits) -> None:
         self.budget = budget
         self.limits = limits
         self.bytes = 0
@@ -153,9 +153,9 @@ class Http1Server:
         self.what = what
         self.port = 0
         self.connections = 0
-        self._inflated = _InflateBudget(limits.max_total_inflate_bytes)
+        self._inflated = _Budget(limits.max_total_inflate_bytes)
         #: request body bytes held over all connections (received and not yet answered)
-        self.bodies = _InflateBudget(limits.max_total_body_bytes)
+        self.bodies = _Budget(limits.max_total_body_bytes)
         self._inflate_threads = trio.CapacityLimiter(2)
         self._faults = LineLimiter(log)
         self._refusals = LineLimiter(log, 60.0)
@@ -164,7 +164,6 @@ class Http1Server:
         self._idle: set[trio.CancelScope] = set()
         self._accepting: trio.CancelScope | None = None
         self._all_closed = trio.Event()
-        self._none_left = trio.Event()
 
     # ---- life ---------------------------------------------------------------------------------
     async def serve(self, listeners: list[trio.SocketListener], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -401,11 +400,16 @@ class Http1Server:
         headers.append((b"content-length", str(len(body)).encode()))
         if self._closing:
             headers.append((b"connection", b"close"))
-        data = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
-        if request.method != "HEAD" and body:
-            data += conn.send(h11.Data(data=body))
-        data += conn.send(h11.EndOfMessage())
-        await self._send(stream, data)
+        head = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+        framed = conn.send(h11.Data(data=body)) if request.method != "HEAD" and body else b""
+        end = conn.send(h11.EndOfMessage())
+        if len(framed) > RECEIVE_BYTES:     # a large body goes out as it is, not copied behind its head
+            await self._send(stream, head)
+            await self._send(stream, framed)
+            if end:
+                await self._send(stream, end)
+        else:
+            await self._send(stream, b"".join((head, framed, end)))
 
     async def _compress(self, body: bytes, encoding: str) -> bytes:
         if len(body) > INFLATE_INLINE:

@@ -99,8 +99,11 @@ class RestApi:
     """The REST routes over ``service`` (a grpclib-shaped KServe service), with ``access``
     (``endpoints.restricted``) applied per route."""
 
-    def __init__(self, service, access: AccessPolicy = AccessPolicy()) -> None:
+    def __init__(self, service, access: AccessPolicy = AccessPolicy(), *, max_send_bytes: int | None = None,
+                 send_limit_key: str = "endpoints.max_send_msg_bytes") -> None:
         self._handlers = service.__mapping__()
+        self._max_send = max_send_bytes
+        self._send_key = send_limit_key
         self._rules = access.for_methods(p for p in self._handlers if p.startswith(SERVICE))
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
@@ -223,6 +226,10 @@ class RestApi:
         wanted = infer_request(request.body, header_length, model, version)
         reply = await self._call("ModelInfer", wanted.request, request, pb.ModelInferResponse)
         body, json_length = infer_response(reply, wanted)
+        if self._max_send is not None and len(body) > self._max_send:
+            raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the response is {len(body)} bytes, the limit "
+                                                       f"({self._send_key}) is {self._max_send}; ask for the outputs "
+                                                       "in shared memory or raise the limit")
         if json_length is None:
             return HttpResponse(200, body)
         return HttpResponse(200, body, "application/octet-stream",

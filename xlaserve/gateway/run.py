@@ -182,7 +182,9 @@ class Gateway:
             rest_line = ""
             if rest is not None:
                 listeners = await trio.open_tcp_listeners(rest[1], host=rest[0] or None)
-                self.rest = Http1Server(RestApi(self.service), _rest_limits(self.config), what="REST")
+                self.rest = Http1Server(RestApi(self.service, max_send_bytes=self.config.grpc.max_send_msg_bytes,
+                                                send_limit_key="gateway.grpc.max_send_msg_bytes"),
+                                        _rest_limits(self.config), what="REST")
                 self.rest_port = await nursery.start(self.rest.serve, listeners)
                 rest_line = f", KServe V2 REST on {rest[0]}:{self.rest_port}"
             log.info("gateway: KServe V2 gRPC on %s:%d%s, HTTP on %s:%d, %d worker(s), routing %s", grpc_host,

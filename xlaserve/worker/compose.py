@@ -279,8 +279,9 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> Frontend:
     actors.scheduler.reply_batch = server.write_batch
     rest = None
     if config.rest_port is not None:
-        rest = Http1Server(RestApi(kserve, AccessPolicy.from_config(endpoints.restricted)), rest_limits(endpoints),
-                           what="REST")
+        rest = Http1Server(RestApi(kserve, AccessPolicy.from_config(endpoints.restricted),
+                                   max_send_bytes=endpoints.max_send_msg_bytes),
+                           rest_limits(endpoints), what="REST")
     return Frontend(server, rest)
 
 
