@@ -112,3 +112,12 @@ def test_a_response_past_the_send_limit_is_429_naming_the_key():
     response = call(api, "POST", "/v2/models/m/infer", body)
     assert response.status == 429
     assert "endpoints.max_send_msg_bytes) is 100" in json.loads(response.body)["error"]
+
+
+def test_a_load_with_a_configuration_override_is_refused_not_ignored():
+    fake = Fake()
+    api = RestApi(fake)
+    refused = call(api, "POST", "/v2/repository/models/m/load", b'{"parameters": {"config": "{\\"max_batch_size\\": 16}"}}')
+    assert refused.status == 400 and "does not override a model's configuration" in json.loads(refused.body)["error"]
+    assert call(api, "POST", "/v2/repository/models/m/load", b"").status == 200
+    assert [name for name, _, _ in fake.seen] == ["RepositoryModelLoad"]

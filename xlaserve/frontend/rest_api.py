@@ -204,7 +204,14 @@ class RestApi:
                                          ("reason", m.reason)) if v} for m in reply.models])
 
     async def _load(self, request, model):
-        loads_object(request.body, "the load request")
+        doc = loads_object(request.body, "the load request")
+        parameters = doc.get("parameters") or {}
+        overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:")) \
+            if isinstance(parameters, dict) else []
+        if overrides:
+            raise InvalidArgument(f"cannot load '{model}' with {', '.join(repr(k) for k in overrides)}: xlaserve does "
+                                  "not override a model's configuration at load time (its bundle's manifest and "
+                                  "compiled batch sizes fix it); load it without them")
         await self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model), request,
                          pb.RepositoryModelLoadResponse)
         return HttpResponse(200)
