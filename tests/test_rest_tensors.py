@@ -146,3 +146,13 @@ def test_non_finite_float_outputs_are_written_as_nan_and_infinity_not_null():
     response.raw_output_contents.append(np.array([np.nan, np.inf, 1.5], np.float32).tobytes())
     body, _ = infer_response(response, wanted)
     assert b'"data":[NaN,Infinity,1.5]' in body
+
+
+def test_absurdly_nested_data_is_a_400_not_a_crash():
+    deep = "[" * 1010 + '"a"' + "]" * 1010      # within orjson's depth, past Python's recursion limit
+    body = ('{"inputs":[{"name":"x","datatype":"BYTES","shape":[1],"data":' + deep + "}]}").encode()
+    with pytest.raises(InvalidArgument, match="nested more deeply"):
+        infer_request(body, None, "m", "")
+    body = ('{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":' + deep.replace('"a"', "1") + "}]}").encode()
+    with pytest.raises(InvalidArgument, match="input 'x'"):
+        infer_request(body, None, "m", "")

@@ -123,7 +123,10 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: object) 
     what = f"{datatype}[{','.join(map(str, shape))}]"
     if datatype == "BYTES":
         strings: list[bytes] = []
-        _flatten_strings(data, name, strings)
+        try:
+            _flatten_strings(data, name, strings)
+        except RecursionError:
+            raise InvalidArgument(f"input '{name}': 'data' is nested more deeply than any shape") from None
         if len(strings) != count:
             raise InvalidArgument(f"input '{name}': 'data' has {len(strings)} elements, {what} needs {count}")
         array = np.empty(count, dtype=object)
