@@ -19,7 +19,16 @@ LIMITS = HttpLimits(max_header_bytes=2048, max_headers=20, max_body_bytes=1000, 
 GET = b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
+CANCELLED: list[str] = []
+
+
 async def echo(request: HttpRequest) -> HttpResponse:
+    if request.path == "/wait":
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            CANCELLED.append(request.path)
+            raise
     if request.path == "/boom":
         raise ValueError("a bug in the handler")
     if request.path == "/big":
@@ -237,6 +246,24 @@ def test_a_large_response_arrives_whole_and_the_connection_goes_on():
         assert status == 200 and body == bytes(range(256)) * 1000 and headers["content-length"] == "256000"
         await client.send_all(GET)
         assert (await read_response(client))[0] == 200
+    run(test)
+
+
+def test_a_peer_that_leaves_before_its_answer_cancels_the_handler():
+    CANCELLED.clear()
+
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+        await trio.sleep(1)
+        await client.send_eof()
+        assert await read_all(client) == b""
+        assert CANCELLED == ["/wait"] and trio.current_time() == 1.0
+        patient = connect()                 # one that waits gets its answer
+        await patient.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n" + GET)
+        status, _, body = await read_response(patient)
+        assert status == 200 and json.loads(body)["path"] == "/wait" and trio.current_time() == 101.0
+        assert (await read_response(patient))[0] == 200        # the request pipelined behind it
     run(test)
 
 

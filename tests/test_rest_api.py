@@ -6,6 +6,7 @@ import json
 from types import SimpleNamespace
 
 import trio
+import trio.testing
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
@@ -121,3 +122,22 @@ def test_a_load_with_a_configuration_override_is_refused_not_ignored():
     assert refused.status == 400 and "does not override a model's configuration" in json.loads(refused.body)["error"]
     assert call(api, "POST", "/v2/repository/models/m/load", b"").status == 200
     assert [name for name, _, _ in fake.seen] == ["RepositoryModelLoad"]
+
+
+def test_a_cancelled_rest_inference_aborts_the_request_through_the_task_free_entry():
+    aborted = []
+
+    class Slow(Fake):
+        def __fast_unary__(self):
+            def infer_now(call, request):
+                call.on_cancel = lambda: aborted.append(request.model_name)
+            return {SERVICE + "ModelInfer": infer_now}
+
+    api = RestApi(Slow())
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [1]}]}).encode()
+
+    async def main():
+        with trio.move_on_after(5):     # the HTTP client went away meanwhile
+            await api(HttpRequest("POST", "/v2/models/slow/infer", "", {}, body, None))
+        assert aborted == ["slow"]
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -239,7 +239,9 @@ class Http1Server:
                     await self._refuse(conn, stream, refusal)
                     return
                 first = False
-                response = await self._answer(request)
+                response = await self._answer_watching(conn, stream, request)
+                if response is None:
+                    return                  # the peer left before its answer: nothing to write
                 await self._respond(conn, stream, request, response)
             finally:
                 held.release()
@@ -378,6 +380,35 @@ class Http1Server:
                                 f"({limits.key('max_inflate_bytes')} and {limits.key('max_body_bytes')}); send it "
                                 "uncompressed or through shared memory")
         return out
+
+    async def _answer_watching(self, conn: h11.Connection, stream, request: HttpRequest) -> HttpResponse | None:
+        """The handler's response, while the connection is watched: a peer that closes it
+        before the answer cancels the handler (which aborts the request: a client that goes
+        away gets no work done for it) and None is returned. Bytes that arrive meanwhile (a
+        pipelined request) are handed to h11 for the next cycle, up to ``max_header_bytes``;
+        past that the connection is not read until the answer is written."""
+        answered: list[HttpResponse] = []
+        async with trio.open_nursery() as nursery:
+            async def answer() -> None:
+                answered.append(await self._answer(request))
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(answer)
+            await self._until_peer_leaves(conn, stream)
+            nursery.cancel_scope.cancel()
+        return answered[0] if answered else None
+
+    async def _until_peer_leaves(self, conn: h11.Connection, stream) -> None:
+        buffered = 0
+        while buffered <= self.limits.max_header_bytes:
+            try:
+                data = await stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+            if not data:
+                return
+            conn.receive_data(data)
+            buffered += len(data)
+        await trio.sleep_forever()
 
     async def _answer(self, request: HttpRequest) -> HttpResponse:
         try:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from urllib.parse import unquote
 
 import orjson
+import trio
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
@@ -91,6 +92,28 @@ class _Exchange:
         self.reply = message
 
 
+class _Call:
+    """What a service's task-free ModelInfer entry (``__fast_unary__``: the worker's and the
+    gateway's ``infer_now``) needs of a call: the caller's metadata and address, ``on_cancel``
+    (set by the service: how to abort the request if the client goes away), and ``complete``,
+    which keeps the one outcome."""
+
+    __slots__ = ("metadata", "peer", "deadline", "on_cancel", "outcome", "done")
+
+    def __init__(self, metadata: Mapping[str, str], peer) -> None:
+        self.metadata = metadata
+        self.peer = peer
+        self.deadline = None
+        self.on_cancel = None
+        self.outcome = None
+        self.done = trio.Event()
+
+    def complete(self, outcome) -> None:
+        if not self.done.is_set():
+            self.outcome = outcome
+            self.done.set()
+
+
 def _json(doc: object, status: int = 200) -> HttpResponse:
     return HttpResponse(status, orjson.dumps(doc))
 
@@ -102,6 +125,8 @@ class RestApi:
     def __init__(self, service, access: AccessPolicy = AccessPolicy(), *, max_send_bytes: int | None = None,
                  send_limit_key: str = "endpoints.max_send_msg_bytes") -> None:
         self._handlers = service.__mapping__()
+        fast = getattr(service, "__fast_unary__", None)
+        self._fast = fast() if fast is not None else {}
         self._max_send = max_send_bytes
         self._send_key = send_limit_key
         self._rules = access.for_methods(p for p in self._handlers if p.startswith(SERVICE))
@@ -145,13 +170,35 @@ class RestApi:
         handler = self._handlers[path]
         if handler.request_type is not type(message):
             message = handler.request_type(message.SerializeToString())    # the gateway's raw bytes
-        exchange = _Exchange(message, metadata, request.peer)
-        await handler.func(exchange)
-        reply = exchange.reply
+        fast = self._fast.get(path)
+        if fast is not None:
+            reply = await self._call_fast(fast, message, metadata, request.peer)
+        else:
+            exchange = _Exchange(message, metadata, request.peer)
+            await handler.func(exchange)
+            reply = exchange.reply
         if isinstance(reply, reply_type):
             return reply
         data = reply.data if hasattr(reply, "data") else bytes(reply.message)
         return reply_type.FromString(data)
+
+    @staticmethod
+    async def _call_fast(entry, message, metadata: Mapping[str, str], peer):
+        """A call through the service's task-free entry; if this task is cancelled (the HTTP
+        client went away) the request is aborted as a gRPC client's reset stream aborts it: it
+        leaves its queue if it is still queued."""
+        call = _Call(metadata, peer)
+        entry(call, message)            # a refusal before it is queued raises here
+        try:
+            await call.done.wait()
+        except trio.Cancelled:
+            if not call.done.is_set() and call.on_cancel is not None:
+                call.on_cancel()
+            raise
+        outcome = call.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     # ---- health and metadata ------------------------------------------------------------------
     async def _live(self, request):
