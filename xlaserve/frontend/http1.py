@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -161,13 +162,18 @@ class Http1Server:
         self._refusals = LineLimiter(log, 60.0)
         self._bugs = LineLimiter(log)
         self._closing = False
+        self._ssl_context: ssl.SSLContext | None = None
         self._idle: set[trio.CancelScope] = set()
         self._accepting: trio.CancelScope | None = None
         self._all_closed = trio.Event()
 
     # ---- life ---------------------------------------------------------------------------------
-    async def serve(self, listeners: list[trio.SocketListener], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Serve until cancelled, or until :meth:`close` and every connection has ended."""
+    async def serve(self, listeners: list[trio.SocketListener], *, ssl_context: ssl.SSLContext | None = None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, or until :meth:`close` and every connection has ended. With
+        ``ssl_context`` each connection is TLS; its handshake is part of the first request's
+        head, so ``header_timeout`` bounds it."""
+        self._ssl_context = ssl_context
         try:
             async with trio.open_nursery() as nursery:
                 with trio.CancelScope() as self._accepting:
@@ -205,6 +211,11 @@ class Http1Server:
         if self._closing:
             return
         limits = self.limits
+        sock = getattr(stream, "socket", None)
+        if self._ssl_context is not None:
+            # https_compatible: an EOF without close_notify reads as EOF (HTTP/1.1 framing tells a
+            # cut exchange), and closing does not wait for a handshake that never happened
+            stream = trio.SSLStream(stream, self._ssl_context, server_side=True, https_compatible=True)
         if self.connections >= limits.max_connections:
             self._refusals.line(logging.WARNING, "%s port: refused a connection: %d are open, the limit (%s) is %d",
                                 self.what, self.connections, limits.key("max_connections"), limits.max_connections)
@@ -215,7 +226,6 @@ class Http1Server:
             return
         self.connections += 1
         try:
-            sock = getattr(stream, "socket", None)
             try:
                 peer = peer_address(sock.getpeername()) if sock is not None else None
             except OSError:

@@ -56,6 +56,7 @@ class Claimed:
     http: BoundAddress
     ssl_context: ssl.SSLContext | None = None
     rest: BoundAddress | None = None     #: the REST port (``listen.rest``), when the worker serves one
+    rest_ssl_context: ssl.SSLContext | None = None   #: the REST port's (ALPN http/1.1), with endpoints.tls
 
     def close(self) -> None:
         self.grpc.close()
@@ -96,6 +97,10 @@ def claim(config: WorkerConfig) -> Claimed:
     if config.endpoints.tls is not None:
         from xlaserve.frontend.tls import server_context
         ssl_context = server_context(config.endpoints.tls)
+    rest_ssl_context = None
+    if config.rest_port is not None and config.endpoints.tls is not None:
+        from xlaserve.frontend.tls import server_context
+        rest_ssl_context = server_context(config.endpoints.tls, alpn=("http/1.1",))
     grpc_key, http_key = address_keys(config)
     grpc = bind(grpc_key, config.grpc_host, config.grpc_port)
     bound = [grpc]
@@ -109,7 +114,7 @@ def claim(config: WorkerConfig) -> Claimed:
         for address in bound:
             address.close()
         raise
-    return Claimed(grpc, http, ssl_context, rest)
+    return Claimed(grpc, http, ssl_context, rest, rest_ssl_context)
 
 
 def bind(key: str, host: str, port: int) -> BoundAddress:

@@ -48,8 +48,10 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
             await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners(),
                                                   ssl_context=claimed.ssl_context))
             if rest is not None and claimed.rest is not None:
-                await nursery.start(rest.serve, claimed.rest.trio_listeners())
-            rest_line = f", KServe V2 REST on {claimed.rest.address}" if rest is not None and claimed.rest else ""
+                await nursery.start(functools.partial(rest.serve, claimed.rest.trio_listeners(),
+                                                      ssl_context=claimed.rest_ssl_context))
+            rest_line = (f", KServe V2 REST{' over TLS' if claimed.rest_ssl_context else ''} on {claimed.rest.address}"
+                         if rest is not None and claimed.rest else "")
             log.info("serving: KServe V2 gRPC on %s%s, HTTP on %s (/healthz /readyz /metrics); %s",
                      claimed.grpc.address, rest_line, claimed.http.address, describe_endpoint(config))
             if ready_callback is not None:
