@@ -12,7 +12,6 @@ with (:data:`HTTP_STATUS`), the message in ``{"error": "..."}``.
 """
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping
 from urllib.parse import unquote
@@ -27,10 +26,8 @@ from xlaserve.errors import InvalidArgument, XlaserveError
 from xlaserve.frontend.access import AccessPolicy
 from xlaserve.frontend.http1 import HttpRequest, HttpResponse, error_json
 from xlaserve.frontend.rest_tensors import (HEADER_LENGTH, infer_request, infer_response, loads_object,
-                                            mapping_json, parameters_json)
+                                            mapping_json)
 from xlaserve.frontend.statuses import status_of
-
-log = logging.getLogger("xlaserve.rest")
 
 SERVICE = "/inference.GRPCInferenceService/"
 
@@ -333,4 +330,4 @@ class RestApi:
         return HttpResponse(200)
 
 
-__all__ = ["HTTP_STATUS", "RestApi", "parameters_json"]
+__all__ = ["HTTP_STATUS", "RestApi"]

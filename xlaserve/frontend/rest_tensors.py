@@ -36,7 +36,8 @@ _INT_KINDS = frozenset("iu")
 @dataclass(frozen=True, slots=True)
 class RestInfer:
     """A REST inference request translated: the gRPC message, and which outputs (by name) the
-    client wants as binary data (``all_binary``: every output, ``binary_data_output``)."""
+    client wants as binary data (``all_binary``: ``binary_data_output``, which asks for every
+    output the request does not list, and for each listed one without its own ``binary_data``)."""
 
     request: pb.ModelInferRequest
     binary: frozenset[str]
@@ -301,7 +302,7 @@ def infer_response(response: pb.ModelInferResponse, wanted: RestInfer) -> tuple[
         params = parameters_json(tensor.parameters)
         if "shared_memory_region" in params:
             out["parameters"] = params
-        elif tensor.name in wanted.binary or (wanted.all_binary and tensor.name not in _json_only(wanted)):
+        elif tensor.name in wanted.binary or (wanted.all_binary and not wanted.request.outputs):
             data = raw[i] if i < len(raw) else b""
             out["parameters"] = {**params, "binary_data_size": len(data)}
             blobs.append(data)
@@ -321,16 +322,6 @@ def infer_response(response: pb.ModelInferResponse, wanted: RestInfer) -> tuple[
     if not blobs:
         return header, None
     return b"".join((header, *blobs)), len(header)
-
-
-def _json_only(wanted: RestInfer) -> frozenset[str]:
-    """Outputs that asked for JSON explicitly (``binary_data: false``) when the request asked
-    for binary outputs."""
-    names = set()
-    for out in wanted.request.outputs:
-        if out.name not in wanted.binary:
-            names.add(out.name)
-    return frozenset(names)
 
 
 def mapping_json(message) -> dict:
