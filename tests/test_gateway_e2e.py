@@ -406,6 +406,41 @@ def test_the_gateway_checks_client_shm_peers_itself(two_workers, tmp_path):
         g.stop()
 
 
+class RestGatewayThread(GatewayThread):
+    """The gateway with its REST port too (``listen.rest``), on a free port."""
+
+    async def _serve(self, nursery: trio.Nursery) -> int:
+        grpc_port, _ = await nursery.start(self.gateway.run, "127.0.0.1", 0, "127.0.0.1", 0, ("127.0.0.1", 0))
+        return grpc_port
+
+
+def test_the_gateways_rest_port_checks_client_shm_peers_and_routes_inference(two_workers):
+    """REST through a gateway (as a standalone one runs it): shared memory is refused to a peer
+    outside the gateway's grpc.client_shm_peers with 403 and the gateway's message; inference
+    from that peer is routed to the workers."""
+    import tritonclient.http as httpclient
+
+    from tests.test_access import SourceRelay
+    cfg = parse_gateway_config({"grpc": {"client_shm_peers": ["127.0.0.1/32"]}, "endpoints": ["127.0.0.1:1"]})
+    g = RestGatewayThread(addresses(two_workers), cfg)
+    try:
+        g.wait_ready(models=2)
+        with SourceRelay(("127.0.0.1", g.gateway.rest_port), "127.0.0.2") as relay:
+            remote = httpclient.InferenceServerClient(f"127.0.0.1:{relay.port}")
+            with pytest.raises(InferenceServerException) as err:
+                remote.register_system_shared_memory("r", "/xlaserve-gw-remote", 64)
+            assert err.value.status() == "403"
+            assert "client shared memory is accepted only from peers in the gateway's grpc.client_shm_peers" \
+                in err.value.message() and "127.0.0.2" in err.value.message()
+            t = httpclient.InferInput("input", [1, 512], "FP32")
+            t.set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+            assert remote.infer("mlp", [t]).as_numpy("output").shape == (1, 512)
+            remote.close()
+        assert sum(n for (_, model), n in g.routed().items() if model == "mlp") >= 1
+    finally:
+        g.stop()
+
+
 def test_stream_infer_goes_through_the_gateway_in_order(gateway):
     import queue
     client = grpcclient.InferenceServerClient(gateway.url)
