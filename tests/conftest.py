@@ -36,6 +36,12 @@ class RunningServer:
     http_port: int
     log_path: Path
     node_path: Path
+    rest_port: int | None = None
+
+    @property
+    def rest(self) -> str:
+        """``host:port`` of the REST port (``listen.rest``), as tritonclient.http takes it."""
+        return f"127.0.0.1:{self.rest_port}"
 
     @property
     def url(self) -> str:
@@ -86,7 +92,7 @@ def serve(tmp: Path, repo: Path, global_: dict | None = None, *, wait_ready: boo
                 raise RuntimeError(f"server did not start:\n{log_path.read_text()}")
             time.sleep(0.05)
         ports = json.loads(ready.read_text())
-        server = RunningServer(proc, ports["grpc_port"], ports["http_port"], log_path, node)
+        server = RunningServer(proc, ports["grpc_port"], ports["http_port"], log_path, node, ports.get("rest_port"))
         while wait_ready and server.get("/readyz")[0] != 200:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"server not ready:\n{log_path.read_text()}")

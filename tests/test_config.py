@@ -346,6 +346,22 @@ def test_one_explicit_worker_serves_the_listen_addresses():
     assert (worker.http_host, worker.http_port) == ("127.0.0.1", 5001)
 
 
+def test_rest_is_off_by_default_and_a_one_worker_node_serves_listen_rest():
+    assert parse({}).listen.rest is None
+    assert resolve_worker(parse({})).rest_port is None
+    worker = resolve_worker(parse({"listen": {"rest": "127.0.0.1:8000"}}))
+    assert (worker.rest_host, worker.rest_port) == ("127.0.0.1", 8000)
+    # with two workers the gateway serves REST; the workers do not
+    node = parse({"gpus": 2, "listen": {"rest": "0.0.0.0:8000"}})
+    assert [resolve_worker(node, i).rest_port for i in range(2)] == [None, None]
+    message = error_of({"listen": {"grpc": "0.0.0.0:8001", "rest": "0.0.0.0:8001"}})
+    assert message.startswith("listen.rest: port 8001") and "gRPC" in message
+    message = error_of({"gpus": 2, "listen": {"rest": "0.0.0.0:8002"}})
+    assert message.startswith("listen.rest: port 8002") and "gateway's HTTP" in message
+    assert error_of({"listen": {"rest": "8000"}}) == "listen.rest: expected a host:port address or null, got '8000'"
+    assert parse({}, {"INFERENCE_SERVER_LISTEN_REST": "127.0.0.1:8000"}).listen.rest == "127.0.0.1:8000"
+
+
 def test_one_worker_with_an_explicit_port_binds_endpoints_host():
     node = parse({"global": {"endpoints": {"host": "127.0.0.1"}},
                   "workers": [{"name": "solo", "port": 6000}]})
@@ -470,7 +486,7 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
                    "ordinals, got 0")),
     ({"gpus": [0, 0]}, "gpus: expected 'auto'"),
     ({"listen": {"grpc": "8001"}}, "listen.grpc: expected a host:port address, got '8001'"),
-    ({"listen": {"metrics": "0.0.0.0:8002"}}, "listen.metrics: unknown key (known: grpc, http)"),
+    ({"listen": {"metrics": "0.0.0.0:8002"}}, "listen.metrics: unknown key (known: grpc, http, rest)"),
     ({"workers": []}, "workers: expected a non-empty list of worker entries"),
     ({"workers": ["w0"]}, "workers[0]: expected a mapping, got 'w0'"),
     ({"workers": [{"name": "w0"}, {"gpu": 1}]}, "workers[1].name: missing"),

@@ -252,6 +252,9 @@ def test_the_gateway_finds_the_workers_through_the_headless_service(tmp_path):
     (mount,) = gw["volumeMounts"]
     assert gw["command"] == ["xlaserve", "gateway", f"{mount['mountPath']}/gateway.yaml"]
     assert _container_port(gw, gw["readinessProbe"]["httpGet"]["port"]) == _port(gateway.listen.metrics)
+    # clients reach the gateway's REST port through the Service xlaserve
+    rest = [p for p in one("Service", "xlaserve")["spec"]["ports"] if p["name"] == "rest"][0]
+    assert _container_port(gw, rest["targetPort"]) == _port(gateway.listen.rest) == rest["port"]
 
 
 def test_every_service_and_budget_selects_pods(tmp_path):
@@ -279,14 +282,15 @@ def test_every_service_and_budget_selects_pods(tmp_path):
 def test_the_serving_runtime_speaks_grpc_v2_on_the_nodes_port():
     runtime = one("ServingRuntime", "xlaserve")
     isvc = one("InferenceService", "xlaserve-examples")
-    assert runtime["spec"]["protocolVersions"] == ["grpc-v2"]
+    assert runtime["spec"]["protocolVersions"] == ["grpc-v2", "v2"]
     model = isvc["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"] and model["protocolVersion"] == "grpc-v2"
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
     node = load_node_config(ROOT / "deploy" / "node.yaml", {})
     (container,) = runtime["spec"]["containers"]
-    (h2c,) = container["ports"]
+    h2c, rest = container["ports"]      # the first is the predictor Service's: gRPC, as the model asks
     assert h2c["name"] == "h2c" and h2c["containerPort"] == _port(node.listen.grpc)
+    assert rest["containerPort"] == _port(node.listen.rest)
     assert container["readinessProbe"]["httpGet"]["port"] == _port(node.listen.http)
     # the image's node file serves KServe's model directory through the environment override
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -374,6 +378,7 @@ def test_compose_wires_the_node_prometheus_and_grafana():
         for port in service.get("ports", []):
             assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
     assert f"127.0.0.1:{_port(node.listen.grpc)}:{_port(node.listen.grpc)}" in services["node"]["ports"]
+    assert f"127.0.0.1:{_port(node.listen.rest)}:{_port(node.listen.rest)}" in services["node"]["ports"]
     # Prometheus scrapes the node's HTTP port by its service name
     prometheus = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     targets = [t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]

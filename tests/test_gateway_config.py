@@ -225,7 +225,7 @@ def test_http_is_an_alias_of_metrics():
     ({"logging": {"level": "INFO"}},
      "logging.level: expected one of debug, info, warning, error, got 'INFO'"),
     ({"listen": {"grpc": "8001"}}, "listen.grpc: expected a host:port address, got '8001'"),
-    ({"listen": {"health": "0.0.0.0:1"}}, "listen.health: unknown key (known: grpc, http, metrics)"),
+    ({"listen": {"health": "0.0.0.0:1"}}, "listen.health: unknown key (known: grpc, http, metrics, rest)"),
     ({"endpoints": "w0:9001"}, "endpoints: expected a list of host:port addresses, got 'w0:9001'"),
     ({"endpoints": ["w0"]}, "endpoints[0]: expected a host:port address, got 'w0'"),
     ({"endpoints": [9001]}, "endpoints[0]: expected a host:port address, got 9001"),
@@ -435,6 +435,19 @@ def test_embedded_gateway_listen_order_node_then_block_then_environment():
     assert embedded_gateway_config(nodefile, environ).listen.grpc == "127.0.0.1:7101"
     # the node's listen: had its variable applied when the node loaded
     assert embedded_gateway_config(nodefile).listen.grpc == "127.0.0.1:7001"
+
+
+def test_embedded_gateway_serves_the_nodes_rest_address_and_checks_its_port():
+    config = embedded_gateway_config(node({"gpus": 2, "listen": {"rest": "127.0.0.1:8000"}}))
+    assert config.listen.rest == "127.0.0.1:8000"
+    assert embedded_gateway_config(node({"gpus": 2})).listen.rest is None
+    standalone = parse_gateway_config({"listen": {"rest": "0.0.0.0:8000"}, "endpoints": ["10.0.0.1:8001"]})
+    assert standalone.listen.rest == "0.0.0.0:8000"
+    assert parse_gateway_config({"endpoints": ["10.0.0.1:8001"]}).listen.rest is None
+    with pytest.raises(ConfigError) as caught:
+        embedded_gateway_config(node({"gpus": 2, "gateway": {"listen": {"rest": "0.0.0.0:9001"}}}))
+    assert str(caught.value) == ("gateway.listen.rest: port 9001 for the gateway's rest is "
+                                 "already used by worker worker0's gRPC")
 
 
 def test_embedded_gateway_env_overrides_the_block():

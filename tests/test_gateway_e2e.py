@@ -273,6 +273,50 @@ def test_a_stopped_worker_times_out_its_requests_and_is_routed_around_until_it_c
     assert sum(1 for o in outcomes if not o[2] and stopped_at + 3.0 < o[0] < stopped_at + 4.0) > 20
 
 
+def _rest_through_the_gateway(node) -> None:
+    """The embedded gateway serves the node's listen.rest and routes REST to the workers as gRPC:
+    the unchanged tritonclient.http sees one server (metadata, config, index, statistics summed
+    over the replicas, binary and JSON tensors, errors with their HTTP status)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import tritonclient.http as httpclient
+
+    from examples import reference
+    assert node.rest_port is not None
+    c = httpclient.InferenceServerClient(node.rest)
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("simple")
+    assert c.get_server_metadata()["name"] == "xlaserve"
+    assert c.get_model_metadata("mlp")["inputs"][0]["shape"] == [-1, 512]
+    assert c.get_model_config("simple")["max_batch_size"] == 8
+    assert {m["name"] for m in c.get_model_repository_index()} == {"simple", "mlp", "img_mean", "cnn"}
+    x = np.random.default_rng(5).standard_normal((2, 512)).astype(np.float32)
+    for binary in (True, False):
+        t = httpclient.InferInput("input", [2, 512], "FP32")
+        t.set_data_from_numpy(x, binary_data=binary)
+        r = c.infer("mlp", [t], outputs=[httpclient.InferRequestedOutput("output", binary_data=binary)])
+        np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-4, atol=1e-5)
+    a = np.arange(32, dtype=np.int32).reshape(2, 16)
+    inputs = [httpclient.InferInput("INPUT0", [2, 16], "INT32"), httpclient.InferInput("INPUT1", [2, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(a, binary_data=False)
+    for _ in range(4):
+        np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("OUTPUT0"), a + a)
+    assert sum(s["inference_count"] for s in c.get_inference_statistics("simple")["model_stats"]) >= 4
+    with pytest.raises(InferenceServerException) as info:
+        c.get_model_metadata("nope")
+    assert info.value.status() == "404" and "nope" in info.value.message()
+    body = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1, 16], "data": [1] * 15},
+                                  {"name": "INPUT1", "datatype": "INT32", "shape": [1, 16], "data": [1] * 16}]})
+    request = urllib.request.Request(f"http://{node.rest}/v2/models/simple/infer", data=body.encode())
+    with pytest.raises(urllib.error.HTTPError) as http_error:
+        urllib.request.urlopen(request, timeout=30)
+    assert http_error.value.code == 400
+    assert "input 'INPUT0': 'data' has 15 elements" in json.loads(http_error.value.read())["error"]
+    c.close()
+
+
 def _index_entry(client, name: str) -> dict:
     entry = next(m for m in client.get_model_repository_index(as_json=True)["models"] if m["name"] == name)
     return {"reason": "", **entry}
@@ -287,7 +331,8 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
     with serve(tmp_path, examples_repo, workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
                metrics_base_port=http0,
                supervisor={"restart_backoff_initial_seconds": 0.1},
-               gateway={"scheduling": {"mode": "least_outstanding"}}) as node:
+               gateway={"scheduling": {"mode": "least_outstanding"}},
+               listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as node:
         client = grpcclient.InferenceServerClient(node.url)
         assert client.is_server_ready()
         index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
@@ -313,6 +358,7 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         while time.monotonic() < deadline and 'xlaserve_gateway_replicas{model="mlp"} 2.0' not in node.get("/metrics")[1]:
             time.sleep(0.05)
         assert _index_entry(client, "mlp") == {"name": "mlp", "version": "1", "state": "READY", "reason": ""}
+        _rest_through_the_gateway(node)
         # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
         deadline = time.monotonic() + TIMEOUT
         os.kill(_child(node.process.pid, ["--worker", "b"]), signal.SIGKILL)
@@ -327,6 +373,8 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
             time.sleep(0.1)
         assert re.search(r'xlaserve_gateway_worker_up\{worker="b"\} 1\.0', node.get("/metrics")[1])
         assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+    # a stop is clean: a worker that resets the gateway's metrics scrape as it goes is no crash
+    assert node.process.returncode == 0, node.log()[-3000:]
 
 
 def test_the_gateway_checks_client_shm_peers_itself(two_workers, tmp_path):
@@ -354,6 +402,41 @@ def test_the_gateway_checks_client_shm_peers_itself(two_workers, tmp_path):
                 remote.infer("mlp", [tensor])
             assert remote.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
             remote.close()
+    finally:
+        g.stop()
+
+
+class RestGatewayThread(GatewayThread):
+    """The gateway with its REST port too (``listen.rest``), on a free port."""
+
+    async def _serve(self, nursery: trio.Nursery) -> int:
+        grpc_port, _ = await nursery.start(self.gateway.run, "127.0.0.1", 0, "127.0.0.1", 0, ("127.0.0.1", 0))
+        return grpc_port
+
+
+def test_the_gateways_rest_port_checks_client_shm_peers_and_routes_inference(two_workers):
+    """REST through a gateway (as a standalone one runs it): shared memory is refused to a peer
+    outside the gateway's grpc.client_shm_peers with 403 and the gateway's message; inference
+    from that peer is routed to the workers."""
+    import tritonclient.http as httpclient
+
+    from tests.test_access import SourceRelay
+    cfg = parse_gateway_config({"grpc": {"client_shm_peers": ["127.0.0.1/32"]}, "endpoints": ["127.0.0.1:1"]})
+    g = RestGatewayThread(addresses(two_workers), cfg)
+    try:
+        g.wait_ready(models=2)
+        with SourceRelay(("127.0.0.1", g.gateway.rest_port), "127.0.0.2") as relay:
+            remote = httpclient.InferenceServerClient(f"127.0.0.1:{relay.port}")
+            with pytest.raises(InferenceServerException) as err:
+                remote.register_system_shared_memory("r", "/xlaserve-gw-remote", 64)
+            assert err.value.status() == "403"
+            assert "client shared memory is accepted only from peers in the gateway's grpc.client_shm_peers" \
+                in err.value.message() and "127.0.0.2" in err.value.message()
+            t = httpclient.InferInput("input", [1, 512], "FP32")
+            t.set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+            assert remote.infer("mlp", [t]).as_numpy("output").shape == (1, 512)
+            remote.close()
+        assert sum(n for (_, model), n in g.routed().items() if model == "mlp") >= 1
     finally:
         g.stop()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from grpclib.client import Channel
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -250,7 +251,7 @@ def test_explicit_static_and_executable_cache(tmp_path):
     # explicit: nothing until asked; load, serve, unload.
     # Served but not ready until a model is loaded.
     with serve(tmp_path / "explicit", repo, {"model_control_mode": "explicit", "cache_dir": str(cache)},
-               wait_ready=False) as server:
+               wait_ready=False, listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as server:
         client = grpcclient.InferenceServerClient(server.url)
         assert _index(client) == {}
         _wait(lambda: server.get("/readyz")[1] != "loading models\n", "the (empty) start-up set")
@@ -268,6 +269,16 @@ def test_explicit_static_and_executable_cache(tmp_path):
         client.unload_model("simple")
         assert not client.is_model_ready("simple") and "simple" not in _index(client)
         assert _metric(server, "xlaserve_executable_cache_total", result="miss") == 2
+        # the same over REST, as NVIDIA's simple_http_model_control does it
+        rest = httpclient.InferenceServerClient(server.rest)
+        with pytest.raises(InferenceServerException, match="Request for unknown model: 'nope' is not found") as info:
+            rest.load_model("nope")
+        assert info.value.status() == "404"
+        rest.load_model("simple")
+        assert rest.is_model_ready("simple") and rest.is_server_ready()
+        assert [m["name"] for m in rest.get_model_repository_index()] == ["simple"]
+        rest.unload_model("simple")
+        assert not rest.is_model_ready("simple") and not rest.is_server_ready()
 
     # static, after a restart: both modules come from the cache; load/unload are refused.
     with serve(tmp_path / "static", repo, {"model_control_mode": "static", "cache_dir": str(cache)}) as server:

@@ -8,12 +8,14 @@ import sys
 
 import numpy as np
 import pytest
+import yaml
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from examples import reference
-from examples.export_examples import export_simple
+from examples.export_examples import BytesSpec, export_simple
 
 from tests.conftest import ROOT, infer_input, serve
 
@@ -31,6 +33,21 @@ def postprocess(outputs):
     return [NamedTensor(name, data) for name, data in out.items()]
 
 register_model("flaky", postprocess=postprocess)
+"""
+
+SIMPLE_STRING = """
+import numpy as np
+from xlaserve import NamedTensor, register_model
+
+def preprocess(inputs):
+    return [NamedTensor(t.name, np.array([int(v) for v in t.data.reshape(-1)], np.int32).reshape(t.data.shape))
+            for t in inputs]
+
+def postprocess(outputs):
+    return [NamedTensor(t.name, np.array([str(v).encode() for v in t.data.reshape(-1)], object).reshape(t.data.shape))
+            for t in outputs]
+
+register_model("simple_string", preprocess=preprocess, postprocess=postprocess)
 """
 
 BROKEN_META = """
@@ -65,11 +82,19 @@ def server(tmp_path_factory):
     (flaky / "manifest.yaml").write_text(manifest)
     (flaky / "model.py").write_text(FLAKY)
     export_simple(repo)
+    strings = export_simple(tmp_path_factory.mktemp("strings")).rename(repo / "simple_string")
+    manifest = yaml.safe_load((strings / "manifest.yaml").read_text())
+    manifest["name"] = "simple_string"
+    manifest["client_inputs"] = [BytesSpec(n, "xn", {"x": 16}).to_manifest() for n in ("INPUT0", "INPUT1")]
+    manifest["client_outputs"] = [BytesSpec(n, "xn", {"x": 16}).to_manifest() for n in ("OUTPUT0", "OUTPUT1")]
+    (strings / "manifest.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
+    (strings / "model.py").write_text(SIMPLE_STRING)
     broken = repo / "broken_meta"
     broken.mkdir()
     (broken / "manifest.yaml").write_text(BROKEN_META_MANIFEST)
     (broken / "model.py").write_text(BROKEN_META)
-    with serve(tmp_path_factory.mktemp("hooks_server"), repo) as running:
+    with serve(tmp_path_factory.mktemp("hooks_server"), repo,
+               listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as running:
         yield running
     assert running.process.returncode == 0, running.log()
 
@@ -78,7 +103,8 @@ def test_every_bundle_is_ready(server):
     c = grpcclient.InferenceServerClient(server.url)
     index = {m.name: m.state for m in c.get_model_repository_index().models}
     assert index == {n: "READY" for n in ("broken_meta", "classifier", "cnn", "detect_and_classify", "detector",
-                                          "flaky", "img_mean", "mlp", "severity_grader", "simple")}, server.log()
+                                          "flaky", "img_mean", "mlp", "severity_grader", "simple",
+                                          "simple_string")}, server.log()
 
 
 def test_severity_grader_grades_and_labels_with_its_postprocess(server):
@@ -211,3 +237,58 @@ def test_meta_failures_name_the_hook_or_keep_the_sub_call_status(server):
     r = c.infer("simple", [infer_input("INPUT0", np.ones((1, 16), np.int32), "INT32"),
                            infer_input("INPUT1", np.ones((1, 16), np.int32), "INT32")])
     assert (r.as_numpy("OUTPUT0") == 2).all()
+
+
+# ---- the same through REST (listen.rest): hooks, BYTES outputs and meta models unchanged ---------
+
+def test_rest_bytes_outputs_of_a_postprocess_hook_as_json_and_as_binary(server):
+    c = httpclient.InferenceServerClient(server.rest)
+    images = np.random.default_rng(7).integers(0, 256, (3, 224, 224), dtype=np.uint8)
+    grade, label = reference.severity_grader_ref(images)
+    t = httpclient.InferInput("INPUT__0", list(images.shape), "UINT8")
+    t.set_data_from_numpy(images)
+    for binary in (False, True):
+        r = c.infer("severity_grader", [t], outputs=[httpclient.InferRequestedOutput("grade", binary_data=binary),
+                                                     httpclient.InferRequestedOutput("label", binary_data=binary)])
+        np.testing.assert_array_equal(r.as_numpy("grade"), grade)
+        got = r.as_numpy("label")
+        assert [v if isinstance(v, bytes) else v.encode() for v in got.reshape(-1)] == label.reshape(-1).tolist()
+        assert ("data" in r.get_output("label")) == (not binary)
+
+
+def test_rest_meta_model_and_a_raising_hook(server):
+    c = httpclient.InferenceServerClient(server.rest)
+    image = next(im for im in reference.pipeline_images(12) if _reference_is_unambiguous(im))
+    t = httpclient.InferInput("image", list(image.shape), "UINT8")
+    t.set_data_from_numpy(image)
+    r = c.infer("detect_and_classify", [t])
+    want = reference.detect_and_classify_ref(image)
+    np.testing.assert_allclose(r.as_numpy("scores"), want["scores"], atol=1e-5)
+    np.testing.assert_array_equal(r.as_numpy("class_id"), want["class_id"])
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(np.ones((1, 16), np.int32))
+    inputs[1].set_data_from_numpy(np.full((1, 16), 101, np.int32), binary_data=False)
+    with pytest.raises(InferenceServerException) as info:
+        c.infer("flaky", inputs)
+    assert info.value.status() == "500"
+    assert info.value.message() == "model 'flaky': postprocess hook raised ValueError: marker -100 asks me to fail"
+    assert c.is_model_ready("flaky")
+
+
+def test_rest_bytes_inputs_binary_and_json_as_simple_http_string_infer_client(server):
+    """NVIDIA's simple_http_string_infer_client against a ``simple_string`` made of ``simple``
+    and two hooks: BYTES inputs, one binary and one JSON, BYTES outputs likewise."""
+    c = httpclient.InferenceServerClient(server.rest)
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    b = np.full((1, 16), -3, dtype=np.int32)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "BYTES"), httpclient.InferInput("INPUT1", [1, 16], "BYTES")]
+    inputs[0].set_data_from_numpy(np.array([str(v).encode() for v in a.reshape(-1)], object).reshape(1, 16),
+                                  binary_data=True)
+    inputs[1].set_data_from_numpy(np.array([str(v).encode() for v in b.reshape(-1)], object).reshape(1, 16),
+                                  binary_data=False)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=True),
+               httpclient.InferRequestedOutput("OUTPUT1", binary_data=False)]
+    r = c.infer("simple_string", inputs, outputs=outputs)
+    assert [int(v) for v in r.as_numpy("OUTPUT0").reshape(-1)] == (a + b).reshape(-1).tolist()
+    assert [int(v) for v in r.as_numpy("OUTPUT1").reshape(-1)] == (a - b).reshape(-1).tolist()
+    assert r.get_output("OUTPUT1")["data"][:2] == ["3", "4"]

@@ -452,6 +452,39 @@ def test_triton_client_over_tls(certs, examples_repo, tmp_path):
     assert "the TLS handshake failed" in log
 
 
+def test_rest_over_tls_with_the_same_certificate(certs, examples_repo, tmp_path):
+    """endpoints.tls covers listen.rest too (ALPN http/1.1): HTTPS clients are served, a
+    cleartext request on the port gets no answer, and the server goes on."""
+    import http.client
+    import json
+    tls = {"cert_file": str(certs.server), "key_file": str(certs.server_key)}
+    with serve(tmp_path, examples_repo, {"endpoints": {"tls": tls}},
+               listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as server:
+        context = client_context(certs, alpn=["http/1.1"])
+        body = json.dumps({"inputs": [{"name": n, "datatype": "INT32", "shape": [1, 16], "data": [2] * 16}
+                                      for n in ("INPUT0", "INPUT1")]})
+
+        def infer() -> dict:
+            conn = http.client.HTTPSConnection("127.0.0.1", server.rest_port, context=context, timeout=TIMEOUT)
+            try:
+                conn.request("POST", "/v2/models/simple/infer", body=body)
+                response = conn.getresponse()
+                assert response.status == 200
+                assert conn.sock.selected_alpn_protocol() == "http/1.1"
+                return json.loads(response.read())
+            finally:
+                conn.close()
+        assert infer()["outputs"][0]["data"] == [4] * 16
+        plain = http.client.HTTPConnection("127.0.0.1", server.rest_port, timeout=TIMEOUT)
+        with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError, http.client.BadStatusLine)):
+            plain.request("GET", "/v2/health/ready")
+            plain.getresponse()
+        plain.close()
+        assert infer()["outputs"][1]["data"] == [0] * 16
+    assert server.process.returncode == 0, server.log()
+    assert "KServe V2 REST over TLS on" in server.log()
+
+
 def test_triton_client_with_mutual_tls(certs, examples_repo, tmp_path):
     tls = {"cert_file": str(certs.server), "key_file": str(certs.server_key), "client_ca_file": str(certs.ca)}
     with serve(tmp_path, examples_repo, {"endpoints": {"tls": tls}}) as server:

@@ -75,9 +75,11 @@ def ready_writer(path: str | None, fd: str | None = None):
     if not path and not fd:
         return None
 
-    def write(grpc_port: int, http_port: int) -> None:
+    def write(grpc_port: int, http_port: int, rest_port: int | None = None) -> None:
         nonlocal fd
         report = {"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}
+        if rest_port is not None:
+            report["rest_port"] = rest_port
         if path:
             tmp = f"{path}.tmp"
             with open(tmp, "w") as f:

@@ -99,6 +99,9 @@ class GatewayListenConfig:
         metrics: health (``/healthz``, ``/readyz``) and Prometheus ``/metrics``. ``http`` is
             an alias (the node's ``listen:`` block calls this address ``http``). Default
             ``0.0.0.0:8002``; in a node file, the node's ``listen.http``.
+        rest: the Open Inference Protocol over HTTP/1.1 (KServe V2 REST), answered by routing
+            each request to a worker over gRPC. Default null (not served); in a node file, the
+            node's ``listen.rest``.
     """
 
     # ``http`` is accepted as an alias of ``metrics``
@@ -106,6 +109,7 @@ class GatewayListenConfig:
 
     grpc: str = _key("0.0.0.0:8001", parse=_parse_address, describe=_ADDRESS)
     metrics: str = _key("0.0.0.0:8002", parse=_parse_address, describe=_ADDRESS)
+    rest: str | None = _key(None, parse=_parse_address, describe=_ADDRESS)
 
 
 def _http_alias(value: Any, out: Mapping[str, Any], alias_path: str,
@@ -403,7 +407,7 @@ def _parse(data: Any, prefix: str, environ: Mapping[str, str] | None, embedded: 
     check_tracing(changes["tracing"], _join(prefix, "tracing"))
     listen = _mapping(top.get("listen"), _join(prefix, "listen"))
     origins = {}
-    for key, alias in (("grpc", None), ("metrics", "http")):
+    for key, alias in (("grpc", None), ("metrics", "http"), ("rest", None)):
         written_as = key if key in listen else alias if alias in listen else None
         origins[key] = env.origin.get(("listen", key)) or \
             (_join(prefix, f"listen.{written_as}") if written_as else "")
@@ -434,7 +438,8 @@ def load_gateway_file(path: str | Path, environ: Mapping[str, str] | None = None
 # --- the embedded gateway ------------------------------------------------------------------------
 
 def _node_base(node: NodeConfig) -> GatewayConfig:
-    return GatewayConfig(listen=GatewayListenConfig(grpc=node.listen.grpc, metrics=node.listen.http),
+    return GatewayConfig(listen=GatewayListenConfig(grpc=node.listen.grpc, metrics=node.listen.http,
+                                                    rest=node.listen.rest),
                          grpc=GatewayGrpcConfig(client_shm_peers=node.endpoints.client_shm_peers),
                          tracing=node.tracing)
 
@@ -484,7 +489,10 @@ def embedded_gateway_config(node: NodeConfig, environ: Mapping[str, str] | None 
     workers = [resolve_worker(node, i, count) for i in range(count)]
     used: dict[int, str] = {}
     for key, address, node_key in (("grpc", config.listen.grpc, "listen.grpc"),
-                                   ("metrics", config.listen.metrics, "listen.http")):
+                                   ("metrics", config.listen.metrics, "listen.http"),
+                                   ("rest", config.listen.rest, "listen.rest")):
+        if address is None:
+            continue
         port = split_address(address)[1]
         origin = origins[key] or node_key
         if port and port in used:

@@ -374,6 +374,8 @@ class _Binding:
     http_host: str
     http_port: int
     http_origin: str
+    rest_host: str | None = None
+    rest_port: int | None = None
 
 
 def _binding(node: NodeConfig, entries: tuple[WorkerEntry, ...], index: int) -> _Binding:
@@ -390,11 +392,12 @@ def _binding(node: NodeConfig, entries: tuple[WorkerEntry, ...], index: int) -> 
     if len(entries) == 1:
         listen_host, listen_port = split_address(node.listen.grpc)
         http_host, http_port = split_address(node.listen.http)
+        rest_host, rest_port = split_address(node.listen.rest) if node.listen.rest else (None, None)
         if endpoints.port is not None:
             return _Binding(endpoints.host, endpoints.port, origin,
-                            http_host, http_port, "listen.http")
+                            http_host, http_port, "listen.http", rest_host, rest_port)
         return _Binding(listen_host, listen_port, "listen.grpc",
-                        http_host, http_port, "listen.http")
+                        http_host, http_port, "listen.http", rest_host, rest_port)
     if endpoints.port is None:
         port, origin = node.base_port + index, f"base_port + {index}"
         if port > MAX_PORT:
@@ -423,10 +426,14 @@ def _check_ports(node: NodeConfig, entries: tuple[WorkerEntry, ...]) -> None:
     if len(entries) > 1:
         claim(split_address(node.listen.grpc)[1], "the gateway's gRPC", "listen.grpc")
         claim(split_address(node.listen.http)[1], "the gateway's HTTP", "listen.http")
+        if node.listen.rest:
+            claim(split_address(node.listen.rest)[1], "the gateway's REST", "listen.rest")
     for index, entry in enumerate(entries):
         binding = _binding(node, entries, index)
         claim(binding.grpc_port, f"worker {entry.name}'s gRPC", binding.grpc_origin)
         claim(binding.http_port, f"worker {entry.name}'s HTTP", binding.http_origin)
+        if binding.rest_port is not None:
+            claim(binding.rest_port, f"worker {entry.name}'s REST", "listen.rest")
 
 
 def resolve_worker(node: NodeConfig, which: int | str = 0,
@@ -500,6 +507,8 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
         http_host=binding.http_host,
         http_port=binding.http_port,
         tracing=node.tracing,
+        rest_host=binding.rest_host,
+        rest_port=binding.rest_port,
     )
 
 

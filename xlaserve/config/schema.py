@@ -400,6 +400,18 @@ class EndpointsConfig:
             zeros costs at most that, not 255 MiB.
         max_inflate_bytes: the same over all connections of the worker, >= 1. Default 256 MiB
             (one largest message at the default ``max_recv_msg_bytes``).
+        rest_max_header_bytes: the largest head (request line and header fields) a REST request
+            may have (``listen.rest``), >= 1024; a larger one is answered 431 and its connection
+            closed. Default 16 KiB.
+        rest_max_headers: header fields one REST request may have, >= 1 (431 past it). Default 100.
+        rest_header_timeout_seconds: a REST request's head must arrive within this, counted from
+            its first byte (from the connection's start for its first request); 408 and closed
+            past it (slow headers, slowloris). Default 10.
+        rest_body_timeout_seconds: a REST request's whole body must arrive within this once its
+            head has (slow bodies, a Content-Length that promises more than comes); 408 and
+            closed past it. Default 60.
+        rest_idle_timeout_seconds: a kept-alive REST connection with no request begun this long
+            is closed. Default 60.
     """
 
     host: str = _key("0.0.0.0")
@@ -435,6 +447,11 @@ class EndpointsConfig:
     tls: TlsConfig | None = _key(None, env=False)
     max_connection_inflate_bytes: int = _key(16 * _MIB, low=1)
     max_inflate_bytes: int = _key(256 * _MIB, low=1)
+    rest_max_header_bytes: int = _key(16 * 1024, low=1024)
+    rest_max_headers: int = _key(100, low=1)
+    rest_header_timeout_seconds: float = _key(10.0, low=0.0, low_open=True)
+    rest_body_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
+    rest_idle_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -448,10 +465,13 @@ class ListenConfig:
         grpc: KServe V2 gRPC. Default ``0.0.0.0:8001``.
         http: health (``/healthz``, ``/readyz``) and Prometheus ``/metrics``. Default
             ``0.0.0.0:8002``.
+        rest: the Open Inference Protocol over HTTP/1.1 (KServe V2 REST with Triton's
+            extensions; Triton's port is 8000). Default null: not served.
     """
 
     grpc: str = _key("0.0.0.0:8001", parse=_parse_address, describe="a host:port address")
     http: str = _key("0.0.0.0:8002", parse=_parse_address, describe="a host:port address")
+    rest: str | None = _key(None, parse=_parse_address, describe="a host:port address")
 
 
 @dataclass(frozen=True, slots=True)
@@ -698,6 +718,8 @@ class WorkerConfig:
     http_host: str
     http_port: int
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    rest_host: str | None = None     #: None: no REST port (``listen.rest`` unset, or a gateway serves it)
+    rest_port: int | None = None
 
     @property
     def grpc_address(self) -> str:

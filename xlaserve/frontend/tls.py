@@ -52,10 +52,10 @@ def _reason(exc: ssl.SSLError) -> str:
     return (exc.reason or exc.strerror or str(exc)).replace("_", " ").lower()
 
 
-def server_context(tls: TlsConfig, key: str = "endpoints.tls") -> ssl.SSLContext:
+def server_context(tls: TlsConfig, key: str = "endpoints.tls", alpn: tuple[str, ...] = ("h2",)) -> ssl.SSLContext:
     """The SSL context serving ``tls``; raises :class:`StartupError` naming ``key.<field>`` and
     the file when a file is missing, unreadable, not PEM, or the key does not match the
-    certificate."""
+    certificate. ``alpn``: the protocols offered (``h2`` for gRPC, ``http/1.1`` for REST)."""
     cert_key, key_key, ca_key = f"{key}.cert_file", f"{key}.key_file", f"{key}.client_ca_file"
     cert_text = _read(cert_key, tls.cert_file)
     key_text = _read(key_key, tls.key_file)
@@ -75,7 +75,7 @@ def server_context(tls: TlsConfig, key: str = "endpoints.tls") -> ssl.SSLContext
     # HTTP/2 over TLS 1.2 must not renegotiate (RFC 9113 9.2.1); a client that could would also
     # have a way to make the server spend a handshake's CPU again and again on one connection
     context.options |= ssl.OP_NO_RENEGOTIATION
-    context.set_alpn_protocols(["h2"])
+    context.set_alpn_protocols(list(alpn))
 
     def no_password() -> str:
         raise _EncryptedKey

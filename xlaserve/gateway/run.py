@@ -27,6 +27,8 @@ from xlaserve.admin import serve_admin
 from xlaserve.config.gateway import GatewayConfig
 from xlaserve.errors import StartupError
 from xlaserve.frontend.grpc_server import GrpcServer
+from xlaserve.frontend.http1 import Http1Server, HttpLimits
+from xlaserve.frontend.rest_api import RestApi
 from xlaserve.gateway.control import GatewayControlService, StatusBoard
 from xlaserve.gateway.placement import ModelLoad, Placement, WorkerBudget, place
 from xlaserve.gateway.router import ModelOnWorker, Router
@@ -126,6 +128,9 @@ class Gateway:
                                    "worker", ["worker"], registry=self.registry)
         self.grpc_port = 0
         self.http_port = 0
+        self.rest_port: int | None = None
+        #: the REST port's server (``listen.rest``), once :meth:`run` serves one
+        self.rest: Http1Server | None = None
         #: /healthz: (healthy, why); the embedded gateway adds the supervisor's view
         self.health: Callable[[], tuple[bool, str]] = lambda: (True, "ok")
         self._nursery: trio.Nursery | None = None
@@ -169,14 +174,18 @@ class Gateway:
                 nursery.start_soon(self._discover, name, upstream)
 
     async def run(self, grpc_host: str = "127.0.0.1", grpc_port: int = 0, http_host: str = "127.0.0.1",
-                  http_port: int = 0, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                  http_port: int = 0, rest: tuple[str, int] | None = None, *,
+                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve gRPC and the admin HTTP port, and REST on ``rest`` (host, port) when given;
+        reports (gRPC port, HTTP port) once serving (:attr:`rest_port` holds the REST one)."""
         try:
-            await self._run(grpc_host, grpc_port, http_host, http_port, task_status)
+            await self._run(grpc_host, grpc_port, http_host, http_port, rest, task_status)
         finally:
             if self.tracing is not None:
                 self.tracing.close()        # what is queued is exported before the gateway stops
 
-    async def _run(self, grpc_host: str, grpc_port: int, http_host: str, http_port: int, task_status) -> None:
+    async def _run(self, grpc_host: str, grpc_port: int, http_host: str, http_port: int,
+                   rest: tuple[str, int] | None, task_status) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for name in list(self.upstreams):
@@ -187,8 +196,16 @@ class Gateway:
                 nursery.start_soon(self._scrape_loop, name, endpoint)
             self.grpc_port = await nursery.start(self.server.serve, grpc_host, grpc_port)
             self.http_port = await nursery.start(serve_admin, http_host, http_port, self.routes())
-            log.info("gateway: KServe V2 gRPC on %s:%d, HTTP on %s:%d, %d worker(s), routing %s", grpc_host,
-                     self.grpc_port, http_host, self.http_port, len(self.upstreams), self.router.mode)
+            rest_line = ""
+            if rest is not None:
+                listeners = await trio.open_tcp_listeners(rest[1], host=rest[0] or None)
+                self.rest = Http1Server(RestApi(self.service, max_send_bytes=self.config.grpc.max_send_msg_bytes,
+                                                send_limit_key="gateway.grpc.max_send_msg_bytes"),
+                                        _rest_limits(self.config), what="REST")
+                self.rest_port = await nursery.start(self.rest.serve, listeners)
+                rest_line = f", KServe V2 REST on {rest[0]}:{self.rest_port}"
+            log.info("gateway: KServe V2 gRPC on %s:%d%s, HTTP on %s:%d, %d worker(s), routing %s", grpc_host,
+                     self.grpc_port, rest_line, http_host, self.http_port, len(self.upstreams), self.router.mode)
             task_status.started((self.grpc_port, self.http_port))
 
     def close(self) -> None:
@@ -196,6 +213,8 @@ class Gateway:
         streams end, as a worker's do when it drains."""
         self._draining.set()
         self.server.close()
+        if self.rest is not None:
+            self.rest.close()
 
     async def drain(self, seconds: float) -> None:
         """:meth:`close`, then wait until every client connection has finished its calls and
@@ -203,6 +222,8 @@ class Gateway:
         self.close()
         with trio.move_on_after(seconds):
             await self.server.wait_closed()
+            if self.rest is not None:
+                await self.rest.wait_closed()
 
     async def _discover(self, name: str, upstream: Upstream) -> None:
         request = cpb.WatchStatusRequest(interval_seconds=DISCOVERY_INTERVAL).SerializeToString()
@@ -402,7 +423,7 @@ class Gateway:
             try:
                 self._scraped[name] = await scrape(host, port)
                 failing = False
-            except (OSError, trio.TooSlowError) as exc:
+            except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:     # a reset is not an OSError
                 self._scraped.pop(name, None)
                 if not failing:
                     log.warning("gateway: cannot scrape %s's metrics at %s: %s", name, endpoint, exc or "timed out")
@@ -484,9 +505,10 @@ async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | No
                 for e in first:
                     gateway.add_worker(WorkerAddress(e.name, e.address, e.port))
                 nursery.start_soon(_apply_changes, gateway, changes)
-            grpc_port, http_port = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
+            grpc_port, http_port = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port,
+                                                       _rest_address(config))
             if ready_file:
-                ready_writer(ready_file)(grpc_port, http_port)
+                ready_writer(ready_file)(grpc_port, http_port, gateway.rest_port)
             async for signum in signals:
                 log.info("gateway: %s: draining (no new calls; up to %g s for those in flight)",
                          signal.Signals(signum).name, drain_seconds)
@@ -522,11 +544,26 @@ def embedded_gateway(config: GatewayConfig, workers: list[WorkerAddress], *, rea
         grpc_host, grpc_port = split_address(config.listen.grpc)
         http_host, http_port = split_address(config.listen.metrics)
         async with trio.open_nursery() as nursery:
-            ports = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port)
+            ports = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port,
+                                        _rest_address(config))
             if ready_file:
-                ready_writer(ready_file)(*ports)
+                ready_writer(ready_file)(*ports, gateway.rest_port)
             async with events:
                 async for event in events:
                     if isinstance(event, WorkerReady) and event.name in gateway.upstreams:
                         gateway.upstreams[event.name].reconnect_now()
     return run
+
+
+def _rest_address(config: GatewayConfig) -> tuple[str, int] | None:
+    from xlaserve.config.schema import split_address
+    return split_address(config.listen.rest) if config.listen.rest else None
+
+
+def _rest_limits(config: GatewayConfig) -> HttpLimits:
+    """The gateway's REST port: the body is bounded as its gRPC messages are; the other limits
+    are the defaults of a worker's ``endpoints.rest_*`` keys."""
+    size = config.grpc.max_recv_msg_bytes
+    return HttpLimits(max_body_bytes=size, max_inflate_bytes=min(size, 16 * 1024 * 1024),
+                      keys={"max_body_bytes": "gateway.grpc.max_recv_msg_bytes",
+                            "max_inflate_bytes": "gateway.grpc.max_recv_msg_bytes"})

@@ -25,8 +25,10 @@ from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.control import WorkerControlService
 from xlaserve.frontend.access import AccessPolicy
 from xlaserve.frontend.grpc_server import GrpcServer, H2Limits
+from xlaserve.frontend.http1 import Http1Server, HttpLimits
 from xlaserve.frontend.kserve import KServeService, connection_buffer_full, request_too_large, response_too_large
 from xlaserve.frontend.port import WorkerPort
+from xlaserve.frontend.rest_api import RestApi
 from xlaserve.frontend.shm import SharedMemoryRegistry
 from xlaserve.frontend.tls import describe as describe_tls
 from xlaserve.metrics import Metrics, WeightCacheMetrics
@@ -238,9 +240,42 @@ def worker_port(actors: Actors, bridge: Bridge, *, draining: trio.Event,
         uptime=lambda: time.monotonic() - actors.started, executable_cache=_lookups(actors.excache))
 
 
-def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
-    """The gRPC server of a worker whose ``actors`` run: the port, the KServe and WorkerControl
-    services on it, the admission gauges, and the scheduler's replies batched per execution.
+@dataclass(frozen=True, slots=True)
+class Frontend:
+    """A worker's servers: gRPC, and REST (HTTP/1.1) over the same KServe service when
+    ``listen.rest`` is set."""
+
+    grpc: GrpcServer
+    rest: Http1Server | None
+
+
+def rest_limits(endpoints) -> HttpLimits:
+    """The REST port's limits from a worker's ``endpoints`` block."""
+    keys = {"max_header_bytes": "endpoints.rest_max_header_bytes", "max_headers": "endpoints.rest_max_headers",
+            "max_body_bytes": "endpoints.max_recv_msg_bytes",
+            "max_inflate_bytes": "endpoints.max_connection_inflate_bytes",
+            "max_total_inflate_bytes": "endpoints.max_inflate_bytes",
+            "max_total_body_bytes": "endpoints.max_undecoded_request_bytes",
+            "header_timeout": "endpoints.rest_header_timeout_seconds",
+            "body_timeout": "endpoints.rest_body_timeout_seconds",
+            "idle_timeout": "endpoints.rest_idle_timeout_seconds",
+            "write_timeout": "endpoints.write_timeout_seconds", "max_connections": "endpoints.max_connections"}
+    return HttpLimits(max_header_bytes=endpoints.rest_max_header_bytes, max_headers=endpoints.rest_max_headers,
+                      max_body_bytes=endpoints.max_recv_msg_bytes,
+                      max_inflate_bytes=endpoints.max_connection_inflate_bytes,
+                      max_total_inflate_bytes=endpoints.max_inflate_bytes,
+                      max_total_body_bytes=endpoints.max_undecoded_request_bytes,
+                      header_timeout=endpoints.rest_header_timeout_seconds,
+                      body_timeout=endpoints.rest_body_timeout_seconds,
+                      idle_timeout=endpoints.rest_idle_timeout_seconds,
+                      write_timeout=endpoints.write_timeout_seconds, max_connections=endpoints.max_connections,
+                      keys=keys)
+
+
+def compose_frontend(actors: Actors, *, draining: trio.Event) -> Frontend:
+    """The servers of a worker whose ``actors`` run: the port, the KServe and WorkerControl
+    services on it, the admission gauges, and the scheduler's replies batched per execution;
+    the REST server over the same KServe service when ``config.rest_port`` is set.
     Call on the Trio thread (the bridge remembers it). ``draining`` is set by whoever starts the
     drain; the frontend only waits on it."""
     config = actors.config
@@ -265,7 +300,12 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> GrpcServer:
                         max_inflate_bytes=endpoints.max_inflate_bytes,
                         too_much_held=connection_buffer_full)
     actors.scheduler.reply_batch = server.write_batch
-    return server
+    rest = None
+    if config.rest_port is not None:
+        rest = Http1Server(RestApi(kserve, AccessPolicy.from_config(endpoints.restricted),
+                                   max_send_bytes=endpoints.max_send_msg_bytes),
+                           rest_limits(endpoints), what="REST")
+    return Frontend(server, rest)
 
 
 def describe_endpoint(config: WorkerConfig) -> str:

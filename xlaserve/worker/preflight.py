@@ -55,10 +55,14 @@ class Claimed:
     grpc: BoundAddress
     http: BoundAddress
     ssl_context: ssl.SSLContext | None = None
+    rest: BoundAddress | None = None     #: the REST port (``listen.rest``), when the worker serves one
+    rest_ssl_context: ssl.SSLContext | None = None   #: the REST port's (ALPN http/1.1), with endpoints.tls
 
     def close(self) -> None:
         self.grpc.close()
         self.http.close()
+        if self.rest is not None:
+            self.rest.close()
 
 
 def address_keys(config: WorkerConfig) -> tuple[str, str]:
@@ -93,14 +97,24 @@ def claim(config: WorkerConfig) -> Claimed:
     if config.endpoints.tls is not None:
         from xlaserve.frontend.tls import server_context
         ssl_context = server_context(config.endpoints.tls)
+    rest_ssl_context = None
+    if config.rest_port is not None and config.endpoints.tls is not None:
+        from xlaserve.frontend.tls import server_context
+        rest_ssl_context = server_context(config.endpoints.tls, alpn=("http/1.1",))
     grpc_key, http_key = address_keys(config)
     grpc = bind(grpc_key, config.grpc_host, config.grpc_port)
+    bound = [grpc]
     try:
         http = bind(http_key, config.http_host, config.http_port)
+        bound.append(http)
+        rest = None
+        if config.rest_port is not None:
+            rest = bind("listen.rest", config.rest_host or "", config.rest_port)
     except BaseException:
-        grpc.close()
+        for address in bound:
+            address.close()
         raise
-    return Claimed(grpc, http, ssl_context)
+    return Claimed(grpc, http, ssl_context, rest, rest_ssl_context)
 
 
 def bind(key: str, host: str, port: int) -> BoundAddress:

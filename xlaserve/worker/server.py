@@ -33,7 +33,8 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
     http_port)`` is for tests and scripts."""
     if claimed is None:
         claimed = claim(config)
-    config = dataclasses.replace(config, grpc_port=claimed.grpc.port, http_port=claimed.http.port)
+    config = dataclasses.replace(config, grpc_port=claimed.grpc.port, http_port=claimed.http.port,
+                                 rest_port=claimed.rest.port if claimed.rest is not None else None)
     log.info("effective configuration of worker %s:\n%s", config.name, "\n".join(effective_config_lines(config)))
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
@@ -42,20 +43,33 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
             # Set when the drain starts: calls that would otherwise never end on their own (a
             # WatchStatus stream) finish then, so the drain waits only for real work.
             draining = trio.Event()
-            server = compose_frontend(actors, draining=draining)
+            frontend = compose_frontend(actors, draining=draining)
+            server, rest = frontend.grpc, frontend.rest
             await nursery.start(functools.partial(server.serve, listeners=claimed.grpc.trio_listeners(),
                                                   ssl_context=claimed.ssl_context))
-            log.info("serving: KServe V2 gRPC on %s, HTTP on %s (/healthz /readyz /metrics); %s",
-                     claimed.grpc.address, claimed.http.address, describe_endpoint(config))
+            if rest is not None and claimed.rest is not None:
+                await nursery.start(functools.partial(rest.serve, claimed.rest.trio_listeners(),
+                                                      ssl_context=claimed.rest_ssl_context))
+            rest_line = (f", KServe V2 REST{' over TLS' if claimed.rest_ssl_context else ''} on {claimed.rest.address}"
+                         if rest is not None and claimed.rest else "")
+            log.info("serving: KServe V2 gRPC on %s%s, HTTP on %s (/healthz /readyz /metrics); %s",
+                     claimed.grpc.address, rest_line, claimed.http.address, describe_endpoint(config))
             if ready_callback is not None:
-                ready_callback(claimed.grpc.port, claimed.http.port)
+                if claimed.rest is not None:
+                    ready_callback(claimed.grpc.port, claimed.http.port, claimed.rest.port)
+                else:
+                    ready_callback(claimed.grpc.port, claimed.http.port)
             async for _ in signals:
                 break
             log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
             draining.set()
             server.close()
+            if rest is not None:
+                rest.close()
             with trio.move_on_after(DRAIN_SECONDS) as drain:
                 await server.wait_closed()
+                if rest is not None and claimed.rest is not None:
+                    await rest.wait_closed()
             if drain.cancelled_caught:
                 log.warning("drain timed out; cancelling what is left")
             nursery.cancel_scope.cancel()

@@ -1,0 +1,344 @@
+"""The HTTP/1.1 server (h11 on Trio) against hostile peers, over in-memory streams under Trio's
+MockClock: every timeout is exact and costs no wall time. Each attack checks that the offender
+gets the status that names it (when it can still read one) and is closed, and that a well-behaved
+connection beside it is served."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import trio
+import trio.testing
+
+from xlaserve.frontend.http1 import Http1Server, HttpLimits, HttpRequest, HttpResponse
+
+LIMITS = HttpLimits(max_header_bytes=2048, max_headers=20, max_body_bytes=1000, max_inflate_bytes=4000,
+                    max_total_body_bytes=1500,
+                    header_timeout=10.0, body_timeout=30.0, idle_timeout=60.0, write_timeout=5.0,
+                    max_connections=4, keys={"max_body_bytes": "endpoints.max_recv_msg_bytes"})
+GET = b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+CANCELLED: list[str] = []
+
+
+async def echo(request: HttpRequest) -> HttpResponse:
+    if request.path == "/wait":
+        try:
+            await trio.sleep(100)
+        except trio.Cancelled:
+            CANCELLED.append(request.path)
+            raise
+    if request.path == "/boom":
+        raise ValueError("a bug in the handler")
+    if request.path == "/big":
+        return HttpResponse(200, b"x" * 5000, "text/plain")
+    if request.path == "/huge":
+        return HttpResponse(200, bytes(range(256)) * 1000, "application/octet-stream")
+    return HttpResponse(200, json.dumps({"method": request.method, "path": request.path,
+                                         "body": len(request.body)}).encode())
+
+
+def run(test, limits: HttpLimits = LIMITS) -> None:
+    async def main():
+        server = Http1Server(echo, limits, what="REST")
+        async with trio.open_nursery() as nursery:
+            def connect():
+                client, served = trio.testing.memory_stream_pair()
+                nursery.start_soon(server.serve_stream, served)
+                return client
+            await test(server, connect)
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+async def read_all(client) -> bytes:
+    chunks = []
+    while chunk := await client.receive_some(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_response(client) -> tuple[int, dict, bytes]:
+    """One response of a kept-alive connection (Content-Length framed)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await client.receive_some(65536)
+        assert chunk, f"closed before a response: {data!r}"
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    length = int(headers["content-length"])
+    while len(rest) < length:
+        rest += await client.receive_some(65536)
+    return int(lines[0].split()[1]), headers, rest[:length]
+
+
+async def served(connect) -> None:
+    """A well-behaved connection beside the offender is answered."""
+    client = connect()
+    await client.send_all(GET)
+    status, _, body = await read_response(client)
+    assert status == 200 and json.loads(body)["path"] == "/echo"
+    await client.aclose()
+
+
+def status_of(reply: bytes) -> int:
+    return int(reply.split(b" ", 2)[1])
+
+
+def test_keep_alive_serves_requests_in_turn_and_pipelined_ones_in_order():
+    async def test(server, connect):
+        client = connect()
+        for _ in range(2):
+            await client.send_all(GET)
+            assert (await read_response(client))[0] == 200
+        await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
+                              b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        reply = await read_all(client)
+        assert reply.count(b"HTTP/1.1 200 OK") == 3
+        assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+    run(test)
+
+
+def test_slow_headers_get_408_at_the_header_timeout_and_others_are_served():
+    async def test(server, connect):
+        slow = connect()
+        await slow.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-slow: ")
+        await trio.sleep(9)
+        await served(connect)
+        reply = await read_all(slow)
+        assert status_of(reply) == 408 and b"header_timeout" in reply
+        assert trio.current_time() == 10.0
+    run(test)
+
+
+def test_a_silent_new_connection_is_closed_at_the_header_timeout_without_a_word():
+    async def test(server, connect):
+        silent = connect()
+        assert await read_all(silent) == b""
+        assert trio.current_time() == 10.0
+    run(test)
+
+
+def test_an_idle_kept_alive_connection_is_closed_at_the_idle_timeout():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(GET)
+        await read_response(client)
+        start = trio.current_time()
+        assert await read_all(client) == b""
+        assert trio.current_time() - start == 60.0
+    run(test)
+
+
+def test_slow_body_and_a_content_length_that_promises_more_get_408():
+    async def test(server, connect):
+        slow = connect()
+        await slow.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n0123456789")
+        await served(connect)
+        reply = await read_all(slow)
+        assert status_of(reply) == 408 and b"10 bytes came" in reply
+        assert trio.current_time() == 30.0
+    run(test)
+
+
+def test_a_peer_that_leaves_mid_body_is_closed():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n0123")
+        await client.send_eof()
+        assert await read_all(client) == b""
+        await served(connect)
+    run(test)
+
+
+def test_oversized_head_and_too_many_fields_are_431():
+    async def test(server, connect):
+        big = connect()
+        await big.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 3000 + b"\r\n\r\n")
+        reply = await read_all(big)
+        assert status_of(reply) == 431 and b"2048" in reply
+        trickle = connect()        # a head that never ends, sent in pieces: h11's own bound
+        await trickle.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n")
+        for _ in range(5):
+            await trickle.send_all(b"x-a: " + b"b" * 600 + b"\r\n")
+        assert status_of(await read_all(trickle)) == 431
+        many = connect()
+        await many.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(25)) + b"\r\n")
+        reply = await read_all(many)
+        assert status_of(reply) == 431 and b"26 header fields" in reply
+        await served(connect)
+    run(test)
+
+
+def test_a_body_past_the_limit_is_413_before_it_is_read_or_as_a_chunked_one_crosses_it():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n")
+        reply = await read_all(client)
+        assert status_of(reply) == 413 and b"endpoints.max_recv_msg_bytes" in reply
+        chunked = connect()
+        await chunked.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(3):
+            await chunked.send_all(b"190\r\n" + b"z" * 400 + b"\r\n")
+        reply = await read_all(chunked)
+        assert status_of(reply) == 413
+        await served(connect)
+    run(test)
+
+
+def test_chunked_abuse_and_conflicting_lengths_are_400():
+    async def test(server, connect):
+        for attack in (b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+                       b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabcd",
+                       b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip\r\n\r\n",
+                       b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03\r\n\r\n"):
+            client = connect()
+            await client.send_all(attack)
+            assert status_of(await read_all(client)) in (400, 501), attack
+        await served(connect)
+    run(test)
+
+
+def test_a_content_length_shorter_than_the_body_makes_the_rest_a_bad_next_request():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabcdef ghi\r\n\r\n")
+        reply = await read_all(client)
+        assert reply.startswith(b"HTTP/1.1 200") and b'"body": 3' in reply
+        assert reply.count(b"HTTP/1.1 400") == 1
+    run(test)
+
+
+def test_a_pipelining_client_that_never_reads_is_closed_by_the_write_timeout():
+    async def test(server, connect):
+        client, stream = trio.testing.lockstep_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.serve_stream, stream)
+            with trio.move_on_after(1):
+                await client.send_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n" * 200)
+            await trio.sleep(10)
+            assert server.connections == 0          # closed at 1 + write_timeout, while it kept not reading
+        await served(connect)
+    run(test)
+
+
+def test_one_connection_past_max_connections_is_answered_503_and_the_others_go_on():
+    async def test(server, connect):
+        held = [connect() for _ in range(4)]
+        await trio.sleep(1)
+        extra = connect()
+        reply = await read_all(extra)
+        assert status_of(reply) == 503 and b"max_connections" in reply
+        assert trio.current_time() == 1.0
+        await held[0].send_all(GET)
+        assert (await read_response(held[0]))[0] == 200
+    run(test)
+
+
+def test_a_large_response_arrives_whole_and_the_connection_goes_on():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /huge HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = await read_response(client)
+        assert status == 200 and body == bytes(range(256)) * 1000 and headers["content-length"] == "256000"
+        await client.send_all(GET)
+        assert (await read_response(client))[0] == 200
+    run(test)
+
+
+def test_a_peer_that_leaves_before_its_answer_cancels_the_handler():
+    CANCELLED.clear()
+
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+        await trio.sleep(1)
+        await client.send_eof()
+        assert await read_all(client) == b""
+        assert CANCELLED == ["/wait"] and trio.current_time() == 1.0
+        patient = connect()                 # one that waits gets its answer
+        await patient.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n" + GET)
+        status, _, body = await read_response(patient)
+        assert status == 200 and json.loads(body)["path"] == "/wait" and trio.current_time() == 101.0
+        assert (await read_response(patient))[0] == 200        # the request pipelined behind it
+    run(test)
+
+
+def test_a_handler_bug_is_500_and_the_connection_goes_on():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /boom HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, _, body = await read_response(client)
+        assert status == 500 and "a bug in the handler" in json.loads(body)["error"]
+        await client.send_all(GET)
+        assert (await read_response(client))[0] == 200
+    run(test)
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_read():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\nexpect: 100-continue\r\n\r\n")
+        assert (await client.receive_some(100)).startswith(b"HTTP/1.1 100 ")
+        await client.send_all(b"abcd")
+        status, _, body = await read_response(client)
+        assert status == 200 and json.loads(body)["body"] == 4
+    run(test)
+
+
+def test_gzip_bodies_inflate_within_the_limit_and_responses_compress_when_accepted():
+    async def test(server, connect):
+        client = connect()
+        body = gzip.compress(b"a" * 900)
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\naccept-encoding: gzip\r\n"
+                              b"content-length: %d\r\n\r\n" % len(body) + body)
+        status, headers, reply = await read_response(client)
+        assert status == 200 and json.loads(reply)["body"] == 900 and "content-encoding" not in headers
+        await client.send_all(b"GET /big HTTP/1.1\r\nhost: x\r\naccept-encoding: br, gzip;q=0.5\r\n\r\n")
+        status, headers, reply = await read_response(client)
+        assert headers["content-encoding"] == "gzip" and gzip.decompress(reply) == b"x" * 5000
+        bomb = gzip.compress(b"\0" * 100_000)          # 100 kB of zeros in ~100 bytes
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n"
+                              b"content-length: %d\r\n\r\n" % len(bomb) + bomb)
+        reply = await read_all(client)
+        assert status_of(reply) == 413 and b"inflates past 1000 bytes" in reply
+        bad = connect()
+        await bad.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\ncontent-length: 5\r\n\r\nnope!")
+        assert status_of(await read_all(bad)) == 400
+        await served(connect)
+    run(test)
+
+
+def test_close_ends_idle_connections_at_once():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(GET)
+        await read_response(client)
+        server.close()
+        assert await read_all(client) == b""
+        assert trio.current_time() == 0.0
+    run(test)
+
+
+def test_bodies_held_by_all_connections_are_bounded_and_given_back_once_answered():
+    async def test(server, connect):
+        slow = connect()                    # holds 900 bytes, its body unfinished
+        await slow.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n" + b"a" * 900)
+        await trio.sleep(1)
+        assert server.bodies.used == 900
+        greedy = connect()                  # 700 more would make 1600 > 1500: 503, closed
+        await greedy.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 700\r\n\r\n" + b"b" * 700)
+        reply = await read_all(greedy)
+        assert status_of(reply) == 503 and b"1500" in reply and b"retry later" in reply
+        assert server.bodies.used == 900
+        await slow.send_all(b"a" * 100)     # the first finishes and is answered; its bytes come back
+        status, _, body = await read_response(slow)
+        assert status == 200 and json.loads(body)["body"] == 1000
+        assert server.bodies.used == 0
+        again = connect()
+        await again.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 700\r\n\r\n" + b"b" * 700)
+        assert (await read_response(again))[0] == 200
+    run(test)

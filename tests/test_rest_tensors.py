@@ -1,0 +1,158 @@
+"""REST inference bodies <-> gRPC messages (pure): every datatype from JSON, BYTES both ways, the
+binary tensor data extension, and errors that name the field."""
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.codec import deserialize_bytes, serialize_bytes
+from xlaserve.errors import InvalidArgument
+from xlaserve.frontend.rest_tensors import infer_request, infer_response, mapping_json
+
+
+def _one(datatype: str, shape: list[int], data) -> bytes:
+    doc = {"inputs": [{"name": "x", "datatype": datatype, "shape": shape, "data": data}]}
+    return infer_request(json.dumps(doc).encode(), None, "m", "").request.raw_input_contents[0]
+
+
+@pytest.mark.parametrize("datatype,numpy,data", [
+    ("BOOL", np.bool_, [[True, False], [False, True]]),
+    ("UINT8", np.uint8, [0, 255, 7, 1]), ("UINT16", np.uint16, [0, 65535, 7, 1]),
+    ("UINT32", np.uint32, [0, 2 ** 32 - 1, 7, 1]), ("UINT64", np.uint64, [0, 2 ** 64 - 1, 7, 1]),
+    ("INT8", np.int8, [-128, 127, 0, 1]), ("INT16", np.int16, [-1, 2, 3, 4]),
+    ("INT32", np.int32, [[-(2 ** 31), 2], [3, 2 ** 31 - 1]]), ("INT64", np.int64, [-(2 ** 63), 0, 1, 2 ** 63 - 1]),
+    ("FP16", np.float16, [0.5, -1, 2, 3]), ("BF16", ml_dtypes.bfloat16, [0.5, -1, 2, 3]),
+    ("FP32", np.float32, [0.25, 1, -2, 3.5]), ("FP64", np.float64, [[0.1, 1], [2, 3]]),
+])
+def test_every_datatype_from_flat_or_nested_json(datatype, numpy, data):
+    raw = _one(datatype, [2, 2], data)
+    expected = np.array(data, dtype=numpy).reshape(-1)
+    np.testing.assert_array_equal(np.frombuffer(raw, dtype=numpy), expected)
+
+
+def test_bytes_from_json_strings_and_back_as_json_or_binary():
+    raw = _one("BYTES", [1, 3], [["a", "", "héllo"]])
+    assert list(deserialize_bytes(raw, 3, "x")) == [b"a", b"", "héllo".encode()]
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    response.outputs.add(name="label", datatype="BYTES", shape=[2])
+    response.raw_output_contents.append(serialize_bytes(np.array([b"cat", b"dog"], dtype=object)))
+    wanted = infer_request(b'{"inputs":[{"name":"x","datatype":"BYTES","shape":[1],"data":["q"]}]}', None, "m", "")
+    body, header = infer_response(response, wanted)
+    assert header is None and json.loads(body)["outputs"][0]["data"] == ["cat", "dog"]
+    binary = infer_request(b'{"inputs":[{"name":"x","datatype":"BYTES","shape":[1],"data":["q"]}],'
+                           b'"outputs":[{"name":"label","parameters":{"binary_data":true}}]}', None, "m", "")
+    body, header = infer_response(response, binary)
+    doc = json.loads(body[:header])
+    assert doc["outputs"][0]["parameters"]["binary_data_size"] == 14
+    assert list(deserialize_bytes(body[header:], 2, "label")) == [b"cat", b"dog"]
+    response.raw_output_contents[0] = serialize_bytes(np.array([b"\xff", b"ok"], dtype=object))
+    with pytest.raises(InvalidArgument, match="not UTF-8 text.*binary_data: true"):
+        infer_response(response, wanted)
+
+
+def test_binary_and_json_inputs_mix_and_parameters_become_typed_parameters():
+    header = json.dumps({"id": "r1", "parameters": {"timeout": 5000, "priority": 2.5, "tag": "t", "flag": True},
+                         "inputs": [{"name": "a", "datatype": "FP32", "shape": [2],
+                                     "parameters": {"binary_data_size": 8}},
+                                    {"name": "b", "datatype": "INT32", "shape": [2], "data": [1, 2]},
+                                    {"name": "c", "datatype": "FP32", "shape": [1],
+                                     "parameters": {"binary_data_size": 4}}]}).encode()
+    body = header + np.array([1, 2], np.float32).tobytes() + np.array([3], np.float32).tobytes()
+    got = infer_request(body, len(header), "m", "2")
+    request = got.request
+    assert request.id == "r1" and request.model_version == "2"
+    assert request.parameters["timeout"].int64_param == 5000
+    assert request.parameters["priority"].double_param == 2.5
+    assert request.parameters["tag"].string_param == "t" and request.parameters["flag"].bool_param
+    assert "binary_data_size" not in request.inputs[0].parameters
+    assert [len(r) for r in request.raw_input_contents] == [8, 8, 4]
+
+
+@pytest.mark.parametrize("doc,length,message", [
+    ({"inputs": [{"name": "x", "datatype": "INT8", "shape": [2], "data": [1, 300]}]}, None,
+     "input 'x': a value in 'data' does not fit INT8 [-128, 127]"),
+    ({"inputs": [{"name": "x", "datatype": "UINT64", "shape": [2], "data": [2 ** 64, 0]}]}, None,
+     "input 'x': a value in 'data' does not fit UINT64"),
+    ({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2], "data": [1, "2"]}]}, None,
+     "input 'x': INT32 'data' holds integers, got non-numbers"),
+    ({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2], "data": [1, None]}]}, None,
+     "input 'x': INT32 'data' holds integers, got non-numbers"),
+    ({"inputs": [{"name": "x", "datatype": "BOOL", "shape": [2], "data": [1, 0]}]}, None,
+     "input 'x': BOOL 'data' holds true and false"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": ["a", "b"]}]}, None,
+     "input 'x': FP32 'data' holds numbers, got non-numbers"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "data": [[1], [2, 3]]}]}, None,
+     "input 'x': 'data' is a ragged nested array"),
+    ({"inputs": [{"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a", 1]}]}, None,
+     "input 'x': BYTES 'data' holds strings, got a number"),
+    ({"inputs": [{"name": "x", "datatype": "FP8", "shape": [2], "data": [1, 2]}]}, None,
+     "input 'x': 'datatype' must be one of BOOL"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, -1], "data": [1, 2]}]}, None,
+     "input 'x': 'shape' [2, -1] has a negative dimension"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}]}, None, "input 'x' has no 'data'"),
+    ({"inputs": []}, None, "'inputs' must be a non-empty array"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 9}}]}, 0,
+     "input 'x': binary_data_size 9 runs past the end of the body"),
+])
+def test_errors_name_the_field(doc, length, message):
+    header = json.dumps(doc).encode()
+    with pytest.raises(InvalidArgument) as info:
+        infer_request(header + (b"\0" * 8 if length is not None else b""),
+                      len(header) if length is not None else None, "m", "")
+    assert message in str(info.value)
+
+
+def test_bytes_left_after_the_binary_tensors_are_an_error():
+    header = b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"parameters":{"binary_data_size":4}}]}'
+    with pytest.raises(InvalidArgument, match="4 bytes after the JSON header and the binary tensors"):
+        infer_request(header + b"\0" * 8, len(header), "m", "")
+    with pytest.raises(InvalidArgument, match="Inference-Header-Content-Length is 500"):
+        infer_request(header, 500, "m", "")
+
+
+def test_binary_data_output_asks_for_every_output_unless_one_says_otherwise():
+    wanted = infer_request(b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}],'
+                           b'"parameters":{"binary_data_output":true},'
+                           b'"outputs":[{"name":"a"},{"name":"b","parameters":{"binary_data":false}}]}', None, "m", "")
+    assert wanted.binary == {"a"}
+    assert "binary_data_output" not in wanted.request.parameters
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    for name in ("a", "b"):
+        response.outputs.add(name=name, datatype="FP32", shape=[1])
+        response.raw_output_contents.append(np.array([2.0], np.float32).tobytes())
+    body, header = infer_response(response, wanted)
+    doc = json.loads(body[:header])
+    assert doc["outputs"][0]["parameters"] == {"binary_data_size": 4} and doc["outputs"][1]["data"] == [2.0]
+
+
+def test_mapping_json_writes_64_bit_integers_as_numbers_and_zeros_too():
+    stats = pb.ModelStatisticsResponse()
+    s = stats.model_stats.add(name="m", version="1", inference_count=2 ** 40)
+    s.inference_stats.success.count = 3
+    doc = mapping_json(stats)
+    assert doc["model_stats"][0]["inference_count"] == 2 ** 40
+    assert doc["model_stats"][0]["execution_count"] == 0
+    assert doc["model_stats"][0]["inference_stats"]["success"] == {"count": 3, "ns": 0}
+
+
+def test_non_finite_float_outputs_are_written_as_nan_and_infinity_not_null():
+    wanted = infer_request(b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}', None, "m", "")
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    response.outputs.add(name="y", datatype="FP32", shape=[3])
+    response.raw_output_contents.append(np.array([np.nan, np.inf, 1.5], np.float32).tobytes())
+    body, _ = infer_response(response, wanted)
+    assert b'"data":[NaN,Infinity,1.5]' in body
+
+
+def test_absurdly_nested_data_is_a_400_not_a_crash():
+    deep = "[" * 1010 + '"a"' + "]" * 1010      # within orjson's depth, past Python's recursion limit
+    body = ('{"inputs":[{"name":"x","datatype":"BYTES","shape":[1],"data":' + deep + "}]}").encode()
+    with pytest.raises(InvalidArgument, match="nested more deeply"):
+        infer_request(body, None, "m", "")
+    body = ('{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":' + deep.replace('"a"', "1") + "}]}").encode()
+    with pytest.raises(InvalidArgument, match="input 'x'"):
+        infer_request(body, None, "m", "")

@@ -1,0 +1,534 @@
+"""HTTP/1.1 on Trio with python-hyper's h11 (sans-IO), for hostile peers.
+
+:class:`Http1Server` accepts on its listeners through :func:`~xlaserve.frontend.guard.serve_guarded`
+(each connection in its own guard) and serves one request at a time per connection: h11 parses,
+the ``handler`` answers an :class:`HttpRequest` with an :class:`HttpResponse`. Keep-alive is
+h11's; pipelined requests are read one after another (the next is not read before the previous
+one is answered, so a client that sends without reading is held back by its own socket, then
+closed by the write timeout).
+
+Every resource a peer can make the server spend has a limit in :class:`HttpLimits`, and each
+offender is answered with the status that names it (when it can still read one) and closed:
+
+- header bytes (``max_header_bytes``, 431) and header count (``max_headers``, 431);
+- the body (``max_body_bytes``, 413 before a byte of it is read when ``Content-Length`` says
+  so, else as soon as a chunked body crosses it), the bodies all connections hold until they are
+  answered (``max_total_body_bytes``, 503), and what a compressed body may inflate to
+  (``max_inflate_bytes``, 413, with a budget over all connections, ``max_total_inflate_bytes``);
+- slow headers (``header_timeout``: a request's head must arrive within it, counted from its
+  first byte or from the connection's start; 408) and slow bodies (``body_timeout``: the whole
+  body within it; 408), which also ends a ``Content-Length`` that promises more than comes;
+- idle keep-alive connections (``idle_timeout``, closed without a word), writes that make no
+  progress (``write_timeout``), and connections (``max_connections``: one more is answered 503
+  and closed);
+- anything h11 refuses (a malformed request line or chunk, a second ``Content-Length``) is 400.
+
+The handler's faults stay in the request: a bug is logged once and answered 500, and the
+connection goes on.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import ssl
+import zlib
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+import h11
+import trio
+
+from xlaserve.frontend.access import peer_address
+from xlaserve.frontend.guard import LineLimiter, guarded, serve_guarded
+
+log = logging.getLogger("xlaserve.http")
+
+RECEIVE_BYTES = 64 * 1024
+#: a compressed body larger than this is inflated in a worker thread (two at once at most)
+INFLATE_INLINE = 256 * 1024
+#: responses at least this large are compressed when the client accepts gzip or deflate
+COMPRESS_MIN = 1024
+SERVER_HEADER = b"xlaserve"
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    """The limits of one HTTP/1.1 server (module docstring); times in seconds."""
+
+    max_header_bytes: int = 16 * 1024
+    max_headers: int = 100
+    max_body_bytes: int = 256 * 1024 * 1024
+    max_inflate_bytes: int = 16 * 1024 * 1024
+    max_total_inflate_bytes: int = 256 * 1024 * 1024
+    max_total_body_bytes: int = 2048 * 1024 * 1024
+    header_timeout: float = 10.0
+    body_timeout: float = 60.0
+    idle_timeout: float = 60.0
+    write_timeout: float = 60.0
+    max_connections: int = 1024
+    #: the node-file key behind each limit, for the answers that name it
+    keys: Mapping[str, str] = field(default_factory=dict)
+
+    def key(self, name: str) -> str:
+        return self.keys.get(name, name)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpRequest:
+    method: str
+    path: str                        #: the target without its query, percent-encoded as sent
+    query: str
+    headers: Mapping[str, str]       #: lower-case names; repeated headers joined with ", "
+    body: bytes
+    peer: object                     #: the peer's IP address (None when not IP)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    body: bytes = b""
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+Handler = Callable[[HttpRequest], Awaitable[HttpResponse]]
+
+
+class _Refusal(Exception):
+    """Answer ``status`` with ``message`` and close the connection."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Quiet(Exception):
+    """Close the connection without an answer (an idle connection, a peer that left)."""
+
+
+def error_json(message: str) -> bytes:
+    return json.dumps({"error": message}).encode()
+
+
+class _Budget:
+    """Bytes held over all connections at once (inflated bodies; received bodies)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+
+class _Held:
+    """The request body bytes one connection holds, counted in the server's total from the
+    first byte until the request is answered; :meth:`release` gives them back."""
+
+    __slots__ = ("budget", "bytes", "limits")
+
+    def __init__(self, budget: _Budget, limits: HttpLimits) -> None:
+        self.budget = budget
+        self.limits = limits
+        self.bytes = 0
+
+    def take(self, n: int) -> None:
+        budget = self.budget
+        if budget.used + n > budget.limit:
+            raise _Refusal(503, f"the connections hold {budget.used} bytes of request bodies not yet answered, the "
+                                f"limit ({self.limits.key('max_total_body_bytes')}) is {budget.limit}; retry later")
+        budget.used += n
+        self.bytes += n
+
+    def release(self) -> None:
+        self.budget.used -= self.bytes
+        self.bytes = 0
+
+
+class Http1Server:
+    """Serves ``handler`` over HTTP/1.1 on the listeners given to :meth:`serve`; ``what`` names
+    the port in log lines (``REST``)."""
+
+    def __init__(self, handler: Handler, limits: HttpLimits = HttpLimits(), *, what: str = "HTTP") -> None:
+        self.handler = handler
+        self.limits = limits
+        self.what = what
+        self.port = 0
+        self.connections = 0
+        self._inflated = _Budget(limits.max_total_inflate_bytes)
+        #: request body bytes held over all connections (received and not yet answered)
+        self.bodies = _Budget(limits.max_total_body_bytes)
+        self._inflate_threads = trio.CapacityLimiter(2)
+        self._faults = LineLimiter(log)
+        self._refusals = LineLimiter(log, 60.0)
+        self._bugs = LineLimiter(log)
+        self._closing = False
+        self._ssl_context: ssl.SSLContext | None = None
+        self._idle: set[trio.CancelScope] = set()
+        self._accepting: trio.CancelScope | None = None
+        self._all_closed = trio.Event()
+
+    # ---- life ---------------------------------------------------------------------------------
+    async def serve(self, listeners: list[trio.SocketListener], *, ssl_context: ssl.SSLContext | None = None,
+                    task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled, or until :meth:`close` and every connection has ended. With
+        ``ssl_context`` each connection is TLS; its handshake is part of the first request's
+        head, so ``header_timeout`` bounds it."""
+        self._ssl_context = ssl_context
+        try:
+            async with trio.open_nursery() as nursery:
+                with trio.CancelScope() as self._accepting:
+                    self.port = listeners[0].socket.getsockname()[1] if listeners else 0
+                    task_status.started(self.port)
+                    try:
+                        await serve_guarded(self._connection, listeners, nursery=nursery, limiter=self._faults,
+                                            what=self.what)
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            for listener in listeners:
+                                await listener.aclose()
+        finally:
+            self._all_closed.set()
+
+    def close(self) -> None:
+        """Stop accepting; idle connections close now, a connection with a request in hand
+        closes once it is answered."""
+        self._closing = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+        for scope in list(self._idle):
+            scope.cancel()
+
+    async def wait_closed(self) -> None:
+        await self._all_closed.wait()
+
+    # ---- one connection -----------------------------------------------------------------------
+    async def serve_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve one accepted connection inside its guard (what :meth:`serve` does for each):
+        whatever happens closes this connection only."""
+        await guarded(stream, self._connection, self._faults, self.what)
+
+    async def _connection(self, stream: trio.abc.Stream) -> None:
+        if self._closing:
+            return
+        limits = self.limits
+        sock = getattr(stream, "socket", None)
+        if self._ssl_context is not None:
+            # https_compatible: an EOF without close_notify reads as EOF (HTTP/1.1 framing tells a
+            # cut exchange), and closing does not wait for a handshake that never happened
+            stream = trio.SSLStream(stream, self._ssl_context, server_side=True, https_compatible=True)
+        if self.connections >= limits.max_connections:
+            self._refusals.line(logging.WARNING, "%s port: refused a connection: %d are open, the limit (%s) is %d",
+                                self.what, self.connections, limits.key("max_connections"), limits.max_connections)
+            message = (f"this server has {self.connections} {self.what} connections open, the limit "
+                       f"({limits.key('max_connections')}) is {limits.max_connections}; retry later")
+            with trio.move_on_after(1.0):
+                await stream.send_all(_raw_response(503, message))
+            return
+        self.connections += 1
+        try:
+            try:
+                peer = peer_address(sock.getpeername()) if sock is not None else None
+            except OSError:
+                peer = None
+            await self._serve_connection(stream, peer)
+        finally:
+            self.connections -= 1
+
+    async def _serve_connection(self, stream: trio.SocketStream, peer) -> None:
+        limits = self.limits
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        first = True
+        held = _Held(self.bodies, limits)
+        while not self._closing:
+            try:
+                try:
+                    request = await self._read_request(conn, stream, peer, first, held)
+                except _Quiet:
+                    return
+                except _Refusal as refusal:
+                    await self._refuse(conn, stream, refusal)
+                    return
+                first = False
+                response = await self._answer_watching(conn, stream, request)
+                if response is None:
+                    return                  # the peer left before its answer: nothing to write
+                await self._respond(conn, stream, request, response)
+            finally:
+                held.release()
+            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                return
+            try:
+                conn.start_next_cycle()
+            except h11.LocalProtocolError:
+                return
+
+    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, held: _Held) -> HttpRequest:
+        limits = self.limits
+        now = trio.current_time()
+        # a new connection must send its first head within header_timeout; a kept-alive one may
+        # be quiet for idle_timeout, then has header_timeout from the first byte of a request
+        waiting = not conn.trailing_data[0]        # no byte of this request yet
+        deadline = now + (limits.header_timeout if first else limits.idle_timeout)
+        if not waiting:
+            deadline = min(deadline, now + limits.header_timeout)
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
+            if event is not h11.NEED_DATA:
+                break
+            with trio.CancelScope(deadline=deadline) as scope:
+                if waiting:
+                    self._idle.add(scope)      # close() ends a connection between requests at once
+                try:
+                    data = await stream.receive_some(RECEIVE_BYTES)
+                finally:
+                    self._idle.discard(scope)
+            if scope.cancelled_caught:
+                if waiting:
+                    raise _Quiet()
+                raise _Refusal(408, f"the request's head did not arrive within {limits.header_timeout:g} s "
+                                    f"({limits.key('header_timeout')})")
+            conn.receive_data(data)
+            if not data:
+                if waiting:
+                    raise _Quiet()
+                continue
+            if waiting:
+                waiting = False
+                deadline = min(deadline, trio.current_time() + limits.header_timeout)
+        if isinstance(event, h11.ConnectionClosed):
+            raise _Quiet()
+        if not isinstance(event, h11.Request):
+            raise _Refusal(400, f"expected a request, got {type(event).__name__}")
+        # h11 bounds a head still arriving; one that arrived whole in a read is measured here
+        head = len(event.method) + len(event.target) + 12 + sum(len(n) + len(v) + 4 for n, v in event.headers)
+        if head > limits.max_header_bytes:
+            raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
+                                f"({limits.key('max_header_bytes')})")
+        if len(event.headers) > limits.max_headers:
+            raise _Refusal(431, f"the request has {len(event.headers)} header fields, the limit "
+                                f"({limits.key('max_headers')}) is {limits.max_headers}")
+        headers: dict[str, str] = {}
+        for name, value in event.headers:
+            key = name.decode("latin-1")
+            text = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+            raise _Refusal(413, f"the request body is {int(length)} bytes, the limit ({limits.key('max_body_bytes')}) "
+                                f"is {limits.max_body_bytes}; send large tensors through shared memory")
+        target = event.target.decode("latin-1")
+        path, _, query = target.partition("?")
+        body = await self._read_body(conn, stream, held)
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("identity", ""):
+            body = await self._inflate(body, encoding)
+            held.take(len(body))            # the inflated body is held too, until answered
+        return HttpRequest(event.method.decode("latin-1"), path, query, headers, body, peer)
+
+    async def _read_body(self, conn: h11.Connection, stream, held: _Held) -> bytes:
+        limits = self.limits
+        parts: list[bytes] = []
+        size = 0
+        deadline = trio.current_time() + limits.body_timeout
+        if conn.client_is_waiting_for_100_continue:
+            await self._send(stream, conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        while True:
+            try:
+                event = conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
+            if event is h11.NEED_DATA:
+                with trio.move_on_at(deadline) as scope:
+                    data = await stream.receive_some(RECEIVE_BYTES)
+                if scope.cancelled_caught:
+                    raise _Refusal(408, f"the request body did not arrive in full within {limits.body_timeout:g} s "
+                                        f"({limits.key('body_timeout')}); {size} bytes came")
+                conn.receive_data(data)
+                if not data and conn.their_state is not h11.DONE:
+                    raise _Quiet()      # the peer left mid-body (h11 reports it on the next event)
+                continue
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limits.max_body_bytes:
+                    raise _Refusal(413, f"the request body is more than {limits.max_body_bytes} bytes, the limit "
+                                        f"({limits.key('max_body_bytes')}); send large tensors through shared memory")
+                held.take(len(event.data))
+                parts.append(event.data)
+                continue
+            if isinstance(event, h11.EndOfMessage):
+                return b"".join(parts)
+            raise _Quiet()
+
+    async def _inflate(self, body: bytes, encoding: str) -> bytes:
+        limits = self.limits
+        if encoding == "gzip":
+            wbits = 16 + zlib.MAX_WBITS
+        elif encoding == "deflate":
+            wbits = zlib.MAX_WBITS
+        else:
+            raise _Refusal(415, f"Content-Encoding '{encoding}' is not supported; use gzip, deflate or identity")
+        budget = self._inflated
+        room = min(limits.max_inflate_bytes, limits.max_body_bytes, budget.limit - budget.used)
+        if room <= 0:
+            raise _Refusal(503, f"the server is inflating {budget.used} bytes of compressed requests, the limit "
+                                f"({limits.key('max_total_inflate_bytes')}) is {budget.limit}; retry later")
+        budget.used += room
+        try:
+            if len(body) > INFLATE_INLINE:
+                out = await trio.to_thread.run_sync(_inflate, body, wbits, room, limiter=self._inflate_threads)
+            else:
+                out = _inflate(body, wbits, room)
+        finally:
+            budget.used -= room
+        if out is None:
+            raise _Refusal(400, f"the request body is not valid {encoding} data")
+        if len(out) > room:
+            raise _Refusal(413, f"the {encoding} request body inflates past {room} bytes, the limit "
+                                f"({limits.key('max_inflate_bytes')} and {limits.key('max_body_bytes')}); send it "
+                                "uncompressed or through shared memory")
+        return out
+
+    async def _answer_watching(self, conn: h11.Connection, stream, request: HttpRequest) -> HttpResponse | None:
+        """The handler's response, while the connection is watched: a peer that closes it
+        before the answer cancels the handler (which aborts the request: a client that goes
+        away gets no work done for it) and None is returned. Bytes that arrive meanwhile (a
+        pipelined request) are handed to h11 for the next cycle, up to ``max_header_bytes``;
+        past that the connection is not read until the answer is written."""
+        answered: list[HttpResponse] = []
+        async with trio.open_nursery() as nursery:
+            async def answer() -> None:
+                answered.append(await self._answer(request))
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(answer)
+            await self._until_peer_leaves(conn, stream)
+            nursery.cancel_scope.cancel()
+        return answered[0] if answered else None
+
+    async def _until_peer_leaves(self, conn: h11.Connection, stream) -> None:
+        buffered = 0
+        while buffered <= self.limits.max_header_bytes:
+            try:
+                data = await stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+            if not data:
+                return
+            conn.receive_data(data)
+            buffered += len(data)
+        await trio.sleep_forever()
+
+    async def _answer(self, request: HttpRequest) -> HttpResponse:
+        try:
+            return await self.handler(request)
+        except Exception as exc:
+            self._bugs.line(logging.ERROR, "%s %s %s failed", self.what, request.method, request.path, exc=exc)
+            return HttpResponse(500, error_json(f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}"))
+
+    async def _respond(self, conn: h11.Connection, stream, request: HttpRequest, response: HttpResponse) -> None:
+        body = response.body
+        headers = [(b"server", SERVER_HEADER)]
+        if response.content_type and body:
+            headers.append((b"content-type", response.content_type.encode()))
+        headers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers)
+        if len(body) >= COMPRESS_MIN:
+            accepted = _accepted_encoding(request.headers.get("accept-encoding", ""))
+            if accepted is not None:
+                body = await self._compress(body, accepted)
+                headers.append((b"content-encoding", accepted.encode()))
+        headers.append((b"content-length", str(len(body)).encode()))
+        if self._closing:
+            headers.append((b"connection", b"close"))
+        head = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
+        framed = conn.send(h11.Data(data=body)) if request.method != "HEAD" and body else b""
+        end = conn.send(h11.EndOfMessage())
+        if len(framed) > RECEIVE_BYTES:     # a large body goes out as it is, not copied behind its head
+            await self._send(stream, head)
+            await self._send(stream, framed)
+            if end:
+                await self._send(stream, end)
+        else:
+            await self._send(stream, b"".join((head, framed, end)))
+
+    async def _compress(self, body: bytes, encoding: str) -> bytes:
+        if len(body) > INFLATE_INLINE:
+            return await trio.to_thread.run_sync(_deflate, body, encoding, limiter=self._inflate_threads)
+        return _deflate(body, encoding)
+
+    async def _send(self, stream, data: bytes) -> None:
+        with trio.move_on_after(self.limits.write_timeout) as scope:
+            await stream.send_all(data)
+        if scope.cancelled_caught:
+            raise trio.BrokenResourceError(f"a write made no progress for {self.limits.write_timeout:g} s "
+                                           f"({self.limits.key('write_timeout')})")
+
+    async def _refuse(self, conn: h11.Connection, stream, refusal: _Refusal) -> None:
+        self._faults.line(logging.INFO, "%s port: closing a connection: %s", self.what, refusal.message)
+        try:
+            await self._send(stream, _raw_response(refusal.status, refusal.message))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+
+def _protocol_message(exc: h11.RemoteProtocolError, limits: HttpLimits) -> str:
+    text = str(exc)
+    if exc.error_status_hint == 431:
+        return (f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
+                f"({limits.key('max_header_bytes')})")
+    return f"the request is not valid HTTP/1.1: {text}"
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Client Closed Request" if status == 499 else b""
+
+
+def _raw_response(status: int, message: str) -> bytes:
+    """A complete response that closes the connection, for a peer h11 can no longer answer (its
+    request was refused before or while it was parsed)."""
+    body = error_json(message)
+    return (b"HTTP/1.1 %d %s\r\nserver: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % (status, _reason(status), SERVER_HEADER, len(body))) + body
+
+
+def _inflate(body: bytes, wbits: int, limit: int) -> bytes | None:
+    """``body`` inflated to at most ``limit + 1`` bytes (more says it is too large); None when
+    it is not valid compressed data."""
+    try:
+        d = zlib.decompressobj(wbits)
+        out = d.decompress(body, limit + 1)
+        if len(out) <= limit and not d.eof:
+            return None
+        return out
+    except zlib.error:
+        return None
+
+
+def _deflate(body: bytes, encoding: str) -> bytes:
+    if encoding == "gzip":
+        c = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    else:
+        c = zlib.compressobj(6, zlib.DEFLATED, zlib.MAX_WBITS)
+    return c.compress(body) + c.flush()
+
+
+def _accepted_encoding(header: str) -> str | None:
+    """gzip or deflate when the client's Accept-Encoding lists one (with a q above 0)."""
+    best = None
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        name = name.strip().lower()
+        q = 1.0
+        params = params.strip()
+        if params.startswith("q="):
+            try:
+                q = float(params[2:])
+            except ValueError:
+                q = 0.0
+        if name in ("gzip", "deflate") and q > 0 and best is None:
+            best = name
+    return best
