@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 from tritonclient.utils import InferenceServerException
@@ -25,6 +26,7 @@ from xlaserve.config.gateway import parse_gateway_config
 from xlaserve.gateway.run import Gateway
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
+REST_TRACE = "5" * 32
 CALLER = "b7ad6b7169203331"
 
 HOOKS = """
@@ -85,6 +87,12 @@ class TracedGatewayThread(GatewayThread):
         self.url = f"127.0.0.1:{self.port}"
 
 
+def rest_input(name: str, x: np.ndarray) -> httpclient.InferInput:
+    inp = httpclient.InferInput(name, list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    return inp
+
+
 def read_spans(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -118,7 +126,14 @@ def traced(repo, tmp_path_factory):
                "sampling_ratio": 0.0}
     x = np.random.default_rng(3).standard_normal((2, 512)).astype(np.float32)
     a = np.arange(16, dtype=np.int32).reshape(1, 16)
-    with serve(tmp, repo, tracing=tracing) as server:
+    with serve(tmp, repo, tracing=tracing,
+               listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as server:
+        # over REST: the traceparent header is taken as gRPC metadata is
+        rest = httpclient.InferenceServerClient(server.rest)
+        r = rest.infer("mlp", [rest_input("input", x)], headers={"traceparent": f"00-{REST_TRACE}-{CALLER}-01"},
+                       request_id="r-rest")
+        np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-4, atol=1e-5)
+        rest.close()
         c = grpcclient.InferenceServerClient(server.url)
         headers = {"traceparent": f"00-{TRACE}-{CALLER}-01"}
         r = c.infer("mlp", [infer_input("input", x, "FP32")], headers=headers, request_id="r-mlp")
@@ -174,6 +189,16 @@ def test_one_request_is_one_trace_continued_from_the_callers_traceparent(traced)
     assert ex["xlaserve.compute.infer_ns"] > 0
 
 
+def test_a_rest_request_continues_the_traceparent_header(traced):
+    spans, _ = traced
+    mine = by_trace(spans, REST_TRACE)
+    (root,) = [s for s in mine if s["parent_span_id"] == CALLER]
+    assert root["name"] == "xlaserve.infer" and root["status"] == "OK"
+    assert root["attributes"]["xlaserve.model"] == "mlp" and root["attributes"]["xlaserve.request_id"] == "r-rest"
+    assert set(children(mine, root)) == {"xlaserve.admission", "xlaserve.queue", "xlaserve.weights",
+                                         "xlaserve.execute"}
+
+
 def test_hooks_get_their_own_spans(traced):
     spans, traces = traced
     mine = by_trace(spans, traces["hooks"])
@@ -207,7 +232,7 @@ def test_a_meta_models_sub_calls_are_children_with_their_own_stages(traced):
 
 def test_untraced_and_failed_requests(traced):
     spans, traces = traced
-    known = {TRACE, traces["hooks"], traces["meta"], "4" * 32}
+    known = {TRACE, REST_TRACE, traces["hooks"], traces["meta"], "4" * 32}
     # ratio 0: the request without a traceparent, the unsampled one and the malformed one made no spans
     assert {s["trace_id"] for s in spans} == known
     (failed,) = by_trace(spans, "4" * 32)
