@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xlaserve.runtime.cachetrace import read_trace
-from xlaserve.runtime.eviction import POLICIES, GreedyDualSizeFrequency, LoadCost, make_policy
+from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, POLICIES, GreedyDualSizeFrequency, LoadCost, make_policy
 from xlaserve.runtime.residency import Floor, ResidencyBook
 
 KIB = 1 << 10
@@ -176,9 +176,10 @@ def synthetic(popularity: str, catalog_x: float, requests: int, seed: int, *, mo
                  cost or linear_cost(DEFAULT_OVERHEAD_MS, DEFAULT_BANDWIDTH_GBS))
 
 
-def recorded(path: str, budget: int | None = None) -> Trace:
+def recorded(path: str, budget: int | None = None, miss_overhead: float = DEFAULT_MISS_OVERHEAD) -> Trace:
     """A trace the worker recorded: references are (model, version); a model's cost is learned
-    from the load times the trace measured, as the worker learns it (:class:`LoadCost`)."""
+    from the load times the trace measured, as the worker learns it (:class:`LoadCost`), plus
+    ``miss_overhead`` seconds a miss (``runtime.weight_miss_overhead_seconds``)."""
     header, events = read_trace(path)
     sizes, refs, pinned = {}, [], set()
     learned = LoadCost()
@@ -192,7 +193,7 @@ def recorded(path: str, budget: int | None = None) -> Trace:
             learned.observe(event.nbytes, event.load_seconds, "disk" if event.floor == "unpinned" else "host")
     floors = {(e.model, e.version): e.floor for e in events}
     return Trace(path, tuple(refs), sizes, budget or header.budget_bytes,
-                 lambda key, nbytes: learned(nbytes, "disk" if floors.get(key) == "unpinned" else "host"),
+                 lambda key, nbytes: learned(nbytes, "disk" if floors.get(key) == "unpinned" else "host") + miss_overhead,
                  frozenset(pinned))
 
 
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     rep = sub.add_parser("replay", help="a trace recorded by a worker (runtime.weight_trace)")
     rep.add_argument("trace")
     rep.add_argument("--budget-bytes", type=int, default=None)
+    rep.add_argument("--miss-overhead-ms", type=float, default=DEFAULT_MISS_OVERHEAD * 1e3,
+                     help="added to each learned load time, as runtime.weight_miss_overhead_seconds is")
     rep.add_argument("--policies", nargs="+", default=list(POLICIES), choices=(*POLICIES, *EXTRA_POLICIES))
     args = parser.parse_args(argv)
     rows = []
@@ -255,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                 trace = synthetic(pop, x, args.requests, args.seed, shift_every=args.shift_every, cost=cost)
                 rows.append((trace.name, compare(trace, args.policies)))
     else:
-        trace = recorded(args.trace, args.budget_bytes)
+        trace = recorded(args.trace, args.budget_bytes, args.miss_overhead_ms / 1e3)
         print(f"{len(trace.refs)} references to {len(trace.sizes)} models, budget {trace.budget} bytes")
         rows.append(("recorded", compare(trace, args.policies)))
     print_table(rows, args.policies)

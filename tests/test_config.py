@@ -427,7 +427,10 @@ def test_resolve_rejects_unknown_workers_and_wrong_counts():
     ({"global": {"runtime": {"bakend": "cpu"}}},
      ("global.runtime.bakend: unknown key (known: allow_cpu_fallback, backend, "
       "device_memory_bytes, mem_fraction, preallocate, weight_cache_fraction, "
-      "weight_cache_wiggle_fraction, weight_eviction, weight_prefetch, weight_trace)")),
+      "weight_cache_wiggle_fraction, weight_eviction, weight_miss_overhead_seconds, weight_prefetch, "
+      "weight_trace)")),
+    ({"global": {"runtime": {"weight_miss_overhead_seconds": -1}}},
+     "global.runtime.weight_miss_overhead_seconds: expected"),
     ({"global": {"runtime": {"weight_prefetch": "yes"}}},
      "global.runtime.weight_prefetch: expected one of auto, on, off, got 'yes'"),
     ({"global": {"runtime": {"weight_eviction": "fifo"}}},

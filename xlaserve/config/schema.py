@@ -15,7 +15,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from xlaserve.config.fields import ConfigError, _Invalid, _join, _key, _show
-from xlaserve.runtime.eviction import DEFAULT_POLICY, POLICIES
+from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, DEFAULT_POLICY, POLICIES
 from xlaserve.frontend.access import (GROUPS, LOOPBACK_NETWORKS, IPNetwork, header_name_problem,
                                       header_value_problem, parse_network)
 
@@ -178,6 +178,10 @@ class RuntimeConfig:
             is a DMA the host does not perform, ``cuda``; off on ``cpu``, where the copy is a
             memcpy that competes with execution for the same cores). Default ``auto``
             (docs/weights.md#prefetch has the measurements).
+        weight_miss_overhead_seconds: what a weight-cache miss costs beyond its timed copy
+            (bookkeeping, the serving thread's time, caches refilled), added to the learned copy
+            time in ``gdsf``'s cost, >= 0. A fixed part per miss makes the policy keep small
+            models, so it misses less. Default 0.0005 (measured: docs/weights.md).
         weight_trace: a file the worker writes every weight-cache reference to (JSON lines:
             time, model, bytes, hit or miss, load time), for ``benchmarks/cache_sim.py``.
             ``{worker}`` in it is replaced by the worker's name; on a node of several workers
@@ -193,6 +197,7 @@ class RuntimeConfig:
     device_memory_bytes: int = _key(0, low=0)
     weight_eviction: str = _key(DEFAULT_POLICY, choices=POLICIES)
     weight_prefetch: str = _key("auto", choices=("auto", "on", "off"))
+    weight_miss_overhead_seconds: float = _key(DEFAULT_MISS_OVERHEAD, low=0.0)
     weight_trace: Path | None = _key(None)
 
 

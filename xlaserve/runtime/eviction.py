@@ -33,6 +33,12 @@ from typing import Protocol
 POLICIES = ("gdsf", "lru")
 DEFAULT_POLICY = POLICIES[0]
 
+DEFAULT_MISS_OVERHEAD = 0.0005
+"""Seconds a miss costs beyond its timed copy (``runtime.weight_miss_overhead_seconds``): the
+dispatch's bookkeeping, the serving thread's time taken, caches refilled. Measured on the
+density benchmark (cpu, 5x the budget): each load made a request stream about 0.7 ms slower
+while its copy was timed at about 0.2 ms (docs/weights.md)."""
+
 
 class Policy(Protocol):
     """What the residency book asks of a replacement policy."""

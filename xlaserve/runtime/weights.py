@@ -28,7 +28,7 @@ import trio
 from xlaserve.bundle import ModelVersion
 from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.runtime.cachetrace import TraceWriter
-from xlaserve.runtime.eviction import DEFAULT_POLICY, LoadCost, make_policy
+from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, DEFAULT_POLICY, LoadCost, make_policy
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.pool import PoolStats, WeightPool
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
@@ -142,12 +142,14 @@ class WeightCache:
     def __init__(self, device: Device, limiter: trio.CapacityLimiter, budget: Budget | None = None, *,
                  residency: Callable[[str], str] = lambda name: "system", metrics=None,
                  compaction_interval: int = 0, prefetch: bool | None = None,
-                 eviction: str = DEFAULT_POLICY, trace: TraceWriter | None = None) -> None:
+                 eviction: str = DEFAULT_POLICY, trace: TraceWriter | None = None,
+                 miss_overhead: float = DEFAULT_MISS_OVERHEAD) -> None:
         self._device = device
         self._limiter = limiter
         self._budget = budget or Budget(1 << 62, 1.0, 0)
         self._budget_logged = False
         self._load_cost = LoadCost()
+        self._miss_overhead = miss_overhead
         self._host_changes = 0       # counts changes of self._host, which decides a load's source
         self._policy = make_policy(eviction, self._cost_of, self._cost_generation)
         self._book = ResidencyBook(self._budget.bytes, self._policy)
@@ -215,7 +217,9 @@ class WeightCache:
         return "host" if key in self._host else "disk"
 
     def _cost_of(self, key: Key, nbytes: int) -> float:
-        return self._load_cost(nbytes, self._source(key))
+        """What the replacement policy charges for missing ``key``: the learned time of its copy
+        plus the fixed part of a miss that the copy's timing does not see."""
+        return self._load_cost(nbytes, self._source(key)) + self._miss_overhead
 
     def _cost_generation(self) -> int:
         """Changes whenever :meth:`_cost_of` may answer differently: a load was timed, or a host

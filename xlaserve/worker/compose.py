@@ -177,6 +177,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
                           compaction_interval=config.scheduler.compaction_interval,
                           eviction=config.runtime.weight_eviction,
                           prefetch=prefetch_for(config.runtime.weight_prefetch, device),
+                          miss_overhead=config.runtime.weight_miss_overhead_seconds,
                           trace=open_weight_trace(config, budget.bytes))
     from xlaserve.worker.executor import Executor
     tracing = open_request_tracing(config)
