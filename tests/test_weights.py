@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 from xlaserve.bundle import ModelVersion, read_weights
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.eviction import GreedyDualSizeFrequency
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor
 from xlaserve.config import RuntimeConfig
 from xlaserve.runtime.weights import CatalogTooLarge, WeightCache, budget_for
@@ -683,3 +684,22 @@ def test_the_gpu_path_starts_the_transfer_and_polls_for_its_end(tmp_path, monkey
         assert waits == [True] * 3 and len(polls) >= 4       # polled on the Trio thread, waited there when done
     else:
         assert waits == [False] * 3                         # gave up polling: waited in a thread
+
+
+@pytest.mark.parametrize(("overhead", "first"), [(0.0, "small"), (0.01, "big")])
+def test_the_miss_overhead_makes_gdsf_keep_small_models(tmp_path, device, overhead, first):
+    # the cache charges the policy its learned copy time plus the fixed part of a miss
+    small = make_model(tmp_path, "small", MB // 4)
+
+    async def main():
+        cache = cache_for(device, 9 * MB, metrics=None, miss_overhead=overhead)
+        await cache.admit(small)
+        key = ("small", 1)
+        assert cache._cost_of(key, MB // 4) == pytest.approx(cache._load_cost(MB // 4, "host") + overhead)
+    run(main)
+    # equal frequency: a cost of bytes alone ranks by recency (the small model, older, goes
+    # first); a fixed part per miss makes a small model dearer per byte to lose: the big one goes
+    policy = GreedyDualSizeFrequency(lambda key, nbytes: nbytes / 1e9 + overhead, admission=False)
+    policy.insert("small", MB // 4)
+    policy.insert("big", 4 * MB)
+    assert next(iter(policy.victims())) == first
