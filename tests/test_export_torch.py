@@ -400,3 +400,19 @@ def test_only_export_torch_imports_torch():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torch_mlir'}))")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert found.stdout.strip() == "[]"
+
+
+def test_the_lowering_memory_guard_fails_an_allocation_past_its_budget_and_restores_the_limit():
+    """What bounds a lowering that would take the machine's memory (torch-mlir on an open-ended
+    slice_scatter): inside the guard an allocation past the budget fails, after it the old limit
+    is back and the same allocation succeeds."""
+    import resource
+
+    from xlaserve.export_torch import _memory_guard
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    with _memory_guard(64 * 1024 * 1024):
+        with pytest.raises(MemoryError):
+            np.ones(512 * 1024 * 1024, dtype=np.uint8)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    assert np.ones(512 * 1024 * 1024, dtype=np.uint8)[-1] == 1
