@@ -1,71 +1,194 @@
-"""Export the models of examples/torch_zoo.py with ``xlaserve export --torch``'s defaults and
-print, for each, whether it exported and verified, its worst error against eager PyTorch as a
-fraction of the output's scale, and how long the export took.
+"""Export the zoo (examples/torch_zoo.py through ``export --torch``'s defaults, examples/flax_zoo.py
+through the JAX path) and print, for each model: the lowering route that made the bundle, whether
+it verified, its worst error against the framework as a fraction of the output's scale, export
+time, bundle size, and batch-1 and batch-8 latency of the compiled module against the framework.
 
-    python -m benchmarks.torch_zoo_export_bench [--models bert,convnext] [--batch-sizes 1,4]
+    python -m benchmarks.torch_zoo_export_bench [--models bert,convnext] [--batch-sizes 1,8]
+        [--rounds 5] [--no-latency] [--torch-threads N]
 
-Each model is built (seed 0), then :func:`xlaserve.export_torch.export_torch` exports it to a
-temporary directory at the given compiled sizes with the default verification (seed 0): export
-time is that call's wall time (torch.export, lowering, writing, loading, compiling and verifying
-every module). The error columns are the verification's worst output: its largest absolute
-error, the output's scale (``max(1, max |reference|)``) and their ratio, which the default f32
-tolerance holds to 1e-5. One row per model, then the table as Markdown.
+Each model is built (seed 0), then exported to a temporary directory at the given compiled sizes
+with the default verification (seed 0): export time is that call's wall time (torch.export,
+lowering, writing, loading, compiling and verifying every module). The error columns are the
+verification's worst output: its largest absolute error, the output's scale
+(``max(1, max |reference|)``) and their ratio, which the default f32 tolerance holds to 1e-5.
+Size is the bundle directory's bytes (modules, manifest, weights).
+
+Latency is measured in this process, not through a server: the bundle loaded as the server loads
+it (:func:`xlaserve.bundle.load_bundle`, its weights put on the device once), each compiled size
+run by ``Device.execute`` on seeded inputs held on the host (their transfer and the outputs'
+return to the host included), against the model in eager PyTorch under ``torch.no_grad`` (a Flax
+model: its function under ``jax.jit``, compiled before the clock starts). The two are measured
+alternately, ``--rounds`` rounds of enough calls for about 0.2 s each, and the medians of the
+rounds' per-call means are printed, with their ratio (compiled / framework: below 1 is faster).
+A bundle that fails its verification is written all the same, and measured: its row says "**no**"
+under verified, with its error. One row per model as it finishes, then the table as Markdown.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 _REPO = Path(__file__).resolve().parent.parent
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from examples import torch_zoo  # noqa: E402
-from xlaserve.export_torch import export_torch  # noqa: E402
+from xlaserve.export_verify import VerificationError, sample_inputs  # noqa: E402
 
 
-def measure(name: str, sizes: list[int], out: Path) -> dict:
-    factory, inputs = torch_zoo.MODELS[name]
-    model = factory()
+def _flax_models() -> dict:
+    try:
+        from examples import flax_zoo
+    except ImportError:                 # no flax here: the torch models only
+        return {}
+    return flax_zoo.MODELS
+
+
+def _per_call(fn: Callable[[], object], seconds: float = 0.2) -> tuple[Callable[[], float], int]:
+    started = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - started, 1e-6)
+    calls = max(3, int(seconds / once))
+
+    def round_() -> float:
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - started) / calls
+    return round_, calls
+
+
+def alternate(compiled: Callable[[], object], framework: Callable[[], object], rounds: int) -> tuple[float, float]:
+    """Median per-call seconds of ``compiled`` and ``framework``, measured in alternating rounds."""
+    for fn in (compiled, framework):            # warm both
+        fn()
+    a, _ = _per_call(compiled)
+    b, _ = _per_call(framework)
+    first, second = [], []
+    for _ in range(rounds):
+        first.append(a())
+        second.append(b())
+    return statistics.median(first), statistics.median(second)
+
+
+def _bundle_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def measure(name: str, sizes: list[int], out: Path, rounds: int = 5, latency: bool = True) -> dict:
+    flax = name in _flax_models()
+    factory, inputs = (_flax_models() if flax else torch_zoo.MODELS)[name]
+    built = factory()
     started = time.perf_counter()
     try:
-        result = export_torch(out / name, model, inputs=inputs, compiled_batch_sizes=sizes)
+        if flax:
+            from xlaserve.export_flax import export_flax
+            model, variables = built
+            result = export_flax(out / name, model, variables, inputs=inputs, compiled_batch_sizes=sizes)
+        else:
+            from xlaserve.export_torch import export_torch
+            result = export_torch(out / name, built, inputs=inputs, compiled_batch_sizes=sizes)
+    except VerificationError as exc:            # written but outside the tolerance: measured all the same
+        result, verification = None, exc.verification
     except Exception as exc:                    # reported as a row: the table is what failed
-        return {"model": name, "ok": False, "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:200],
-                "seconds": time.perf_counter() - started}
+        return {"model": name, "ok": False, "error": " ".join(f"{type(exc).__name__}: {exc}".split())[:240],
+                "seconds": time.perf_counter() - started,
+                "route": "jax" if flax else "-"}
+    else:
+        verification = result.verification
     seconds = time.perf_counter() - started
-    worst = max(result.verification.checks, key=lambda c: c.max_abs_error / c.scale)
-    constants = sum(1 for w in result.weights_order if w.startswith("constant."))
-    return {"model": name, "ok": result.verification.ok, "seconds": seconds, "output": worst.output,
-            "max_abs_error": worst.max_abs_error, "scale": worst.scale,
-            "ratio": worst.max_abs_error / worst.scale, "weights": len(result.weights_order),
-            "constant_weights": constants}
+    worst = max(verification.checks, key=lambda c: c.max_abs_error / c.scale)
+    # a bundle that failed verification has no TorchExport to say its route: "?" in the table
+    route = "jax" if flax else (result.route if result is not None else "?")
+    row = {"model": name, "ok": verification.ok, "seconds": seconds, "output": worst.output,
+           "max_abs_error": worst.max_abs_error, "scale": worst.scale,
+           "ratio": worst.max_abs_error / worst.scale, "bytes": _bundle_bytes(out / name), "route": route}
+    if latency:
+        row["latency"] = _latency(out / name, built, flax, inputs, sizes, rounds)
+    return row
+
+
+def _latency(bundle: Path, built, flax: bool, inputs, sizes: list[int], rounds: int) -> dict[int, tuple[float, float]]:
+    from xlaserve.bundle import load_bundle
+    from xlaserve.runtime.pjrt import Device
+
+    device = Device("cpu")
+    loaded = load_bundle(bundle, 1, device)
+    weights = list(device.put_weights(list(loaded.weights.read()))) if loaded.weights is not None else []
+    specs = loaded.manifest.executable_inputs
+    if flax:
+        import jax
+        from xlaserve.export_flax import flax_function
+        fn, params = flax_function(*built)
+        jitted = jax.jit(fn)
+
+        def framework_for(arrays):
+            return lambda: jax.block_until_ready(jitted(params, *arrays))
+    else:
+        import torch
+
+        def framework_for(arrays):
+            tensors = [torch.from_numpy(a) for a in arrays]
+
+            def run():
+                with torch.no_grad():
+                    return built(*tensors)
+            return run
+    found = {}
+    for batch in sizes:
+        module = loaded.modules[batch]
+        arrays = sample_inputs(specs, batch, 5)
+        found[batch] = alternate(lambda: device.execute(module.executable, [*weights, *arrays]),
+                                 framework_for(arrays), rounds)
+    return found
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(torch_zoo.MODELS))
-    parser.add_argument("--batch-sizes", default="1,4")
+    parser.add_argument("--models", default=",".join([*torch_zoo.MODELS, *_flax_models()]))
+    parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads for eager PyTorch (default: torch's own, the core count)")
     args = parser.parse_args(argv)
+    import torch
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    print(f"eager PyTorch on {torch.get_num_threads()} thread(s)", flush=True)
     sizes = [int(s) for s in args.batch_sizes.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="zoo-") as tmp:
         for name in args.models.split(","):
-            row = measure(name, sizes, Path(tmp))
+            row = measure(name, sizes, Path(tmp), args.rounds, not args.no_latency)
             rows.append(row)
             print(row, flush=True)
-    print(f"\n| model | exported and verified | worst output | max abs error | scale | error / scale |"
-          f" export s (sizes {args.batch_sizes}) |")
-    print("|---|---|---|---|---|---|---|")
+    shown = [b for b in (1, 8) if b in sizes] if not args.no_latency else []
+    latency_heads = "".join(f" b{b} ms compiled / framework (ratio) |" for b in shown)
+    print(f"\n| model | route | verified | worst output | error / scale | export s (sizes {args.batch_sizes}) |"
+          f" bundle MB |{latency_heads}")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(shown))
     for row in rows:
         if "output" not in row:
-            print(f"| {row['model']} | **no**: {row['error']} | | | | | {row['seconds']:.1f} |")
+            print(f"| {row['model']} | {row['route']} | **no**: {row['error']} | | | {row['seconds']:.1f} | |"
+                  + " |" * len(shown))
             continue
-        print(f"| {row['model']} | {'yes' if row['ok'] else '**no**'} | {row['output']} | {row['max_abs_error']:.2g} |"
-              f" {row['scale']:.3g} | {row['ratio']:.2g} | {row['seconds']:.1f} |")
+        cells = "".join(
+            f" {_ms(row['latency'][b][0])} / {_ms(row['latency'][b][1])} ({row['latency'][b][0] / row['latency'][b][1]:.2f}) |"
+            for b in shown)
+        print(f"| {row['model']} | {row['route']} | {'yes' if row['ok'] else '**no**'} | {row['output']} |"
+              f" {row['ratio']:.2g} | {row['seconds']:.1f} | {row['bytes'] / 1e6:.2f} |{cells}")
     return 0 if all(row["ok"] for row in rows) else 1
 
 

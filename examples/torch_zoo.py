@@ -19,6 +19,31 @@ configurations, random weights from fixed seeds, nothing downloaded.
   30, as a trained EfficientNet-B0's do: float32 rounding then differs from eager PyTorch by
   more than a fixed 1e-5, which the scaled verification tolerance allows.
   image float32 [B, 3, 32, 32] -> logits [B, 10].
+- ``bert_classifier``: transformers' ``BertForSequenceClassification`` (3 labels, logits scaled
+  to reach about 10). input_ids int64 [B, 16] -> logits [B, 3].
+- ``vit``, ``deit``: transformers' ``ViTModel`` and ``DeiTModel`` (8x8 patches of a 32x32 image,
+  width 64, 2 layers). pixel_values float32 [B, 3, 32, 32] -> last_hidden_state, pooler_output.
+- ``swin``: transformers' ``SwinModel``, a shifted-window vision transformer (4x4 patches of a
+  64x64 image, windows of 4, two stages of two blocks, every second block shifted).
+  pixel_values float32 [B, 3, 64, 64] -> last_hidden_state [B, 64, 64], pooler_output [B, 64].
+- ``hf_resnet``, ``mobilenet_v2``, ``regnet``: transformers' ``ResNetModel`` (bottleneck
+  blocks), ``MobileNetV2Model`` (depth multiplier 0.35: inverted residuals, depthwise
+  convolutions, ReLU6) and ``RegNetModel`` (grouped convolutions, squeeze-and-excitation), their
+  BatchNorm statistics calibrated on random images. pixel_values float32 [B, 3, 32, 32] ->
+  last_hidden_state, pooler_output.
+- ``segformer``: a segmentation model, transformers' ``SegformerForSemanticSegmentation`` (two
+  stages of efficient attention with spatial reduction, an all-MLP decoder that upsamples each
+  stage bilinearly; 5 classes, logits scaled to reach about 10). pixel_values float32
+  [B, 3, 64, 64] -> logits [B, 5, 16, 16].
+- ``fpn``: an FPN detection backbone laid out as torchvision's ``resnet_fpn_backbone``
+  (:class:`ResNetFPN`: nearest-neighbour upsampling in its top-down path), BatchNorm calibrated.
+  image float32 [B, 3, 64, 64] -> feature maps "0", "1", "2", "pool".
+- ``gpt2``, ``llama``: decoder-only text models, transformers' ``GPT2LMHeadModel`` and
+  ``LlamaForCausalLM`` (grouped-query attention, rotary positions) from tiny configs, with the
+  fused SDPA attention transformers uses by default and no cache. input_ids int64 [B, 16] ->
+  logits [B, 16, 256].
+
+examples/flax_zoo.py has the Flax models of the zoo.
 
 ``MODELS[name]`` is (factory, inputs); ``sample(name, batch)`` gives seeded inputs and
 ``eager(name, model, arrays)`` the model's outputs by name. From the command line::
@@ -61,6 +86,19 @@ def bert() -> nn.Module:
 def roberta() -> nn.Module:
     import transformers
     return _seeded(lambda: transformers.RobertaModel(transformers.RobertaConfig(**_TEXT)))
+
+
+def bert_classifier() -> nn.Module:
+    """transformers' BertForSequenceClassification (3 labels), its classifier scaled so that the
+    logits reach about 10: input_ids int64 [B, 16] -> logits [B, 3]."""
+    import transformers
+    model = _seeded(lambda: transformers.BertForSequenceClassification(transformers.BertConfig(num_labels=3, **_TEXT)))
+    with torch.no_grad():
+        ids = torch.from_numpy(np.random.default_rng(2).integers(0, VOCAB, (8, SEQUENCE)))
+        factor = 10.0 / float(model(ids).logits.abs().max())
+        model.classifier.weight.mul_(factor)
+        model.classifier.bias.mul_(factor)
+    return model
 
 
 def distilbert() -> nn.Module:
@@ -196,24 +234,175 @@ def calibrate(model: nn.Module, size: int, batches: int = 2, batch: int = 8, see
     return model.eval()
 
 
+def _scale_head(model: nn.Module, head: nn.Module, size: int, output: str | None = None,
+                reach: float = 30.0) -> nn.Module:
+    """``head``'s weight and bias scaled so that the model's logits (its ``output``) reach about
+    ``reach`` on standard normal images, as a trained classifier's do."""
+    with torch.no_grad():
+        result = model(torch.randn(8, 3, size, size, generator=torch.Generator().manual_seed(2)))
+        logits = result if output is None else result[output]
+        factor = reach / float(logits.abs().max())
+        head.weight.mul_(factor)
+        head.bias.mul_(factor)
+    return model
+
+
 def efficientnet() -> nn.Module:
     torch.manual_seed(0)
     model = calibrate(EfficientNetLike(), SMALL_IMAGE)
-    with torch.no_grad():      # logits reaching about 30 on standard normal images
-        logits = model(torch.randn(8, 3, SMALL_IMAGE, SMALL_IMAGE, generator=torch.Generator().manual_seed(2)))
-        factor = 30.0 / float(logits.abs().max())
-        model.classifier.weight.mul_(factor)
-        model.classifier.bias.mul_(factor)
-    return model
+    return _scale_head(model, model.classifier, SMALL_IMAGE)
+
+
+def _vision_config(cls, **extra):
+    return cls(image_size=SMALL_IMAGE, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=128, **extra)
+
+
+def vit() -> nn.Module:
+    import transformers
+    return _seeded(lambda: transformers.ViTModel(_vision_config(transformers.ViTConfig)))
+
+
+def deit() -> nn.Module:
+    import transformers
+    return _seeded(lambda: transformers.DeiTModel(_vision_config(transformers.DeiTConfig)))
+
+
+def swin() -> nn.Module:
+    """transformers' SwinModel: two stages of two blocks each, the second of every pair on
+    shifted windows (its attention mask built by slice assignment, ``img_mask[:, h, w, :] = n``)."""
+    import transformers
+    config = transformers.SwinConfig(image_size=IMAGE, patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4],
+                                     window_size=4, drop_path_rate=0.0)
+    return _seeded(lambda: transformers.SwinModel(config))
+
+
+def _calibrated(build: Callable[[], nn.Module], size: int = SMALL_IMAGE) -> nn.Module:
+    torch.manual_seed(0)
+    return calibrate(build(), size)
+
+
+def hf_resnet() -> nn.Module:
+    import transformers
+    config = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                       layer_type="bottleneck")
+    return _calibrated(lambda: transformers.ResNetModel(config))
+
+
+def mobilenet_v2() -> nn.Module:
+    import transformers
+    config = transformers.MobileNetV2Config(image_size=SMALL_IMAGE, depth_multiplier=0.35)
+    return _calibrated(lambda: transformers.MobileNetV2Model(config))
+
+
+def regnet() -> nn.Module:
+    import transformers
+    config = transformers.RegNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                       groups_width=8)
+    return _calibrated(lambda: transformers.RegNetModel(config))
+
+
+def segformer() -> nn.Module:
+    """transformers' SegformerForSemanticSegmentation: a segmentation model (logits per class at
+    a quarter of the image's resolution, the decoder head upsampling every stage bilinearly)."""
+    import transformers
+    config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[4, 2], hidden_sizes=[16, 32],
+                                          num_attention_heads=[1, 2], decoder_hidden_size=32, num_labels=5)
+    model = _calibrated(lambda: transformers.SegformerForSemanticSegmentation(config), IMAGE)
+    return _scale_head(model, model.decode_head.classifier, IMAGE, "logits", reach=10.0)
+
+
+def gpt2() -> nn.Module:
+    """transformers' GPT2LMHeadModel, fused SDPA attention (transformers' default), no cache:
+    input_ids int64 [B, 16] -> logits [B, 16, 256]."""
+    import transformers
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    return _seeded(lambda: transformers.GPT2LMHeadModel(config))
+
+
+def llama() -> nn.Module:
+    """transformers' LlamaForCausalLM (rotary positions, RMSNorm, SwiGLU, grouped-query attention
+    through fused SDPA), no cache: input_ids int64 [B, 16] -> logits [B, 16, 256]."""
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      use_cache=False)
+    return _seeded(lambda: transformers.LlamaForCausalLM(config))
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet bottleneck: 1x1, 3x3 (the stride), 1x1 with 4x expansion, BatchNorm."""
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * width
+        self.conv1, self.bn1 = nn.Conv2d(cin, width, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+        self.conv3, self.bn3 = nn.Conv2d(width, cout, 1, bias=False), nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return torch.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNetFPN(nn.Module):
+    """A detection backbone laid out as torchvision's ``resnet_fpn_backbone`` (a bottleneck ResNet
+    whose stages 2-4 feed a FeaturePyramidNetwork: 1x1 lateral convolutions, a top-down path that
+    upsamples each coarser map by nearest neighbour, ``F.interpolate(size=..., mode="nearest")``,
+    3x3 output convolutions, and a max-pooled extra level), one block a stage.
+    image float32 [B, 3, 64, 64] -> feature maps "0" [B, 32, 8, 8], "1" [B, 32, 4, 4],
+    "2" [B, 32, 2, 2], "pool" [B, 32, 1, 1]."""
+
+    def __init__(self, widths: Sequence[int] = (8, 16, 32, 64), channels: int = 32) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]),
+                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        stages, cin = [], widths[0]
+        for index, width in enumerate(widths):
+            stages.append(Bottleneck(cin, width, 1 if index == 0 else 2))
+            cin = 4 * width
+        self.stages = nn.ModuleList(stages)
+        fed = [4 * w for w in widths[1:]]
+        self.inner = nn.ModuleList(nn.Conv2d(c, channels, 1) for c in fed)
+        self.layer = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=1) for _ in fed)
+
+    def forward(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, features = self.stem(image), []
+        for index, stage in enumerate(self.stages):
+            x = stage(x)
+            if index:
+                features.append(x)
+        last = self.inner[-1](features[-1])
+        results = [self.layer[-1](last)]
+        for index in range(len(features) - 2, -1, -1):
+            lateral = self.inner[index](features[index])
+            last = lateral + nn.functional.interpolate(last, size=lateral.shape[-2:], mode="nearest")
+            results.insert(0, self.layer[index](last))
+        names = [str(i) for i in range(len(results))]
+        out = dict(zip(names, results))
+        out["pool"] = nn.functional.max_pool2d(results[-1], 1, 2, 0)
+        return out
+
+
+def fpn() -> nn.Module:
+    torch.manual_seed(0)
+    return calibrate(ResNetFPN(), IMAGE)
 
 
 _IDS = [TensorSpec("input_ids", "i64", "tn", {"t": SEQUENCE})]
 _IMAGE = [TensorSpec("image", "f32", "whcn", {"c": 3, "h": IMAGE, "w": IMAGE})]
 _PIXELS = [TensorSpec("pixel_values", "f32", "whcn", {"c": 3, "h": IMAGE, "w": IMAGE})]
+_SMALL_PIXELS = [TensorSpec("pixel_values", "f32", "whcn", {"c": 3, "h": SMALL_IMAGE, "w": SMALL_IMAGE})]
 _SMALL_IMAGE = [TensorSpec("image", "f32", "whcn", {"c": 3, "h": SMALL_IMAGE, "w": SMALL_IMAGE})]
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], list[TensorSpec]]] = {
     "bert": (bert, _IDS),
+    "bert_classifier": (bert_classifier, _IDS),
     "roberta": (roberta, _IDS),
     "distilbert": (distilbert, _IDS),
     "albert": (albert, _IDS),
@@ -221,6 +410,16 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], list[TensorSpec]]] = {
     "convnext": (convnext, _IMAGE),
     "hf_convnext": (hf_convnext, _PIXELS),
     "efficientnet": (efficientnet, _SMALL_IMAGE),
+    "vit": (vit, _SMALL_PIXELS),
+    "deit": (deit, _SMALL_PIXELS),
+    "swin": (swin, _PIXELS),
+    "hf_resnet": (hf_resnet, _SMALL_PIXELS),
+    "mobilenet_v2": (mobilenet_v2, _SMALL_PIXELS),
+    "regnet": (regnet, _SMALL_PIXELS),
+    "segformer": (segformer, _PIXELS),
+    "fpn": (fpn, _IMAGE),
+    "gpt2": (gpt2, _IDS),
+    "llama": (llama, _IDS),
 }
 
 

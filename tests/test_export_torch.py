@@ -19,7 +19,7 @@ from safetensors.numpy import load_file
 from torch import nn
 
 from xlaserve.cli import main
-from xlaserve.export import TensorSpec, TracingError
+from xlaserve.export import ExportError, TensorSpec, TracingError
 from xlaserve.export_torch import export_torch, state_weights, to_numpy, to_torch
 from xlaserve.export_verify import VerificationError
 
@@ -251,17 +251,39 @@ class Decoder(nn.Module):
 
 
 def test_a_lowering_failure_names_the_op_and_the_module_path(tmp_path):
-    """torch-mlir 20261001 does not lower nearest-neighbour upsampling (issue 26): the error says
-    it was the lowering, not the tracing, which op was left and which submodule calls it, and
-    MLIR's first error instead of torch-mlir's generic one."""
+    """torch-mlir 20261001 does not lower nearest-neighbour upsampling (issue 26): with only the
+    plain torch-mlir route, the error says it was the lowering, not the tracing, which op was left
+    and which submodule calls it, and MLIR's first error instead of torch-mlir's generic one."""
     image = TensorSpec("x", "f32", "whcn", {"c": 4, "h": 4, "w": 4})
     with pytest.raises(TracingError) as caught:
-        export_torch(tmp_path / "dec", Decoder(), inputs=[image], compiled_batch_sizes=[1])
+        export_torch(tmp_path / "dec", Decoder(), inputs=[image], compiled_batch_sizes=[1], routes=["torch-mlir"])
     message = str(caught.value)
     assert "raised LoweringError while being lowered by torch-mlir at compiled batch size 1" in message
     assert "(left unlowered: aten.__interpolate.size_list_scale_list in up (Upsampled))" in message
     assert "failed to legalize operation 'torch.constant." in message
     assert "Decoder.forward(x=f32[1,4,4,4])" in message and not (tmp_path / "dec").exists()
+
+
+
+def test_a_failed_lowering_falls_back_to_the_rewrites_route_and_says_so(tmp_path):
+    """By default the same module is lowered by the second route (nearest upsampling rewritten
+    into a broadcast), verified against eager PyTorch; the note names the first route's error."""
+    image = TensorSpec("x", "f32", "whcn", {"c": 4, "h": 4, "w": 4})
+    heard: list[str] = []
+    result = export_torch(tmp_path / "dec", Decoder(), inputs=[image], compiled_batch_sizes=[1, 2],
+                          progress=heard.append)
+    assert result.route == "torch-mlir+rewrites" and result.verification.ok
+    notes = [n for n in result.notes if n.startswith("lowered by route torch-mlir+rewrites at batch size 1")]
+    assert len(notes) == 1 and "route torch-mlir: torch-mlir could not lower" in notes[0]
+    assert "aten.__interpolate.size_list_scale_list in up (Upsampled)" in notes[0]
+    assert f"note: {notes[0]}" in heard
+    assert not any("batch size 2" in n for n in result.notes)     # size 2 went straight to the route that worked
+
+
+def test_unknown_lowering_route_is_refused(tmp_path):
+    image = TensorSpec("x", "f32", "whcn", {"c": 4, "h": 4, "w": 4})
+    with pytest.raises(ExportError, match="expected one or more of torch-mlir, torch-mlir\\+rewrites"):
+        export_torch(tmp_path / "dec", Decoder(), inputs=[image], compiled_batch_sizes=[1], routes=["torchax"])
 
 
 MODEL = '''
@@ -306,7 +328,7 @@ def test_the_command_exports_a_torch_module(tmp_path, model_file, capsys):
                "--batch-sizes", "1,4", "--out", str(tmp_path / "m"), "--hooks"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert f"wrote {tmp_path / 'm'}: 2 modules, 4 weights, verified: 1 output of each module" in out
+    assert f"wrote {tmp_path / 'm'}: 2 modules, 4 weights, lowered by route torch-mlir, verified: 1 output of each module" in out
     assert (tmp_path / "m" / "model.py").exists()
     manifest = yaml.safe_load((tmp_path / "m" / "manifest.yaml").read_text())
     assert manifest["weights"]["order"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -364,10 +386,11 @@ def test_the_example_encoder_serves_and_matches_eager_pytorch(tmp_path):
 
 
 def test_only_export_torch_imports_torch():
-    """The server never imports torch: no module of the package but export_torch names it, and
-    importing the command line, the server's node and the export command loads none of it."""
+    """The server never imports torch: no module of the package but export_torch (and the op
+    rewrites only it imports, torch_rewrites) names it, and importing the command line, the
+    server's node and the export command loads none of it."""
     for path in (ROOT / "xlaserve").rglob("*.py"):
-        if path.name == "export_torch.py":
+        if path.name in ("export_torch.py", "torch_rewrites.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -377,3 +400,19 @@ def test_only_export_torch_imports_torch():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torch_mlir'}))")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert found.stdout.strip() == "[]"
+
+
+def test_the_lowering_memory_guard_fails_an_allocation_past_its_budget_and_restores_the_limit():
+    """What bounds a lowering that would take the machine's memory (torch-mlir on an open-ended
+    slice_scatter): inside the guard an allocation past the budget fails, after it the old limit
+    is back and the same allocation succeeds."""
+    import resource
+
+    from xlaserve.export_torch import _memory_guard
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    with _memory_guard(64 * 1024 * 1024):
+        with pytest.raises(MemoryError):
+            np.ones(512 * 1024 * 1024, dtype=np.uint8)
+    assert resource.getrlimit(resource.RLIMIT_AS) == before
+    assert np.ones(512 * 1024 * 1024, dtype=np.uint8)[-1] == 1

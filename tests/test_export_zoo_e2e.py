@@ -1,9 +1,11 @@
 """End to end, the fast subset of the mainstream architectures (examples/torch_zoo.py): a text
 encoder with non-persistent buffers (transformers' BertModel), a ConvNeXt whose pooling torch-mlir
 lowers to dense_resource constants, and an EfficientNet-like depthwise network whose logits reach
-tens, each exported by ``xlaserve export --torch`` with the default verification, served by the
-real server and queried with the Triton client, the answers compared with eager PyTorch under the
-same scaled tolerance. (A Flax model is done the same way in tests/test_export_flax_e2e.py.)"""
+tens, and a decoder-only text model (transformers' GPT2LMHeadModel with its fused SDPA attention)
+at compiled batch 4, which plain torch-mlir fails on and the second lowering route exports, each
+exported by ``xlaserve export --torch`` with the default verification, served by the real server
+and queried with the Triton client, the answers compared with eager PyTorch under the same scaled
+tolerance. (A Flax model is done the same way in tests/test_export_flax_e2e.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +18,8 @@ from xlaserve.cli import main
 from xlaserve.export_verify import compare, tolerance
 
 
-MODELS = ("bert", "convnext", "efficientnet")
+MODELS = ("bert", "convnext", "efficientnet", "gpt2")
+ROUTES = {"gpt2": "torch-mlir+rewrites"}
 SIZES = "4"      # one compiled size keeps the test short; 3 rows are padded to it
 DATATYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
 
@@ -37,6 +40,7 @@ def test_mainstream_models_export_serve_and_match_eager_pytorch(tmp_path, capsys
         out, err = capsys.readouterr()
         assert rc == 0, err
         assert "within tolerance" in out
+        assert f"lowered by route {ROUTES.get(name, 'torch-mlir')}," in out, out
 
     # what each needed: BERT's non-persistent buffers are weights; ConvNeXt's constants are inline
     bert = yaml.safe_load((repo / "bert" / "manifest.yaml").read_text())

@@ -304,7 +304,8 @@ def main(args: argparse.Namespace) -> int:
         verified = "not verified (--no-verify)"
     modules = (f"1 dynamic-batch module for sizes {','.join(map(str, sorted(sizes)))}" if args.dynamic_batch
                else f"{len(sizes)} modules")
-    print(f"wrote {result.bundle}: {modules}, {len(result.weights_order)} weights, {verified}")
+    route = f", lowered by route {result.route}" if args.torch is not None else ""
+    print(f"wrote {result.bundle}: {modules}, {len(result.weights_order)} weights{route}, {verified}")
     return 0
 
 

@@ -14,7 +14,9 @@ How the module becomes a bundle, once per compiled batch size:
    so ``torch.export`` sees the weights as inputs instead of constants to fold into the program.
 2. ``torch.export.export`` traces the wrapper at that batch size (static shapes), and
    ``torch_mlir.fx.export_and_import(..., output_type="stablehlo")`` lowers it to a StableHLO
-   ``@main(weights..., inputs...)``. torch-mlir writes every literal tensor of more than one
+   ``@main(weights..., inputs...)``: by the first of :data:`ROUTES` that succeeds, torch-mlir on
+   the program as traced, else on the program with the ops torch-mlir fails on rewritten
+   (:mod:`xlaserve.torch_rewrites`), the lowering's memory bounded (:data:`LOWERING_MEMORY_BYTES`). torch-mlir writes every literal tensor of more than one
    element (index tensors of an adaptive pooling, say) as a ``dense_resource`` constant, which
    XLA refuses; :func:`xlaserve.runtime.pjrt.resolve_dense_resources` makes each an inline
    ``dense`` constant, or, above :data:`INLINE_CONSTANT_BYTES`, a weight named
@@ -58,6 +60,7 @@ from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abs
                              _check_batch_sizes, dtype_code, module_file_name, write_bundle)
 from xlaserve.export_jax import hooks_skeleton, output_specs
 from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
+from xlaserve import torch_rewrites
 from xlaserve.runtime.pjrt import dense_resources, resolve_dense_resources
 
 log = logging.getLogger("xlaserve.export")
@@ -69,14 +72,16 @@ __all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_nu
 class TorchExport:
     """What :func:`export_torch` wrote and found: the bundle directory, the output specs, the
     weights in binding order (``state_dict`` names, then non-persistent buffers' attribute paths,
-    then any ``constant.<key>`` of the lowering), notes on defaults it chose, and the
-    verification (None when ``verify=False``)."""
+    then any ``constant.<key>`` of the lowering), notes on defaults it chose, the
+    verification (None when ``verify=False``), and the lowering route (:data:`ROUTES`) that made
+    the modules."""
 
     bundle: Path
     outputs: tuple[TensorSpec, ...]
     weights_order: tuple[str, ...]
     notes: tuple[str, ...]
     verification: Verification | None
+    route: str = "torch-mlir"
 
 
 def module_from(found: Any, where: str) -> torch.nn.Module:
@@ -188,58 +193,126 @@ def _run_eager(module: torch.nn.Module, arrays: Sequence[np.ndarray]) -> Any:
         return module(*[to_torch(a) for a in arrays])
 
 
-def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray]) -> bytes:
-    """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text."""
+#: The lowering routes, tried in this order until one lowers the program: torch-mlir on the
+#: program as ``torch.export`` traced it, then torch-mlir after :mod:`xlaserve.torch_rewrites`
+#: (fused attention and nearest-neighbour upsampling decomposed into plain ops, slices clamped
+#: to their axes). docs/export.md has the table of which zoo model needs which, measured.
+ROUTES = ("torch-mlir", "torch-mlir+rewrites")
+
+#: The most memory (bytes of address space above what the process holds) one lowering may
+#: take before it fails with ``std::bad_alloc`` instead of taking the machine's memory (torch-mlir
+#: lowering a ``slice_scatter`` with an open end has taken gigabytes); None: half the machine's.
+LOWERING_MEMORY_BYTES: int | None = None
+
+
+def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray],
+           routes: Sequence[str] = ROUTES) -> tuple[bytes, str, list[str]]:
+    """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text by
+    the first of ``routes`` that lowers it; returns (text, that route, each failed route's error
+    as one line). ``torch.export`` failing raises as it is; every route failing raises the
+    first route's :class:`LoweringError`, naming the others' errors."""
     args = (*weights, *[to_torch(a) for a in arrays])
     # torch.export prints the partial graph of a failed export to stderr itself; the failure is
     # reported as one TracingError line instead, and the graph goes to the debug log.
     printed = io.StringIO()
     try:
-        return _export_and_lower(wrapper, args, printed)
+        with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stderr(printed):
+            # torch 2.13 deprecates a pytree check that torch.export still makes; not the user's to fix
+            warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    FutureWarning)
+            program = torch.export.export(wrapper, args, strict=False)
+            failed: list[tuple[str, Exception]] = []
+            for route in routes:
+                try:
+                    return _decompose_and_lower(program, route), route, [f"{r}: {e}" for r, e in failed]
+                except Exception as exc:
+                    failed.append((route, exc))
+                    log.debug("lowering route %s failed", route, exc_info=exc)
+            first = failed[0][1]
+            if len(failed) == 1:
+                raise first
+            others = "; ".join(f"route {r} failed too: {' '.join(str(e).split())[:300]}" for r, e in failed[1:])
+            raise LoweringError(f"{first} ({others})") from first
     finally:
         if printed.getvalue().strip():
             log.debug("torch.export printed: %s", printed.getvalue())
 
 
-def _export_and_lower(wrapper: _Functional, args: tuple[torch.Tensor, ...], printed: io.StringIO) -> bytes:
-    with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stderr(printed):
-        # torch 2.13 deprecates a pytree check that torch.export still makes; not the user's to fix
-        warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                FutureWarning)
-        program = torch.export.export(wrapper, args, strict=False)
-        program = program.run_decompositions(get_decomposition_table())
-        # torch.export lists the module's own state as inputs of the program too (unused: the
-        # wrapper's arguments replace it), and torch-mlir's importer looks every buffer up in
-        # the program's state_dict, where non-persistent buffers are not: they are among its
-        # constants. Give the importer their values where it looks, after the decompositions
-        # (whose check of the program refuses a non-persistent buffer in the state_dict), and
-        # have it decompose nothing more.
-        for buffer in program.graph_signature.non_persistent_buffers:
-            if buffer not in program.state_dict and buffer in program.constants:
-                program.state_dict[buffer] = program.constants[buffer]
-        # MLIR prints its diagnostics (what failed to legalize) to the process's stderr and
-        # raises with a generic message; kept here instead, the first error is the message.
-        context = torch_mlir_ir.Context()
-        torch_dialect.register_dialect(context)
-        errors: list[str] = []
+@contextlib.contextmanager
+def _memory_guard(budget: int | None):
+    """The process's address space limited to what it holds now plus ``budget`` bytes (half the
+    machine's memory if None) while the block runs, so that a lowering that would take all of it
+    fails with ``std::bad_alloc`` instead; the old limit is restored after. Linux only (elsewhere,
+    or where the limit cannot be set, no guard)."""
+    try:
+        import resource
+        held = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        if budget is None:
+            budget = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        limit = held + budget
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        if soft != resource.RLIM_INFINITY and soft <= limit:
+            yield
+            return
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
-        def keep(diagnostic) -> bool:
-            if diagnostic.severity == torch_mlir_ir.DiagnosticSeverity.ERROR:
-                errors.append(diagnostic.message)
-            return True
 
-        handler = context.attach_diagnostic_handler(keep)
-        importer = FxImporter(context=context)
-        try:
+def _decompose_and_lower(exported: torch.export.ExportedProgram, route: str) -> bytes:
+    if route not in ROUTES:
+        raise ValueError(f"lowering route {route!r}: expected one of {', '.join(ROUTES)}")
+    table = get_decomposition_table()
+    if route == "torch-mlir+rewrites":
+        table = {**table, **torch_rewrites.DECOMPOSITIONS}
+    try:
+        program = exported.run_decompositions(table)
+    except Exception as exc:
+        raise LoweringError(f"the decomposition of the exported program into the ops torch-mlir lowers"
+                            f" failed: {type(exc).__name__}: {exc}") from exc
+    if route == "torch-mlir+rewrites":
+        torch_rewrites.clamp_slices(program.graph_module.graph)
+        program.graph_module.recompile()
+    # torch.export lists the module's own state as inputs of the program too (unused: the
+    # wrapper's arguments replace it), and torch-mlir's importer looks every buffer up in
+    # the program's state_dict, where non-persistent buffers are not: they are among its
+    # constants. Give the importer their values where it looks, after the decompositions
+    # (whose check of the program refuses a non-persistent buffer in the state_dict), and
+    # have it decompose nothing more.
+    for buffer in program.graph_signature.non_persistent_buffers:
+        if buffer not in program.state_dict and buffer in program.constants:
+            program.state_dict[buffer] = program.constants[buffer]
+    # MLIR prints its diagnostics (what failed to legalize) to the process's stderr and
+    # raises with a generic message; kept here instead, the first error is the message.
+    context = torch_mlir_ir.Context()
+    torch_dialect.register_dialect(context)
+    errors: list[str] = []
+
+    def keep(diagnostic) -> bool:
+        if diagnostic.severity == torch_mlir_ir.DiagnosticSeverity.ERROR:
+            errors.append(diagnostic.message)
+        return True
+
+    handler = context.attach_diagnostic_handler(keep)
+    importer = FxImporter(context=context)
+    try:
+        with _memory_guard(LOWERING_MEMORY_BYTES):
             lowered = torch_mlir_fx.export_and_import(program, output_type="stablehlo", func_name="main",
                                                       decomposition_table={}, fx_importer=importer)
             return str(lowered).encode()
-        except Exception as exc:
-            found = errors[0] if errors else f"{type(exc).__name__}: {exc}"
-            raise LoweringError(f"torch-mlir could not lower the exported program to StableHLO"
-                                f"{_unlowered(importer, program)}: {found}") from exc
-        finally:
-            handler.detach()
+    except Exception as exc:
+        found = errors[0] if errors else f"{type(exc).__name__}: {exc}"
+        raise LoweringError(f"torch-mlir could not lower the exported program to StableHLO"
+                            f"{_unlowered(importer, program)}: {found}") from exc
+    finally:
+        handler.detach()
 
 
 # torch-mlir's own ops for what the program calls under another name
@@ -279,8 +352,9 @@ def _unlowered(importer: FxImporter, program: torch.export.ExportedProgram) -> s
 
 
 class LoweringError(RuntimeError):
-    """``torch.export`` traced the module, torch-mlir failed to lower the program; the message is
-    MLIR's first error (``failed to legalize operation ...``) or torch-mlir's own."""
+    """``torch.export`` traced the module, then decomposing or lowering the program failed; the
+    message is MLIR's first error (``failed to legalize operation ...``), torch-mlir's own, or the
+    decomposition's, then what the other routes raised."""
 
 
 #: torch-mlir writes every literal tensor of more than one element as a ``dense_resource``
@@ -323,6 +397,7 @@ def export_torch(
     rtol: float | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    routes: Sequence[str] = ROUTES,
 ) -> TorchExport:
     """Export ``module`` as a bundle at ``out_dir`` and verify it against the module in eager
     PyTorch (see the module docstring for how).
@@ -337,7 +412,9 @@ def export_torch(
     ``atol``/``rtol`` (default per dtype, :mod:`xlaserve.export_verify`); above them
     :class:`xlaserve.export_verify.VerificationError` is raised and the bundle stays written for
     inspection. ``progress`` hears the notes, then one line per size lowered, module compiled
-    and output verified.
+    and output verified. ``routes`` are the lowering routes to try, in order (:data:`ROUTES`);
+    a size lowered by other than the first has a note saying what the ones before it raised, and
+    :attr:`TorchExport.route` names the route that made the modules.
 
     The module failing to run, to export or to lower raises :class:`TracingError` naming the
     batch size and the inputs it was called with; anything else it cannot do is an
@@ -392,14 +469,22 @@ def export_torch(
 
     wrapper = _Functional(module, names)
     lowered: dict[str, str] = {}
+    routes = tuple(routes)
+    unknown = [r for r in routes if r not in ROUTES]
+    if unknown or not routes:
+        raise ExportError(f"lowering routes {list(routes)}: expected one or more of {', '.join(ROUTES)}")
     for index, batch in enumerate(sizes, 1):
         started = time.perf_counter()
         try:
-            lowered[module_file_name(batch)] = _lower(
-                wrapper, list(weights.values()), sample_inputs(inputs, batch, seed)).decode()
+            text, route, failed = _lower(wrapper, list(weights.values()), sample_inputs(inputs, batch, seed), routes)
         except Exception as exc:
             stage = "lowered by torch-mlir" if isinstance(exc, LoweringError) else "traced"
             raise TracingError(name, batch, exc, _signature(module, inputs, batch), stage) from exc
+        lowered[module_file_name(batch)] = text.decode()
+        if failed:
+            note(f"lowered by route {route} at batch size {batch}: "
+                 + "; ".join(f"route {' '.join(line.split())[:400]}" for line in failed))
+        routes = routes[routes.index(route):]       # the other sizes start where this one succeeded
         if progress is not None:
             progress(f"{name}: exported and lowered compiled batch size {batch} ({index}/{len(sizes)})"
                      f" in {time.perf_counter() - started:.2f}s")
@@ -426,4 +511,4 @@ def export_torch(
             return [a for _, a in _named_outputs(result, type(module).__name__)]
         verification = verify_bundle(out_dir, reference, atol=atol, rtol=rtol, seed=seed,
                                      progress=progress)
-    return TorchExport(out_dir, tuple(outputs), tuple(names), tuple(notes), verification)
+    return TorchExport(out_dir, tuple(outputs), tuple(names), tuple(notes), verification, routes[0])
