@@ -121,7 +121,7 @@ def test_export_round_trip_nested_params(tmp_path, device):
         ("model.b1.mlir", "label"), ("model.b1.mlir", "logits"),
         ("model.b4.mlir", "label"), ("model.b4.mlir", "logits")]
     assert all(c.ok and c.max_abs_error <= 1e-5 for c in checks)
-    assert (checks[1].atol, checks[1].rtol, checks[0].atol) == (1e-5, 1e-5, 0.0)
+    assert (checks[1].atol, checks[1].rtol, checks[0].atol) == (5e-5, 1e-5, 0.0)
     assert any("traced compiled batch size 4 (2/2)" in line for line in lines)
     assert any("verify model.b4.mlir logits (f32): max abs error" in line for line in lines)
     assert any("note: output 'logits': axes not given, named 'xn'" in line for line in lines)
@@ -251,7 +251,7 @@ def test_compare_and_tolerance_rules():
     abs_err, rel_err, bad = compare(np.array([0.0, 2.0]), np.array([0.5, 2.5]), 0.1, 0.1)
     assert (abs_err, rel_err, bad) == (0.5, 0.25, 2)
     assert compare(np.array([0.0, 2.0]), np.array([0.5, 2.5]), 0.5, 0.0)[2] == 0
-    assert tolerance("f32") == (1e-5, 1e-5) and tolerance("i64") == (0.0, 0.0)
+    assert tolerance("f32") == (5e-5, 1e-5) and tolerance("i64") == (0.0, 0.0)
     assert tolerance("f16")[0] > tolerance("f32")[0] and tolerance("bf16")[1] > tolerance("f16")[1]
     assert tolerance("f32", atol=0.5) == (0.5, 1e-5)
 
@@ -272,7 +272,7 @@ def test_the_absolute_tolerance_scales_with_the_output():
     wrong = logits.copy()
     wrong[3] += 0.01                          # one logit off by 3.4e-4 of the scale
     assert compare(logits, wrong, atol, rtol)[2] == 1
-    assert compare(logits, logits * 1.001, atol, rtol)[2] > 900
+    assert compare(logits, logits * 1.001, atol, rtol)[2] > 800         # all but those within 1.5 of 0
     # the scale is never below 1, and ignores what is not finite
     assert output_scale(np.array([0.25, -0.5])) == 1.0
     assert output_scale(np.array([np.inf, -3.0, np.nan])) == 3.0

@@ -33,12 +33,14 @@ __all__ = [
 ]
 
 #: (atol, rtol) per output dtype code when none is given; atol is a fraction of the output's
-#: scale (:func:`output_scale`). They allow for reordered float arithmetic only: a few ulps of the
-#: type (bf16 keeps 8 significant bits, f16 11, f32 24), relative to the largest value of the
-#: output. Integer and boolean outputs must be equal.
+#: scale (:func:`output_scale`). They allow for reordered float arithmetic only: a few hundred
+#: ulps of the type at most (bf16 keeps 8 significant bits, f16 11, f32 24), relative to the
+#: largest value of the output. f32's 5e-5: two float32 implementations of a deep network (XLA's
+#: and eager PyTorch's MobileNetV2) differ by up to 1.9e-5 of the scale, each about as far from
+#: the float64 result. Integer and boolean outputs must be equal.
 DEFAULT_TOLERANCES: Mapping[str, tuple[float, float]] = {
     "f64": (1e-12, 1e-12),
-    "f32": (1e-5, 1e-5),
+    "f32": (5e-5, 1e-5),
     "f16": (1e-3, 1e-3),
     "bf16": (1e-2, 1e-2),
 }
