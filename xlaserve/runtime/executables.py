@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xlaserve.runtime.pjrt import (CompiledMemory, Device, Signature, TensorType, kernel_permutations,
-                                   read_signature, relayout, specialize)
+                                   read_signature, relayout, rewrite_depthwise_convolutions, specialize)
 
 #: ``compile_module(path, module_bytes) -> (executable, cache_hit)``: what compiles a module the
 #: table has not loaded (the executable cache's, or the device's own compile).
@@ -220,6 +220,10 @@ class ExecutableTable:
             with self._lock:
                 self._permutations.put(key, found)
         return dict(found)
+
+    def rewrite_depthwise(self, module: bytes) -> bytes:
+        """:func:`~xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`, once per distinct module."""
+        return self._derive(("depthwise", digest(module)), lambda: rewrite_depthwise_convolutions(module))
 
     def relayout(self, module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         """:func:`~xlaserve.runtime.pjrt.relayout`, once per module and permutations."""
