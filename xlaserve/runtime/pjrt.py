@@ -630,8 +630,23 @@ class CompiledMemory:
 # also hands it each convolution, which made ResNet-18 cost 75-85 ms of CPU a call at batch 1
 # against 45-47 without (benchmarks/resnet_exec_bench.py, docs/benchmarks.md), while dots
 # (the ``mlp`` example at batch 32) lose about 40% without it.
+_YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
+_YNN_DOTS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 COMPILE_OVERRIDES: Mapping[str, tuple[tuple[str, str], ...]] = {
-    "cpu": (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),),
+    "cpu": ((_YNN_FUSION, _YNN_DOTS),),
+}
+
+#: The name of the compile options :data:`COMPILE_OVERRIDES` gives.
+DEFAULT_CHOICE = "default"
+
+# Other compile options a module may be compiled with, per backend, by name: a module with
+# grouped convolutions left after :func:`rewrite_depthwise_convolutions` (ResNeXt's, say) is
+# compiled with each and with the default, and the fastest on trial runs is kept
+# (:mod:`xlaserve.runtime.tuning`). On the cpu YNNPACK also taking convolutions runs a ResNeXt
+# block at batch 8 in half the time of XLA's own path, at batch 1 about 10% faster
+# (benchmarks/dwconv_bench.py, docs/benchmarks.md), while it slows ResNet-18's dense ones.
+COMPILE_CHOICES: Mapping[str, Mapping[str, tuple[tuple[str, str], ...]]] = {
+    "cpu": {"ynn-convolutions": ((_YNN_FUSION, _YNN_DOTS + ",LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"),)},
 }
 
 
@@ -696,14 +711,51 @@ class Device:
         was not measured."""
         return self.backend == "cpu"
 
-    def compile(self, module: bytes):
+    def compile(self, module: bytes, choice: str = DEFAULT_CHOICE):
         """Compile a StableHLO module (text, bytecode or portable artifact) for this device,
-        with this backend's :data:`COMPILE_OVERRIDES`."""
-        return self._client.compile_and_load(module, self._device_list, self._compile_options())
+        with the compile options ``choice`` names: this backend's :data:`COMPILE_OVERRIDES`
+        (``default``) or one of its :data:`COMPILE_CHOICES`."""
+        return self._client.compile_and_load(module, self._device_list, self._compile_options(choice))
 
-    def _compile_options(self):
+    def overrides(self, choice: str = DEFAULT_CHOICE) -> tuple[tuple[str, str], ...]:
+        """The XLA options ``choice`` sets on this backend. ValueError for a name it does not have."""
+        if choice == DEFAULT_CHOICE:
+            return tuple(COMPILE_OVERRIDES.get(self.backend, ()))
+        found = COMPILE_CHOICES.get(self.backend, {}).get(choice)
+        if found is None:
+            raise ValueError(f"no compile options named {choice!r} on {self.backend} (it has "
+                             f"{', '.join((DEFAULT_CHOICE, *COMPILE_CHOICES.get(self.backend, {})))})")
+        return tuple(found)
+
+    def compile_choices(self, module: bytes) -> tuple[str, ...]:
+        """The compile options worth trying on ``module``, the default first: all of this
+        backend's :data:`COMPILE_CHOICES` when the module has grouped convolutions
+        (:func:`has_grouped_convolutions`), else the default alone."""
+        others = tuple(COMPILE_CHOICES.get(self.backend, {}))
+        if others and has_grouped_convolutions(module):
+            return (DEFAULT_CHOICE, *others)
+        return (DEFAULT_CHOICE,)
+
+    @staticmethod
+    def trial_arguments(module: bytes, seed: int = 0) -> list[np.ndarray]:
+        """Arguments for trial runs of ``module`` (static shapes): small standard-normal values
+        for floating-point arguments, zeros for the others (integers index tables, so zeros stay
+        in range)."""
+        rng = np.random.default_rng(seed)
+        arguments = []
+        for index, t in enumerate(read_signature(module).inputs):
+            if any(d is None for d in t.shape) or t.element not in BY_MLIR:
+                raise ModuleError(f"argument {index} of @main is {t}, which a trial run cannot make")
+            dtype = BY_MLIR[t.element].numpy
+            if np.issubdtype(dtype, np.floating) or t.element in ("bf16", "f16"):
+                arguments.append((rng.standard_normal(t.shape) * 0.1).astype(dtype))
+            else:
+                arguments.append(np.zeros(t.shape, dtype))
+        return arguments
+
+    def _compile_options(self, choice: str = DEFAULT_CHOICE):
         options = xla_client.CompileOptions()
-        overrides = COMPILE_OVERRIDES.get(self.backend, ())
+        overrides = self.overrides(choice)
         if overrides:
             options.env_option_overrides = list(overrides)
         return options
@@ -717,16 +769,20 @@ class Device:
     def serialize(self, executable) -> bytes:
         return bytes(self._client.serialize_executable(executable))
 
-    def deserialize(self, blob: bytes):
-        return self._client.deserialize_executable(blob, self._device_list, self._compile_options())
+    def deserialize(self, blob: bytes, choice: str = DEFAULT_CHOICE):
+        """An executable :meth:`serialize` wrote, compiled with the options ``choice`` names."""
+        return self._client.deserialize_executable(blob, self._device_list, self._compile_options(choice))
 
     def cache_key_parts(self) -> dict[str, str]:
         """What, besides the module bytes, decides whether a serialized executable fits this
-        device: versions, backend, device kind and the compile options :meth:`compile` uses."""
-        options = self._compile_options().SerializeAsString()
+        device: versions, backend, device kind and the compile options :meth:`compile` uses
+        (the default and every choice a trial may pick)."""
+        options = hashlib.sha256(self._compile_options().SerializeAsString())
+        for name in COMPILE_CHOICES.get(self.backend, {}):
+            options.update(f"\0{name}\0".encode())
+            options.update(self._compile_options(name).SerializeAsString())
         return {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
-                "platform_version": self.platform_version,
-                "compile_options": hashlib.sha256(options).hexdigest()}
+                "platform_version": self.platform_version, "compile_options": options.hexdigest()}
 
     @property
     def host_memory_kind(self) -> str:
