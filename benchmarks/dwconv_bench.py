@@ -2,7 +2,7 @@
 the rewrite xlaserve applies (:func:`xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`),
 against eager PyTorch on the same number of threads.
 
-    python -m benchmarks.dwconv_bench [--threads 2] [--rounds 5] [--calls 10] [--part layers,network]
+    python -m benchmarks.dwconv_bench [--threads 2] [--rounds 5] [--calls 10] [--part layers,grouped,zoo,transformers]
 
 ``layers``: single depthwise convolutions (NCHW input, OIHW kernel, as torch-mlir writes them),
 each lowered with jax and compiled under each variant: the module as it is with xlaserve's
@@ -10,8 +10,11 @@ compile options (YNNPACK for dots only: ``dots``), with YNNPACK also taking conv
 (``ynn-conv``), with XLA's defaults (``xla-default``), with XNNPACK or oneDNN asked to take
 individual convolutions (``xnn-conv``, ``onednn-conv``); the module transposed to NHWC around
 the convolution (``nhwc``); and the module after xlaserve's rewrite (``rewritten``).
-``network``: examples/torch_zoo.py's EfficientNet-like network exported with
-``xlaserve export --torch`` at batch 1 and 8 and loaded as the server loads it (``rewritten``,
+``grouped``: a ResNeXt block, whose grouped convolutions the rewrite leaves, under each compile
+option a trial may choose (:mod:`xlaserve.runtime.tuning`), and the one it chose.
+``zoo`` and ``transformers``: examples/torch_zoo.py's EfficientNet-like network (32x32), and
+transformers' MobileNetV2Model and EfficientNet-B0 encoder (224x224) from configs, exported with
+``xlaserve export --torch`` at batch 1 and 8 and loaded as the server loads them (``rewritten``,
 today's default), or with the rewrite switched off (``as exported``), against the same model in
 eager PyTorch under ``torch.inference_mode``.
 
@@ -133,46 +136,146 @@ def layers(rounds: int, calls: int, rows: list) -> None:
                 _race(sides, rounds, calls), errors, rows)
 
 
-def network(rounds: int, calls: int, rows: list) -> None:
+def _hf_models():
+    """transformers' MobileNetV2Model and EfficientNetModel (B0's widths and depths) from configs,
+    224x224, BatchNorm statistics calibrated on random images. EfficientNet's own pooler (an
+    ``AvgPool2d`` with ``ceil_mode``) does not lower through torch-mlir, so its encoder is
+    followed by a mean over the image instead."""
+    import torch
+    from transformers import EfficientNetConfig, EfficientNetModel, MobileNetV2Config, MobileNetV2Model
+
+    from examples.torch_zoo import calibrate
+
+    class Encoder(torch.nn.Module):
+        def __init__(self, model) -> None:
+            super().__init__()
+            self.embeddings, self.encoder = model.embeddings, model.encoder
+
+        def forward(self, pixel_values):
+            return self.encoder(self.embeddings(pixel_values)).last_hidden_state.mean((2, 3))
+
+    def reinitialized(model):
+        # transformers draws conv weights from N(0, 0.02), under which activations shrink to
+        # denormals within a few blocks (slow on both sides); PyTorch's own init keeps them in range
+        torch.manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+                module.reset_parameters()
+        return calibrate(model, 224, batches=1, batch=4)
+
+    mobilenet = reinitialized(MobileNetV2Model(MobileNetV2Config(image_size=224)))
+    efficientnet = reinitialized(Encoder(EfficientNetModel(EfficientNetConfig(
+        image_size=224, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280))))
+    return {"transformers MobileNetV2Model (224x224)": mobilenet,
+            "transformers EfficientNetModel B0 encoder (224x224)": efficientnet}
+
+
+def network(rounds: int, calls: int, rows: list, which: str) -> None:
     import torch
 
     from examples import torch_zoo
     from xlaserve import bundle as bundle_module
+    from xlaserve.export import TensorSpec
     from xlaserve.export_torch import export_torch
     from xlaserve.runtime.pjrt import Device
 
-    factory, inputs = torch_zoo.MODELS["efficientnet"]
-    model = factory()
+    if which == "zoo":
+        factory, inputs = torch_zoo.MODELS["efficientnet"]
+        models = {"EfficientNet-like (examples/torch_zoo.py, 32x32)": factory()}
+    else:
+        inputs = [TensorSpec("pixel_values", "f32", "whcn", {"c": 3, "h": 224, "w": 224})]
+        models = _hf_models()
     device = Device("cpu")
-    with tempfile.TemporaryDirectory(prefix="dwconv-") as tmp:
-        out = export_torch(Path(tmp) / "efficientnet", model, inputs=inputs, compiled_batch_sizes=[1, 8],
-                           verify=False).bundle
-        rewritten = bundle_module.load_bundle(out, 1, device)
 
-        class AsExported(Device):
-            rewrites_depthwise = False
-        plain_device = AsExported("cpu")
-        plain = bundle_module.load_bundle(out, 1, plain_device)
-        loaded = {"rewritten": (device, rewritten), "as exported": (plain_device, plain)}
-        weights = {name: list(dev.put_weights(list(m.weights.read()))) for name, (dev, m) in loaded.items()}
-        for batch in (1, 8):
-            x = torch_zoo.sample("efficientnet", batch)[0]
-            tx = torch.from_numpy(x)
-            with torch.inference_mode():
-                reference = model(tx).numpy()
-
-            def run_torch():
+    class AsExported(Device):
+        rewrites_depthwise = False
+    plain_device = AsExported("cpu")
+    rng = np.random.default_rng(3)
+    for title, model in models.items():
+        with tempfile.TemporaryDirectory(prefix="dwconv-") as tmp:
+            started = time.perf_counter()
+            out = export_torch(Path(tmp) / "model", model, inputs=inputs, compiled_batch_sizes=[1, 8],
+                               verify=False).bundle
+            print(json.dumps({"case": title, "export_seconds": round(time.perf_counter() - started, 1)}), flush=True)
+            loaded = {"rewritten": (device, bundle_module.load_bundle(out, 1, device)),
+                      "as exported": (plain_device, bundle_module.load_bundle(out, 1, plain_device))}
+            weights = {name: list(dev.put_weights(list(m.weights.read()))) for name, (dev, m) in loaded.items()}
+            for batch in (1, 8):
+                x = rng.standard_normal(inputs[0].row_major(batch)).astype(np.float32)
+                tx = torch.from_numpy(x)
                 with torch.inference_mode():
-                    model(tx)
-            sides = {"eager torch": run_torch}
-            errors = {}
-            for name, (dev, m) in loaded.items():
-                exe = m.modules[batch].executable
-                args = [*weights[name], dev._put(x)]
-                errors[name] = float(np.abs(dev.execute(exe, args)[0] - reference).max())
-                sides[name] = (lambda dev=dev, exe=exe, args=args: dev.execute(exe, args))
-            _report(f"EfficientNet-like (examples/torch_zoo.py), batch {batch}", _race(sides, rounds, calls),
-                    errors, rows)
+                    reference = model(tx)
+                    reference = (reference if isinstance(reference, torch.Tensor) else reference[0]).numpy()
+
+                def run_torch():
+                    with torch.inference_mode():
+                        model(tx)
+                sides = {"eager torch": run_torch}
+                errors = {}
+                for name, (dev, m) in loaded.items():
+                    exe = m.modules[batch].executable
+                    args = [*weights[name], dev._put(x)]
+                    errors[name] = float(np.abs(dev.execute(exe, args)[0] - reference).max())
+                    sides[name] = (lambda dev=dev, exe=exe, args=args: dev.execute(exe, args))
+                _report(f"{title}, batch {batch}", _race(sides, rounds, calls), errors, rows)
+
+
+def grouped(rounds: int, calls: int, rows: list) -> None:
+    """A ResNeXt bottleneck block (1x1 256->128, 3x3 in 32 groups, 1x1 128->256, residual) at
+    28x28: grouped convolutions the depthwise rewrite leaves, compiled with each compile option
+    and with the option :func:`xlaserve.runtime.tuning.compile_tuned` picks."""
+    import jax
+    import torch
+    from jax import lax
+
+    from xlaserve.runtime.pjrt import Device
+    from xlaserve.runtime.tuning import compile_tuned
+
+    numbers = ("NCHW", "OIHW", "NCHW")
+
+    def block(x, w1, w2, w3):
+        y = jax.nn.relu(lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=numbers))
+        y = jax.nn.relu(lax.conv_general_dilated(y, w2, (1, 1), "SAME", dimension_numbers=numbers,
+                                                 feature_group_count=32))
+        return (lax.conv_general_dilated(y, w3, (1, 1), "SAME", dimension_numbers=numbers) + x,)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c1 = torch.nn.Conv2d(256, 128, 1, bias=False)
+            self.c2 = torch.nn.Conv2d(128, 128, 3, padding=1, groups=32, bias=False)
+            self.c3 = torch.nn.Conv2d(128, 256, 1, bias=False)
+
+        def forward(self, x):
+            return self.c3(torch.relu(self.c2(torch.relu(self.c1(x))))) + x
+
+    device = Device("cpu")
+    rng = np.random.default_rng(0)
+    model = Block().eval()
+    weights = [(rng.standard_normal(c.weight.shape) * 0.05).astype(np.float32) for c in (model.c1, model.c2, model.c3)]
+    with torch.no_grad():
+        for conv, w in zip((model.c1, model.c2, model.c3), weights):
+            conv.weight.copy_(torch.from_numpy(w))
+    for batch in (1, 8):
+        x = rng.standard_normal((batch, 256, 28, 28)).astype(np.float32)
+        text = jax.jit(block).lower(x, *weights).as_text().encode()
+        variants = {choice: device.compile(text, choice) for choice in device.compile_choices(text)}
+        tuned = compile_tuned(device, text)
+        args = [device._put(a) for a in (x, *weights)]
+        tx = torch.from_numpy(x)
+        with torch.inference_mode():
+            reference = model(tx).numpy()
+        errors = {name: float(np.abs(device.execute(exe, args)[0] - reference).max()) for name, exe in variants.items()}
+
+        def run_torch():
+            with torch.inference_mode():
+                model(tx)
+        sides = {"eager torch": run_torch}
+        sides.update({name: (lambda exe=exe: device.execute(exe, args)) for name, exe in variants.items()})
+        case = f"ResNeXt block (32 groups, 28x28), batch {batch}"
+        print(json.dumps({"case": case, "trial_choice": tuned.choice, "trial_seconds": round(tuned.seconds, 2)}),
+              flush=True)
+        _report(case, _race(sides, rounds, calls), errors, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         "uses one per core)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
-    parser.add_argument("--part", default="layers,network")
+    parser.add_argument("--part", default="layers,grouped,zoo,transformers")
     args = parser.parse_args(argv)
     import os
 
@@ -193,8 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     parts = args.part.split(",")
     if "layers" in parts:
         layers(args.rounds, args.calls, rows)
-    if "network" in parts:
-        network(args.rounds, args.calls, rows)
+    if "grouped" in parts:
+        grouped(args.rounds, args.calls, rows)
+    for which in ("zoo", "transformers"):
+        if which in parts:
+            network(args.rounds, args.calls, rows, which)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     for case in cases:
         print(f"\n{case}\n\n| variant | ms | × eager | max abs error |\n|---|---|---|---|")

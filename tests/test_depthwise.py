@@ -36,8 +36,9 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels-first", "channels-last"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_rewritten_depthwise_convolution_computes_the_same(device, case):
+def test_rewritten_depthwise_convolution_computes_the_same(device, case, channels_last):
     numbers, strides, padding, dilation, x_shape, w_shape = CASES[case]
     channels = x_shape[numbers[0].index("C")]
 
@@ -49,11 +50,11 @@ def test_rewritten_depthwise_convolution_computes_the_same(device, case):
     x = RNG.standard_normal(x_shape).astype(np.float32)
     w = RNG.standard_normal(w_shape).astype(np.float32)
     module = _module(fn, x, w)
-    rewritten = rewrite_depthwise_convolutions(module)
+    rewritten = rewrite_depthwise_convolutions(module, channels_last=channels_last)
     assert has_grouped_convolutions(module) and not has_grouped_convolutions(rewritten)
     assert b"stablehlo.convolution" in module
     assert read_signature(rewritten) == read_signature(module)
-    assert rewrite_depthwise_convolutions(module) == rewritten              # deterministic
+    assert rewrite_depthwise_convolutions(module, channels_last=channels_last) == rewritten   # deterministic
     (before,) = device.execute(device.compile(module), [x, w])
     (after,) = device.execute(device.compile(rewritten), [x, w])
     assert after.shape == before.shape
