@@ -660,7 +660,7 @@ DEFAULT_CHOICE = "default"
 # grouped convolutions left after :func:`rewrite_depthwise_convolutions` (ResNeXt's, say) is
 # compiled with each and with the default, and the fastest on trial runs is kept
 # (:mod:`xlaserve.runtime.tuning`). On the cpu YNNPACK also taking convolutions runs a ResNeXt
-# block at batch 8 in half the time of XLA's own path, at batch 1 about 10% faster
+# block at batch 8 in half the time of XLA's own path, at batch 1 about 17% faster
 # (benchmarks/dwconv_bench.py, docs/benchmarks.md), while it slows ResNet-18's dense ones.
 COMPILE_CHOICES: Mapping[str, Mapping[str, tuple[tuple[str, str], ...]]] = {
     "cpu": {"ynn-convolutions": ((_YNN_FUSION, _YNN_DOTS + ",LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"),)},
