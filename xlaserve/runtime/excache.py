@@ -7,6 +7,11 @@ file and renamed into place, so a reader never sees half an entry. An entry that
 corrupt, written for another key or that the backend refuses to deserialize is ignored, rebuilt
 and overwritten.
 
+An entry holds the executable and the name of the compile options it was compiled with: a module
+with grouped convolutions gets them by a trial when it is first compiled
+(:mod:`xlaserve.runtime.tuning`), and a hit deserializes it with the same options, without a
+new trial.
+
 Deserializing an executable can run the code in it, so the cache refuses a directory that
 another user could write to (:class:`CacheDirRefused`): the directory, and every ancestor
 without the sticky bit, must be owned by this user or root and not group- or world-writable.
@@ -27,10 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.tuning import compile_tuned
 
 log = logging.getLogger("xlaserve.excache")
 
-MAGIC = b"XLASERVE-EXECUTABLE 1\n"
+# 2: a line naming the compile options follows the digests (1 had none); the digest covers it.
+MAGIC = b"XLASERVE-EXECUTABLE 2\n"
+_CHOICE_MAX = 64
 _DIGEST_LEN = 64  # hex sha256
 
 
@@ -115,10 +123,10 @@ class ExecutableCache:
         and stored. The signature of :data:`xlaserve.bundle.Compile`."""
         key = self.key(module)
         entry = self.entry_path(key)
-        blob, why = self._read(entry, key)
+        blob, choice, why = self._read(entry, key)
         if blob is not None:
             try:
-                executable = self._device.deserialize(blob)
+                executable = self._device.deserialize(blob, choice)
             except Exception as exc:  # the backend's own error types; the entry is unusable
                 why = f"the backend cannot deserialize it ({' '.join(str(exc).split())[:200]})"
             else:
@@ -129,34 +137,43 @@ class ExecutableCache:
             self._count("rejected")
         else:
             self._count("miss")
-        executable = self._device.compile(module)
-        self._write(entry, key, executable)
-        return executable, False
+        tuned = compile_tuned(self._device, module, path)
+        self._write(entry, key, tuned.executable, tuned.choice)
+        return tuned.executable, False
 
-    def _read(self, entry: Path, key: str) -> tuple[bytes | None, str]:
-        """The entry's payload, or (None, why it is unusable); ('', '') when there is none."""
+    def _read(self, entry: Path, key: str) -> tuple[bytes | None, str, str]:
+        """The entry's payload and compile options, or (None, '', why it is unusable);
+        why is '' when there is no entry."""
         try:
             data = entry.read_bytes()
         except FileNotFoundError:
-            return None, ""
+            return None, "", ""
         except OSError as exc:
-            return None, f"cannot read it: {exc.strerror}"
+            return None, "", f"cannot read it: {exc.strerror}"
         header_len = len(MAGIC) + 2 * (_DIGEST_LEN + 1)
         if len(data) < header_len or not data.startswith(MAGIC):
-            return None, "it is not an xlaserve executable entry (truncated or foreign)"
+            return None, "", "it is not an xlaserve executable entry of this version (truncated, foreign or older)"
         stored_key = data[len(MAGIC):len(MAGIC) + _DIGEST_LEN].decode("ascii", "replace")
         offset = len(MAGIC) + _DIGEST_LEN + 1
         digest = data[offset:offset + _DIGEST_LEN].decode("ascii", "replace")
-        payload = data[header_len:]
+        rest = data[header_len:]
         if stored_key != key:
-            return None, "it was written for a different module, device or version"
-        if hashlib.sha256(payload).hexdigest() != digest:
-            return None, "its checksum does not match (truncated or corrupt)"
-        return payload, ""
-
-    def _write(self, entry: Path, key: str, executable) -> None:
+            return None, "", "it was written for a different module, device or version"
+        if hashlib.sha256(rest).hexdigest() != digest:
+            return None, "", "its checksum does not match (truncated or corrupt)"
+        line, newline, payload = rest.partition(b"\n")
+        choice = line.decode("ascii", "replace")
         try:
-            payload = self._device.serialize(executable)
+            self._device.overrides(choice)
+        except ValueError:
+            newline = b""
+        if not newline:
+            return None, "", f"it names compile options this server does not have ({choice[:_CHOICE_MAX]!r})"
+        return payload, choice, ""
+
+    def _write(self, entry: Path, key: str, executable, choice: str) -> None:
+        try:
+            payload = choice.encode("ascii") + b"\n" + self._device.serialize(executable)
             entry.parent.mkdir(mode=0o700, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{entry.name}.", suffix=".tmp", dir=entry.parent)
             try:

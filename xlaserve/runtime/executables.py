@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xlaserve.runtime.pjrt import (CompiledMemory, Device, Signature, TensorType, kernel_permutations,
-                                   read_signature, relayout, specialize)
+                                   read_signature, relayout, rewrite_depthwise_convolutions, specialize)
+from xlaserve.runtime.tuning import compile_tuned
 
 #: ``compile_module(path, module_bytes) -> (executable, cache_hit)``: what compiles a module the
 #: table has not loaded (the executable cache's, or the device's own compile).
@@ -115,7 +116,8 @@ class _Bounded:
 class ExecutableTable:
     """The executables of one device, one per distinct module, counted by the versions using them.
 
-    ``compile_module`` compiles what the table does not hold (default: ``device.compile``)."""
+    ``compile_module`` compiles what the table does not hold (default: :func:`~xlaserve.runtime.tuning.compile_tuned`, which
+    picks a module's compile options by a trial where it has grouped convolutions)."""
 
     def __init__(self, device: Device, compile_module: Compile | None = None) -> None:
         self._device = device
@@ -130,8 +132,8 @@ class ExecutableTable:
         self._permutations = _Bounded(ANALYSIS_ENTRIES)
         self._derived = _Bounded(ANALYSIS_ENTRIES, DERIVED_BYTES)
 
-    def _compile_directly(self, _path: Path, module: bytes) -> tuple[object, bool]:
-        return self._device.compile(module), False
+    def _compile_directly(self, path: Path, module: bytes) -> tuple[object, bool]:
+        return compile_tuned(self._device, module, path).executable, False
 
     # ---- executables ---------------------------------------------------------------------------
     def key(self, module: bytes) -> str:
@@ -220,6 +222,10 @@ class ExecutableTable:
             with self._lock:
                 self._permutations.put(key, found)
         return dict(found)
+
+    def rewrite_depthwise(self, module: bytes) -> bytes:
+        """:func:`~xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`, once per distinct module."""
+        return self._derive(("depthwise", digest(module)), lambda: rewrite_depthwise_convolutions(module))
 
     def relayout(self, module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         """:func:`~xlaserve.runtime.pjrt.relayout`, once per module and permutations."""

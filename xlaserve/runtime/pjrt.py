@@ -7,7 +7,8 @@ module's ``@main`` signature (jaxlib's MLIR bindings), specializing a module exp
 symbolic batch to one static size (:func:`specialize`: StableHLO shape refinement, as jax does for
 its own shape-polymorphic modules), rewriting modules to take convolution kernels in the order
 the cpu wants them (:func:`kernel_permutations`, :func:`relayout`), merging common
-subexpressions of exported text (:func:`eliminate_common_subexpressions`), replacing the
+subexpressions of exported text (:func:`eliminate_common_subexpressions`), writing depthwise convolutions out as
+sums the cpu runs fast (:func:`rewrite_depthwise_convolutions`), replacing the
 ``dense_resource`` constants XLA refuses (:func:`dense_resources`, :func:`resolve_dense_resources`), compiling
 (``compile_and_load``, with :data:`COMPILE_OVERRIDES`),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
@@ -346,6 +347,151 @@ def relayout(module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         return bytes(jax_mlir_internal.module_to_bytecode(parsed))
 
 
+# A depthwise convolution with at most this many kernel taps (7x7) is rewritten by
+# :func:`rewrite_depthwise_convolutions`; larger kernels are left to XLA.
+DEPTHWISE_MAX_TAPS = 49
+
+
+def _i64s(op, name: str, default: int, rank: int) -> list[int]:
+    attr = op.attributes[name] if name in op.attributes else None
+    return [int(v) for v in ir.DenseI64ArrayAttr(attr)] if attr is not None else [default] * rank
+
+
+def _depthwise_shape(op) -> tuple | None:
+    """What :func:`_rewrite_depthwise` needs of a ``stablehlo.convolution``, or None when it
+    is not a depthwise convolution that rewrite handles: one group per input channel, one output
+    channel per group, static f32 shapes, no input dilation or window reversal, at most
+    :data:`DEPTHWISE_MAX_TAPS` kernel taps."""
+    groups = ir.IntegerAttr(op.attributes["feature_group_count"]).value
+    batch_groups = ir.IntegerAttr(op.attributes["batch_group_count"]).value
+    if groups < 2 or batch_groups != 1:
+        return None
+    lhs, rhs = (ir.RankedTensorType(v.type) for v in op.operands)
+    out = ir.RankedTensorType(op.results[0].type)
+    if (not all(t.has_static_shape for t in (lhs, rhs, out))
+            or not all(str(t.element_type) == "f32" for t in (lhs, rhs, out))):
+        return None
+    dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    rank = len(dims.input_spatial_dimensions)
+    if (lhs.get_dim_size(dims.input_feature_dimension) != groups
+            or rhs.get_dim_size(dims.kernel_input_feature_dimension) != 1
+            or rhs.get_dim_size(dims.kernel_output_feature_dimension) != groups):
+        return None
+    kernel = [rhs.get_dim_size(d) for d in dims.kernel_spatial_dimensions]
+    if int(np.prod(kernel)) > DEPTHWISE_MAX_TAPS or _i64s(op, "lhs_dilation", 1, rank) != [1] * rank:
+        return None
+    if "window_reversal" in op.attributes and any(ir.DenseBoolArrayAttr(op.attributes["window_reversal"])):
+        return None
+    padding = ([[int(v) for v in row] for row in np.asarray(ir.DenseIntElementsAttr(op.attributes["padding"])).reshape(rank, 2)]
+               if "padding" in op.attributes else [[0, 0]] * rank)
+    return dims, kernel, _i64s(op, "window_strides", 1, rank), _i64s(op, "rhs_dilation", 1, rank), padding
+
+
+def _rewrite_depthwise(op, found: tuple, channels_last: bool) -> None:
+    """Replace the depthwise convolution ``op`` by a sum over its kernel taps of a strided
+    slice of the padded input times that tap's per-channel weight, broadcast."""
+    dims, kernel, strides, dilation, padding = found
+    lhs_value, rhs_value = op.operands
+    out_type = ir.RankedTensorType(op.results[0].type)
+    f32 = out_type.element_type
+    rank = len(kernel)
+    # the sum is computed in [batch, channels, spatial...] order, or [batch, spatial..., channels]
+    if channels_last:
+        x_order = [dims.input_batch_dimension, *dims.input_spatial_dimensions, dims.input_feature_dimension]
+        o_order = [dims.output_batch_dimension, *dims.output_spatial_dimensions, dims.output_feature_dimension]
+    else:
+        x_order = [dims.input_batch_dimension, dims.input_feature_dimension, *dims.input_spatial_dimensions]
+        o_order = [dims.output_batch_dimension, dims.output_feature_dimension, *dims.output_spatial_dimensions]
+    c_at = rank + 1 if channels_last else 1
+
+    def place(batch_value, channel_value, spatial_values):
+        values = [batch_value, *spatial_values]
+        values.insert(c_at, channel_value)
+        return values
+
+    k_order = [dims.kernel_output_feature_dimension, dims.kernel_input_feature_dimension,
+               *dims.kernel_spatial_dimensions]
+    batch = out_type.get_dim_size(dims.output_batch_dimension)
+    channels = out_type.get_dim_size(dims.output_feature_dimension)
+    outs = [out_type.get_dim_size(d) for d in dims.output_spatial_dimensions]
+    with ir.InsertionPoint(op), op.location:
+        x = lhs_value
+        if x_order != list(range(rank + 2)):
+            x = hlo.TransposeOp(x, ir.DenseI64ArrayAttr.get(x_order)).result
+        zero = hlo.ConstantOp(ir.DenseElementsAttr.get(np.zeros((), np.float32), type=f32)).result
+        if any(p != [0, 0] for p in padding):
+            x = hlo.PadOp(x, zero, place(0, 0, [p[0] for p in padding]), place(0, 0, [p[1] for p in padding]),
+                          [0] * (rank + 2)).result
+        w = rhs_value
+        if k_order != list(range(rank + 2)):
+            w = hlo.TransposeOp(w, ir.DenseI64ArrayAttr.get(k_order)).result
+        w = hlo.ReshapeOp(ir.RankedTensorType.get([channels, *kernel], f32), w).result
+        canonical = ir.RankedTensorType.get(place(batch, channels, outs), f32)
+        total = None
+        for tap in np.ndindex(*kernel):
+            first = [t * d for t, d in zip(tap, dilation)]
+            start = place(0, 0, first)
+            limit = place(batch, channels, [f + (o - 1) * st + 1 for f, o, st in zip(first, outs, strides)])
+            window = hlo.SliceOp(x, start, limit, place(1, 1, strides)).result
+            weight = hlo.SliceOp(w, [0, *tap], [channels, *(t + 1 for t in tap)], [1] * (rank + 1)).result
+            weight = hlo.ReshapeOp(ir.RankedTensorType.get([channels], f32), weight).result
+            weight = hlo.BroadcastInDimOp(canonical, weight, ir.DenseI64ArrayAttr.get([c_at])).result
+            term = hlo.MulOp(window, weight).result
+            total = term if total is None else hlo.AddOp(total, term).result
+        if o_order != list(range(rank + 2)):
+            total = hlo.TransposeOp(total, ir.DenseI64ArrayAttr.get([o_order.index(d) for d in range(rank + 2)])).result
+    op.results[0].replace_all_uses_with(total)
+    op.erase()
+
+
+def _operations(region_holder):
+    for region in region_holder.regions:
+        for block in region.blocks:
+            for op in block.operations:
+                yield op
+                yield from _operations(op)
+
+
+def rewrite_depthwise_convolutions(module: bytes, channels_last: bool = True) -> bytes:
+    """``module`` (text, bytecode or portable artifact) with every depthwise convolution (a
+    ``feature_group_count`` equal to the input channels, one output channel per group, f32,
+    at most :data:`DEPTHWISE_MAX_TAPS` kernel taps) replaced by the same sum written out: for
+    each kernel tap, a strided slice of the zero-padded input times that tap's weights
+    broadcast over the channels, accumulated, in ``[batch, spatial..., channels]`` order with
+    ``channels_last`` (the default: the order XLA's cpu convolutions keep activations in, so the
+    transposes around the sum cancel against theirs; the EfficientNet-like zoo network at batch
+    8 ran in 3.9 ms a call against 6.5 computed channels-first), else ``[batch, channels,
+    spatial...]``. ``module`` itself when it has none; else
+    StableHLO bytecode, deterministic like :func:`specialize`.
+
+    Why: XLA's cpu backend (jaxlib 0.10.2) runs a grouped convolution on its Eigen path as
+    one dense convolution per group, or on YNNPACK, both 10-200 times slower than PyTorch's
+    depthwise kernels at the sizes of MobileNet and EfficientNet layers, while XLA fuses the
+    written-out sum into one loop over the output (benchmarks/dwconv_bench.py,
+    docs/benchmarks.md). Other grouped convolutions are left as they are."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        parsed = _parse(module, ctx)
+        found = [(op, shape) for op in _operations(parsed.operation)
+                 if op.operation.name == "stablehlo.convolution"
+                 and (shape := _depthwise_shape(op.operation)) is not None]
+        if not found:
+            return module
+        for op, shape in found:
+            _rewrite_depthwise(op.operation, shape, channels_last)
+        return bytes(jax_mlir_internal.module_to_bytecode(parsed))
+
+
+def has_grouped_convolutions(module: bytes) -> bool:
+    """Whether ``module`` has a convolution with a ``feature_group_count`` or
+    ``batch_group_count`` above 1."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        parsed = _parse(module, ctx)
+        return any(op.operation.name == "stablehlo.convolution"
+                   and (ir.IntegerAttr(op.operation.attributes["feature_group_count"]).value > 1
+                        or ir.IntegerAttr(op.operation.attributes["batch_group_count"]).value > 1)
+                   for op in _operations(parsed.operation))
+
+
 _RESOURCE_REF = re.compile(r'dense_resource<("(?:[^"\\]|\\.)*"|[^>]+)>')
 _RESOURCE_BLOB = re.compile(r'("(?:[^"\\]|\\.)*"|[A-Za-z_$.][\w$.\-]*)\s*:\s*"0x([0-9A-Fa-f]*)"')
 
@@ -501,8 +647,23 @@ class CompiledMemory:
 # also hands it each convolution, which made ResNet-18 cost 75-85 ms of CPU a call at batch 1
 # against 45-47 without (benchmarks/resnet_exec_bench.py, docs/benchmarks.md), while dots
 # (the ``mlp`` example at batch 32) lose about 40% without it.
+_YNN_FUSION = "xla_cpu_experimental_ynn_fusion_type"
+_YNN_DOTS = "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"
 COMPILE_OVERRIDES: Mapping[str, tuple[tuple[str, str], ...]] = {
-    "cpu": (("xla_cpu_experimental_ynn_fusion_type", "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"),),
+    "cpu": ((_YNN_FUSION, _YNN_DOTS),),
+}
+
+#: The name of the compile options :data:`COMPILE_OVERRIDES` gives.
+DEFAULT_CHOICE = "default"
+
+# Other compile options a module may be compiled with, per backend, by name: a module with
+# grouped convolutions left after :func:`rewrite_depthwise_convolutions` (ResNeXt's, say) is
+# compiled with each and with the default, and the fastest on trial runs is kept
+# (:mod:`xlaserve.runtime.tuning`). On the cpu YNNPACK also taking convolutions runs a ResNeXt
+# block at batch 8 in half the time of XLA's own path, at batch 1 about 17% faster
+# (benchmarks/dwconv_bench.py, docs/benchmarks.md), while it slows ResNet-18's dense ones.
+COMPILE_CHOICES: Mapping[str, Mapping[str, tuple[tuple[str, str], ...]]] = {
+    "cpu": {"ynn-convolutions": ((_YNN_FUSION, _YNN_DOTS + ",LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"),)},
 }
 
 
@@ -559,14 +720,59 @@ class Device:
         them on every call (measured). Left off on cuda, where it was not measured."""
         return self.backend == "cpu"
 
-    def compile(self, module: bytes):
-        """Compile a StableHLO module (text, bytecode or portable artifact) for this device,
-        with this backend's :data:`COMPILE_OVERRIDES`."""
-        return self._client.compile_and_load(module, self._device_list, self._compile_options())
+    @property
+    def rewrites_depthwise(self) -> bool:
+        """Whether modules should have their depthwise convolutions written out
+        (:func:`rewrite_depthwise_convolutions`) before they are compiled: on the cpu, where XLA's
+        own grouped convolutions are 10-200 times slower (measured). Left off on cuda, where it
+        was not measured."""
+        return self.backend == "cpu"
 
-    def _compile_options(self):
+    def compile(self, module: bytes, choice: str = DEFAULT_CHOICE):
+        """Compile a StableHLO module (text, bytecode or portable artifact) for this device,
+        with the compile options ``choice`` names: this backend's :data:`COMPILE_OVERRIDES`
+        (``default``) or one of its :data:`COMPILE_CHOICES`."""
+        return self._client.compile_and_load(module, self._device_list, self._compile_options(choice))
+
+    def overrides(self, choice: str = DEFAULT_CHOICE) -> tuple[tuple[str, str], ...]:
+        """The XLA options ``choice`` sets on this backend. ValueError for a name it does not have."""
+        if choice == DEFAULT_CHOICE:
+            return tuple(COMPILE_OVERRIDES.get(self.backend, ()))
+        found = COMPILE_CHOICES.get(self.backend, {}).get(choice)
+        if found is None:
+            raise ValueError(f"no compile options named {choice!r} on {self.backend} (it has "
+                             f"{', '.join((DEFAULT_CHOICE, *COMPILE_CHOICES.get(self.backend, {})))})")
+        return tuple(found)
+
+    def compile_choices(self, module: bytes) -> tuple[str, ...]:
+        """The compile options worth trying on ``module``, the default first: all of this
+        backend's :data:`COMPILE_CHOICES` when the module has grouped convolutions
+        (:func:`has_grouped_convolutions`), else the default alone."""
+        others = tuple(COMPILE_CHOICES.get(self.backend, {}))
+        if others and has_grouped_convolutions(module):
+            return (DEFAULT_CHOICE, *others)
+        return (DEFAULT_CHOICE,)
+
+    @staticmethod
+    def trial_arguments(module: bytes, seed: int = 0) -> list[np.ndarray]:
+        """Arguments for trial runs of ``module`` (static shapes): small standard-normal values
+        for floating-point arguments, zeros for the others (integers index tables, so zeros stay
+        in range)."""
+        rng = np.random.default_rng(seed)
+        arguments = []
+        for index, t in enumerate(read_signature(module).inputs):
+            if any(d is None for d in t.shape) or t.element not in BY_MLIR:
+                raise ModuleError(f"argument {index} of @main is {t}, which a trial run cannot make")
+            dtype = BY_MLIR[t.element].numpy
+            if np.issubdtype(dtype, np.floating) or t.element in ("bf16", "f16"):
+                arguments.append((rng.standard_normal(t.shape) * 0.1).astype(dtype))
+            else:
+                arguments.append(np.zeros(t.shape, dtype))
+        return arguments
+
+    def _compile_options(self, choice: str = DEFAULT_CHOICE):
         options = xla_client.CompileOptions()
-        overrides = COMPILE_OVERRIDES.get(self.backend, ())
+        overrides = self.overrides(choice)
         if overrides:
             options.env_option_overrides = list(overrides)
         return options
@@ -580,16 +786,20 @@ class Device:
     def serialize(self, executable) -> bytes:
         return bytes(self._client.serialize_executable(executable))
 
-    def deserialize(self, blob: bytes):
-        return self._client.deserialize_executable(blob, self._device_list, self._compile_options())
+    def deserialize(self, blob: bytes, choice: str = DEFAULT_CHOICE):
+        """An executable :meth:`serialize` wrote, compiled with the options ``choice`` names."""
+        return self._client.deserialize_executable(blob, self._device_list, self._compile_options(choice))
 
     def cache_key_parts(self) -> dict[str, str]:
         """What, besides the module bytes, decides whether a serialized executable fits this
-        device: versions, backend, device kind and the compile options :meth:`compile` uses."""
-        options = self._compile_options().SerializeAsString()
+        device: versions, backend, device kind and the compile options :meth:`compile` uses
+        (the default and every choice a trial may pick)."""
+        options = hashlib.sha256(self._compile_options().SerializeAsString())
+        for name in COMPILE_CHOICES.get(self.backend, {}):
+            options.update(f"\0{name}\0".encode())
+            options.update(self._compile_options(name).SerializeAsString())
         return {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
-                "platform_version": self.platform_version,
-                "compile_options": hashlib.sha256(options).hexdigest()}
+                "platform_version": self.platform_version, "compile_options": options.hexdigest()}
 
     @property
     def host_memory_kind(self) -> str:
