@@ -150,6 +150,72 @@ def _latency(bundle: Path, built, flax: bool, inputs, sizes: list[int], rounds: 
     return found
 
 
+def served(repo: Path, names: list[str], rows_each: tuple[int, ...] = (1, 3)) -> dict[str, tuple[bool, float]]:
+    """Serve every bundle of ``repo`` with the real server (``xlaserve run``), send each model
+    ``rows`` rows of seeded inputs through the Triton client (3 rows run padded at a larger
+    compiled size) and compare every output with the framework's on the same inputs under the
+    verification's scaled tolerance. Per model: (every output matched, the worst error as a
+    fraction of its output's scale)."""
+    import tritonclient.grpc as grpcclient
+
+    from tests.conftest import serve
+    from xlaserve.bundle import load_bundle
+    from xlaserve.export_verify import compare, output_scale, tolerance
+    from xlaserve.runtime.pjrt import Device
+
+    device = Device("cpu")
+    found: dict[str, tuple[bool, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="zoo-server-") as tmp, \
+            serve(Path(tmp), repo, timeout=900) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        try:
+            for name in names:
+                if not (repo / name / "manifest.yaml").exists():
+                    continue
+                manifest = load_bundle(repo / name, 1, device).manifest
+                flax = name in _flax_models()
+                factory, _ = (_flax_models() if flax else torch_zoo.MODELS)[name]
+                built = factory()
+                ok, worst = True, 0.0
+                for rows in rows_each:
+                    arrays = sample_inputs(manifest.client_inputs, rows, 11)
+                    want = _reference(built, flax, arrays, [o.name for o in manifest.client_outputs])
+                    inputs = []
+                    for spec, a in zip(manifest.client_inputs, arrays):
+                        inp = grpcclient.InferInput(spec.name, list(a.shape), spec.dtype.kserve)
+                        inp.set_data_from_numpy(a)
+                        inputs.append(inp)
+                    result = client.infer(name, inputs)
+                    for output, expected in want.items():
+                        got = result.as_numpy(output)
+                        if got is None or got.shape != expected.shape:
+                            ok = False
+                            continue
+                        atol, rtol = tolerance(manifest_dtype(manifest, output))
+                        err, _, outside = compare(expected, got, atol, rtol)
+                        ok = ok and outside == 0
+                        worst = max(worst, err / output_scale(expected))
+                found[name] = (ok, worst)
+                print(f"served {name}: {'match' if ok else 'MISMATCH'}, worst error {worst:.2g} of scale", flush=True)
+        finally:
+            client.close()
+    return found
+
+
+def manifest_dtype(manifest, output: str) -> str:
+    return next(o.dtype.code for o in manifest.client_outputs if o.name == output)
+
+
+def _reference(built, flax: bool, arrays: list, names: list[str]) -> dict:
+    if flax:
+        import jax
+        from xlaserve.export_flax import flax_function
+        fn, params = flax_function(*built)
+        leaves = jax.tree_util.tree_leaves(jax.jit(fn)(params, *arrays))
+        return {n: np.asarray(v) for n, v in zip(names, leaves)}
+    return torch_zoo.eager(built, arrays)
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
@@ -160,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-latency", action="store_true")
+    parser.add_argument("--serve", action="store_true",
+                        help="also serve every bundle with `xlaserve run` and compare through the Triton client")
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch.set_num_threads for eager PyTorch (default: torch's own, the core count)")
     args = parser.parse_args(argv)
@@ -174,11 +242,16 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(name, sizes, Path(tmp), args.rounds, not args.no_latency)
             rows.append(row)
             print(row, flush=True)
+        if args.serve:
+            for name, (ok, worst) in served(Path(tmp), [r["model"] for r in rows]).items():
+                row = next(r for r in rows if r["model"] == name)
+                row["served"], row["served_ratio"] = ok, worst
     shown = [b for b in (1, 8) if b in sizes] if not args.no_latency else []
     latency_heads = "".join(f" b{b} ms compiled / framework (ratio) |" for b in shown)
+    serve_head = " served: match (error / scale) |" if args.serve else ""
     print(f"\n| model | route | verified | worst output | error / scale | export s (sizes {args.batch_sizes}) |"
-          f" bundle MB |{latency_heads}")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(shown))
+          f" bundle MB |{latency_heads}{serve_head}")
+    print("|---|---|---|---|---|---|---|" + "---|" * (len(shown) + bool(args.serve)))
     for row in rows:
         if "output" not in row:
             print(f"| {row['model']} | {row['route']} | **no**: {row['error']} | | | {row['seconds']:.1f} | |"
@@ -187,9 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(
             f" {_ms(row['latency'][b][0])} / {_ms(row['latency'][b][1])} ({row['latency'][b][0] / row['latency'][b][1]:.2f}) |"
             for b in shown)
+        if args.serve:
+            cells += (f" {'yes' if row['served'] else '**no**'} ({row['served_ratio']:.2g}) |" if "served" in row
+                      else " not served |")
         print(f"| {row['model']} | {row['route']} | {'yes' if row['ok'] else '**no**'} | {row['output']} |"
               f" {row['ratio']:.2g} | {row['seconds']:.1f} | {row['bytes'] / 1e6:.2f} |{cells}")
-    return 0 if all(row["ok"] for row in rows) else 1
+    return 0 if all(row["ok"] and row.get("served", True) for row in rows) else 1
 
 
 if __name__ == "__main__":
