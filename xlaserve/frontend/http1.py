@@ -39,6 +39,7 @@ from http import HTTPStatus
 import h11
 import trio
 
+from xlaserve.errors import internal_message
 from xlaserve.frontend.access import peer_address
 from xlaserve.frontend.guard import LineLimiter, guarded, serve_guarded
 
@@ -425,7 +426,7 @@ class Http1Server:
             return await self.handler(request)
         except Exception as exc:
             self._bugs.line(logging.ERROR, "%s %s %s failed", self.what, request.method, request.path, exc=exc)
-            return HttpResponse(500, error_json(f"{request.method} {request.path} failed: {type(exc).__name__}: {exc}"))
+            return HttpResponse(500, error_json(internal_message(exc, f"{request.method} {request.path[:200]}")))
 
     async def _respond(self, conn: h11.Connection, stream, request: HttpRequest, response: HttpResponse) -> None:
         body = response.body

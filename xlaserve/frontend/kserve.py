@@ -20,7 +20,8 @@ from xlaserve.bundle import ModelVersion
 from xlaserve.codec import decode_inputs, encode_output, int_parameter
 from xlaserve.config import EndpointsConfig
 from xlaserve.errors import (Cancelled, FailedPrecondition, InternalError, InvalidArgument, ModelNotFound,
-                             ModelNotReady, NotFound, PermissionDenied, Unimplemented, XlaserveError)
+                             ModelNotReady, NotFound, PermissionDenied, Unimplemented, XlaserveError,
+                             describe_exception, internal_message)
 from xlaserve.frontend.access import shm_peer_denial
 from xlaserve.frontend.admission import Admission, output_bytes_per_row
 from xlaserve.frontend.port import WorkerPort
@@ -300,8 +301,8 @@ class KServeService(GRPCInferenceServiceBase):
                 worker.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
             except Exception as exc:
                 log.exception("model '%s': answering request '%s' failed", request.model_name, request.id)
-                outcome = InternalError(f"model '{request.model_name}': answering the request failed: "
-                                        f"{type(exc).__name__}: {exc}")
+                outcome = InternalError(f"model '{request.model_name}': "
+                                        + internal_message(exc, "answering the request"))
             if trace is not None:
                 finish_trace(trace, outcome, model)
             done(outcome)
@@ -340,7 +341,7 @@ class KServeService(GRPCInferenceServiceBase):
             # a bug, or input no check foresaw: this request's answer, never the connection's or the worker's
             log.exception("model '%s': request '%s' failed before it was queued", request.model_name, request.id)
             finish(InternalError(f"model '{request.model_name}': the request failed before it was queued: "
-                                 f"{type(exc).__name__}: {exc}"))
+                                 f"{type(exc).__name__}: {describe_exception(exc)}"))
 
     def _held_bytes(self, model: ModelVersion, arrays: Mapping[str, np.ndarray], rows: int) -> int:
         """What holding a decoded request costs until it is answered: its input tensors and the

@@ -36,6 +36,7 @@ from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
 from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.errors import describe_exception
 from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
 from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
@@ -337,7 +338,7 @@ class GatewayService:
             except Exception as exc:        # a bug: this call's answer, never the connection's
                 log.exception("worker %s: answering a ModelInfer of model %s failed", worker, model)
                 reply = GRPCError(Status.INTERNAL, f"the gateway failed to relay the answer of worker {worker}: "
-                                                   f"{type(exc).__name__}: {exc}")
+                                                   f"{type(exc).__name__}: {describe_exception(exc)}")
             call.complete(reply)
         try:
             handle = upstream.start(INFER, request.data, done, metadata=metadata,
@@ -345,7 +346,7 @@ class GatewayService:
         except Exception as exc:
             log.exception("worker %s: forwarding a ModelInfer of model %s failed", worker, model)
             done(UpstreamError(Status.INTERNAL, f"the gateway failed to forward the request to worker {worker}: "
-                                                f"{type(exc).__name__}: {exc}"))
+                                                f"{type(exc).__name__}: {describe_exception(exc)}"))
             return
         if not handle.done:
             call.on_cancel = lambda: upstream.abort(handle)

@@ -37,7 +37,8 @@ import trio
 
 from xlaserve.bundle import ModelVersion
 from xlaserve.config import SchedulerConfig
-from xlaserve.errors import Cancelled, DeadlineExceeded, InternalError, QueueFull, XlaserveError
+from xlaserve.errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull, XlaserveError,
+                             describe_exception)
 from xlaserve.runtime.weights import WeightCache
 from xlaserve.worker.batching import BatchPlan, plan_batch, smallest_holding
 from xlaserve.worker.executor import Executor
@@ -513,7 +514,7 @@ class Scheduler:
             else:                                # a bug or a device failure fails this batch only
                 log.exception("model %s: making its weights resident failed", model.name)
                 error = InternalError(f"model '{model.name}': making its weights resident failed: "
-                                      f"{type(exc).__name__}: {exc}")
+                                      f"{type(exc).__name__}: {describe_exception(exc)}")
             if self._tracing:
                 self._trace_batch(batch, size, started_ns, time.perf_counter_ns(), 0, str(error))
             self._reject_all(batch, WEIGHTS_UNAVAILABLE, error)
@@ -534,7 +535,8 @@ class Scheduler:
         except Exception as exc:  # an XLA runtime failure fails this batch only
             log.exception("model %s: execution at batch size %d failed", model.name, size)
             error = InternalError(
-                f"model '{model.name}': execution at batch size {size} failed: {type(exc).__name__}: {exc}")
+                f"model '{model.name}': execution at batch size {size} failed: {type(exc).__name__}: "
+                f"{describe_exception(exc)}")
             if self._tracing:
                 self._trace_batch(batch, size, started_ns, weights_ns, time.perf_counter_ns(), str(error))
             self._reject_all(batch, EXECUTION_FAILED, error)
