@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xlaserve.errors import describe_exception
 from xlaserve.runtime.pjrt import DEFAULT_CHOICE, Device
 
 log = logging.getLogger("xlaserve.tuning")
@@ -89,7 +90,7 @@ def compile_tuned(device: Device, module: bytes, path: Path | None = None,
             executables[choice] = device.compile(module, choice)
         except Exception as exc:  # XLA's own error types; the default still serves
             log.warning("compile options %s for %s: cannot compile with them (%s); left out", choice, where,
-                        " ".join(str(exc).split())[:200])
+                        " ".join(describe_exception(exc).split())[:200])
     arguments = device.trial_arguments(module)
     warm: dict[str, float] = {}
     for choice, executable in list(executables.items()):
@@ -100,7 +101,7 @@ def compile_tuned(device: Device, module: bytes, path: Path | None = None,
             if choice == DEFAULT_CHOICE:
                 raise
             log.warning("compile options %s for %s: the trial run failed (%s); left out", choice, where,
-                        " ".join(str(exc).split())[:200])
+                        " ".join(describe_exception(exc).split())[:200])
             del executables[choice]
             continue
         warm[choice] = time.perf_counter() - at
