@@ -271,10 +271,7 @@ class KServeService(GRPCInferenceServiceBase):
         admitted = self.admission.admit()    # given back once, by finish, whatever happens
         model = wanted = None
         cancelled = False
-        trace = None if self._tracing is None else self._tracing.start(
-            "xlaserve.infer", stream.metadata, received_ns,
-            {"rpc.system": "grpc", "rpc.method": "ModelInfer", "xlaserve.model": request.model_name[:MAX_ATTRIBUTE],
-             "xlaserve.request_id": request.id[:MAX_ATTRIBUTE]})
+        trace = None
 
         def cancel() -> None:
             nonlocal cancelled
@@ -308,6 +305,12 @@ class KServeService(GRPCInferenceServiceBase):
             done(outcome)
 
         try:
+            if self._tracing is not None:       # inside the guard: whatever raises, the slot is given back
+                trace = self._tracing.start(
+                    "xlaserve.infer", stream.metadata, received_ns,
+                    {"rpc.system": "grpc", "rpc.method": "ModelInfer",
+                     "xlaserve.model": request.model_name[:MAX_ATTRIBUTE],
+                     "xlaserve.request_id": request.id[:MAX_ATTRIBUTE]})
             admitted.check()
             model = self._ready(request.model_name, request.model_version)
             admitted.found(model.name)
