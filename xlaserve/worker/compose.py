@@ -250,21 +250,27 @@ class Frontend:
     rest: Http1Server | None
 
 
-_REST_LIMIT_KEYS = {
-    "max_header_bytes": "rest_max_header_bytes", "max_headers": "rest_max_headers",
-    "max_body_bytes": "max_recv_msg_bytes", "max_inflate_bytes": "max_connection_inflate_bytes",
-    "max_total_inflate_bytes": "max_inflate_bytes", "max_total_body_bytes": "max_undecoded_request_bytes",
-    "header_timeout": "rest_header_timeout_seconds", "body_timeout": "rest_body_timeout_seconds",
-    "idle_timeout": "rest_idle_timeout_seconds", "write_timeout": "write_timeout_seconds",
-    "max_connections": "max_connections",
-}
-"""Each REST limit (an :class:`HttpLimits` field) and the ``endpoints`` key it comes from."""
-
-
 def rest_limits(endpoints) -> HttpLimits:
-    """The REST port's limits from a worker's ``endpoints`` block; each error names its key."""
-    return HttpLimits(**{limit: getattr(endpoints, key) for limit, key in _REST_LIMIT_KEYS.items()},
-                      keys={limit: f"endpoints.{key}" for limit, key in _REST_LIMIT_KEYS.items()})
+    """The REST port's limits from a worker's ``endpoints`` block."""
+    keys = {"max_header_bytes": "endpoints.rest_max_header_bytes", "max_headers": "endpoints.rest_max_headers",
+            "max_body_bytes": "endpoints.max_recv_msg_bytes",
+            "max_inflate_bytes": "endpoints.max_connection_inflate_bytes",
+            "max_total_inflate_bytes": "endpoints.max_inflate_bytes",
+            "max_total_body_bytes": "endpoints.max_undecoded_request_bytes",
+            "header_timeout": "endpoints.rest_header_timeout_seconds",
+            "body_timeout": "endpoints.rest_body_timeout_seconds",
+            "idle_timeout": "endpoints.rest_idle_timeout_seconds",
+            "write_timeout": "endpoints.write_timeout_seconds", "max_connections": "endpoints.max_connections"}
+    return HttpLimits(max_header_bytes=endpoints.rest_max_header_bytes, max_headers=endpoints.rest_max_headers,
+                      max_body_bytes=endpoints.max_recv_msg_bytes,
+                      max_inflate_bytes=endpoints.max_connection_inflate_bytes,
+                      max_total_inflate_bytes=endpoints.max_inflate_bytes,
+                      max_total_body_bytes=endpoints.max_undecoded_request_bytes,
+                      header_timeout=endpoints.rest_header_timeout_seconds,
+                      body_timeout=endpoints.rest_body_timeout_seconds,
+                      idle_timeout=endpoints.rest_idle_timeout_seconds,
+                      write_timeout=endpoints.write_timeout_seconds, max_connections=endpoints.max_connections,
+                      keys=keys)
 
 
 def compose_frontend(actors: Actors, *, draining: trio.Event) -> Frontend:
