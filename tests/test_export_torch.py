@@ -416,3 +416,26 @@ def test_the_lowering_memory_guard_fails_an_allocation_past_its_budget_and_resto
             np.ones(512 * 1024 * 1024, dtype=np.uint8)
     assert resource.getrlimit(resource.RLIMIT_AS) == before
     assert np.ones(512 * 1024 * 1024, dtype=np.uint8)[-1] == 1
+
+
+def test_an_error_inside_the_memory_guard_passes_through_as_it_is():
+    """A lowering's ValueError ("Cannot view a tensor ...") is the route's failure, whether the
+    guard set a limit or found a tighter one already set (it used to become the context
+    manager's own RuntimeError then)."""
+    import resource
+
+    from xlaserve.export_torch import _memory_guard
+
+    before = resource.getrlimit(resource.RLIMIT_AS)
+    try:
+        with pytest.raises(ValueError, match="inner"):
+            with _memory_guard(1 << 30):
+                raise ValueError("inner")
+        assert resource.getrlimit(resource.RLIMIT_AS) == before
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, before[1]))     # tighter than the guard's
+        with pytest.raises(ValueError, match="inner"):
+            with _memory_guard(64 << 30):
+                raise ValueError("inner")
+        assert resource.getrlimit(resource.RLIMIT_AS)[0] == 8 << 30
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, before)

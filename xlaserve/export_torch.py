@@ -243,7 +243,17 @@ def _memory_guard(budget: int | None):
     """The process's address space limited to what it holds now plus ``budget`` bytes (half the
     machine's memory if None) while the block runs, so that a lowering that would take all of it
     fails with ``std::bad_alloc`` instead; the old limit is restored after. Linux only (elsewhere,
-    or where the limit cannot be set, no guard)."""
+    or where the limit cannot be set, no guard). What the block raises passes through as it is."""
+    restore = _limit_address_space(budget)
+    try:
+        yield
+    finally:
+        if restore is not None:
+            restore()
+
+
+def _limit_address_space(budget: int | None) -> Callable[[], None] | None:
+    """Set :func:`_memory_guard`'s limit; how to put the old one back, or None when none was set."""
     try:
         import resource
         held = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -254,16 +264,11 @@ def _memory_guard(budget: int | None):
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
         if soft != resource.RLIM_INFINITY and soft <= limit:
-            yield
-            return
+            return None                 # already as tight
         resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     except (ImportError, OSError, ValueError):
-        yield
-        return
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        return None
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _decompose_and_lower(exported: torch.export.ExportedProgram, route: str) -> bytes:
