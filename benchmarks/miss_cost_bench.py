@@ -60,9 +60,21 @@ def _open_device(backend: str):
     return pjrt.Device(backend)
 
 
-def measure(device, tmp: Path, nbytes: int, tensors: int, misses: int) -> tuple[float, float, float]:
+def _metrics(enabled: bool):
+    """The weight cache's Prometheus metrics as a worker has them (None: without, as before)."""
+    if not enabled:
+        return None
+    from prometheus_client import CollectorRegistry
+
+    from xlaserve.metrics import WeightCacheMetrics
+    return WeightCacheMetrics(CollectorRegistry())
+
+
+def measure(device, tmp: Path, nbytes: int, tensors: int, misses: int,
+            metrics: bool = False) -> tuple[float, float, float]:
     """One round: median seconds per miss, per memcpy of the same bytes (alternating buffers,
-    as the misses alternate), per memcpy repeated on the same (hot) buffers."""
+    as the misses alternate), per memcpy repeated on the same (hot) buffers. ``metrics``: with
+    the worker's weight-cache metrics updated on every miss, as in a server."""
     import trio
 
     from xlaserve.runtime.residency import Budget
@@ -78,8 +90,9 @@ def measure(device, tmp: Path, nbytes: int, tensors: int, misses: int) -> tuple[
     dsts = [np.zeros(a.weight_bytes, np.uint8) for _ in range(2)]
 
     async def main():
+        extra = {"metrics": _metrics(True)} if metrics else {}   # absent from older checkouts' calls
         cache = WeightCache(device, trio.CapacityLimiter(1), Budget(a.weight_bytes + a.weight_bytes // 2, 1.0, 0),
-                            prefetch=False)
+                            prefetch=False, **extra)
         async with trio.open_nursery() as nursery:
             await nursery.start(cache.run)
             assert await cache.admit(a) == "" and await cache.admit(b) == ""
@@ -116,9 +129,10 @@ def table(args) -> None:
     rounds: dict[int, list[tuple[float, float, float]]] = {kb: [] for kb in args.sizes_kb}
     for _ in range(args.rounds):                          # sizes interleaved round by round
         for kb in args.sizes_kb:
-            rounds[kb].append(measure(device, tmp, kb * KB, args.tensors, args.misses))
+            rounds[kb].append(measure(device, tmp, kb * KB, args.tensors, args.misses, args.metrics))
     print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, {args.rounds} rounds x "
-          f"{args.misses} misses; medians of the rounds' medians")
+          f"{args.misses} misses; medians of the rounds' medians; weight-cache metrics "
+          f"{'on (as a worker)' if args.metrics else 'off'}")
     print(f"{'size':>9} {'miss us':>9} {'memcpy us':>10} {'miss/memcpy':>12} {'rounds min..max':>16} {'goal<=2':>8} "
           f"{'hot memcpy us':>14} {'miss/hot':>9}")
     for kb, got in rounds.items():
@@ -129,6 +143,13 @@ def table(args) -> None:
         print(f"{kb:>6}KiB {miss * 1e6:>9.1f} {copy * 1e6:>10.1f} {miss / copy:>12.2f} "
               f"{ratios[0]:>7.2f}..{ratios[-1]:<7.2f} {'yes' if miss / copy <= 2 else 'no':>8} "
               f"{hot * 1e6:>14.1f} {miss / hot:>9.2f}")
+    if len(rounds) > 1:
+        # a catalog drawing its models' sizes evenly from these (weights_bench's density catalog
+        # uses 256 KiB .. 4 MiB): the time its misses take over the time of memcpys of their bytes
+        misses = sum(statistics.median(m for m, _, _ in got) for got in rounds.values())
+        copies = sum(statistics.median(c for _, c, _ in got) for got in rounds.values())
+        print(f"a catalog of these sizes in equal numbers: {misses * 1e6:.0f} us of misses for {copies * 1e6:.0f} us "
+              f"of memcpy, {misses / copies:.2f}x")
 
 
 def _median_us(fn, n=200) -> float:
@@ -255,7 +276,7 @@ def profile(args) -> None:
     prof = cProfile.Profile()
     prof.enable()
     for kb in args.sizes_kb:
-        measure(device, tmp, kb * KB, args.tensors, args.misses * 10)
+        measure(device, tmp, kb * KB, args.tensors, args.misses * 10, args.metrics)
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
@@ -268,6 +289,8 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--misses", type=int, default=30)
+    parser.add_argument("--metrics", action="store_true",
+                        help="update the worker's weight-cache metrics on every miss, as a server does")
     args = parser.parse_args()
     {"table": table, "stages": stages, "profile": profile}[args.what](args)
 

@@ -29,6 +29,23 @@ class RequestTally:
     hook_failures: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
+class _Children:
+    """A metric's labelled children, each looked up once: ``labels()`` validates its arguments and
+    takes a lock on every call (a few us), and the request path asks for several a request."""
+
+    __slots__ = ("_metric", "_known")
+
+    def __init__(self, metric) -> None:
+        self._metric = metric
+        self._known: dict[tuple[str, ...], object] = {}
+
+    def __call__(self, *values: str):
+        child = self._known.get(values)
+        if child is None:
+            child = self._known[values] = self._metric.labels(*values)
+        return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -75,11 +92,19 @@ class Metrics:
         self._rejected: dict[str, dict[str, int]] = {}
         self._hook_failed: dict[str, dict[str, int]] = {}
         self._hook_lock = threading.Lock()      # hook failures are counted from hook threads
+        self._requests = _Children(self.requests)
+        self._request_seconds = _Children(self.request_seconds)
+        self._executions = _Children(self.executions)
+        self._batch_rows = _Children(self.batch_rows)
+        self._queue_depth = _Children(self.queue_depth)
+        self._batch_size = _Children(self.batch_size)
+        self._compute_seconds = _Children(self.compute_seconds)
+        self._queue_seconds = _Children(self.queue_seconds)
 
     def observe_request(self, model: str, status: str, seconds: float) -> None:
-        self.requests.labels(model, status).inc()
+        self._requests(model, status).inc()
         if status == "OK":
-            self.request_seconds.labels(model).observe(seconds)
+            self._request_seconds(model).observe(seconds)
             counts = self._latency.get(model)
             if counts is None:
                 counts = self._latency[model] = [0] * (len(LATENCY_BUCKETS) + 1)
@@ -98,18 +123,18 @@ class Metrics:
                             MappingProxyType(hooks) if hooks else MappingProxyType({}))
 
     def observe_execution(self, model: str, size: int, rows: int) -> None:
-        self.executions.labels(model, str(size)).inc()
-        self.batch_rows.labels(model).observe(rows)
+        self._executions(model, str(size)).inc()
+        self._batch_rows(model).observe(rows)
 
     def set_queue_depth(self, model: str, depth: int) -> None:
-        self.queue_depth.labels(model).set(depth)
+        self._queue_depth(model).set(depth)
 
     def observe_dispatch(self, model: str, size: int, rows: int, queue_ns, compute_ns: int) -> None:
         """One execution at compiled ``size`` serving ``rows``; ``queue_ns`` holds each request's wait."""
         self.observe_execution(model, size, rows)
-        self.batch_size.labels(model).observe(size)
-        self.compute_seconds.labels(model).observe(compute_ns / 1e9)
-        queue = self.queue_seconds.labels(model)
+        self._batch_size(model).observe(size)
+        self._compute_seconds(model).observe(compute_ns / 1e9)
+        queue = self._queue_seconds(model)
         for ns in queue_ns:
             queue.observe(ns / 1e9)
 
@@ -139,10 +164,6 @@ class _ModelAndTotal:
         self.model = Counter(f"xlaserve_weight_cache_model_{stem}", doc, ["model"], registry=registry)
         self.total = Counter(f"xlaserve_weight_cache_{stem}", doc, registry=registry)
 
-    def inc(self, model: str) -> None:
-        self.model.labels(model).inc()
-        self.total.inc()
-
 
 class WeightCacheMetrics:
     """The weight cache's metrics (issue 4), per model and in total, in a worker's registry.
@@ -168,32 +189,51 @@ class WeightCacheMetrics:
                                             buckets=_LOAD_BUCKETS, registry=r)
         self._state = _CacheStateCollector()
         r.register(self._state)
+        self._series: dict[str, _ModelSeries] = {}
 
     def watch(self, snapshot) -> None:
         """Read the cache's state from ``snapshot()`` (a :class:`~xlaserve.runtime.weights.CacheSnapshot`)
         when the registry is collected: the eviction order, prefetch counts and the weight pool."""
         self._state.snapshot = snapshot
 
+    def _of(self, model: str) -> _ModelSeries:
+        """The model's labelled children, looked up once: ``labels()`` validates and locks on
+        every call (a few us each, several a miss), which the weight cache's hot path pays."""
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _ModelSeries(
+                self.hits.model.labels(model), self.misses.model.labels(model),
+                self.evictions.model.labels(model), self.prefetch_hits.model.labels(model),
+                self.bytes_copied.model.labels(model), self.load_seconds_model.labels(model),
+                self.resident_model.labels(model))
+        return series
+
     def hit(self, model: str, prefetched: bool) -> None:
-        self.hits.inc(model)
+        series = self._of(model)
+        series.hits.inc()
+        self.hits.total.inc()
         if prefetched:
-            self.prefetch_hits.inc(model)
+            series.prefetch_hits.inc()
+            self.prefetch_hits.total.inc()
 
     def load(self, model: str, seconds: float, miss: bool, nbytes: int = 0) -> None:
         """One copy of ``nbytes`` onto the device; ``miss`` when a dispatch waited for it (not a
         prefetch or pin)."""
-        self.load_seconds_model.labels(model).observe(seconds)
+        series = self._of(model)
+        series.load_seconds.observe(seconds)
         self.load_seconds_total.observe(seconds)
-        self.bytes_copied.model.labels(model).inc(nbytes)
+        series.bytes_copied.inc(nbytes)
         self.bytes_copied.total.inc(nbytes)
         if miss:
-            self.misses.inc(model)
+            series.misses.inc()
+            self.misses.total.inc()
 
     def evict(self, model: str) -> None:
-        self.evictions.inc(model)
+        self._of(model).evictions.inc()
+        self.evictions.total.inc()
 
     def resident(self, model: str, nbytes: int) -> None:
-        self.resident_model.labels(model).set(nbytes)
+        self._of(model).resident.set(nbytes)
 
     def totals(self, resident: int, budget: int) -> None:
         self.resident_total.set(resident)
@@ -201,10 +241,24 @@ class WeightCacheMetrics:
 
     def forget(self, model: str) -> None:
         """A model left the cache: its resident gauge goes (counters stay, as Prometheus expects)."""
+        self._series.pop(model, None)      # the gauge's child is removed: a new one if it comes back
         try:
             self.resident_model.remove(model)
         except KeyError:
             pass
+
+
+@dataclass(slots=True, frozen=True)
+class _ModelSeries:
+    """One model's labelled children of the weight cache's metrics."""
+
+    hits: object
+    misses: object
+    evictions: object
+    prefetch_hits: object
+    bytes_copied: object
+    load_seconds: object
+    resident: object
 
 
 class _CacheStateCollector:

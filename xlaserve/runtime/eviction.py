@@ -271,8 +271,9 @@ class LoadCost:
         for i, term in enumerate((1.0, x, seconds, x * x, x * seconds)):
             sums[i] = sums[i] * self._decay + term
         tolerance = self.tolerance
+        line = self._fit(source)                   # only this source's line moved
         for (size, src), given in self._known.items():
-            if abs(self._line(size, src) - given) > tolerance * given:
+            if src == source and abs(self._at(line, size) - given) > tolerance * given:
                 self.generation += 1
                 self._known.clear()
                 return
@@ -280,26 +281,32 @@ class LoadCost:
     def __call__(self, nbytes: int, source: str = "host") -> float:
         known = self._known.get((nbytes, source))
         if known is None:
-            known = self._known[(nbytes, source)] = self._line(nbytes, source)
+            known = self._known[(nbytes, source)] = self._at(self._fit(source), nbytes)
         return known
 
-    def _line(self, nbytes: int, source: str) -> float:
+    def _fit(self, source: str) -> tuple[float, float] | None:
+        """The line ``(overhead seconds, seconds per MiB)`` for ``source``; None before any load."""
         sums = self._sums.get(source)
         if sums is None:
-            return nbytes / self.default_bandwidth
+            return None
         w, sx, sy, sxx, sxy = sums
-        x = nbytes / (1 << 20)
         mx, my = sx / w, sy / w
         var = sxx / w - mx * mx
         if var <= 1e-9 * max(mx * mx, 1e-12):      # one size seen so far: scale its mean time
-            return my * x / mx if mx > 0 else my
+            return (0.0, my / mx) if mx > 0 else (my, 0.0)
         slope = (sxy / w - mx * my) / var
         overhead = my - slope * mx
         if slope < 0:
             slope, overhead = 0.0, my
         elif overhead < 0:
             slope, overhead = (my / mx if mx > 0 else 0.0), 0.0
-        return max(overhead + slope * x, 1e-12)
+        return overhead, slope
+
+    def _at(self, line: tuple[float, float] | None, nbytes: int) -> float:
+        if line is None:
+            return nbytes / self.default_bandwidth
+        overhead, slope = line
+        return max(overhead + slope * (nbytes / (1 << 20)), 1e-12)
 
 
 def make_policy(name: str, cost: Callable[[Hashable, int], float],
