@@ -265,6 +265,9 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int, *,
     }
     settings["unpinned-cold"] = settings["unpinned-warm"]
     results: dict[tuple[str, str], list[dict]] = {}
+    copy_time = memcpy_seconds(sizes, budget)
+    print("memcpy of one model's bytes (host copy -> budget-sized area), median us by size: "
+          + ", ".join(f"{n >> 10} KiB {t * 1e6:.0f}" for n, t in sorted(copy_time.items())), flush=True)
     for r in range(rounds):
         for tree_name, tree in trees.items():
             for name in configs:
@@ -279,21 +282,28 @@ def density(seconds: float, configs: list[str], count: int, concurrency: int, *,
                     with page_cache_dropped(name.endswith("-cold")):
                         result = drive(server.url, sorted(sizes), seconds, concurrency, features=features)
                     after = _counters(server)
-                counters = {k: after[k] - before[k] for k in after}
+                counters = {k: after[k] - before.get(k, 0.0) for k in after}
                 result["misses_per_request"] = counters["misses"] / max(1, result["requests"])
                 result["loads_per_request"] = counters["loads"] / max(1, result["requests"])
+                result["miss_us"], result["miss_over_memcpy"], result["load_over_memcpy"] = miss_over_memcpy(
+                    counters, sizes, copy_time)
                 results.setdefault((tree_name, name), []).append(result)
                 print(f"round {r + 1} {tree_name:>8} {name:>20}: {result['rps']:8.1f} req/s  "
                       f"p50 {result['p50']:7.2f} ms  p99 {result['p99']:7.2f} ms  errors {result['errors']}  "
                       f"RSS after load {rss / MB:.0f} MiB  misses/req {result['misses_per_request']:.3f}  "
                       f"loads/req {result['loads_per_request']:.3f}  "
-                      + "  ".join(f"{k} {int(v)}" for k, v in counters.items()), flush=True)
+                      f"miss {result['miss_us'] * 1e6:.0f} us = {result['miss_over_memcpy']:.2f}x memcpy "
+                      f"(its copy {result['load_over_memcpy']:.2f}x)  "
+                      + "  ".join(f"{k} {int(v)}" for k, v in counters.items() if ":" not in k), flush=True)
     print("\nmedians over rounds (ratios: per round against the same tree's all-resident, then the median)")
     for (tree_name, name), runs in results.items():
         line = (f"{tree_name:>8} {name:>20}: {statistics.median(x['rps'] for x in runs):8.1f} req/s  "
                 f"p99 {statistics.median(x['p99'] for x in runs):7.2f} ms  "
                 f"misses/req {statistics.median(x['misses_per_request'] for x in runs):.3f}  "
-                f"loads/req {statistics.median(x['loads_per_request'] for x in runs):.3f}")
+                f"loads/req {statistics.median(x['loads_per_request'] for x in runs):.3f}  "
+                f"miss {statistics.median(x['miss_us'] for x in runs) * 1e6:.0f} us "
+                f"= {statistics.median(x['miss_over_memcpy'] for x in runs):.2f}x memcpy "
+                f"(its copy {statistics.median(x['load_over_memcpy'] for x in runs):.2f}x)")
         base = results.get((tree_name, "all-resident"))
         if base and name != "all-resident":
             line += (f"  throughput/all-resident {statistics.median(x['rps'] / b['rps'] for x, b in zip(runs, base)):.2f}"
@@ -378,7 +388,49 @@ def _counters(server) -> dict[str, float]:
     _, text = server.get("/metrics")
     out = {k: _metric(text, f"xlaserve_weight_cache_{k}") for k in ("hits", "misses", "evictions", "prefetch_hits")}
     out["loads"] = _metric(text, "xlaserve_weight_cache_load_seconds_count")    # on demand and prefetch
+    out["load_seconds"] = _metric(text, "xlaserve_weight_cache_load_seconds_sum")
+    out["miss_seconds"] = _metric(text, "xlaserve_weight_cache_miss_seconds")
+    prefix = 'xlaserve_weight_cache_model_misses_total{model="'
+    for line in text.splitlines():                  # per model: how many misses
+        if line.startswith(prefix):
+            name, _, value = line[len(prefix):].partition('"} ')
+            out[f"missed:{name}"] = float(value)
     return out
+
+
+def memcpy_seconds(sizes: dict[str, int], budget: int, passes: int = 5) -> dict[int, float]:
+    """Per model size, the median time of one ``numpy.copyto`` of a model's bytes in this process,
+    as the server's loads copy them: from one of the catalog's host copies (one buffer per model,
+    visited in a shuffled order, so the source is rarely in the CPU's caches) into the next free
+    part of an area of the budget's size."""
+    rng = np.random.default_rng(2)
+    sources = {name: np.ones(n, np.uint8) for name, n in sizes.items()}
+    area = np.zeros(budget + max(sizes.values()), np.uint8)
+    at = 0
+    times: dict[int, list[float]] = {}
+    for _ in range(passes):
+        for name in rng.permutation(sorted(sources)):
+            src = sources[name]
+            if at + src.nbytes > budget:
+                at = 0
+            t = time.perf_counter()
+            np.copyto(area[at:at + src.nbytes], src)
+            times.setdefault(src.nbytes, []).append(time.perf_counter() - t)
+            at += src.nbytes
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
+def miss_over_memcpy(counters: dict[str, float], sizes: dict[str, int],
+                     copy_time: dict[int, float]) -> tuple[float, float, float]:
+    """The server's time per miss (``miss_seconds`` over ``misses``: the whole miss, evictions
+    and bookkeeping included), its ratio to memcpys of the missed models' bytes, and the same
+    ratio for its load histogram alone (lease, copy and wrap)."""
+    misses = counters["misses"]
+    memcpy = sum(v * copy_time[sizes[k[7:]]] for k, v in counters.items() if k.startswith("missed:") and k[7:] in sizes)
+    if misses <= 0 or memcpy <= 0:
+        return 0.0, 0.0, 0.0
+    copies = counters["load_seconds"] / memcpy if counters["loads"] == misses else float("nan")   # prefetches too
+    return counters["miss_seconds"] / misses, counters["miss_seconds"] / memcpy, copies
 
 
 @contextlib.contextmanager

@@ -173,8 +173,12 @@ def test_loading_in_steps_copies_large_tensors_in_pieces_and_closing_early_frees
         except StopIteration as done:
             arrays = done.value
             break
-    assert yielded >= 400_000 // (64 * KB)
+    # a step between chunks only: 7 chunks of the 400,000 bytes, the small tensor after them in the last step
+    assert yielded == -(-400_000 // (64 * KB)) - 1
     np.testing.assert_array_equal(np.asarray(arrays[0]), host[0])
+    small = device.load_weights_in_steps((np.ones(1000, np.float32),), pool, 64 * KB)
+    with pytest.raises(StopIteration):   # under one step: copied without a pause, none after it
+        next(small)
     steps = device.load_weights_in_steps(host, pool, 64 * KB)
     next(steps)
     steps.close()                       # cancelled part way

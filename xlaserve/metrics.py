@@ -187,6 +187,10 @@ class WeightCacheMetrics:
         self.load_seconds_total = Histogram("xlaserve_weight_cache_load_seconds",
                                             "Time of one host-to-device weight copy, all models",
                                             buckets=_LOAD_BUCKETS, registry=r)
+        self.miss_seconds = Counter("xlaserve_weight_cache_miss_seconds",
+                                    "Seconds dispatches spent making missing weights resident: the whole miss "
+                                    "(waiting for the cache, the plan, evictions, the copy and its bookkeeping)",
+                                    registry=r)
         self._state = _CacheStateCollector()
         r.register(self._state)
         self._series: dict[str, _ModelSeries] = {}
@@ -227,6 +231,10 @@ class WeightCacheMetrics:
         if miss:
             series.misses.inc()
             self.misses.total.inc()
+
+    def missed(self, seconds: float) -> None:
+        """A dispatch's miss took ``seconds`` from asking for the weights to having them."""
+        self.miss_seconds.inc(seconds)
 
     def evict(self, model: str) -> None:
         self._of(model).evictions.inc()

@@ -889,25 +889,27 @@ class Device:
         lease = pool.lease([a.nbytes for a in host])
         try:
             out = []
-            since = 0
+            since = 0                       # bytes copied since the last step
             for src in host:
                 dst = lease.array(src.dtype, src.shape)
                 if src.nbytes > step_bytes and src.flags.c_contiguous:
                     flat_src, flat_dst = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
                     for at in range(0, src.nbytes, step_bytes):
+                        if since:           # a step between chunks, never before the first or after the last
+                            since = 0
+                            yield
                         flat_dst[at:at + step_bytes] = flat_src[at:at + step_bytes]
-                        yield
+                        since = min(step_bytes, src.nbytes - at)
                     del flat_src, flat_dst
-                    since = 0
                 else:
+                    if since and since + src.nbytes > step_bytes:
+                        since = 0
+                        yield
                     np.copyto(dst, src)
                     since += src.nbytes
                 out.append(_jax.batched_device_put(_aval(src.shape, src.dtype), self._sharding, [dst], [self._device],
                                                    True, False, _jax.HostBufferSemantics.ZERO_COPY, enable_x64=True))
                 del dst                     # the device array holds it now: its lifetime is the extent's
-                if since >= step_bytes:
-                    since = 0
-                    yield
         finally:
             lease.seal()
         return tuple(out)

@@ -361,6 +361,7 @@ class WeightCache:
             self._hit(key)
             arrays = self._device_arrays[key]
         else:
+            waited = time.perf_counter()
             lock = self._lock
             try:
                 lock.acquire_nowait()       # free (the usual case): no trip through the scheduler
@@ -373,6 +374,8 @@ class WeightCache:
                 else:
                     evicted, arrays = await self._make_resident_after_prefetch(key)
                     loaded = self._last_load_seconds
+                    if self._metrics is not None:   # the whole miss: plan, evictions, copy, bookkeeping
+                        self._metrics.missed(time.perf_counter() - waited)
             finally:
                 lock.release()
         self._current = key
