@@ -431,7 +431,8 @@ class WeightCache:
             self._book.finish_load(key, ok=False)
             raise
         self._finish_load(key, model, arrays, time.perf_counter() - started, why)
-        await self._maybe_compact()
+        if self._compaction_interval:
+            await self._maybe_compact()
         return evicted, arrays
 
     def _begin_load(self, key: Key, protect: tuple[Key, ...]) -> int:
@@ -442,6 +443,10 @@ class WeightCache:
             raise Unavailable(f"model '{key[0]}' cannot be made resident now: {plan.refused}")
         for victim in plan.evict:
             self._evict(victim)
+        if plan.evict and self._pool is not None:
+            # jax releases the memory of arrays dropped since its last call only at its next
+            # one: collected now, the victims' extents are free when the load asks the pool
+            self._device.collect_garbage()
         self._book.begin_load(key)
         return len(plan.evict)
 
