@@ -83,31 +83,35 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     count would overflow int64 (``[2**55, 512]``), a batch past ``max_rows`` or a size past
     ``max_bytes`` is refused by the numbers alone, whatever data comes with it.
     """
-    by_name = {d.name: d for d in expected}
-
     def want() -> str:   # for error messages only: not built on the request path
         return ", ".join(f"'{d.name}' {d.describe()}" for d in expected)
     raw = request.raw_input_contents
-    # Raw contents belong, in order, to the inputs that are not read from shared memory.
-    inline = sum(1 for t in request.inputs if "shared_memory_region" not in t.parameters)
-    if raw and len(raw) != inline:
-        raise InvalidArgument(f"raw_input_contents has {len(raw)} entries for {inline} inputs sent inline; "
-                              "when raw contents are used, every inline input needs exactly one")
+    inputs = request.inputs
+
+    def raw_mismatch() -> InvalidArgument:   # raw contents belong, in order, to the inputs not in shared memory
+        inline = sum(1 for t in inputs if "shared_memory_region" not in t.parameters)
+        return InvalidArgument(f"raw_input_contents has {len(raw)} entries for {inline} inputs sent inline; "
+                               "when raw contents are used, every inline input needs exactly one")
+    if len(raw) > len(inputs):
+        raise raw_mismatch()
     next_raw = 0
     arrays: dict[str, np.ndarray] = {}
     rows: int | None = None
     rows_from = ""
-    for tensor in request.inputs:
-        decl = by_name.get(tensor.name)
-        if decl is None:
-            raise InvalidArgument(f"unknown input '{tensor.name}'; the model takes {want()}")
-        if tensor.name in arrays:
-            raise InvalidArgument(f"input '{tensor.name}' is given twice")
+    for tensor in inputs:
+        name = tensor.name
+        for decl in expected:       # a model has a few inputs: a scan beats building a dict a request
+            if decl.name == name:
+                break
+        else:
+            raise InvalidArgument(f"unknown input '{name}'; the model takes {want()}")
+        if name in arrays:
+            raise InvalidArgument(f"input '{name}' is given twice")
         if tensor.datatype != decl.dtype.kserve:
-            raise InvalidArgument(f"input '{tensor.name}': expected datatype {decl.dtype.kserve}, got "
+            raise InvalidArgument(f"input '{name}': expected datatype {decl.dtype.kserve}, got "
                                   f"'{tensor.datatype}'")
-        shape = tuple(int(d) for d in tensor.shape)
-        _check_shape(tensor.name, decl, shape)
+        shape = tuple(tensor.shape)     # Python ints already (int64 on the wire)
+        _check_shape(name, decl, shape)
         axis = decl.batch_axis
         if axis is not None:
             n = shape[axis]
@@ -131,12 +135,16 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
                                       "memory is not enabled on this server")
             buffer = read_shm(tensor.name, params)
         elif raw:
+            if next_raw == len(raw):
+                raise raw_mismatch()
             buffer = raw[next_raw]
             next_raw += 1
         if buffer is not None:
             arrays[tensor.name] = _from_buffer(tensor.name, decl.dtype, shape, count, buffer)
         else:
             arrays[tensor.name] = _from_contents(tensor, decl.dtype, shape, count)
+    if raw and next_raw != len(raw):
+        raise raw_mismatch()
     missing = [d.name for d in expected if d.name not in arrays]
     if missing:
         raise InvalidArgument(f"missing input(s) {', '.join(repr(m) for m in missing)}; the model takes {want()}")
@@ -148,8 +156,14 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
 
 def _check_shape(name: str, decl: TensorDecl, shape: tuple[int, ...]) -> None:
     expected = decl.wire_dims()
-    ok = len(shape) == len(expected) and all(
-        (w == -1 and g >= 0) or w == g for w, g in zip(expected, shape))
+    if len(shape) != len(expected):
+        ok = False
+    else:
+        ok = True
+        for w, g in zip(expected, shape):
+            if w != g and (w != -1 or g < 0):
+                ok = False
+                break
     if not ok:
         raise InvalidArgument(f"input '{name}': expected shape {_shape_text(expected)} (-1: any batch size), "
                               f"got {_shape_text(shape)}")

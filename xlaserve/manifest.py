@@ -32,24 +32,30 @@ class TensorDecl:
     dtype: DType
     shape: str
     dims: Mapping[str, int]
+    # derived once (every request asks): the batch axis's row-major index, and the wire dims
+    _batch_axis: int | None = field(init=False, repr=False, compare=False, default=None)
+    _wire_dims: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        axis = len(self.shape) - 1 - self.shape.index(BATCH_AXIS) if BATCH_AXIS in self.shape else None
+        object.__setattr__(self, "_batch_axis", axis)
+        object.__setattr__(self, "_wire_dims", self.row_major_shape(-1))
 
     @property
     def batched(self) -> bool:
-        return BATCH_AXIS in self.shape
+        return self._batch_axis is not None
 
     @property
     def batch_axis(self) -> int | None:
         """The batch axis's index in the row-major shape, or None when the tensor has none."""
-        if not self.batched:
-            return None
-        return len(self.shape) - 1 - self.shape.index(BATCH_AXIS)
+        return self._batch_axis
 
     def row_major_shape(self, batch: int) -> tuple[int, ...]:
         return tuple(batch if a == BATCH_AXIS else self.dims[a] for a in reversed(self.shape))
 
     def wire_dims(self) -> tuple[int, ...]:
         """Row-major dims as KServe metadata reports them: -1 for the batch axis."""
-        return self.row_major_shape(-1)
+        return self._wire_dims
 
     def describe(self, batch: int | str = "B") -> str:
         dims = ",".join(str(batch) if a == BATCH_AXIS else str(self.dims[a]) for a in reversed(self.shape))
