@@ -153,12 +153,77 @@ def test_device_load_aliases_the_pool_and_returns_the_extent_when_collected(devi
     for got, want in zip(arrays, host):
         assert np.asarray(got).dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got), want)
-    assert pool.stats().used_bytes == WeightPool.extent_bytes([a.nbytes for a in host])
+    extent = WeightPool.extent_bytes([a.nbytes for a in host])
+    assert pool.stats().used_bytes == extent and pool.stats().idle_bytes == 0     # held: not idle
     assert not any(device.shares_memory(a, h) for a, h in zip(arrays, host))   # never the host copy
     del arrays, got
-    device.collect_garbage()
+    stats = pool.stats()                # dropped: the extent stays, as a slot for the next such model
+    assert stats.used_bytes == extent and stats.idle_bytes == sum(a.nbytes for a in host)
+    pool.trim()                         # idle slots go back, then their extents
     gc.collect()
     assert pool.stats().used_bytes == 0
+
+
+def test_a_model_of_the_same_layout_reuses_the_slot_and_its_arrays(device):
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    first = (np.full((4, 8), 1.0, np.float32), np.arange(3, dtype=np.int32))
+    second = (np.full((4, 8), 2.0, np.float32), np.arange(3, dtype=np.int32) + 10)
+    a = device.load_weights(first, pool)
+    where = [x.unsafe_buffer_pointer() for x in a]
+    del a                               # evicted: nothing holds its arrays
+    b = device.load_weights(second, pool)
+    assert [x.unsafe_buffer_pointer() for x in b] == where       # the same memory, no new lease
+    assert pool.stats().leases == 1 and pool.stats().reused == 1
+    for got, want in zip(b, second):
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_slot_whose_arrays_are_held_is_not_reused(device):
+    """An execution (or a NumPy view) still holding an evicted model's arrays keeps its bytes:
+    the next model of the same layout gets other memory."""
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    a = device.load_weights((np.full(64, 1.0, np.float32),), pool)
+    view = np.asarray(a[0])             # holds the array, as an execution's arguments would
+    del a
+    b = device.load_weights((np.full(64, 2.0, np.float32),), pool)
+    np.testing.assert_array_equal(view, 1.0)                  # untouched
+    np.testing.assert_array_equal(np.asarray(b[0]), 2.0)
+    assert pool.stats().leases == 2 and pool.stats().reused == 0
+    held = b
+    del b
+    c = device.load_weights((np.full(64, 3.0, np.float32),), pool)   # held through another tuple: not idle
+    np.testing.assert_array_equal(np.asarray(held[0]), 2.0)
+    np.testing.assert_array_equal(np.asarray(c[0]), 3.0)
+    del view
+    d = device.load_weights((np.full(64, 4.0, np.float32),), pool)    # the first slot is idle again
+    assert pool.stats().reused == 1
+    np.testing.assert_array_equal(np.asarray(d[0]), 4.0)
+
+
+def test_a_full_pool_gives_idle_slots_back_before_growing(device):
+    """Slots of other layouts fill the pool's one region; a load that needs their room takes it
+    back from the oldest idle ones instead of allocating another region."""
+    kb = 1 << 10
+    pool = WeightPool(64 * kb, collect=device.collect_garbage)
+    for i, cols in enumerate((1, 2, 4, 8)):   # four 16 KiB models of different shapes, each dropped
+        device.load_weights((np.full((4 * kb // cols, cols), i, np.float32),), pool)
+    assert pool.stats().idle_bytes == 64 * kb
+    got = device.load_weights((np.full(32 * kb // 4, 9.0, np.float32),), pool)   # a fifth layout, 32 KiB
+    np.testing.assert_array_equal(np.asarray(got[0]), 9.0)
+    stats = pool.stats()
+    assert stats.grown == 1 and stats.regions == 1          # no second region
+    assert stats.idle_bytes == 32 * kb                       # the two oldest slots went
+
+
+def test_an_abandoned_load_leaves_its_slot_reusable(device):
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    device.load_weights((np.zeros(100_000, np.float32),), pool)
+    steps = device.load_weights_in_steps((np.ones(100_000, np.float32),), pool, 64 * KB)
+    next(steps)                         # copying into the idle slot, part way
+    steps.close()                       # cancelled
+    got = device.load_weights((np.full(100_000, 5.0, np.float32),), pool)
+    np.testing.assert_array_equal(np.asarray(got[0]), 5.0)
+    assert pool.stats().reused == 2 and pool.stats().leases == 1
 
 
 def test_loading_in_steps_copies_large_tensors_in_pieces_and_closing_early_frees(device):
@@ -179,12 +244,14 @@ def test_loading_in_steps_copies_large_tensors_in_pieces_and_closing_early_frees
     small = device.load_weights_in_steps((np.ones(1000, np.float32),), pool, 64 * KB)
     with pytest.raises(StopIteration):   # under one step: copied without a pause, none after it
         next(small)
-    steps = device.load_weights_in_steps(host, pool, 64 * KB)
+    steps = device.load_weights_in_steps(host, pool, 64 * KB)   # `arrays` hold the first slot: a new lease
     next(steps)
     steps.close()                       # cancelled part way
     del steps
     gc.collect()
-    assert pool.stats().used_bytes == WeightPool.extent_bytes([a.nbytes for a in host])   # only `arrays`
+    # `arrays`' extent and the small model's (an idle slot now); the abandoned lease went back
+    assert pool.stats().used_bytes == WeightPool.extent_bytes([a.nbytes for a in host]) + WeightPool.extent_bytes([4000])
+    assert pool.stats().leases == 3 and pool.stats().idle_bytes == 4000
 
 
 def test_weights_stay_right_through_loads_evictions_and_reloads(tmp_path, device):

@@ -620,6 +620,11 @@ def test_metrics_after_loads_evictions_and_prefetches(tmp_path, device):
     assert got[("xlaserve_weight_pool_reserved_bytes", ())] == pool.capacity_bytes >= 4 * MB
     assert got[("xlaserve_weight_pool_used_bytes", ())] == pool.used_bytes
     assert got[("xlaserve_weight_pool_largest_free_bytes", ())] == pool.largest_free_bytes
+    assert got[("xlaserve_weight_pool_idle_bytes", ())] == pool.idle_bytes <= pool.used_bytes
+    assert got[("xlaserve_weight_pool_slot_reuses_total", ())] == pool.reused
+    # a, b and pin each took an extent; c (a's and b's layout) went into b's slot once b was
+    # evicted, and b's prefetch into a's: slots, not new extents
+    assert (pool.reused, pool.leases) == (2, 3)
     by = {r.model: r for r in snap}
     assert (by["a"].misses, by["b"].misses, by["pin"].misses) == (1, 1, 0)
     assert [by[n].eviction_rank for n in ("c", "b", "a", "pin")] == [1, 2, 0, 0]

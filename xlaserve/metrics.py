@@ -304,7 +304,13 @@ class _CacheStateCollector:
         reserved = GaugeMetricFamily("xlaserve_weight_pool_reserved_bytes",
                                      "Bytes of device memory the weight pool holds, all regions (cpu)")
         used = GaugeMetricFamily("xlaserve_weight_pool_used_bytes",
-                                 "Bytes of the weight pool held by resident weights (cpu)")
+                                 "Bytes of the weight pool held by weights: resident, and evicted ones kept as "
+                                 "slots for the next model of the same layout (cpu)")
+        idle = GaugeMetricFamily("xlaserve_weight_pool_idle_bytes",
+                                 "Bytes of the weight pool in idle slots: evicted models' memory kept for the next "
+                                 "model of the same shapes, given back when a load needs the room (cpu)")
+        reused = CounterMetricFamily("xlaserve_weight_pool_slot_reuses",
+                                     "Loads copied into an idle slot, without a new extent or new device arrays (cpu)")
         largest = GaugeMetricFamily("xlaserve_weight_pool_largest_free_bytes",
                                     "The largest free extent of the weight pool: the largest model that loads "
                                     "without growing it (cpu)")
@@ -319,5 +325,7 @@ class _CacheStateCollector:
                 regions.add_metric([], snap.pool.regions)
                 reserved.add_metric([], snap.pool.capacity_bytes)
                 used.add_metric([], snap.pool.used_bytes)
+                idle.add_metric([], snap.pool.idle_bytes)
+                reused.add_metric([], snap.pool.reused)
                 largest.add_metric([], snap.pool.largest_free_bytes)
-        return [rank, policy, started, landed, late, regions, reserved, used, largest]
+        return [rank, policy, started, landed, late, regions, reserved, used, idle, reused, largest]

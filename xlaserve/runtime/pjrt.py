@@ -680,6 +680,27 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype):
     return jax_core.ShapedArray(shape, dtype)
 
 
+def _copy_in_chunks(host, targets, step_bytes: int):
+    """Copy each of ``host`` into the same-shaped array of ``targets``, yielding between chunks
+    of about ``step_bytes`` (never before the first or after the last)."""
+    since = 0                           # bytes copied since the last step
+    for src, dst in zip(host, targets):
+        if src.nbytes > step_bytes and src.flags.c_contiguous:
+            flat_src, flat_dst = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
+            for at in range(0, src.nbytes, step_bytes):
+                if since:
+                    since = 0
+                    yield
+                flat_dst[at:at + step_bytes] = flat_src[at:at + step_bytes]
+                since = min(step_bytes, src.nbytes - at)
+        else:
+            if since and since + src.nbytes > step_bytes:
+                since = 0
+                yield
+            np.copyto(dst, src)
+            since += src.nbytes
+
+
 class Device:
     """One PJRT device (``cpu`` or ``cuda``) and the client that owns it.
 
@@ -879,40 +900,39 @@ class Device:
 
     def load_weights_in_steps(self, host, pool, step_bytes: int):
         """A generator that loads a model's weights into ``pool`` (cpu only; see
-        :attr:`pools_weights`), yielding after every ``step_bytes`` or so copied, and returns
-        the device arrays (``StopIteration.value``). One extent of the pool holds the model;
-        each tensor is copied into it (memory an earlier load already mapped) and wrapped as a
-        device buffer without another copy; the extent returns to the pool when the arrays are
-        collected. Closing the generator early gives the extent back. The steps let a caller
-        on an event loop copy a large model without a thread hop and without holding the loop
-        for the whole copy."""
-        lease = pool.lease([a.nbytes for a in host])
+        :attr:`pools_weights`), yielding between chunks of about ``step_bytes`` copied (never
+        before the first or after the last), and returns the device arrays
+        (``StopIteration.value``). An idle slot of the pool with the same shapes and dtypes
+        (:class:`~xlaserve.runtime.pool.Slot`) is copied into and its arrays returned as they
+        are; otherwise one new extent holds the model, each tensor is copied into it (memory an
+        earlier load already mapped) and wrapped as a device buffer without another copy, and
+        the extent is kept as a slot. Closing the generator early leaves the slot idle (its
+        bytes half written: nothing reads an idle slot). The steps let a caller on an event
+        loop copy a large model without a thread hop and without holding the loop for the
+        whole copy."""
+        signature = tuple((a.shape, a.dtype) for a in host)
+        slot = pool.reuse(signature)
+        if slot is None:
+            lease = pool.lease([a.nbytes for a in host])
+            try:
+                views = tuple(lease.array(src.dtype, src.shape) for src in host)
+            finally:
+                lease.seal()            # the views hold the extent from here
+            yield from _copy_in_chunks(host, views, step_bytes)
+            arrays = tuple(_jax.batched_device_put(_aval(v.shape, v.dtype), self._sharding, [v], [self._device],
+                                                   True, False, _jax.HostBufferSemantics.ZERO_COPY, enable_x64=True)
+                           for v in views)
+            slot = pool.keep(signature, arrays, views)
+            del arrays, views
+            return pool.done(slot)
         try:
-            out = []
-            since = 0                       # bytes copied since the last step
-            for src in host:
-                dst = lease.array(src.dtype, src.shape)
-                if src.nbytes > step_bytes and src.flags.c_contiguous:
-                    flat_src, flat_dst = src.reshape(-1).view(np.uint8), dst.reshape(-1).view(np.uint8)
-                    for at in range(0, src.nbytes, step_bytes):
-                        if since:           # a step between chunks, never before the first or after the last
-                            since = 0
-                            yield
-                        flat_dst[at:at + step_bytes] = flat_src[at:at + step_bytes]
-                        since = min(step_bytes, src.nbytes - at)
-                    del flat_src, flat_dst
-                else:
-                    if since and since + src.nbytes > step_bytes:
-                        since = 0
-                        yield
-                    np.copyto(dst, src)
-                    since += src.nbytes
-                out.append(_jax.batched_device_put(_aval(src.shape, src.dtype), self._sharding, [dst], [self._device],
-                                                   True, False, _jax.HostBufferSemantics.ZERO_COPY, enable_x64=True))
-                del dst                     # the device array holds it now: its lifetime is the extent's
+            yield from _copy_in_chunks(host, slot.views, step_bytes)
+            for array in slot.arrays:   # new bytes under the same arrays: no value cached from the old ones
+                if getattr(array, "_npy_value", None) is not None:
+                    array._npy_value = None
         finally:
-            lease.seal()
-        return tuple(out)
+            arrays = pool.done(slot)
+        return arrays
 
     def start_weights(self, host) -> tuple:
         """Start copying a model's host weights onto the device as one batched, asynchronous

@@ -9,6 +9,14 @@ second copy. The pool holds a few large regions; a model's tensors take one exte
 array that wraps it has been collected, so an execution still holding an evicted model's arrays
 never sees another model's bytes written under it.
 
+A model's extent and the device arrays that wrap it are also kept after its eviction, as a
+*slot*: the next model whose tensors have the same shapes and dtypes (a fine-tuned variant of the
+same architecture, or any model of the same layout) is copied into it and served by the same
+arrays, without a lease, a wrap per tensor or jax's collection of the old arrays. A slot is
+reused only when nothing but the pool holds its arrays (CPython's reference counts say so,
+exactly), so the rule above still holds; the pool gives idle slots back, the oldest first, when
+a lease finds no room otherwise.
+
 :class:`Extents` is the allocator of one region, pure and single-threaded. :class:`WeightPool`
 is thread-safe: extents come back from whichever thread drops the last array (a finalizer).
 """
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -111,12 +120,37 @@ class PoolStats:
     leases: int                # extents handed out, ever
     grown: int                 # times a region was added because nothing fitted
     released: int              # regions given back to the system
+    idle_bytes: int = 0        # of used_bytes: evicted models' slots kept for reuse
+    reused: int = 0            # loads that reused a slot instead of a new lease, ever
 
 
 @dataclass(slots=True, eq=False)   # identity: regions are compared as objects
 class _Region:
     memory: np.ndarray         # uint8, ALIGN-aligned
     extents: Extents
+
+
+@dataclass(slots=True, eq=False)   # identity: a slot is one extent
+class Slot:
+    """One model's extent with the device arrays that wrap it, kept for the next model of the
+    same ``signature`` (its tensors' shapes and dtypes, in order). ``views`` are the writable
+    host arrays over the extent, one per tensor. ``busy`` while a load copies into it."""
+
+    signature: tuple
+    arrays: list               # the only reference to each array while the slot is idle (a list:
+    views: tuple               # tuple() of a tuple is the same object, of a list a new one)
+    nbytes: int
+    used: int = 0              # the pool's clock at its last use: the oldest idle slot goes first
+    busy: bool = False
+
+    def idle(self) -> bool:
+        """Whether nothing but this slot holds its arrays (an execution, the cache, a NumPy view
+        made from one: each holds a reference)."""
+        arrays = self.arrays
+        for i in range(len(arrays)):
+            if sys.getrefcount(arrays[i]) > 2:    # the list's reference and the argument's
+                return False
+        return not self.busy
 
 
 class Lease:
@@ -183,9 +217,12 @@ class WeightPool:
         self._lock = threading.RLock()       # RLock: a finalizer may run while it is held
         self._regions: list[_Region] = []
         self._live: set[Lease] = set()      # outstanding leases (their weakrefs live in them)
+        self._slots: dict[tuple, list[Slot]] = {}
+        self._clock = 0
         self._leases = 0
         self._grown = 0
         self._released = 0
+        self._reused = 0
 
     @staticmethod
     def extent_bytes(sizes: Sequence[int]) -> int:
@@ -200,6 +237,9 @@ class WeightPool:
         if found is None:
             self._collect()                 # finalizers run here, outside our lock
             found = self._take(need)
+        while found is None and self._drop_oldest_idle():
+            self._collect()                 # the slot's arrays go, then its extent
+            found = self._take(need)
         if found is None:
             memory = self._allocate(max(need, self._region_bytes))
             region = _Region(memory, Extents(len(memory)))
@@ -208,6 +248,56 @@ class WeightPool:
                 self._grown += 1
                 found = self._lease_locked(region, region.extents.alloc(need))
         return found
+
+    def keep(self, signature: tuple, arrays: tuple, views: tuple) -> Slot:
+        """Keep a new load's extent as a slot (its arrays wrap ``views``); it is busy until
+        :meth:`done` with it."""
+        slot = Slot(signature, list(arrays), views, sum(v.nbytes for v in views), busy=True)
+        with self._lock:
+            self._clock += 1
+            slot.used = self._clock
+            self._slots.setdefault(signature, []).append(slot)
+        return slot
+
+    def reuse(self, signature: tuple) -> Slot | None:
+        """An idle slot of ``signature``, now busy (the caller copies into its views, then calls
+        :meth:`done`), or None."""
+        with self._lock:
+            for slot in self._slots.get(signature, ()):
+                if slot.idle():
+                    slot.busy = True
+                    self._clock += 1
+                    slot.used = self._clock
+                    self._reused += 1
+                    return slot
+        return None
+
+    def done(self, slot: Slot) -> tuple:
+        """The load into ``slot`` is over (copied, or abandoned): a new tuple of its arrays for
+        the caller (held, its references keep the slot from being reused)."""
+        arrays = tuple(slot.arrays)
+        slot.busy = False
+        return arrays
+
+    def _drop_oldest_idle(self) -> bool:
+        """Forget the idle slot used least recently (its extent is free once jax lets go of its
+        arrays); False when none is idle."""
+        with self._lock:
+            oldest = None
+            for slots in self._slots.values():
+                for slot in slots:
+                    if (oldest is None or slot.used < oldest.used) and slot.idle():
+                        oldest = slot
+            if oldest is None:
+                return False
+            self._forget_slot_locked(oldest)
+            return True
+
+    def _forget_slot_locked(self, slot: Slot) -> None:
+        slots = self._slots[slot.signature]
+        slots.remove(slot)
+        if not slots:
+            del self._slots[slot.signature]
 
     def _take(self, need: int) -> Lease | None:
         with self._lock:
@@ -240,7 +330,11 @@ class WeightPool:
             self._released += 1
 
     def trim(self) -> int:
-        """Give every empty region back to the system; returns the bytes released."""
+        """Give every idle slot and then every empty region back to the system; returns the
+        bytes of the regions released."""
+        with self._lock:
+            for slot in [s for slots in self._slots.values() for s in slots if s.idle()]:
+                self._forget_slot_locked(slot)
         self._collect()
         with self._lock:
             empty = [r for r in self._regions if r.extents.empty]
@@ -254,9 +348,10 @@ class WeightPool:
 
     def stats(self) -> PoolStats:
         with self._lock:
+            idle = sum(slot.nbytes for slots in self._slots.values() for slot in slots if slot.idle())
             return PoolStats(self._capacity(), sum(r.extents.used_bytes for r in self._regions),
                              max((r.extents.largest_free for r in self._regions), default=0),
-                             len(self._regions), self._leases, self._grown, self._released)
+                             len(self._regions), self._leases, self._grown, self._released, idle, self._reused)
 
 
 def _page_aligned(nbytes: int) -> np.ndarray:
