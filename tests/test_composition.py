@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from types import MappingProxyType
 
@@ -107,6 +109,26 @@ def test_the_package_has_no_import_cycle(graph):
     assert _cycle(graph) is None
 
 
+def test_the_node_file_is_a_layer_below_the_frontend(graph):
+    """The schema validates the access keys against the tables the frontend enforces; those
+    tables live in config/access.py, so no config module imports the frontend (which imports
+    the config)."""
+    for module, deps in graph.items():
+        if module.startswith("xlaserve.config"):
+            assert not any(dep.startswith("xlaserve.frontend") for dep in deps), module
+    assert "xlaserve.config.access" in graph["xlaserve.frontend.access"]
+
+
+def test_reading_the_node_file_loads_no_frontend_module():
+    """As Python runs it, not only as the graph reads it: importing the schema (and the package
+    face that imports every config module) leaves xlaserve.frontend unloaded."""
+    code = ("import sys, xlaserve.config.schema, xlaserve.config.gateway; "
+            "print(sorted(m for m in sys.modules if m.startswith('xlaserve.frontend')))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=PACKAGE.parent)
+    assert found.stdout.strip() == "[]"
+
+
 def test_no_frontend_module_imports_the_worker_wiring(graph):
     for module, deps in graph.items():
         if module.startswith("xlaserve.frontend"):
@@ -116,11 +138,9 @@ def test_no_frontend_module_imports_the_worker_wiring(graph):
 def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
     outside = {module for module, deps in graph.items() if not module.startswith("xlaserve.frontend")
                and any(dep.startswith("xlaserve.frontend") for dep in deps)}
-    # Two more modules read frontend tables that are pure standard library, each for a reason:
-    # the node file is validated against the API groups and header rules the frontend enforces
-    # (one table, not two), and the TLS files are loaded at start-up before jax is imported.
-    # The gateway serves clients with the frontend's transport and speaks it to the workers (its
-    # own service, never the worker's), and its schema reads the same access tables.
+    # One more module reads a frontend module that is pure standard library: the TLS files are
+    # loaded at start-up before jax is imported. The gateway serves clients with the frontend's
+    # transport and speaks it to the workers (its own service, never the worker's).
     gateway = {m for m in outside if m.startswith("xlaserve.gateway.")}
     assert gateway == {"xlaserve.gateway.upstream", "xlaserve.gateway.run", "xlaserve.gateway.service"}
     assert not any(dep.startswith("xlaserve.frontend") for dep in graph["xlaserve.gateway.control"])
@@ -128,12 +148,9 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
                    for m in gateway for dep in graph[m])
     # The admin HTTP port accepts its connections through the frontend's guarded accept loop (one
     # guard for every port, not two), and takes nothing else from the frontend.
-    assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.config.gateway",
-                                 "xlaserve.worker.preflight", "xlaserve.admin"}
+    assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.worker.preflight", "xlaserve.admin"}
     assert graph["xlaserve.admin"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.guard"}
-    for schema in ("xlaserve.config.schema", "xlaserve.config.gateway"):
-        assert graph[schema] & {m for m in graph if m.startswith("xlaserve.frontend")} == {"xlaserve.frontend.access"}
     assert graph["xlaserve.worker.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.tls"}
     assert {module for module, deps in graph.items() if "xlaserve.worker.compose" in deps} == {"xlaserve.worker.server"}

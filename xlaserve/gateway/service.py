@@ -37,7 +37,8 @@ from grpclib.exceptions import GRPCError
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.errors import describe_exception
-from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
+from xlaserve.config.access import LOOPBACK_NETWORKS, parse_network
+from xlaserve.frontend.access import shm_peer_denial
 from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
 from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
