@@ -23,7 +23,11 @@ from xlaserve.config import EndpointsConfig
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.control import WorkerControlService
+from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.frontend.kserve import KServeService
+from xlaserve.frontend.rest_api import RestApi
+from xlaserve.gateway.router import Router
+from xlaserve.gateway.service import GatewayService
 from xlaserve.frontend.port import WorkerPort
 from xlaserve.runtime.residency import Floor
 from xlaserve.runtime.weights import CacheSnapshot, ModelResidency
@@ -261,6 +265,23 @@ def test_the_port_is_frozen():
                 port.submit = print
             with pytest.raises((AttributeError, TypeError)):    # slotted: no attribute can be added
                 port.scheduler = object()
+    trio.run(main)
+
+
+def test_modelinfer_is_served_task_free_by_both_transports_for_both_services():
+    """The worker's and the gateway's ModelInfer handlers in ``__mapping__()`` are there for the
+    request type only: gRPC and REST both take the service's task-free entry, ``infer_now``, so
+    the handler is never called, and says so (INTERNAL) if a server ever did."""
+    infer = "/inference.GRPCInferenceService/ModelInfer"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for service in (KServeService(_port(nursery), EndpointsConfig()), GatewayService({}, Router([]))):
+                assert GrpcServer([service]).fast[infer] == service.infer_now
+                assert RestApi(service)._fast[infer] == service.infer_now
+                with pytest.raises(GRPCError) as called:
+                    await service.__mapping__()[infer].func(None)
+                assert called.value.status is Status.INTERNAL and "task-free entry" in called.value.message
     trio.run(main)
 
 
