@@ -31,7 +31,7 @@ from xlaserve.gateway.service import GatewayService
 from xlaserve.frontend.port import WorkerPort
 from xlaserve.runtime.residency import Floor
 from xlaserve.runtime.weights import CacheSnapshot, ModelResidency
-from xlaserve.worker.compose import _ModelControl
+from xlaserve.app.compose import _ModelControl
 from xlaserve.worker.lifecycle import LoadModel, UnloadModel
 from xlaserve.worker.policy import CostSnapshot
 from xlaserve.worker.registry import ModelEntry, ModelState
@@ -102,10 +102,10 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_is_read_as_python_reads_it(graph):
     """The checks below are only as good as the graph: it sees function-level, TYPE_CHECKING and
     package-relative imports."""
-    assert "xlaserve.worker.compose" in graph["xlaserve.worker.server"]
+    assert "xlaserve.app.compose" in graph["xlaserve.app.server"]
     assert "xlaserve.frontend.port" in graph["xlaserve.frontend.kserve"]
     assert "xlaserve.worker.scheduler" in graph["xlaserve.frontend.port"]            # under TYPE_CHECKING
-    assert "xlaserve.worker.executor" in graph["xlaserve.worker.compose"]            # inside run_actors
+    assert "xlaserve.worker.executor" in graph["xlaserve.app.compose"]               # inside run_actors
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
@@ -133,10 +133,16 @@ def test_reading_the_node_file_loads_no_frontend_module():
     assert found.stdout.strip() == "[]"
 
 
-def test_no_frontend_module_imports_the_worker_wiring(graph):
+def test_the_worker_process_is_a_room_above_both_the_worker_and_the_frontend(graph):
+    """xlaserve/app/ (preflight, the composition root, the process) imports both; neither the
+    worker's actors nor the frontend imports anything of it, and the actors import no frontend
+    module (the frontend imports the actors' message and value types, one way)."""
+    assert {"xlaserve.app.compose", "xlaserve.app.server", "xlaserve.app.preflight"} <= set(graph)
     for module, deps in graph.items():
-        if module.startswith("xlaserve.frontend"):
-            assert not deps & {"xlaserve.worker.server", "xlaserve.worker.compose"}, module
+        if module.startswith(("xlaserve.frontend", "xlaserve.worker")):
+            assert not any(dep.startswith("xlaserve.app") for dep in deps), module
+        if module.startswith("xlaserve.worker"):
+            assert not any(dep.startswith("xlaserve.frontend") for dep in deps), module
 
 
 def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
@@ -152,12 +158,12 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
                    for m in gateway for dep in graph[m])
     # The admin HTTP port accepts its connections through the frontend's guarded accept loop (one
     # guard for every port, not two), and takes nothing else from the frontend.
-    assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.worker.preflight", "xlaserve.admin"}
+    assert outside - gateway == {"xlaserve.app.compose", "xlaserve.app.preflight", "xlaserve.admin"}
     assert graph["xlaserve.admin"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.guard"}
-    assert graph["xlaserve.worker.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
+    assert graph["xlaserve.app.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.tls"}
-    assert {module for module, deps in graph.items() if "xlaserve.worker.compose" in deps} == {"xlaserve.worker.server"}
+    assert {module for module, deps in graph.items() if "xlaserve.app.compose" in deps} == {"xlaserve.app.server"}
     assert "xlaserve.frontend.kserve" not in graph["xlaserve.frontend.control"]
 
 
