@@ -175,8 +175,7 @@ def network(rounds: int, calls: int, rows: list, which: str) -> None:
 
     from examples import torch_zoo
     from xlaserve import bundle as bundle_module
-    from xlaserve.export import TensorSpec
-    from xlaserve.export_torch import export_torch
+    from xlaserve.export import TensorSpec, export_torch
     from xlaserve.runtime.pjrt import Device
 
     if which == "zoo":

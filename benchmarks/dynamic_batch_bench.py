@@ -38,8 +38,7 @@ def export_both(repo: Path, blocks: int) -> None:
     from flax import nnx
 
     from examples.flax_classifier import Classifier
-    from xlaserve.export import TensorSpec
-    from xlaserve.export_flax import export_flax
+    from xlaserve.export import TensorSpec, export_flax
 
     image = TensorSpec("image", "u8", "cwhn", {"c": 3, "w": 32, "h": 32})
     for suffix in ("", "_bc"):

@@ -15,7 +15,7 @@ lowering, a cold first call and a warm second one), then runs the lowered progra
 seeded input and prints one JSON line: seconds, the largest absolute and relative error of the
 logits against eager PyTorch, and the installed size of the candidate's own package.
 
-- ``torch-mlir``: xlaserve's path (:mod:`xlaserve.export_torch`), run through xlaserve's PJRT.
+- ``torch-mlir``: xlaserve's path (:mod:`xlaserve.export.from_torch`), run through xlaserve's PJRT.
 - ``torchax``: ``torchax.export.exported_program_to_stablehlo``, run with ``jax.export``'s ``call``.
 - ``torch_xla``: ``torch_xla.stablehlo.exported_program_to_stablehlo`` (``PJRT_DEVICE=CPU``),
   its StableHLO text run through xlaserve's PJRT with the state it names.
@@ -41,7 +41,7 @@ def _package_mb(distribution: str) -> float:
 
 
 def _torch_mlir(model, x):
-    from xlaserve.export_torch import _Functional, _lower, state_weights, to_numpy
+    from xlaserve.export.from_torch import _Functional, _lower, state_weights, to_numpy
 
     weights = state_weights(model)
     wrapper = _Functional(model, list(weights))

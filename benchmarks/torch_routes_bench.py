@@ -1,4 +1,4 @@
-"""Each lowering route of ``export --torch`` (:data:`xlaserve.export_torch.ROUTES`) alone on each
+"""Each lowering route of ``export --torch`` (:data:`xlaserve.export.ROUTES`) alone on each
 model of examples/torch_zoo.py: whether it lowers the model, and how long ``torch.export`` plus
 that route's decomposition and lowering take at one batch size (no compile, no verification;
 the zoo benchmark verifies what the default export makes).
@@ -25,9 +25,8 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from examples import torch_zoo  # noqa: E402
-from xlaserve.export import TensorSpec  # noqa: E402
-from xlaserve.export_torch import ROUTES, _Functional, _lower, state_weights  # noqa: E402
-from xlaserve.export_verify import sample_inputs  # noqa: E402
+from xlaserve.export import TensorSpec, sample_inputs  # noqa: E402
+from xlaserve.export.from_torch import ROUTES, _Functional, _lower, state_weights  # noqa: E402
 
 
 class ShiftedWindowMask(nn.Module):

@@ -40,7 +40,7 @@ if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
 from examples import torch_zoo  # noqa: E402
-from xlaserve.export_verify import VerificationError, sample_inputs  # noqa: E402
+from xlaserve.export import VerificationError, sample_inputs  # noqa: E402
 
 
 def _flax_models() -> dict:
@@ -89,11 +89,11 @@ def measure(name: str, sizes: list[int], out: Path, rounds: int = 5, latency: bo
     started = time.perf_counter()
     try:
         if flax:
-            from xlaserve.export_flax import export_flax
+            from xlaserve.export import export_flax
             model, variables = built
             result = export_flax(out / name, model, variables, inputs=inputs, compiled_batch_sizes=sizes)
         else:
-            from xlaserve.export_torch import export_torch
+            from xlaserve.export import export_torch
             result = export_torch(out / name, built, inputs=inputs, compiled_batch_sizes=sizes)
     except VerificationError as exc:            # written but outside the tolerance: measured all the same
         result, verification = None, exc.verification
@@ -125,7 +125,7 @@ def _latency(bundle: Path, built, flax: bool, inputs, sizes: list[int], rounds: 
     specs = loaded.manifest.executable_inputs
     if flax:
         import jax
-        from xlaserve.export_flax import flax_function
+        from xlaserve.export import flax_function
         fn, params = flax_function(*built)
         jitted = jax.jit(fn)
 
@@ -160,7 +160,7 @@ def served(repo: Path, names: list[str], rows_each: tuple[int, ...] = (1, 3)) ->
 
     from tests.conftest import serve
     from xlaserve.bundle import load_bundle
-    from xlaserve.export_verify import compare, output_scale, tolerance
+    from xlaserve.export import compare, output_scale, tolerance
     from xlaserve.runtime.pjrt import Device
 
     device = Device("cpu")
@@ -209,7 +209,7 @@ def manifest_dtype(manifest, output: str) -> str:
 def _reference(built, flax: bool, arrays: list, names: list[str]) -> dict:
     if flax:
         import jax
-        from xlaserve.export_flax import flax_function
+        from xlaserve.export import flax_function
         fn, params = flax_function(*built)
         leaves = jax.tree_util.tree_leaves(jax.jit(fn)(params, *arrays))
         return {n: np.asarray(v) for n, v in zip(names, leaves)}

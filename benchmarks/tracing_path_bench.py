@@ -29,7 +29,7 @@ from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.config import parse_node_config, resolve_worker
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.kserve import KServeService
-from xlaserve.worker.compose import run_actors, worker_port
+from xlaserve.app.compose import run_actors, worker_port
 
 BATCH = 32
 

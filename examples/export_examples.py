@@ -35,7 +35,8 @@ if str(_REPO) not in sys.path:  # run as a script from anywhere, without install
     sys.path.insert(0, str(_REPO))
 
 from examples import reference
-from xlaserve.export import FORMAT_VERSION, MANIFEST_FILE, TensorSpec, export_bundle
+from xlaserve.export import MANIFEST_FILE, TensorSpec, export_bundle
+from xlaserve.manifest import FORMAT_VERSION
 
 DEFAULT_OUT_DIR = _REPO / "examples" / "models"
 HOOKS_DIR = _REPO / "examples" / "hooks"

@@ -1,5 +1,5 @@
 """Flax example models for the zoo benchmark (benchmarks/torch_zoo_export_bench.py), exported
-through the JAX path (:func:`xlaserve.export_flax.export_flax`): random weights, nothing
+through the JAX path (:func:`xlaserve.export.export_flax`): random weights, nothing
 downloaded.
 
 - ``flax_classifier``: examples/flax_classifier.py's NNX residual classifier (convolutions,
@@ -10,7 +10,7 @@ downloaded.
   about 10. image float32 [B, 28, 28, 1] -> logits [B, 10].
 
 ``MODELS[name]`` is (factory, inputs); a factory returns ``(model, variables)`` (variables None
-for NNX), as :func:`xlaserve.export_flax.export_flax` takes them.
+for NNX), as :func:`xlaserve.export.export_flax` takes them.
 """
 from __future__ import annotations
 

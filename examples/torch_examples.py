@@ -116,7 +116,7 @@ MODELS = {
 
 def export(name: str, out_dir: Path, sizes=None, progress=None) -> Path:
     """Export model ``name`` to ``out_dir / name`` (verified); returns the bundle directory."""
-    from xlaserve.export_torch import export_torch
+    from xlaserve.export import export_torch
 
     factory, inputs, default_sizes = MODELS[name]
     result = export_torch(out_dir / name, factory(), inputs=inputs,
@@ -145,7 +145,7 @@ def check_through_server(url: str, names, batch: int = 3) -> int:
     return how many elements fell outside it."""
     import tritonclient.grpc as grpcclient
 
-    from xlaserve.export_verify import DEFAULT_TOLERANCES, compare
+    from xlaserve.export import DEFAULT_TOLERANCES, compare
 
     atol, rtol = DEFAULT_TOLERANCES["f32"]
     outside = 0

@@ -24,8 +24,8 @@ from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.config import ConfigError
 from xlaserve.config.resolve import effective_config_lines, parse_node_config, resolve_worker
 from xlaserve.config.schema import RestrictedApi
-from xlaserve.frontend.access import (GROUPS, PATH_GROUPS, AccessPolicy, header_name_problem, peer_address,
-                                      shm_peer_denial)
+from xlaserve.config.access import GROUPS, PATH_GROUPS, header_name_problem
+from xlaserve.frontend.access import AccessPolicy, peer_address, shm_peer_denial
 from xlaserve.frontend.control import WorkerControlService
 from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.frontend.kserve import KServeService

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,8 +11,10 @@ import yaml
 from safetensors.numpy import save_file
 
 from examples.export_examples import export_mlp, export_simple
+from tests.conftest import ROOT
 from xlaserve.bundle import load_bundle
 from xlaserve.errors import BundleError
+from xlaserve.manifest import FORMAT_VERSION
 from xlaserve.runtime.pjrt import Device
 
 
@@ -138,3 +142,27 @@ def test_failing_bundle_is_unavailable_and_others_serve(repo, tmp_path):
             x = grpcclient.InferInput("input", [1, 512], "FP32")
             x.set_data_from_numpy(np.zeros((1, 512), np.float32))
             c.infer("mlp", [x])
+
+
+def test_reading_a_bundle_imports_no_jax(tmp_path):
+    """The bundle format is read without JAX: a tool that lists a repository (or checks its
+    manifests and weights) pays no JAX import; only load_bundle, which compiles, brings it in."""
+    bundle = tmp_path / "tiny"
+    bundle.mkdir()
+    tensor = {"dtype": "f32", "shape": "fn", "dims": {"f": 4}}
+    (bundle / "manifest.yaml").write_text(yaml.safe_dump({
+        "format_version": FORMAT_VERSION, "name": "tiny",
+        "executable_inputs": [{"name": "x", **tensor}], "executable_outputs": [{"name": "y", **tensor}],
+        "weights": {"file": "weights.safetensors", "order": ["w"]},
+        "batching": {"compiled_batch_sizes": [1, 2]}}))
+    save_file({"w": np.zeros((4, 4), np.float32)}, str(bundle / "weights.safetensors"))
+    for size in (1, 2):
+        (bundle / f"model.b{size}.mlir").write_text("module {}\n")
+    code = ("import sys; from pathlib import Path; import xlaserve.bundle as b; path = Path(sys.argv[1]); "
+            "m = b.read_manifest(path); w = b.read_weights(path, m); "
+            "print(m.bundle, m.compiled_batch_sizes, sorted(b.find_modules(path, m)), w.names, "
+            "sorted(n for n in sys.modules if n.split('.')[0] in ('jax', 'jaxlib')))")
+    found = subprocess.run([sys.executable, "-c", code, str(bundle)], capture_output=True, text=True,
+                           cwd=ROOT)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["tiny", "(1,", "2)", "[1,", "2]", "('w',)", "[]"]

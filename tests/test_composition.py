@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from types import MappingProxyType
 
@@ -21,11 +23,15 @@ from xlaserve.config import EndpointsConfig
 from xlaserve.errors import FailedPrecondition, Unavailable
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.control import WorkerControlService
+from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.frontend.kserve import KServeService
+from xlaserve.frontend.rest_api import RestApi
+from xlaserve.gateway.router import Router
+from xlaserve.gateway.service import GatewayService
 from xlaserve.frontend.port import WorkerPort
 from xlaserve.runtime.residency import Floor
 from xlaserve.runtime.weights import CacheSnapshot, ModelResidency
-from xlaserve.worker.compose import _ModelControl
+from xlaserve.app.compose import _ModelControl
 from xlaserve.worker.lifecycle import LoadModel, UnloadModel
 from xlaserve.worker.policy import CostSnapshot
 from xlaserve.worker.registry import ModelEntry, ModelState
@@ -96,10 +102,10 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_is_read_as_python_reads_it(graph):
     """The checks below are only as good as the graph: it sees function-level, TYPE_CHECKING and
     package-relative imports."""
-    assert "xlaserve.worker.compose" in graph["xlaserve.worker.server"]
+    assert "xlaserve.app.compose" in graph["xlaserve.app.server"]
     assert "xlaserve.frontend.port" in graph["xlaserve.frontend.kserve"]
     assert "xlaserve.worker.scheduler" in graph["xlaserve.frontend.port"]            # under TYPE_CHECKING
-    assert "xlaserve.worker.executor" in graph["xlaserve.worker.compose"]            # inside run_actors
+    assert "xlaserve.worker.executor" in graph["xlaserve.app.compose"]               # inside run_actors
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
 
 
@@ -107,20 +113,44 @@ def test_the_package_has_no_import_cycle(graph):
     assert _cycle(graph) is None
 
 
-def test_no_frontend_module_imports_the_worker_wiring(graph):
+def test_the_node_file_is_a_layer_below_the_frontend(graph):
+    """The schema validates the access keys against the tables the frontend enforces; those
+    tables live in config/access.py, so no config module imports the frontend (which imports
+    the config)."""
     for module, deps in graph.items():
-        if module.startswith("xlaserve.frontend"):
-            assert not deps & {"xlaserve.worker.server", "xlaserve.worker.compose"}, module
+        if module.startswith("xlaserve.config"):
+            assert not any(dep.startswith("xlaserve.frontend") for dep in deps), module
+    assert "xlaserve.config.access" in graph["xlaserve.frontend.access"]
+
+
+def test_reading_the_node_file_loads_no_frontend_module():
+    """As Python runs it, not only as the graph reads it: importing the schema (and the package
+    face that imports every config module) leaves xlaserve.frontend unloaded."""
+    code = ("import sys, xlaserve.config.schema, xlaserve.config.gateway; "
+            "print(sorted(m for m in sys.modules if m.startswith('xlaserve.frontend')))")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=PACKAGE.parent)
+    assert found.stdout.strip() == "[]"
+
+
+def test_the_worker_process_is_a_room_above_both_the_worker_and_the_frontend(graph):
+    """xlaserve/app/ (preflight, the composition root, the process) imports both; neither the
+    worker's actors nor the frontend imports anything of it, and the actors import no frontend
+    module (the frontend imports the actors' message and value types, one way)."""
+    assert {"xlaserve.app.compose", "xlaserve.app.server", "xlaserve.app.preflight"} <= set(graph)
+    for module, deps in graph.items():
+        if module.startswith(("xlaserve.frontend", "xlaserve.worker")):
+            assert not any(dep.startswith("xlaserve.app") for dep in deps), module
+        if module.startswith("xlaserve.worker"):
+            assert not any(dep.startswith("xlaserve.frontend") for dep in deps), module
 
 
 def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
     outside = {module for module, deps in graph.items() if not module.startswith("xlaserve.frontend")
                and any(dep.startswith("xlaserve.frontend") for dep in deps)}
-    # Two more modules read frontend tables that are pure standard library, each for a reason:
-    # the node file is validated against the API groups and header rules the frontend enforces
-    # (one table, not two), and the TLS files are loaded at start-up before jax is imported.
-    # The gateway serves clients with the frontend's transport and speaks it to the workers (its
-    # own service, never the worker's), and its schema reads the same access tables.
+    # One more module reads a frontend module that is pure standard library: the TLS files are
+    # loaded at start-up before jax is imported. The gateway serves clients with the frontend's
+    # transport and speaks it to the workers (its own service, never the worker's).
     gateway = {m for m in outside if m.startswith("xlaserve.gateway.")}
     assert gateway == {"xlaserve.gateway.upstream", "xlaserve.gateway.run", "xlaserve.gateway.service"}
     assert not any(dep.startswith("xlaserve.frontend") for dep in graph["xlaserve.gateway.control"])
@@ -128,15 +158,12 @@ def test_the_composition_root_is_the_only_place_that_knows_both_sides(graph):
                    for m in gateway for dep in graph[m])
     # The admin HTTP port accepts its connections through the frontend's guarded accept loop (one
     # guard for every port, not two), and takes nothing else from the frontend.
-    assert outside - gateway == {"xlaserve.worker.compose", "xlaserve.config.schema", "xlaserve.config.gateway",
-                                 "xlaserve.worker.preflight", "xlaserve.admin"}
+    assert outside - gateway == {"xlaserve.app.compose", "xlaserve.app.preflight", "xlaserve.admin"}
     assert graph["xlaserve.admin"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.guard"}
-    for schema in ("xlaserve.config.schema", "xlaserve.config.gateway"):
-        assert graph[schema] & {m for m in graph if m.startswith("xlaserve.frontend")} == {"xlaserve.frontend.access"}
-    assert graph["xlaserve.worker.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
+    assert graph["xlaserve.app.preflight"] & {m for m in graph if m.startswith("xlaserve.frontend")} == {
         "xlaserve.frontend.tls"}
-    assert {module for module, deps in graph.items() if "xlaserve.worker.compose" in deps} == {"xlaserve.worker.server"}
+    assert {module for module, deps in graph.items() if "xlaserve.app.compose" in deps} == {"xlaserve.app.server"}
     assert "xlaserve.frontend.kserve" not in graph["xlaserve.frontend.control"]
 
 
@@ -244,6 +271,23 @@ def test_the_port_is_frozen():
                 port.submit = print
             with pytest.raises((AttributeError, TypeError)):    # slotted: no attribute can be added
                 port.scheduler = object()
+    trio.run(main)
+
+
+def test_modelinfer_is_served_task_free_by_both_transports_for_both_services():
+    """The worker's and the gateway's ModelInfer handlers in ``__mapping__()`` are there for the
+    request type only: gRPC and REST both take the service's task-free entry, ``infer_now``, so
+    the handler is never called, and says so (INTERNAL) if a server ever did."""
+    infer = "/inference.GRPCInferenceService/ModelInfer"
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for service in (KServeService(_port(nursery), EndpointsConfig()), GatewayService({}, Router([]))):
+                assert GrpcServer([service]).fast[infer] == service.infer_now
+                assert RestApi(service)._fast[infer] == service.infer_now
+                with pytest.raises(GRPCError) as called:
+                    await service.__mapping__()[infer].func(None)
+                assert called.value.status is Status.INTERNAL and "task-free entry" in called.value.message
     trio.run(main)
 
 

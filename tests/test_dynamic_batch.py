@@ -16,8 +16,7 @@ import yaml
 from xlaserve.bundle import load_bundle
 from xlaserve.cli import main
 from xlaserve.errors import BundleError
-from xlaserve.export import TensorSpec, TracingError
-from xlaserve.export_jax import export_jax
+from xlaserve.export import TensorSpec, TracingError, export_jax
 from xlaserve.progress import ProgressReport, Step, bar
 from xlaserve.runtime.excache import ExecutableCache
 from xlaserve.runtime.pjrt import Device, ModuleError, TensorType, read_signature, specialize

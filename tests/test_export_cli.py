@@ -11,7 +11,7 @@ import yaml
 from xlaserve.bundle import load_bundle
 from xlaserve.cli import main
 from xlaserve.export import TensorSpec
-from xlaserve.export_cli import UsageError, parse_batch_sizes, parse_input, parse_output
+from xlaserve.export.cli import UsageError, parse_batch_sizes, parse_input, parse_output
 from xlaserve.runtime.pjrt import Device
 
 MODEL = '''

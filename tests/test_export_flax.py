@@ -1,4 +1,4 @@
-"""xlaserve.export_flax: NNX and Linen models exported under Flax's own names, loaded as the
+"""xlaserve.export.from_flax: NNX and Linen models exported under Flax's own names, loaded as the
 server loads them and matching the model run by Flax; the command line's Flax source."""
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from flax import nnx
 
 from xlaserve.bundle import load_bundle
 from xlaserve.cli import main
-from xlaserve.export import ExportError, TensorSpec
-from xlaserve.export_flax import export_flax, flax_function, flax_kind
+from xlaserve.export import ExportError, TensorSpec, export_flax, flax_function, flax_kind
 from xlaserve.runtime.pjrt import Device
 
 X = TensorSpec("x", "f32", "xn", {"x": 4})

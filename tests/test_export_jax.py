@@ -1,4 +1,4 @@
-"""xlaserve.export_jax and xlaserve.export_verify: a JAX function with a nested parameter pytree
+"""xlaserve.export.from_jax and xlaserve.export.verify: a JAX function with a nested parameter pytree
 exported, loaded as the server loads it, and verified against the function."""
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import yaml
 from safetensors.numpy import load_file, save_file
 
 from xlaserve.bundle import load_bundle
-from xlaserve.export import TensorSpec, TracingError, dtype_code, export_bundle
-from xlaserve.export_jax import default_axes, export_jax, flatten_params, hooks_skeleton, infer_outputs
-from xlaserve.export_verify import (VerificationError, compare, output_scale, sample_inputs, tolerance,
-                                    verify_bundle)
+from xlaserve.export import (TensorSpec, TracingError, VerificationError, compare, default_axes,
+                             dtype_code, export_bundle, export_jax, flatten_params, hooks_skeleton,
+                             infer_outputs, output_scale, sample_inputs, tolerance, verify_bundle)
 from xlaserve.runtime.pjrt import Device
 
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -1,4 +1,4 @@
-"""PyTorch export (xlaserve.export_torch, ``xlaserve export --torch``): weights under their
+"""PyTorch export (xlaserve.export.from_torch, ``xlaserve export --torch``): weights under their
 state_dict names, outputs named as PyTorch flattens them, verification against eager PyTorch
 (passing, and failing on a module whose export differs), tracing errors naming the call, the
 command end to end, the example transformer encoder served and queried with the Triton client,
@@ -19,9 +19,8 @@ from safetensors.numpy import load_file
 from torch import nn
 
 from xlaserve.cli import main
-from xlaserve.export import ExportError, TensorSpec, TracingError
-from xlaserve.export_torch import export_torch, state_weights, to_numpy, to_torch
-from xlaserve.export_verify import VerificationError
+from xlaserve.export import (ExportError, TensorSpec, TracingError, VerificationError, export_torch,
+                             state_weights, to_numpy, to_torch)
 
 ROOT = Path(__file__).resolve().parent.parent
 X = TensorSpec("x", "float32", "xn", {"x": 6})
@@ -149,7 +148,7 @@ IMAGE = TensorSpec("image", "float32", "whcn", {"c": 16, "h": 7, "w": 7})
 
 @pytest.mark.parametrize("inline_bytes", [64 * 1024, 0], ids=["inline", "as-weights"])
 def test_dense_resource_constants_are_inlined_or_passed_as_weights(tmp_path, monkeypatch, inline_bytes):
-    from xlaserve import export_torch as module
+    from xlaserve.export import from_torch as module
 
     monkeypatch.setattr(module, "INLINE_CONSTANT_BYTES", inline_bytes)
     torch.manual_seed(3)
@@ -386,17 +385,18 @@ def test_the_example_encoder_serves_and_matches_eager_pytorch(tmp_path):
 
 
 def test_only_export_torch_imports_torch():
-    """The server never imports torch: no module of the package but export_torch (and the op
-    rewrites only it imports, torch_rewrites) names it, and importing the command line, the
-    server's node and the export command loads none of it."""
+    """The server never imports torch: no module of the package but export/from_torch.py (and
+    the op rewrites only it imports, export/torch_rewrites.py) names it, and importing the
+    command line, the server's node, the export package's face and its command loads none of it."""
     for path in (ROOT / "xlaserve").rglob("*.py"):
-        if path.name in ("export_torch.py", "torch_rewrites.py"):
+        if path.name in ("from_torch.py", "torch_rewrites.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in ("torch", "torch_mlir", "torchvision") for n in names), path
-    code = ("import sys, xlaserve.cli, xlaserve.node, xlaserve.export_cli, xlaserve.bundle; "
+    code = ("import sys, xlaserve.cli, xlaserve.node, xlaserve.export.cli, xlaserve.bundle; "
+            "from xlaserve.export import TensorSpec, export_jax; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torch_mlir'}))")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert found.stdout.strip() == "[]"
@@ -408,7 +408,7 @@ def test_the_lowering_memory_guard_fails_an_allocation_past_its_budget_and_resto
     is back and the same allocation succeeds."""
     import resource
 
-    from xlaserve.export_torch import _memory_guard
+    from xlaserve.export.from_torch import _memory_guard
 
     before = resource.getrlimit(resource.RLIMIT_AS)
     with _memory_guard(64 * 1024 * 1024):
@@ -424,7 +424,7 @@ def test_an_error_inside_the_memory_guard_passes_through_as_it_is():
     manager's own RuntimeError then)."""
     import resource
 
-    from xlaserve.export_torch import _memory_guard
+    from xlaserve.export.from_torch import _memory_guard
 
     before = resource.getrlimit(resource.RLIMIT_AS)
     try:

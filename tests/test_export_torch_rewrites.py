@@ -1,4 +1,4 @@
-"""The op rewrites of the second lowering route (xlaserve.torch_rewrites): each computes what the
+"""The op rewrites of the second lowering route (xlaserve.export.torch_rewrites): each computes what the
 op it replaces computes, in eager PyTorch, and leaves no trace of that op in a decomposed
 program; slices of a traced graph are clamped to their axes."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from xlaserve import torch_rewrites
-from xlaserve.torch_rewrites import attention, clamp_slices, upsample_nearest
+from xlaserve.export import torch_rewrites
+from xlaserve.export.torch_rewrites import attention, clamp_slices, upsample_nearest
 
 aten = torch.ops.aten
 # torch 2.13's torch.export makes a pytree check that torch itself deprecates; not this test's subject

@@ -15,7 +15,7 @@ import yaml
 from examples import torch_zoo
 from tests.conftest import ROOT, infer_input, serve
 from xlaserve.cli import main
-from xlaserve.export_verify import compare, tolerance
+from xlaserve.export import compare, tolerance
 
 
 MODELS = ("bert", "convnext", "efficientnet", "gpt2")

@@ -1,11 +1,12 @@
-"""lpt_packing's placement (xlaserve.gateway.placement.place): a pure function, loads and budgets in."""
+"""lpt_packing's placement (xlaserve.gateway.placement): place, a pure function, loads and budgets in;
+the Rebalancer, which decides when to place again and from what loads; residency_for."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from xlaserve.gateway.placement import ModelLoad, OverBudget, WorkerBudget, place
+from xlaserve.gateway.placement import ModelLoad, OverBudget, Rebalancer, WorkerBudget, place, residency_for
 
 GiB = 1 << 30
 
@@ -131,3 +132,52 @@ def test_a_small_change_in_load_moves_nothing_and_a_large_one_rebalances():
     # a previous host without room is left
     tight = [WorkerBudget("w0", 10), WorkerBudget("w1", 100)]
     assert place([ModelLoad("a", 1.0, 50)], tight, previous={"a": ("w0",)}).workers_of["a"] == ("w1",)
+
+
+# ---- when to place again: the Rebalancer -------------------------------------------------------
+SIZES = {"a": GiB, "b": GiB, "c": GiB}
+
+
+def test_the_first_placement_is_by_size_and_nothing_changed_keeps_it():
+    r = Rebalancer(30.0, now=0.0)
+    first = r.decide(workers(2), ("a", "b"), SIZES, {}, now=1.0)
+    assert first.by_size and first.placement is r.placement
+    assert sorted(ws for m in ("a", "b") for ws in first.placement.workers_of[m]) == ["w0", "w1"]
+    # the same workers and models, under rebalance_compute_seconds of device time: no new placement
+    assert r.decide(workers(2), ("a", "b"), SIZES, {("w0", "a"): 29.0}, now=100.0) is None
+    assert r.placement is first.placement
+
+
+def test_a_new_model_or_worker_places_again_at_once():
+    r = Rebalancer(30.0, now=0.0)
+    r.decide(workers(2), ("a", "b"), SIZES, {}, now=1.0)
+    assert set(r.decide(workers(2), ("a", "b", "c"), SIZES, {}, now=2.0).placement.workers_of) == {"a", "b", "c"}
+    assert "w2" in r.decide(workers(3), ("a", "b", "c"), SIZES, {}, now=3.0).placement.load_of
+
+
+def test_measured_device_time_places_again_with_each_models_load_over_the_span():
+    r = Rebalancer(30.0, replicas_for=lambda m: None, now=0.0)
+    r.decide(workers(2), ("a", "b"), SIZES, {("w0", "a"): 5.0}, now=10.0)
+    # since then, 40 s of device time in 100 s: "a" 30 s (on two workers), "b" 10 s
+    decided = r.decide(workers(2), ("a", "b"), SIZES,
+                       {("w0", "a"): 25.0, ("w1", "a"): 10.0, ("w1", "b"): 10.0}, now=110.0)
+    assert not decided.by_size and decided.measured_seconds == pytest.approx(40.0)
+    assert sorted(decided.placement.load_of.values()) == pytest.approx([0.1, 0.3])
+    # a counter that went back (a worker restarted) counts as no time, never as negative time
+    assert r.decide(workers(2), ("a", "b"), SIZES, {("w0", "a"): 0.0}, now=120.0) is None
+
+
+def test_replica_counts_come_from_the_model_or_the_default():
+    r = Rebalancer(30.0, "all", lambda m: 1 if m == "b" else None, now=0.0)
+    placed = r.decide(workers(3), ("a", "b"), SIZES, {}, now=1.0).placement.workers_of
+    assert len(placed["a"]) == 3 and len(placed["b"]) == 1
+
+
+@pytest.mark.parametrize("current, placed_here, wanted", [
+    ("system", True, None), ("unpinned", True, "system"),
+    ("system", False, "unpinned"), ("unpinned", False, None),
+    ("device", False, None), ("device", True, None), (None, True, None),
+])
+def test_residency_for_keeps_host_copies_where_a_model_is_placed_and_leaves_pins(current, placed_here, wanted):
+    workers_of = {"m": ("w0",) if placed_here else ("w1",)}
+    assert residency_for("w0", "m", current, workers_of) == wanted

@@ -19,7 +19,7 @@ from examples.export_examples import export_mlp, export_simple
 from tests.conftest import ROOT, serve, write_node
 from xlaserve.config import load_node_config, parse_node_config, resolve_worker
 from xlaserve.errors import StartupError
-from xlaserve.worker import preflight
+from xlaserve.app import preflight
 
 
 def _xlaserve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -236,7 +236,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_the_request_path_does_not_import_opentelemetry():
     done = _python("import sys\n"
-                   "import xlaserve.worker.compose, xlaserve.gateway.run, xlaserve.cli\n"
+                   "import xlaserve.app.compose, xlaserve.gateway.run, xlaserve.cli\n"
                    "from xlaserve.config import TracingConfig\n"
                    "from xlaserve.tracing import open_tracing\n"
                    "assert open_tracing(TracingConfig(), 'w') is None\n"

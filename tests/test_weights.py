@@ -449,7 +449,7 @@ def test_weight_trace_path_per_worker():
     from pathlib import Path
 
     from xlaserve.config import parse_node_config, resolve_worker
-    from xlaserve.worker.compose import weight_trace_path
+    from xlaserve.app.compose import weight_trace_path
 
     def path_of(trace, workers=1, which=0):
         node = parse_node_config({"model_repo": "m", "global": {"runtime": {"weight_trace": trace}},

@@ -4,6 +4,10 @@
 actor runs it off the Trio thread. It returns an immutable :class:`ModelVersion` or raises
 :class:`BundleError` with a message that names the bundle, the tensor, what was expected and
 what was found.
+
+Reading a bundle (:func:`read_manifest`, :func:`find_modules`, :func:`read_weights`,
+:func:`validate_signature`) imports no JAX: only :func:`load_bundle`, which compiles on a
+device, imports the runtime that does (:mod:`xlaserve.runtime.executables`).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
@@ -32,8 +37,11 @@ from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.progress import Step
-from xlaserve.runtime.executables import ExecutableTable
-from xlaserve.runtime.pjrt import CompiledMemory, Device, ModuleError, Signature, TensorType
+from xlaserve.runtime.signature import ModuleError, Signature, TensorType
+
+if TYPE_CHECKING:   # the types of load_bundle's device side, which imports jax when it runs
+    from xlaserve.runtime.executables import ExecutableTable
+    from xlaserve.runtime.pjrt import CompiledMemory, Device
 
 MANIFEST = "manifest.yaml"
 HOOKS_FILE = "model.py"
@@ -483,6 +491,7 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
     ``fingerprint``: the bundle's :func:`bundle_fingerprint` when the caller has just taken it
     (else taken here)."""
     if executables is None:
+        from xlaserve.runtime.executables import ExecutableTable
         executables = ExecutableTable(device, compile_module)
     elif compile_module is not None:
         raise TypeError("load_bundle: pass compile_module or executables, not both (the table compiles)")

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "once per compiled batch size, or once with a symbolic batch (--dynamic-batch), "
                                    "write the bundle, then run every module as the server would and compare it "
                                    "with the source (docs/export.md).")
-    from xlaserve import export_cli
+    from xlaserve.export import cli as export_cli
     export_cli.add_arguments(p)
     p = sub.add_parser("top", help="a live terminal dashboard of a worker or a gateway (docs/top.md)",
                        description="A live dashboard of a worker's models (a gateway's: every worker's), from "

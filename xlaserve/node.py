@@ -123,14 +123,14 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
     decided) is logged once the addresses are claimed, so a start-up failure stays one line.
 
     The model repository is checked and both addresses are bound first, before the runtime
-    (JAX) is imported (:func:`~xlaserve.worker.preflight.claim`); then the backend is decided and
+    (JAX) is imported (:func:`~xlaserve.app.preflight.claim`); then the backend is decided and
     its PJRT client configured (:func:`open_backend`). Each fails start-up with a StartupError
     before anything else starts: an address in use, a missing repository, an unusable ``cuda``.
 
     Started by a supervisor (:mod:`xlaserve.supervisor`), the worker also writes its ports to
     the descriptor in ``XLASERVE_READY_FD``, and opens device ordinal 0 when the supervisor made
     its device the only one visible (``XLASERVE_DEVICE_ISOLATED``)."""
-    from xlaserve.worker.preflight import claim
+    from xlaserve.app.preflight import claim
     if os.environ.get(DEVICE_ISOLATED_ENV) == "1":
         config = dataclasses.replace(config, gpu=0)
     claimed = claim(config)
@@ -139,7 +139,7 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
     try:
         from xlaserve.runtime.backend import open_backend
         config = dataclasses.replace(config, runtime=open_backend(config.runtime))
-        from xlaserve.worker.server import serve
+        from xlaserve.app.server import serve
         ready = ready_writer(ready_file, os.environ.get(READY_FD_ENV))
         trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=ready))
     finally:

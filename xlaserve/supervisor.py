@@ -4,8 +4,9 @@ stream, restarts with a capped back-off, and an orderly stop.
 :class:`Supervisor` runs the processes a sequence of :class:`WorkerSpec` describes (for a node
 file, :func:`worker_specs`: ``python -m xlaserve worker NODE --worker NAME`` per worker);
 :func:`supervise` is the entry point that also runs the gateway beside it. What the supervisor
-decides about a worker that exited is :class:`RestartPolicy`'s, a pure object; how a child's
-output is cut into bounded lines is :class:`LineSplitter`'s.
+decides about a worker that exited is :class:`~xlaserve.supervision.RestartPolicy`'s, a pure
+object; how a child's output is cut into bounded lines is
+:class:`~xlaserve.supervision.LineSplitter`'s (both in :mod:`xlaserve.supervision`).
 
 A worker reports that it serves by writing one JSON line (``{"grpc_port": ..., "http_port":
 ..., "pid": ...}``) to the file descriptor named by the ``XLASERVE_READY_FD`` variable the
@@ -38,6 +39,8 @@ from xlaserve.config import ConfigError, NodeConfig, resolve_worker, worker_coun
 from xlaserve.config.schema import SupervisorConfig
 from xlaserve.logformat import process_line, worker_line
 from xlaserve.logrelay import LineRelay, RelayedLogging, drop_notice
+from xlaserve.supervision import (MAX_LINE_BYTES, GiveUp, LineSplitter, RestartPolicy, describe_exit,
+                                  line_text, ordinal_suffix, parse_ready)
 
 log = logging.getLogger("xlaserve.supervisor")
 
@@ -46,9 +49,6 @@ READY_FD_ENV = "XLASERVE_READY_FD"
 # the worker then opens ordinal 0, whatever ordinal its node-file entry names.
 DEVICE_ISOLATED_ENV = "XLASERVE_DEVICE_ISOLATED"
 
-# A child that prints a line without end (a runaway loop, binary garbage) must not make the
-# supervisor hold it all: past this many bytes the line is written cut, and the rest of it dropped.
-MAX_LINE_BYTES = 64 * 1024
 # Lines of each worker kept for the report when it crashes too often (at most this many times
 # MAX_LINE_BYTES per worker).
 TAIL_LINES = 50
@@ -159,115 +159,6 @@ def worker_specs(node_path: str | Path, node: NodeConfig, count: int | None = No
     return tuple(specs)
 
 
-# --- the restart policy --------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Restart:
-    """Restart the worker after ``delay`` seconds; this is its ``restarts_in_window``-th restart
-    within the window."""
-
-    delay: float
-    restarts_in_window: int
-
-
-@dataclass(frozen=True, slots=True)
-class GiveUp:
-    """Restart no more and stop the node: the worker exited ``exits_in_window`` times within
-    the window, more than the restarts allowed."""
-
-    exits_in_window: int
-
-
-class RestartPolicy:
-    """What to do when one worker exits unexpectedly: its exit times in, a decision out.
-
-    Exits are counted over a sliding window of ``window`` seconds (this exit included). The
-    n-th exit within the window is answered with a restart after ``initial * 2**(n-1)``
-    seconds, at most ``maximum``; an exit that would be restart number ``max_restarts + 1``
-    within the window is answered :class:`GiveUp`. A worker that stays up longer than the window
-    starts over at ``initial``. Pure: the caller passes the time, so the policy is tested
-    without processes or clocks. Memory is bounded: at most ``max_restarts + 1`` times are kept.
-    """
-
-    def __init__(self, *, initial: float, maximum: float, max_restarts: int, window: float) -> None:
-        if not (0 <= initial <= maximum) or max_restarts < 0 or window <= 0:
-            raise ValueError(f"restart policy: need 0 <= initial ({initial}) <= maximum ({maximum}), "
-                             f"max_restarts ({max_restarts}) >= 0 and window ({window}) > 0")
-        self.initial = initial
-        self.maximum = maximum
-        self.max_restarts = max_restarts
-        self.window = window
-        self._exits: collections.deque[float] = collections.deque()
-
-    @classmethod
-    def from_config(cls, config: SupervisorConfig) -> RestartPolicy:
-        return cls(initial=config.restart_backoff_initial_seconds,
-                   maximum=config.restart_backoff_max_seconds,
-                   max_restarts=config.max_restarts, window=config.restart_window_seconds)
-
-    def exited(self, now: float) -> Restart | GiveUp:
-        """The worker exited at ``now`` (seconds, any monotonic clock; never earlier than a
-        previous call's)."""
-        self._exits.append(now)
-        while self._exits[0] <= now - self.window:
-            self._exits.popleft()
-        count = len(self._exits)
-        if count > self.max_restarts:
-            return GiveUp(count)
-        # 2**60 already exceeds any cap in seconds; the bound keeps the float finite
-        delay = min(self.maximum, self.initial * 2.0 ** min(count - 1, 60))
-        return Restart(delay, count)
-
-
-# --- output lines --------------------------------------------------------------------------------
-
-class LineSplitter:
-    """Cuts a byte stream into lines of at most ``limit`` bytes (the newline not counted).
-
-    :meth:`feed` returns the lines completed by a chunk as ``(line, cut)``: a line longer than
-    ``limit`` is returned as its first ``limit`` bytes with ``cut`` true as soon as it crosses
-    the limit, and its remaining bytes up to the next newline are dropped. So the splitter holds
-    at most ``limit`` bytes, whatever the stream. :meth:`finish` returns a last line that had no
-    newline (None if there is none)."""
-
-    def __init__(self, limit: int = MAX_LINE_BYTES) -> None:
-        self.limit = limit
-        self._line = bytearray()
-        self._dropping = False
-
-    def feed(self, data: bytes) -> list[tuple[bytes, bool]]:
-        lines: list[tuple[bytes, bool]] = []
-        start = 0
-        while start < len(data):
-            newline = data.find(b"\n", start)
-            end = len(data) if newline < 0 else newline
-            if not self._dropping:
-                room = self.limit - len(self._line)
-                if end - start > room:
-                    self._line += data[start:start + room]
-                    lines.append((bytes(self._line), True))
-                    self._line.clear()
-                    self._dropping = True
-                else:
-                    self._line += data[start:end]
-            if newline < 0:
-                break
-            if self._dropping:
-                self._dropping = False
-            else:
-                lines.append((bytes(self._line), False))
-                self._line.clear()
-            start = newline + 1
-        return lines
-
-    def finish(self) -> bytes | None:
-        if self._dropping or not self._line:
-            return None
-        line = bytes(self._line)
-        self._line.clear()
-        return line
-
-
 # --- events and status ---------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -324,16 +215,6 @@ class WorkerStatus:
     grpc_port: int | None
     http_port: int | None
     last_returncode: int | None
-
-
-def describe_exit(returncode: int) -> str:
-    """``exit code 3`` or ``killed by signal SIGKILL``."""
-    if returncode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
 
 
 class _Worker:
@@ -533,7 +414,7 @@ class Supervisor:
         lines = "\n".join(f"  {line}" for line in worker.tail) or "  (it printed nothing)"
         log.error("worker %s exited (%s), its %d%s exit within %g s (supervisor.max_restarts: %d); "
                   "stopping the node. Its last %d lines:\n%s", name, describe_exit(returncode),
-                  decision.exits_in_window, _ordinal_suffix(decision.exits_in_window),
+                  decision.exits_in_window, ordinal_suffix(decision.exits_in_window),
                   worker.policy.window, worker.policy.max_restarts, len(worker.tail), lines,
                   extra={"worker": name})
         self._exit_code = 1
@@ -596,12 +477,12 @@ class Supervisor:
         try:
             while data := await stream.receive_some(_READ_CHUNK):
                 for count, (line, cut) in enumerate(splitter.feed(data), 1):
-                    self._line(worker, _text(line, cut))
+                    self._line(worker, line_text(line, cut))
                     if count % LINES_PER_TURN == 0:
                         await trio.lowlevel.checkpoint()
             last = splitter.finish()
             if last is not None:
-                self._line(worker, _text(last, False))
+                self._line(worker, line_text(last, False))
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass    # closed at the end of the run, or the pipe failed: the worker's output ends here
         finally:
@@ -619,7 +500,7 @@ class Supervisor:
             report += chunk
         if not report:
             return      # it exited (or closed the descriptor) without saying it serves
-        ports = _parse_ready(report.split(b"\n", 1)[0])
+        ports = parse_ready(report.split(b"\n", 1)[0])
         if ports is None:
             log.warning("worker %s wrote an unreadable ready report to %s (%r); it stays %s",
                         worker.spec.name, READY_FD_ENV, report[:200], WorkerState.STARTING.value,
@@ -629,30 +510,6 @@ class Supervisor:
         if worker.state is WorkerState.STARTING:
             worker.state = WorkerState.RUNNING
         self._emit(WorkerReady(worker.spec.name, pid, *ports))
-
-
-def _text(line: bytes, cut: bool) -> str:
-    text = line.decode("utf-8", "replace").rstrip("\r")
-    return f"{text} [cut: line longer than {MAX_LINE_BYTES} bytes]" if cut else text
-
-
-def _parse_ready(line: bytes) -> tuple[int, int] | None:
-    try:
-        report = json.loads(line)
-    except (ValueError, RecursionError):    # not JSON, or nested past the parser's recursion
-        return None
-    if not isinstance(report, dict):
-        return None
-    ports = report.get("grpc_port"), report.get("http_port")
-    if all(isinstance(p, int) and not isinstance(p, bool) and 0 < p <= 65535 for p in ports):
-        return ports[0], ports[1]
-    return None
-
-
-def _ordinal_suffix(n: int) -> str:
-    if 10 <= n % 100 <= 20:
-        return "th"
-    return {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
 # --- the entry point -----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ pin map (``models:``), the node's public addresses (``listen:``), how a multi-wo
 supervisor restarts and stops its workers (``supervisor:``), the log level and format
 (``logging:``), OpenTelemetry tracing (``tracing:``) and the ``gateway:`` block of the gateway that fronts a multi-worker node.
 
-Four modules, one idea each:
+Five modules, one idea each:
 
 - :mod:`~xlaserve.config.schema`: the documented keys, as frozen dataclasses (a key's meaning
   and default is on the class that holds it);
@@ -15,7 +15,9 @@ Four modules, one idea each:
 - :mod:`~xlaserve.config.resolve`: environment overrides, reading the node file, workers, ports,
   and the settings one worker runs with;
 - :mod:`~xlaserve.config.gateway`: the gateway's schema, its standalone file and the node's
-  ``gateway:`` block.
+  ``gateway:`` block;
+- :mod:`~xlaserve.config.access`: the tables the access keys are checked against (API groups,
+  header rules, networks), which the frontend enforces; the schema imports no frontend module.
 
 The value objects are frozen and slotted; mappings inside them are read-only.
 """

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from xlaserve.config.access import LOOPBACK_NETWORKS, IPNetwork, parse_network
 from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _Invalid, _is_int, _join,
                                     _key, _mapping, _merge, _parse_partial, _reject_unknown,
                                     _show, _value)
@@ -33,7 +34,6 @@ from xlaserve.config.resolve import (GATEWAY_ENV_PREFIX, NODE_CHECKS, _from_text
 from xlaserve.config.resolve import worker_count as _node_worker_count
 from xlaserve.config.schema import (MAX_PORT, NodeConfig, TracingConfig, _join_address, _parse_address,
                                     _parse_networks, check_tracing, split_address)
-from xlaserve.frontend.access import LOOPBACK_NETWORKS, IPNetwork, parse_network
 
 _MIB = 1024 * 1024
 _ADDRESS = "a host:port address"

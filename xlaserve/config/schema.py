@@ -14,10 +14,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar
 
+from xlaserve.config.access import (GROUPS, LOOPBACK_NETWORKS, IPNetwork, header_name_problem,
+                                    header_value_problem, parse_network)
 from xlaserve.config.fields import ConfigError, _Invalid, _join, _key, _show
 from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, DEFAULT_POLICY, POLICIES
-from xlaserve.frontend.access import (GROUPS, LOOPBACK_NETWORKS, IPNetwork, header_name_problem,
-                                      header_value_problem, parse_network)
 
 MAX_PORT = 65535
 _MIB = 1024 * 1024

@@ -1,6 +1,6 @@
 """KServe V2 ``inference.GRPCInferenceService``: decode, validate, hand a message to the actors
-through the bridge, await the reply, encode (ModelInfer skips the await: :meth:`KServeService.infer_now`
-is called by the transport and its reply is encoded by whoever answers it). No model logic lives here. The handlers are
+through the bridge, await the reply, encode (ModelInfer has no task to await in: the transport
+calls :meth:`KServeService.infer_now` and the reply is encoded by whoever answers it). No model logic lives here. The handlers are
 grpclib-shaped (the generated base class, ``stream.recv_message``/``send_message``) and are
 served by :mod:`xlaserve.frontend.grpc_server`."""
 from __future__ import annotations
@@ -250,22 +250,24 @@ class KServeService(GRPCInferenceServiceBase):
         return {"/inference.GRPCInferenceService/ModelInfer": self.infer_now}
 
     def infer_now(self, call, request: pb.ModelInferRequest) -> None:
-        self._start_infer(request, call, call.complete, cancellable=True)
+        self._start_infer(request, call, call.complete)
 
     @rpc
     async def ModelInfer(self, stream) -> None:
-        """The same call for a grpclib-shaped server (served by infer_now in xlaserve)."""
-        request = await stream.recv_message()
-        response = await self._worker.bridge.call(lambda done: self._start_infer(request, stream, done))
-        await stream.send_message(response)
+        """Never called: the servers of this service (:class:`~xlaserve.frontend.grpc_server.GrpcServer`,
+        :class:`~xlaserve.frontend.rest_api.RestApi`) take ModelInfer's task-free entry,
+        :meth:`infer_now`, from :meth:`__fast_unary__`. It is here because the generated base
+        class declares it, and its entry in ``__mapping__()`` gives the transport the request type."""
+        raise InternalError("ModelInfer is served through the task-free entry (__fast_unary__: infer_now); "
+                            "this server called the grpclib-shaped handler instead")
 
-    def _start_infer(self, request: pb.ModelInferRequest, stream, done, cancellable: bool = False) -> None:
+    def _start_infer(self, request: pb.ModelInferRequest, stream, done) -> None:
         """Validate and decode ``request``, hand it to the actors, and call ``done`` exactly once,
         on the Trio thread, with the ModelInferResponse or the XlaserveError that ends the call.
 
-        ``cancellable``: ``stream`` is a task-free :class:`~xlaserve.frontend.grpc_server.Call`;
-        when it is cancelled, the request leaves its queue if it is still queued, and a result
-        that comes anyway is not encoded (the call is gone)."""
+        ``stream`` is the task-free call (a :class:`~xlaserve.frontend.grpc_server.Call`, or
+        REST's): when it is cancelled, the request leaves its queue if it is still queued, and a
+        result that comes anyway is not encoded (the call is gone)."""
         received_ns = time.perf_counter_ns()
         worker = self._worker
         admitted = self.admission.admit()    # given back once, by finish, whatever happens
@@ -284,8 +286,7 @@ class KServeService(GRPCInferenceServiceBase):
                           request.model_name, request.id, type(outcome).__name__)
                 return
             try:
-                if cancellable:
-                    stream.on_cancel = None
+                stream.on_cancel = None
                 if isinstance(outcome, InferResult) and cancelled:
                     outcome = Cancelled(f"model '{request.model_name}': the client cancelled the request while it "
                                         "ran; its result was dropped")
@@ -330,14 +331,12 @@ class KServeService(GRPCInferenceServiceBase):
                     shm.check_output(decl.name, requested.parameters)
             timeout = _request_timeout(request, stream)
             admitted.hold(self._held_bytes(model, decoded.arrays, decoded.rows))
-            if cancellable:
-                stream.on_cancel = cancel
+            stream.on_cancel = cancel
             on_trio = worker.bridge.on_trio
             if trace is not None:
                 trace.record("xlaserve.admission", received_ns, time.perf_counter_ns(), {"xlaserve.rows": decoded.rows})
             worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
-                                        lambda outcome: on_trio(finish, outcome), received_ns,
-                                        stream if cancellable else None, trace))
+                                        lambda outcome: on_trio(finish, outcome), received_ns, stream, trace))
         except XlaserveError as exc:
             finish(exc)
         except Exception as exc:

@@ -5,7 +5,7 @@ port and nothing else of the worker. It names exactly what they use: read-only v
 model table, the statistics, the scheduler's policies and the weight cache, and the few
 operations they may ask for (submit or cancel an inference, load or unload a model, change a
 policy or a residency, compact memory). The port is defined here, on the frontend's side, and
-filled by the worker's composition root (:mod:`xlaserve.worker.compose`), the one module that
+filled by the worker's composition root (:mod:`xlaserve.app.compose`), the one module that
 knows both sides; no frontend module imports the worker's wiring.
 
 The views are :class:`typing.Protocol` types, so a test can serve the frontend from small

@@ -7,7 +7,7 @@ and ALPN ``h2`` as the one protocol: a client that does not negotiate ``h2`` is 
 handshake with one log line. With ``client_ca_file`` every client must present a certificate
 signed by one of its CAs (mutual TLS); OpenSSL refuses the others during the handshake.
 
-:func:`server_context` runs before JAX is imported (:mod:`xlaserve.worker.preflight`), so a bad
+:func:`server_context` runs before JAX is imported (:mod:`xlaserve.app.preflight`), so a bad
 file costs a fraction of a second and is reported as one line naming the node-file key and the
 file (``endpoints.tls.key_file /etc/x/key.pem: the private key does not match ...``).
 """

@@ -20,15 +20,21 @@ The packing is longest-processing-time-first, subject to memory:
   :attr:`Placement.over_budget` with its models and bytes, for the gateway's one warning.
 
 ``replicas`` larger than the number of workers is capped to it ("all" means every worker).
+
+The gateway's placement loop (:mod:`xlaserve.gateway.run`) does the I/O: it asks the workers for
+their status and statistics and applies a placement. What it decides is here too, as pure
+objects: when to place again and from what loads (:class:`Rebalancer`), and what residency a
+placement asks each worker to give each model (:func:`residency_for`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-__all__ = ["ModelLoad", "WorkerBudget", "OverBudget", "Placement", "place"]
+__all__ = ["ModelLoad", "WorkerBudget", "OverBudget", "Placement", "Rebalance", "Rebalancer", "place",
+           "residency_for"]
 
 Replicas = int | Literal["all"]
 
@@ -137,3 +143,71 @@ def place(models: Iterable[ModelLoad], workers: Iterable[WorkerBudget], default_
         for w in budget if used[w] > budget[w])
     return Placement(MappingProxyType({m: tuple(ws) for m, ws in hosts.items()}), MappingProxyType(load),
                      MappingProxyType(used), over)
+
+
+@dataclass(frozen=True, slots=True)
+class Rebalance:
+    """A placement to apply: ``placement``, made from ``measured_seconds`` of device time the
+    workers executed since the last one (``by_size``: no load measured yet, placed by weight
+    size alone)."""
+
+    placement: Placement
+    measured_seconds: float
+    by_size: bool
+
+
+class Rebalancer:
+    """When to place again, and from what loads: the workers' status in, a placement out.
+
+    :meth:`decide` places the models the first time, again whenever the workers or the models
+    change, and whenever the workers have measured ``rebalance_compute_seconds`` of device time
+    since the last placement, each model's load then being its device seconds per second over
+    that span; otherwise it answers None (keep the placement there is). Each placement starts
+    from the last (:func:`place`'s ``previous``). Pure: the caller passes the time and the
+    measurements, and applies what is decided.
+    """
+
+    def __init__(self, rebalance_compute_seconds: float, default_replicas: Replicas = 1,
+                 replicas_for: Callable[[str], Replicas | None] = lambda model: None, *, now: float) -> None:
+        self.rebalance_compute_seconds = rebalance_compute_seconds
+        self.default_replicas = default_replicas
+        self.replicas_for = replicas_for
+        self.placement: Placement | None = None      #: the last placement decided
+        self._measured_at: Mapping[tuple[str, str], float] = {}
+        self._placed_at = now
+        self._shape: tuple = ()
+
+    def decide(self, workers: Sequence[WorkerBudget], models: Sequence[str], weight_bytes: Mapping[str, int],
+               measured: Mapping[tuple[str, str], float], now: float) -> Rebalance | None:
+        """``workers``: those up, with their budgets; ``models``: those ready somewhere, with
+        their sizes in ``weight_bytes`` (0 when unknown); ``measured``: the device seconds each
+        (worker, model) has executed so far; ``now``: the caller's clock, in seconds."""
+        shape = (tuple(w.name for w in workers), tuple(models))
+        spent = sum(max(0.0, v - self._measured_at.get(k, 0.0)) for k, v in measured.items())
+        if self.placement is not None and shape == self._shape and spent < self.rebalance_compute_seconds:
+            return None
+        span = max(now - self._placed_at, 1e-9)
+        loads = {m: 0.0 for m in models}
+        if self.placement is not None:
+            for (w, m), v in measured.items():
+                if m in loads:
+                    loads[m] += max(0.0, v - self._measured_at.get((w, m), 0.0)) / span
+        self.placement = place(
+            [ModelLoad(m, loads[m], weight_bytes.get(m, 0), self.replicas_for(m)) for m in models],
+            workers, self.default_replicas,
+            previous=self.placement.workers_of if self.placement is not None else None)
+        self._measured_at, self._placed_at, self._shape = measured, now, shape
+        return Rebalance(self.placement, spent, not any(loads.values()))
+
+
+def residency_for(worker: str, model: str, current: str | None,
+                  workers_of: Mapping[str, tuple[str, ...]]) -> str | None:
+    """The residency a placement asks ``worker`` to give ``model``, or None to leave it as it
+    is (``current``, as the worker reports it): ``system`` (its host copy kept) where the
+    model is placed, ``unpinned`` (host RAM freed; a stray request reads it from disk)
+    elsewhere. A model the operator pinned (``device``), or whose residency is not known, is
+    left as it is."""
+    if current not in ("system", "unpinned"):
+        return None
+    wanted = "system" if worker in workers_of.get(model, ()) else "unpinned"
+    return None if wanted == current else wanted

@@ -30,7 +30,7 @@ from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.frontend.http1 import Http1Server, HttpLimits
 from xlaserve.frontend.rest_api import RestApi
 from xlaserve.gateway.control import GatewayControlService, StatusBoard
-from xlaserve.gateway.placement import ModelLoad, Placement, WorkerBudget, place
+from xlaserve.gateway.placement import Placement, Rebalancer, WorkerBudget, residency_for
 from xlaserve.gateway.router import ModelOnWorker, Router
 from xlaserve.gateway.service import GatewayService
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
@@ -339,11 +339,8 @@ class Gateway:
         async def one(worker: str) -> None:
             changed = []
             for model in sorted(self.placement.workers_of):     # a model not placed yet: left as it is
-                current = self._residency.get((worker, model))
-                if current not in ("system", "unpinned"):
-                    continue
-                wanted = "system" if worker in self.placement.workers_of.get(model, ()) else "unpinned"
-                if current == wanted:
+                wanted = residency_for(worker, model, self._residency.get((worker, model)), self.placement.workers_of)
+                if wanted is None:
                     continue
                 try:
                     await self.upstreams[worker].unary(
@@ -362,14 +359,13 @@ class Gateway:
                 nursery.start_soon(one, worker)
 
     async def _placement_loop(self) -> None:
-        """Place the models (``lpt_packing``): at first from their sizes alone, again whenever the
-        workers or the models change, and whenever the workers have measured
-        ``rebalance_compute_seconds`` of device time since the last placement, from each
-        model's measured load (device seconds per second over that span)."""
+        """Place the models (``lpt_packing``) when the :class:`~xlaserve.gateway.placement.Rebalancer`
+        decides to, from what the workers report (which are up, their budgets, the models ready
+        and their sizes, the device seconds they executed), then route by the placement and
+        make each worker hold what it was given (:meth:`_enforce`)."""
         settings = self.config.scheduling
-        measured_at: dict[tuple[str, str], float] = {}
-        placed_at = trio.current_time()
-        shape: tuple = ()
+        rebalancer = Rebalancer(settings.rebalance_compute_seconds, settings.default_replicas,
+                                settings.replicas_for, now=trio.current_time())
         warned: tuple = ()
         while True:
             await trio.sleep(PLACEMENT_CHECK)
@@ -381,24 +377,14 @@ class Gateway:
             if not workers or not models:
                 continue
             measured = await self._device_seconds()
-            spent = sum(max(0.0, v - measured_at.get(k, 0.0)) for k, v in measured.items())
-            if self.placement is not None and (workers, models) == shape and spent < settings.rebalance_compute_seconds:
+            decided = rebalancer.decide([WorkerBudget(w, self._budgets[w]) for w in workers], models,
+                                        self._weight_bytes, measured, trio.current_time())
+            if decided is None:
                 continue
-            now = trio.current_time()
-            span = max(now - placed_at, 1e-9)
-            loads = {m: 0.0 for m in models}
-            if self.placement is not None:
-                for (w, m), v in measured.items():
-                    if m in loads:
-                        loads[m] += max(0.0, v - measured_at.get((w, m), 0.0)) / span
-            self.placement = place(
-                [ModelLoad(m, loads[m], self._weight_bytes.get(m, 0), settings.replicas_for(m)) for m in models],
-                [WorkerBudget(w, self._budgets[w]) for w in workers], settings.default_replicas,
-                previous=self.placement.workers_of if self.placement is not None else None)
+            self.placement = decided.placement
             self.router.set_placement(self.placement.workers_of, self.placement.load_of)
-            measured_at, placed_at, shape = measured, now, (workers, models)
-            log.info("gateway: placement (%s): %s", "by size" if not any(loads.values()) else
-                     f"by {spent:.1f} s of measured device time",
+            log.info("gateway: placement (%s): %s", "by size" if decided.by_size else
+                     f"by {decided.measured_seconds:.1f} s of measured device time",
                      "; ".join(f"{w}: {', '.join(self.placement.models_on(w)) or '-'} (load {self.placement.load_of[w]:.3f})"
                                for w in workers))
             await self._enforce(workers)

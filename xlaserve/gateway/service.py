@@ -37,7 +37,8 @@ from grpclib.exceptions import GRPCError
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.errors import describe_exception
-from xlaserve.frontend.access import LOOPBACK_NETWORKS, parse_network, shm_peer_denial
+from xlaserve.config.access import LOOPBACK_NETWORKS, parse_network
+from xlaserve.frontend.access import shm_peer_denial
 from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
 from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
@@ -116,8 +117,9 @@ STREAM_WINDOW = 64      # ModelStreamInfer requests of one stream in flight thro
 
 
 class _Relay:
-    """What :meth:`GatewayService.infer_now` needs of a call, for a ModelInfer made from a task:
-    the task's stream's metadata, deadline and peer, and ``complete`` keeping the outcome."""
+    """What :meth:`GatewayService.infer_now` needs of a call, for a ModelInfer made from a task
+    (each request of a ModelStreamInfer): the task's stream's metadata, deadline and peer, and
+    ``complete`` keeping the outcome."""
 
     __slots__ = ("metadata", "deadline", "peer", "on_cancel", "outcome", "done")
 
@@ -130,6 +132,15 @@ class _Relay:
     def complete(self, outcome) -> None:
         self.outcome = outcome
         self.done.set()
+
+
+async def _served_task_free(stream) -> None:
+    """ModelInfer's entry in ``__mapping__()``, there for the request type it gives the transport
+    and never called: the gateway's servers (:class:`~xlaserve.frontend.grpc_server.GrpcServer`,
+    :class:`~xlaserve.frontend.rest_api.RestApi`) take the task-free entry,
+    :meth:`GatewayService.infer_now`, from ``__fast_unary__()``."""
+    raise GRPCError(Status.INTERNAL, "ModelInfer is served through the task-free entry (__fast_unary__: "
+                                     "infer_now); this server called the grpclib-shaped handler instead")
 
 
 class RawMessage:
@@ -247,7 +258,7 @@ class GatewayService:
             "ServerMetadata": (self._to_any("ServerMetadata"), RawMessage, RawMessage),
             "ModelMetadata": (self._to_replica("ModelMetadata", pb.ModelMetadataRequest), RawMessage, RawMessage),
             "ModelConfig": (self._to_replica("ModelConfig", pb.ModelConfigRequest), RawMessage, RawMessage),
-            "ModelInfer": (self._infer_task, RawMessage, RawMessage),
+            "ModelInfer": (_served_task_free, RawMessage, RawMessage),
             "ModelStatistics": (self._statistics, RawMessage, pb.ModelStatisticsResponse),
             "RepositoryIndex": (self._index, RawMessage, pb.RepositoryIndexResponse),
             "RepositoryModelLoad": (forward_all("RepositoryModelLoad"), RawMessage, RawMessage),
@@ -351,13 +362,6 @@ class GatewayService:
         if not handle.done:
             call.on_cancel = lambda: upstream.abort(handle)
 
-    async def _infer_task(self, stream) -> None:
-        """ModelInfer for a server without the task-free path (the same routing)."""
-        outcome = await self._unary_infer(stream, await stream.recv_message())
-        if isinstance(outcome, BaseException):
-            raise outcome
-        await stream.send_message(outcome)
-
     def _outcome(self, outcome: Reply | UpstreamError, worker: str, framed: bool = False):
         """What the client gets: the reply's message (a :class:`RawMessage`; with ``framed``, a
         :class:`FramedReply` when the body is one plain message), or the error (the worker's
@@ -407,14 +411,6 @@ class GatewayService:
                     relay = _Relay(stream)
                     await send.send(relay)           # waits while STREAM_WINDOW are in flight
                     self._start_relay(relay, request)
-
-    async def _unary_infer(self, stream, request: RawMessage):
-        """One ModelInfer made from a task (the task path of ModelInfer): its outcome, the
-        reply or a GRPCError."""
-        relay = _Relay(stream)
-        self._start_relay(relay, request)
-        await relay.done.wait()
-        return relay.outcome
 
     def _start_relay(self, relay: "_Relay", request: RawMessage) -> None:
         try:

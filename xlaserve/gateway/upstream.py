@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import trio
 from grpclib.const import Status
 
-from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX, parse_timeout
+from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX
 from xlaserve.frontend.grpc_server import (
     ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY,
     HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
@@ -725,9 +725,3 @@ def _percent_decode(value: str) -> str:
         return value
     from urllib.parse import unquote
     return unquote(value, encoding="utf-8", errors="replace")
-
-
-def timeout_of(metadata) -> float | None:
-    """The client's ``grpc-timeout`` in seconds, if it sent one (already checked by the server)."""
-    value = metadata.get("grpc-timeout") if metadata else None
-    return parse_timeout(value) if value else None

@@ -32,8 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from xlaserve.runtime.pjrt import (CompiledMemory, Device, Signature, TensorType, kernel_permutations,
-                                   read_signature, relayout, rewrite_depthwise_convolutions, specialize)
+from xlaserve.runtime.pjrt import (CompiledMemory, Device, kernel_permutations, read_signature, relayout,
+                                   rewrite_depthwise_convolutions, specialize)
+from xlaserve.runtime.signature import Signature, TensorType
 from xlaserve.runtime.tuning import compile_tuned
 
 #: ``compile_module(path, module_bytes) -> (executable, cache_hit)``: what compiles a module the

@@ -43,6 +43,7 @@ from jax._src.lib.mlir import ir, passmanager
 from jax._src.lib.mlir.dialects import hlo
 
 from xlaserve.dtypes import BY_MLIR
+from xlaserve.runtime.signature import ModuleError, Signature, TensorType
 
 JAX_VERSION = jax.__version__
 JAXLIB_VERSION = jaxlib.__version__
@@ -136,28 +137,6 @@ def configure_client(backend: str, cuda_options: Mapping[str, str | float | bool
                            "process (configure_client must run before the first Device is opened)")
     jax.config.update("jax_platforms", platforms)
     jax.config.update("jax_pjrt_client_create_options", options)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorType:
-    """A ranked tensor type of a module signature, row-major. ``None`` marks a dynamic dim."""
-
-    shape: tuple[int | None, ...]
-    element: str  # MLIR element type: f32, ui8, i1, bf16...
-
-    def __str__(self) -> str:
-        dims = "".join(f"{'?' if d is None else d}x" for d in self.shape)
-        return f"tensor<{dims}{self.element}>"
-
-
-@dataclass(frozen=True, slots=True)
-class Signature:
-    inputs: tuple[TensorType, ...]
-    outputs: tuple[TensorType, ...]
-
-
-class ModuleError(ValueError):
-    """A module cannot be parsed or has no usable ``@main``."""
 
 
 _context_lock = threading.Lock()

@@ -1,5 +1,5 @@
 """Rewrites of a ``torch.export`` program into ops torch-mlir lowers, for the second lowering
-route of :func:`xlaserve.export_torch.export_torch` (``torch-mlir+rewrites``): each replaces an op
+route of :func:`xlaserve.export.from_torch.export_torch` (``torch-mlir+rewrites``): each replaces an op
 that mainstream models call and torch-mlir 20261001 fails on with an equivalent of plain ops.
 
 - :func:`attention`: ``aten.scaled_dot_product_attention`` (the fused attention transformers uses

@@ -1,7 +1,7 @@
 """Export a Flax model, NNX or Linen, as a verified bundle.
 
 A Flax model becomes the ``fn(params, *inputs)`` and parameter pytree that
-:func:`xlaserve.export_jax.export_jax` exports, so everything said there (dotted names, binding
+:func:`xlaserve.export.from_jax.export_jax` exports, so everything said there (dotted names, binding
 order, inferred outputs, verification, dynamic batch) holds here too:
 
 - **NNX** (``flax.nnx.Module``): the model is split into its graph and its state
@@ -28,8 +28,8 @@ from typing import Any
 
 import jax
 
-from xlaserve.export import ExportError
-from xlaserve.export_jax import JaxExport, export_jax
+from xlaserve.export.from_jax import JaxExport, export_jax
+from xlaserve.export.spec import ExportError
 
 __all__ = ["FLAX_KINDS", "export_flax", "flax_function", "flax_kind"]
 
@@ -105,7 +105,7 @@ def export_flax(
     """Export a Flax ``model`` (NNX, or Linen with its ``variables``) as a bundle at ``out_dir``
     and verify it against the model run by Flax.
 
-    ``options`` are :func:`xlaserve.export_jax.export_jax`'s keyword arguments (``inputs`` and
+    ``options`` are :func:`xlaserve.export.from_jax.export_jax`'s keyword arguments (``inputs`` and
     ``compiled_batch_sizes`` are required; ``dynamic_batch``, ``atol``, ``progress``, ...). Raises
     what ``export_jax`` raises, and :class:`ExportError` for a model :func:`flax_function` refuses.
     """

@@ -5,7 +5,7 @@ tuples, any registered pytree) to dotted names (``dense1.kernel``, ``layers.0.bi
 ``weights.safetensors``, records the order ``fn`` takes them in as the manifest's
 ``weights.order`` (the order ``jax.jit`` flattens the pytree, whatever the names sort to), infers
 the outputs from a trace when they are not given, writes the bundle with
-:func:`xlaserve.export.export_bundle`, and then verifies it (:mod:`xlaserve.export_verify`):
+:func:`xlaserve.export.writer.export_bundle`, and then verifies it (:mod:`xlaserve.export.verify`):
 every module, loaded as the server loads it, against ``fn`` itself.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
-                             _check_batch_sizes, check_64_bit_types, dtype_code, export_bundle)
-from xlaserve.export_verify import Verification, verify_bundle
+from xlaserve.export.spec import (DTYPES, ExportError, TensorSpec, TracingError, abstract_shape,
+                                  check_batch_sizes, dtype_code)
+from xlaserve.export.verify import Verification, verify_bundle
+from xlaserve.export.writer import check_64_bit_types, export_bundle
 from xlaserve.manifest import BATCH_AXIS
 
 __all__ = [
@@ -103,13 +104,13 @@ def _abstract_tree(tree: Any) -> str:
     """A pytree of arrays as its abstract values: ``{'dense': {'kernel': f32[4,8]}}``."""
     def leaf(x: Any) -> _Shown:
         dtype = getattr(x, "dtype", None)
-        return _Shown(_abstract(np.shape(x), np.asarray(x).dtype if dtype is None else dtype))
+        return _Shown(abstract_shape(np.shape(x), np.asarray(x).dtype if dtype is None else dtype))
     return repr(jax.tree_util.tree_map(leaf, tree))
 
 
 def _signature(params: Any, inputs: Sequence[TensorSpec], batch: int) -> str:
     shown = ", ".join(
-        f"{spec.name}={_abstract(spec.row_major(batch), DTYPES[spec.dtype])}" for spec in inputs
+        f"{spec.name}={abstract_shape(spec.row_major(batch), DTYPES[spec.dtype])}" for spec in inputs
     )
     return f"fn(params={_abstract_tree(params)}, {shown})"
 
@@ -154,7 +155,7 @@ def infer_outputs(
     row-major axis 0. Returns the specs and one note per defaulted output, saying which axes it
     got. An output whose batch axis cannot be placed is an :class:`ExportError` naming it.
     """
-    sizes = _check_batch_sizes(compiled_batch_sizes)
+    sizes = check_batch_sizes(compiled_batch_sizes)
     # Two different sizes tell the batch axis from the others; the second need not be compiled.
     first, second = sizes[0], (sizes[1] if len(sizes) > 1 else sizes[0] + 1)
     at_first = _output_leaves(fn, params, inputs, first, bundle)
@@ -199,8 +200,8 @@ def output_specs(
             code = dtype_code(a.dtype)
         except ValueError:
             raise ExportError(f"output {name!r}: dtype {a.dtype} cannot be served") from None
-        where = (f"output {name!r} is {_abstract(shape_a, a.dtype)} at batch {first} and"
-                 f" {_abstract(shape_b, b.dtype)} at batch {second}")
+        where = (f"output {name!r} is {abstract_shape(shape_a, a.dtype)} at batch {first} and"
+                 f" {abstract_shape(shape_b, b.dtype)} at batch {second}")
         given = axes.get(name)
         if given is None:
             if not shape_a or shape_a[0] != first or shape_b[0] != second or shape_a[1:] != shape_b[1:]:
@@ -306,13 +307,13 @@ def export_jax(
     With ``verify`` (the default) every module is then loaded the way the server loads it and
     run on seeded random inputs next to ``jax.jit(fn)`` with the in-memory ``params``, both on
     the ``cpu`` backend; above the tolerance (``atol``/``rtol``, default per dtype, see
-    :mod:`xlaserve.export_verify`) it raises
-    :class:`xlaserve.export_verify.VerificationError` and the bundle stays written for
+    :mod:`xlaserve.export.verify`) it raises
+    :class:`xlaserve.export.verify.VerificationError` and the bundle stays written for
     inspection. ``progress`` hears the notes, then one line per module traced, compiled and
     verified (each a :class:`~xlaserve.progress.Step` but the notes).
 
     ``dynamic_batch=True`` writes one module with a symbolic batch size, ``model.mlir``, instead
-    of one per size (see :func:`xlaserve.export.export_bundle`); the verification then runs it
+    of one per size (see :func:`xlaserve.export.writer.export_bundle`); the verification then runs it
     specialized to each compiled batch size, as the server will.
     """
     out_dir = Path(out_dir)

@@ -1,11 +1,11 @@
 """A worker process: one Trio run holding the actors and the gRPC frontend.
 
 Boot order, in one place: check the model repository and bind both addresses (before JAX is
-imported, see :mod:`xlaserve.worker.preflight`); log the effective configuration with the ports
-bound; start the actors (:func:`~xlaserve.worker.compose.run_actors`: the device, the weight
+imported, see :mod:`xlaserve.app.preflight`); log the effective configuration with the ports
+bound; start the actors (:func:`~xlaserve.app.compose.run_actors`: the device, the weight
 cache, the scheduler, the admin HTTP port and the lifecycle actor, which loads the repository);
 then the gRPC frontend, wired to them by the composition root
-(:func:`~xlaserve.worker.compose.compose_frontend`). SIGTERM or SIGINT drains: the gRPC server
+(:func:`~xlaserve.app.compose.compose_frontend`). SIGTERM or SIGINT drains: the gRPC server
 stops taking calls (GOAWAY), in-flight calls finish (for at most ``DRAIN_SECONDS``), then the
 actors are cancelled.
 """
@@ -19,8 +19,8 @@ import signal
 import trio
 
 from xlaserve.config import WorkerConfig, effective_config_lines
-from xlaserve.worker.compose import Actors, compose_frontend, describe_endpoint, run_actors
-from xlaserve.worker.preflight import Claimed, claim
+from xlaserve.app.compose import Actors, compose_frontend, describe_endpoint, run_actors
+from xlaserve.app.preflight import Claimed, claim
 
 log = logging.getLogger("xlaserve.worker")
 
@@ -29,7 +29,7 @@ DRAIN_SECONDS = 30.0
 
 async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_callback=None) -> None:
     """Run one worker until SIGTERM/SIGINT. ``claimed`` holds its addresses already bound (see
-    :mod:`xlaserve.worker.preflight`); without it they are claimed here. ``ready_callback(grpc_port,
+    :mod:`xlaserve.app.preflight`); without it they are claimed here. ``ready_callback(grpc_port,
     http_port)`` is for tests and scripts."""
     if claimed is None:
         claimed = claim(config)

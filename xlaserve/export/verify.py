@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from xlaserve.export import DTYPES, ExportError
+from xlaserve.export.spec import DTYPES, ExportError
 from xlaserve.progress import Step
 
 __all__ = [
@@ -27,8 +27,10 @@ __all__ = [
     "OutputCheck",
     "Verification",
     "VerificationError",
+    "compare",
     "output_scale",
     "sample_inputs",
+    "tolerance",
     "verify_bundle",
 ]
 

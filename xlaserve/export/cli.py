@@ -8,10 +8,10 @@ from a Python module, as a verified bundle.
 
 The function is ``forward(params, *inputs)``; ``--params`` names a function returning the
 parameter pytree (or the pytree itself). A Flax model object in its place (or, with ``--flax``,
-a function returning one) is exported through :mod:`xlaserve.export_flax`, ``--params`` then
+a function returning one) is exported through :mod:`xlaserve.export.from_flax`, ``--params`` then
 naming a Linen model's variables. ``--torch`` names a function returning the
-``torch.nn.Module`` (or the module). The work is :func:`xlaserve.export_jax.export_jax` or
-:func:`xlaserve.export_torch.export_torch` (imported only for ``--torch``); this module parses
+``torch.nn.Module`` (or the module). The work is :func:`xlaserve.export.from_jax.export_jax` or
+:func:`xlaserve.export.from_torch.export_torch` (imported only for ``--torch``); this module parses
 the command line into their arguments and reports what they did.
 """
 from __future__ import annotations
@@ -48,10 +48,10 @@ def parse_input(text: str):
     SHAPE is the row-major shape of one sample, without the batch axis, sizes separated by ``,``
     or ``x`` (``224,224,3``; empty for one scalar per sample). AXES names every axis, batch ``n``
     included, fastest-varying first (``cwhn``); without it the axes get
-    :func:`~xlaserve.export_jax.default_axes` and the batch is row-major axis 0.
+    :func:`~xlaserve.export.from_jax.default_axes` and the batch is row-major axis 0.
     """
-    from xlaserve.export import TensorSpec
-    from xlaserve.export_jax import default_axes
+    from xlaserve.export.spec import TensorSpec
+    from xlaserve.export.from_jax import default_axes
 
     parts = text.split(":")
     if len(parts) not in (3, 4) or not parts[0]:
@@ -218,9 +218,9 @@ def main(args: argparse.Namespace) -> int:
     function or model factory, or an export that failed), nothing written. Every failure is one
     line on stderr naming what went wrong and where."""
     from xlaserve.errors import BundleError
-    from xlaserve.export import ExportError, TracingError
-    from xlaserve.export_jax import export_jax
-    from xlaserve.export_verify import VerificationError
+    from xlaserve.export.spec import ExportError, TracingError
+    from xlaserve.export.from_jax import export_jax
+    from xlaserve.export.verify import VerificationError
     from xlaserve.progress import ProgressReport
 
     try:
@@ -311,9 +311,9 @@ def main(args: argparse.Namespace) -> int:
 
 def _flax_source(args: argparse.Namespace, target: Any, params: Any) -> tuple[Any, Any]:
     """``(fn, params)`` for export_jax: a Flax model (the object MODULE:FUNCTION names, or with
-    ``--flax`` what it returns) as :func:`xlaserve.export_flax.flax_function` runs it, with
+    ``--flax`` what it returns) as :func:`xlaserve.export.from_flax.flax_function` runs it, with
     ``--params`` as a Linen model's variables; anything else as it is."""
-    from xlaserve.export_flax import flax_function, flax_kind
+    from xlaserve.export.from_flax import flax_function, flax_kind
 
     if args.flax:
         try:
@@ -325,7 +325,7 @@ def _flax_source(args: argparse.Namespace, target: Any, params: Any) -> tuple[An
                              " (an instance of flax.nnx.Module or flax.linen.Module)")
     if flax_kind(target) is None:
         return target, params
-    from xlaserve.export import ExportError
+    from xlaserve.export.spec import ExportError
     try:
         return flax_function(target, params)
     except ExportError as exc:
@@ -333,14 +333,14 @@ def _flax_source(args: argparse.Namespace, target: Any, params: Any) -> tuple[An
 
 
 def _torch_source(target: str) -> tuple[Any, Any]:
-    """``--torch MODULE:FACTORY`` as (:func:`xlaserve.export_torch.export_torch`, the module).
+    """``--torch MODULE:FACTORY`` as (:func:`xlaserve.export.from_torch.export_torch`, the module).
     torch is imported here, only for ``--torch``; a missing install is a :class:`UsageError`."""
     try:
-        from xlaserve.export_torch import export_torch, module_from
+        from xlaserve.export.from_torch import export_torch, module_from
     except ImportError as exc:
         raise UsageError(f"--torch needs PyTorch and torch-mlir ({exc}); install them with"
                          " pip install 'xlaserve[export-torch]'") from None
-    from xlaserve.export import ExportError
+    from xlaserve.export.spec import ExportError
 
     _, found = resolve(target, "--torch")
     try:

@@ -16,7 +16,7 @@ How the module becomes a bundle, once per compiled batch size:
    ``torch_mlir.fx.export_and_import(..., output_type="stablehlo")`` lowers it to a StableHLO
    ``@main(weights..., inputs...)``: by the first of :data:`ROUTES` that succeeds, torch-mlir on
    the program as traced, else on the program with the ops torch-mlir fails on rewritten
-   (:mod:`xlaserve.torch_rewrites`), the lowering's memory bounded (:data:`LOWERING_MEMORY_BYTES`). torch-mlir writes every literal tensor of more than one
+   (:mod:`xlaserve.export.torch_rewrites`), the lowering's memory bounded (:data:`LOWERING_MEMORY_BYTES`). torch-mlir writes every literal tensor of more than one
    element (index tensors of an adaptive pooling, say) as a ``dense_resource`` constant, which
    XLA refuses; :func:`xlaserve.runtime.pjrt.resolve_dense_resources` makes each an inline
    ``dense`` constant, or, above :data:`INLINE_CONSTANT_BYTES`, a weight named
@@ -30,8 +30,8 @@ How the module becomes a bundle, once per compiled batch size:
 The outputs are the module's returned tensors flattened the way PyTorch flattens them: one
 tensor is ``output``, a tuple or list gives ``output0``, ``output1``..., a dict its keys in its
 own order (nested containers join with ``.``). Their axes are found by running the module at two
-batch sizes, as :func:`xlaserve.export_jax.output_specs` says. Then every module is verified
-(:func:`xlaserve.export_verify.verify_bundle`) against the module run eagerly on the cpu.
+batch sizes, as :func:`xlaserve.export.from_jax.output_specs` says. Then every module is verified
+(:func:`xlaserve.export.verify.verify_bundle`) against the module run eagerly on the cpu.
 """
 from __future__ import annotations
 
@@ -56,16 +56,17 @@ from torch_mlir.dialects import torch as torch_dialect
 from torch_mlir.extras.fx_importer import FxImporter
 from torch_mlir.extras.fx_decomp_util import get_decomposition_table
 
-from xlaserve.export import (DTYPES, ExportError, TensorSpec, TracingError, _abstract,
-                             _check_batch_sizes, dtype_code, module_file_name, write_bundle)
-from xlaserve.export_jax import hooks_skeleton, output_specs
-from xlaserve.export_verify import Verification, sample_inputs, verify_bundle
-from xlaserve import torch_rewrites
+from xlaserve.export import torch_rewrites
+from xlaserve.export.from_jax import hooks_skeleton, output_specs
+from xlaserve.export.spec import (DTYPES, ExportError, TensorSpec, TracingError, abstract_shape,
+                                  check_batch_sizes, dtype_code, module_file_name)
+from xlaserve.export.verify import Verification, sample_inputs, verify_bundle
+from xlaserve.export.writer import write_bundle
 from xlaserve.runtime.pjrt import dense_resources, resolve_dense_resources
 
 log = logging.getLogger("xlaserve.export")
 
-__all__ = ["TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
+__all__ = ["ROUTES", "TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -183,7 +184,7 @@ def _named_outputs(result: Any, where: str) -> list[tuple[str, np.ndarray]]:
 
 def _signature(module: torch.nn.Module, inputs: Sequence[TensorSpec], batch: int) -> str:
     shown = ", ".join(
-        f"{spec.name}={_abstract(spec.row_major(batch), DTYPES[spec.dtype])}" for spec in inputs
+        f"{spec.name}={abstract_shape(spec.row_major(batch), DTYPES[spec.dtype])}" for spec in inputs
     )
     return f"{type(module).__name__}.forward({shown})"
 
@@ -194,7 +195,7 @@ def _run_eager(module: torch.nn.Module, arrays: Sequence[np.ndarray]) -> Any:
 
 
 #: The lowering routes, tried in this order until one lowers the program: torch-mlir on the
-#: program as ``torch.export`` traced it, then torch-mlir after :mod:`xlaserve.torch_rewrites`
+#: program as ``torch.export`` traced it, then torch-mlir after :mod:`xlaserve.export.torch_rewrites`
 #: (fused attention and nearest-neighbour upsampling decomposed into plain ops, slices clamped
 #: to their axes). docs/export.md has the table of which zoo model needs which, measured.
 ROUTES = ("torch-mlir", "torch-mlir+rewrites")
@@ -414,8 +415,8 @@ def export_torch(
     the axes of outputs whose batch is not their first axis; ``hooks`` adds a pass-through
     ``model.py``. With ``verify`` (the default) every module is loaded the way the server loads
     it and run on seeded random inputs next to the module, both on the cpu, and compared with
-    ``atol``/``rtol`` (default per dtype, :mod:`xlaserve.export_verify`); above them
-    :class:`xlaserve.export_verify.VerificationError` is raised and the bundle stays written for
+    ``atol``/``rtol`` (default per dtype, :mod:`xlaserve.export.verify`); above them
+    :class:`xlaserve.export.verify.VerificationError` is raised and the bundle stays written for
     inspection. ``progress`` hears the notes, then one line per size lowered, module compiled
     and output verified. ``routes`` are the lowering routes to try, in order (:data:`ROUTES`);
     a size lowered by other than the first has a note saying what the ones before it raised, and
@@ -430,7 +431,7 @@ def export_torch(
     out_dir = Path(out_dir)
     name = out_dir.name
     inputs = list(inputs)
-    sizes = _check_batch_sizes(compiled_batch_sizes)
+    sizes = check_batch_sizes(compiled_batch_sizes)
     notes: list[str] = []
 
     def note(text: str) -> None:

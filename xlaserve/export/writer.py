@@ -1,4 +1,5 @@
-"""Export a JAX function as an xlaserve bundle.
+"""Write an xlaserve bundle: trace a JAX function into its modules (:func:`export_bundle`), or take
+modules already made (:func:`write_bundle`, the PyTorch route's way), and put them in place.
 
 A bundle is a directory ``<model_repo>/<name>/`` holding ``manifest.yaml``, one StableHLO module
 per compiled batch size (``model.b{N}.mlir`` text or ``model.b{N}.mlirbc`` bytecode) or one
@@ -17,14 +18,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import dataclasses
 import os
-import re
 import shutil
 import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,153 +33,23 @@ import yaml
 from safetensors.numpy import save_file
 
 from xlaserve.bundle import MANIFEST
-from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES
-from xlaserve.manifest import BATCH_AXIS, DEFAULT_WEIGHTS_FILE, FORMAT_VERSION
+from xlaserve.export.spec import (DTYPES, ExportError, TensorSpec, TracingError, abstract_shape,
+                                  check_batch_sizes, dtype_code, module_file_name)
+from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, FORMAT_VERSION
 from xlaserve.progress import Step
 from xlaserve.runtime.pjrt import eliminate_common_subexpressions
 
 __all__ = [
-    "DTYPES",
-    "ExportError",
-    "TensorSpec",
-    "TracingError",
+    "MANIFEST_FILE",
+    "SYMBOLIC_BATCH",
+    "WEIGHTS_FILE",
     "check_64_bit_types",
-    "dtype_code",
     "export_bundle",
-    "module_file_name",
-    "row_major_shape",
     "write_bundle",
 ]
 
 MANIFEST_FILE = MANIFEST
 WEIGHTS_FILE = DEFAULT_WEIGHTS_FILE
-
-#: Manifest dtype code -> NumPy dtype, for every type a module argument can have.
-DTYPES: Mapping[str, np.dtype] = types.MappingProxyType(
-    {code: BY_CODE[code].numpy for code in EXECUTABLE_CODES}
-)
-
-# "np.float32" and "jnp.bfloat16" written as text (a command line, a config) name the same type.
-_DTYPE_PREFIXES = ("numpy.", "np.", "jax.numpy.", "jnp.", "torch.")
-
-
-class ExportError(ValueError):
-    """An export that cannot be done as asked: the message names the tensor, weight or batch size."""
-
-
-def dtype_code(dtype: Any) -> str:
-    """The manifest code (``f32``) of a dtype given the way users write one.
-
-    Accepted: a manifest code (``"f32"``), a NumPy/JAX name (``"float32"``, ``"bfloat16"``,
-    also as text with a ``np.``/``numpy.``/``jnp.``/``jax.numpy.``/``torch.`` prefix), or a type
-    or dtype object (``np.float32``, ``jnp.bfloat16``, ``np.dtype("int8")``, ``torch.float32``).
-    Anything else is a ``ValueError`` that lists what is accepted.
-    """
-    if type(dtype).__module__ == "torch":    # torch.float32 prints as its name; no torch import
-        dtype = str(dtype)
-    if isinstance(dtype, str):
-        text = dtype.strip()
-        if text in DTYPES:
-            return text
-        for prefix in _DTYPE_PREFIXES:
-            if text.startswith(prefix):
-                text = text[len(prefix):]
-                break
-        by_name = {np_dtype.name: code for code, np_dtype in DTYPES.items()}
-        if text in by_name:
-            return by_name[text]
-    elif dtype is not None:                  # np.dtype(None) is float64: never a user's choice
-        try:
-            found = np.dtype(dtype)
-        except TypeError:
-            found = None
-        for code, np_dtype in DTYPES.items():
-            if found == np_dtype:
-                return code
-    names = ", ".join(f"{code} ({np_dtype.name})" for code, np_dtype in DTYPES.items())
-    raise ValueError(
-        f"unknown dtype {dtype!r}: expected a manifest code or its NumPy/JAX name: {names}"
-    )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One manifest tensor: ``{name, dtype, shape, dims}``.
-
-    ``shape`` names every axis with one letter, fastest-varying first (column-major); ``n`` is the
-    batch axis and ``dims`` gives the size of every other letter. A row-major NumPy array lists
-    the axes in reverse: NHWC ``[B, 224, 224, 3]`` is ``TensorSpec("x", "u8", "cwhn",
-    {"c": 3, "w": 224, "h": 224})``.
-
-    ``dtype`` may be given any way :func:`dtype_code` accepts (``"float32"``, ``np.uint8``,
-    ``jnp.bfloat16``); the spec stores the manifest code, so ``TensorSpec("x", np.float32, ...)
-    == TensorSpec("x", "f32", ...)``.
-    """
-
-    name: str
-    dtype: str
-    shape: str
-    dims: Mapping[str, int] = dataclasses.field(default_factory=dict, hash=False)
-
-    def __post_init__(self) -> None:
-        # A read-only copy: a TensorSpec is a value, and two equal specs must stay equal.
-        object.__setattr__(self, "dims", types.MappingProxyType(dict(self.dims)))
-        if not self.name:
-            raise ValueError("tensor name must not be empty")
-        try:
-            object.__setattr__(self, "dtype", dtype_code(self.dtype))
-        except ValueError as exc:
-            raise ValueError(f"tensor {self.name!r}: {exc}") from None
-        if not re.fullmatch(r"[a-z]*", self.shape) or len(set(self.shape)) != len(self.shape):
-            raise ValueError(
-                f"tensor {self.name!r}: shape {self.shape!r} must be distinct lowercase letters,"
-                " one per axis"
-            )
-        expected = set(self.shape) - {BATCH_AXIS}
-        if set(self.dims) != expected:
-            raise ValueError(
-                f"tensor {self.name!r}: dims must name exactly the non-batch axes"
-                f" {sorted(expected)} of shape {self.shape!r}, found {sorted(self.dims)}"
-            )
-        for letter, size in self.dims.items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ValueError(
-                    f"tensor {self.name!r}: dims[{letter!r}] must be a non-negative int,"
-                    f" found {size!r}"
-                )
-
-    def row_major(self, batch: int) -> tuple[int, ...]:
-        """The row-major (NumPy, StableHLO, wire) shape of this tensor at batch size ``batch``."""
-        return row_major_shape(self.shape, self.dims, batch)
-
-    def to_manifest(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": self.shape,
-            # Listed in axis order so the manifest reads like the shape string.
-            "dims": {letter: self.dims[letter] for letter in self.shape if letter != BATCH_AXIS},
-        }
-
-
-def row_major_shape(shape: str, dims: Mapping[str, int], batch: int) -> tuple[int, ...]:
-    """Convert a column-major shape string to a row-major shape.
-
-    The letters are reversed and ``n`` becomes ``batch``::
-
-        >>> row_major_shape("cwhn", {"c": 3, "w": 224, "h": 224}, 8)
-        (8, 224, 224, 3)
-    """
-    try:
-        return tuple(batch if letter == BATCH_AXIS else int(dims[letter]) for letter in reversed(shape))
-    except KeyError as e:
-        raise ValueError(f"shape {shape!r}: no size in dims for axis {e.args[0]!r}") from None
-
-
-def module_file_name(batch: int | None, *, bytecode: bool = False) -> str:
-    """``model.b{N}.mlir`` (StableHLO text) or ``model.b{N}.mlirbc`` (bytecode); ``batch`` None
-    names the one module of a dynamic-batch bundle, ``model.mlir`` (``model.mlirbc``)."""
-    return f"model{'' if batch is None else f'.b{batch}'}.{'mlirbc' if bytecode else 'mlir'}"
 
 
 def export_bundle(
@@ -243,7 +111,7 @@ def export_bundle(
     name = out_dir.name
     if not name or name.startswith("."):
         raise ValueError(f"bundle directory name {name!r} must be non-empty and not start with '.'")
-    sizes = _check_batch_sizes(compiled_batch_sizes)
+    sizes = check_batch_sizes(compiled_batch_sizes)
     inputs, outputs = list(inputs), list(outputs)
     _check_unique("executable_inputs", inputs)
     _check_unique("executable_outputs", outputs)
@@ -288,7 +156,7 @@ def write_bundle(
 ) -> Path:
     """Write a bundle whose modules are already made: ``modules`` maps each module's file name
     (:func:`module_file_name`) to its bytes, whatever produced them (:func:`export_bundle` from
-    JAX, :mod:`xlaserve.export_torch` from torch-mlir). The manifest, weights file,
+    JAX, :mod:`xlaserve.export.from_torch` from torch-mlir). The manifest, weights file,
     ``extra_files`` and the staged, atomic move into place are as :func:`export_bundle` says.
     The modules are not checked against the manifest here; loading the bundle does that.
     """
@@ -296,7 +164,7 @@ def write_bundle(
     name = out_dir.name
     if not name or name.startswith("."):
         raise ValueError(f"bundle directory name {name!r} must be non-empty and not start with '.'")
-    sizes = _check_batch_sizes(compiled_batch_sizes)
+    sizes = check_batch_sizes(compiled_batch_sizes)
     _check_unique("executable_inputs", inputs)
     _check_unique("executable_outputs", outputs)
     # np.asarray keeps a 0-d weight 0-d (np.ascontiguousarray would make it [1]).
@@ -352,18 +220,6 @@ def check_64_bit_types(inputs: Sequence[TensorSpec], weights: Mapping[str, np.nd
             " would trace them as 32-bit; set JAX_ENABLE_X64=1 (or jax.config.update("
             "'jax_enable_x64', True)) or give them a 32-bit dtype"
         )
-
-
-def _check_batch_sizes(compiled_batch_sizes: Sequence[int]) -> list[int]:
-    sizes = list(compiled_batch_sizes)
-    if not sizes:
-        raise ValueError("compiled_batch_sizes must not be empty")
-    for size in sizes:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"compiled batch size {size!r} must be a positive int")
-    if len(set(sizes)) != len(sizes):
-        raise ValueError(f"compiled_batch_sizes {sizes} has duplicates")
-    return sorted(sizes)
 
 
 def _check_unique(field: str, specs: Sequence[TensorSpec]) -> None:
@@ -432,34 +288,6 @@ class _Named:
         return cls(names, values)
 
 
-class TracingError(ExportError):
-    """The exported function raised while JAX traced it at one compiled batch size.
-
-    The message names the bundle, the batch size (the symbolic ``b`` of a dynamic-batch export),
-    the error and the abstract signature the function was called with (``call``); ``__cause__`` is the function's own exception, with its
-    traceback into the user's code. ``stage`` says what was being done ("traced"; a PyTorch
-    export that torch-mlir fails to lower says so).
-    """
-
-    def __init__(self, bundle: str, batch: int, cause: BaseException, call: str, stage: str = "traced") -> None:
-        self.bundle, self.batch, self.cause, self.call = bundle, batch, cause, call
-        reason = " ".join(str(cause).split())[:600] or "(no message)"
-        super().__init__(
-            f"bundle {bundle!r}: the function raised {type(cause).__name__} while being {stage} at"
-            f" {'compiled batch size' if isinstance(batch, int) else 'the symbolic batch size'} {batch}:"
-            f" {reason}\n  it was called as {call}"
-        )
-
-
-def _abstract(shape: Sequence[int], dtype: Any) -> str:
-    """``f32[4,512]``: a dtype code and a row-major shape, as the signatures in messages read."""
-    try:
-        code = dtype_code(dtype)
-    except ValueError:
-        code = str(np.dtype(dtype))
-    return f"{code}[{','.join(str(d) for d in shape)}]"
-
-
 #: The symbolic batch size of a dynamic-batch module, as messages show it.
 SYMBOLIC_BATCH = "b"
 
@@ -496,9 +324,9 @@ def _export_one(
         try:
             exported = jax.export.export(jax.jit(main))(weight_args, input_args)
         except Exception as exc:
-            arguments = [f"{w}: {_abstract(weights[w].shape, weights[w].dtype)}" for w in order]
+            arguments = [f"{w}: {abstract_shape(weights[w].shape, weights[w].dtype)}" for w in order]
             arguments += [
-                f"{spec.name}: {_abstract(spec.row_major(batch), DTYPES[spec.dtype])}"
+                f"{spec.name}: {abstract_shape(spec.row_major(batch), DTYPES[spec.dtype])}"
                 for spec in inputs
             ]
             raise TracingError(
