@@ -162,6 +162,8 @@ if [ "$TRACING" = otel ]; then
     say "the otel extra is installed: the OpenTelemetry SDK and the OTLP/HTTP exporter import"
 elif "${engine[@]}" run --rm --entrypoint python3 "$IMAGE" -c "$otel_import" 2>/dev/null; then
     fail "TRACING=$TRACING, but the image has the otel extra"
+else
+    say "TRACING=$TRACING: the otel extra is not installed (the OpenTelemetry SDK does not import)"
 fi
 
 # --- the model repository and the test's node file -----------------------------------------------
