@@ -9,6 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -332,9 +335,7 @@ def _containerfile_run_text() -> str:
     return (ROOT / "Containerfile").read_text().replace("\\\n", "")
 
 
-def test_the_containerfile_installs_the_otel_extra_unless_told_not_to(tmp_path):
-    import subprocess
-    import sys
+def test_the_containerfile_installs_the_otel_extra_unless_told_not_to():
     text = _containerfile_run_text()
     assert re.search(r"^ARG TRACING=otel$", (ROOT / "Containerfile").read_text(), re.MULTILINE)
     # the requirements step's own Python, run on this pyproject.toml for each VARIANT and TRACING
@@ -345,7 +346,6 @@ def test_the_containerfile_installs_the_otel_extra_unless_told_not_to(tmp_path):
         done = subprocess.run([sys.executable, "-c", script, variant, tracing], capture_output=True, text=True,
                               check=True)
         return done.stdout.splitlines()
-    import tomllib
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     otel, cuda = project["optional-dependencies"]["otel"], project["optional-dependencies"]["cuda"]
     assert any(d.startswith("opentelemetry-sdk") for d in otel)
@@ -362,7 +362,8 @@ def test_the_containerfile_installs_the_otel_extra_unless_told_not_to(tmp_path):
                               env={"PATH": "/usr/bin:/bin", "VARIANT": variant, "TRACING": tracing}, check=True)
         assert done.stdout == expected, (variant, tracing, done.stdout)
     assert 'if [ -n "$extras" ]; then spec="xlaserve[$extras] @ file://$wheel"' in text
-    assert re.search(r'if \[ "\$TRACING" = otel \]; then /opt/xlaserve/bin/python -c \'import opentelemetry\.sdk\.trace; '
+    assert re.search(r'if \[ "\$TRACING" = otel \]; then /opt/xlaserve/bin/python -c '
+                     r'\'import opentelemetry\.sdk\.trace; '
                      r'from opentelemetry\.exporter\.otlp\.proto\.http\.trace_exporter import OTLPSpanExporter\'', text)
     assert 'case "$TRACING" in otel|none) ;;' in text
 
@@ -398,10 +399,10 @@ def test_tracing_is_shown_off_in_every_node_and_gateway_file_and_the_environment
     assert not runtime.enabled and runtime.otlp_endpoint == collector
     assert load_node_config(ROOT / "deploy" / "node.yaml", {**env, **on}).tracing.enabled
     # compose: XLASERVE_TRACING turns it on, XLASERVE_OTLP_ENDPOINT points it
-    node_env = yaml.safe_load(interpolated((ROOT / "compose.yaml").read_text(), {}))["services"]["node"]["environment"]
-    assert not load_node_config(ROOT / "deploy" / "node.yaml", node_env).tracing.enabled
-    node_env = yaml.safe_load(interpolated((ROOT / "compose.yaml").read_text(), {
-        "XLASERVE_TRACING": "true", "XLASERVE_OTLP_ENDPOINT": "http://jaeger:4318/v1/traces"}))["services"]["node"]["environment"]
+    def compose_node_env(environ: dict[str, str]) -> dict[str, str]:
+        return yaml.safe_load(interpolated((ROOT / "compose.yaml").read_text(), environ))["services"]["node"]["environment"]
+    assert not load_node_config(ROOT / "deploy" / "node.yaml", compose_node_env({})).tracing.enabled
+    node_env = compose_node_env({"XLASERVE_TRACING": "true", "XLASERVE_OTLP_ENDPOINT": "http://jaeger:4318/v1/traces"})
     traced = load_node_config(ROOT / "deploy" / "node.yaml", node_env).tracing
     assert traced.enabled and traced.otlp_endpoint == "http://jaeger:4318/v1/traces"
 

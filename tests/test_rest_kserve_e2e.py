@@ -39,7 +39,8 @@ def _plan() -> tuple[np.ndarray, np.ndarray, dict]:
 def _run_kserve_client(base_url: str, plan: dict) -> dict:
     done = subprocess.run([sys.executable, str(CLIENT), base_url], input=json.dumps(plan), capture_output=True,
                           text=True, timeout=180, cwd=ROOT)
-    assert done.returncode == 0, f"KServe's client failed against {base_url}:\n{done.stderr[-4000:]}"
+    assert done.returncode == 0, (f"KServe's client failed against {base_url} (the kserve package comes with the "
+                                  f"test extra: pip install -e '.[test]'):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout)
 
 
