@@ -10,7 +10,9 @@
 # 3. runs the image's entrypoint (`xlaserve run`) with a node file that is deploy/node.yaml plus a
 #    batch_delay_seconds hold on mlp (so a request can be caught in flight), waits for /readyz,
 #    runs the image's HEALTHCHECK, checks the server does not run as root, queries simple, mlp and
-#    cnn with the Triton client from the host and compares them with examples/reference.py;
+#    cnn with the Triton client from the host and compares them with examples/reference.py; with
+#    TRACING=otel (the default) the node traces every request to a JSON-lines file (the image's
+#    OpenTelemetry SDK), and the file must hold the queries' xlaserve.infer spans;
 # 4. runs the standalone gateway of deploy/k8s/gateway.yaml from the same image, read-only, on a
 #    container network where the node answers to the DNS name xlaserve-workers, queries the models
 #    through it, and stops it with SIGTERM (exit status 0);
@@ -24,7 +26,8 @@
 #
 # Environment: PYTHON (an interpreter with xlaserve's bench extra; default .venv/bin/python),
 # BASE (default localhost/debian:bookworm-min; made with debootstrap if missing), IMAGE (default
-# localhost/xlaserve:test), VARIANT (cpu; cuda builds but cannot run without a GPU),
+# localhost/xlaserve:test), VARIANT (cpu; cuda builds but cannot run without a GPU), TRACING
+# (otel, the default: the image has the otel extra, checked by importing it; none: it must not),
 # ENGINE (podman or docker), OCI_RUNTIME (podman's runtime, default runc where installed).
 # Not part of the pytest suite: it needs root or a container engine, and minutes.
 set -euo pipefail
@@ -35,6 +38,7 @@ PYTHON=${PYTHON:-$checkout/.venv/bin/python}
 BASE=${BASE:-localhost/debian:bookworm-min}
 IMAGE=${IMAGE:-localhost/xlaserve:test}
 VARIANT=${VARIANT:-cpu}
+TRACING=${TRACING:-otel}
 ready_timeout=${READY_TIMEOUT:-300}
 work=$(mktemp -d "${TMPDIR:-/tmp}/xlaserve-container-test.XXXXXX")
 name=xlaserve-test-$$
@@ -122,7 +126,8 @@ if ! "${engine[@]}" image inspect "$BASE" >/dev/null 2>&1; then
 fi
 
 # --- build ---------------------------------------------------------------------------------------
-build=("${engine[@]}" build --build-arg "BASE=$BASE" --build-arg "VARIANT=$VARIANT" -t "$IMAGE" -f Containerfile)
+build=("${engine[@]}" build --build-arg "BASE=$BASE" --build-arg "VARIANT=$VARIANT" --build-arg "TRACING=$TRACING"
+       -t "$IMAGE" -f Containerfile)
 if [ "$choice" = podman ]; then
     # HEALTHCHECK is a docker-format field (the OCI format drops it); and pip inside the build
     # trusts the host's certificate authorities, for machines whose PyPI route needs them.
@@ -131,7 +136,7 @@ if [ "$choice" = podman ]; then
         build+=(-v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/host-ca.crt:ro --build-arg PIP_CERT=/etc/ssl/host-ca.crt)
     fi
 fi
-say "building $IMAGE (BASE=$BASE, VARIANT=$VARIANT)"
+say "building $IMAGE (BASE=$BASE, VARIANT=$VARIANT, TRACING=$TRACING)"
 t0=$(date +%s)
 "${build[@]}" . >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; fail "the build failed"; }
 say "built in $(( $(date +%s) - t0 )) s"
@@ -150,6 +155,16 @@ say "image: USER $user, HEALTHCHECK $health"
 "${engine[@]}" run --rm --entrypoint python3 "$IMAGE" -c \
     'from xlaserve.config import load_node_config; import os; n = load_node_config("/etc/xlaserve/node.yaml", os.environ); print(f"test-container: the shipped node file loads: model_repo {n.model_repo}, gpus {n.gpus}, backend {n.runtime.backend}, listen {n.listen.grpc} {n.listen.http}")' \
     || fail "the image's /etc/xlaserve/node.yaml does not load"
+otel_import='import opentelemetry.sdk.trace; from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter'
+if [ "$TRACING" = otel ]; then
+    "${engine[@]}" run --rm --entrypoint python3 "$IMAGE" -c "$otel_import" \
+        || fail "TRACING=otel, but the image cannot import the OpenTelemetry SDK and its OTLP exporter"
+    say "the otel extra is installed: the OpenTelemetry SDK and the OTLP/HTTP exporter import"
+elif "${engine[@]}" run --rm --entrypoint python3 "$IMAGE" -c "$otel_import" 2>/dev/null; then
+    fail "TRACING=$TRACING, but the image has the otel extra"
+else
+    say "TRACING=$TRACING: the otel extra is not installed (the OpenTelemetry SDK does not import)"
+fi
 
 # --- the model repository and the test's node file -----------------------------------------------
 say "building the example bundles into $work/models"
@@ -175,8 +190,14 @@ if [ "$choice" = podman ] && [ ! -S /run/systemd/private ]; then
     say "no systemd: podman will not run the HEALTHCHECK on a timer (it says so below); this script runs it once"
 fi
 "${engine[@]}" network create "$network" >/dev/null || fail "cannot create the network $network"
+tracing_env=()
+if [ "$TRACING" = otel ]; then
+    # the node file's tracing block (off) turned on by the environment, every request traced
+    tracing_env=(-e INFERENCE_SERVER_TRACING_ENABLED=true -e INFERENCE_SERVER_TRACING_SAMPLING_RATIO=1
+                 -e INFERENCE_SERVER_TRACING_EXPORTER=file -e INFERENCE_SERVER_TRACING_FILE=/var/lib/xlaserve/spans.jsonl)
+fi
 "${engine[@]}" run -d --name "$name" --network "$network" --network-alias xlaserve-workers \
-    -p 127.0.0.1::8001 -p 127.0.0.1::8002 \
+    -p 127.0.0.1::8001 -p 127.0.0.1::8002 "${tracing_env[@]}" \
     -v "$work/models:/models:ro" -v "$work/drain-test.yaml:/etc/xlaserve/drain-test.yaml:ro" \
     "$IMAGE" /etc/xlaserve/drain-test.yaml >/dev/null || fail "the container did not start"
 grpc=$("${engine[@]}" port "$name" 8001/tcp | head -1)
@@ -199,6 +220,16 @@ pid1=$("${engine[@]}" exec "$name" sh -c 'tr "\0" " " < /proc/1/cmdline; echo; a
 say "user: $("${engine[@]}" exec "$name" id) (not root); PID 1: $(echo "$pid1" | head -1)"
 
 "$PYTHON" deploy/container_check.py query "$grpc" || fail "a query failed"
+if [ "$TRACING" = otel ]; then
+    spans=0
+    for try in 1 2 3 4 5 6 7 8 9 10; do      # exported every export_interval_seconds (1 s)
+        spans=$("${engine[@]}" exec "$name" sh -c 'grep -c "\"name\": *\"xlaserve.infer\"" /var/lib/xlaserve/spans.jsonl' || true)
+        [ "${spans:-0}" -gt 0 ] && break
+        sleep 1
+    done
+    [ "${spans:-0}" -gt 0 ] || fail "tracing was on, but /var/lib/xlaserve/spans.jsonl has no xlaserve.infer span"
+    say "traces: $spans xlaserve.infer spans in the container's /var/lib/xlaserve/spans.jsonl"
+fi
 
 # The standalone gateway of deploy/k8s/gateway.yaml in front of it, as in Kubernetes: its file from
 # the ConfigMap with the endpoint's DNS name made this network's alias of the node, and a

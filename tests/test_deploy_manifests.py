@@ -9,6 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -325,6 +328,83 @@ def test_the_containerfile_runs_the_node_as_a_user_with_a_healthcheck():
     for source in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.MULTILINE):
         for item in source.split():
             assert f"!{item.rstrip('/')}" in ignore, f".dockerignore keeps {item} out of the build context"
+
+
+def _containerfile_run_text() -> str:
+    """The Containerfile as its parser reads RUN lines: a backslash-newline joins two lines."""
+    return (ROOT / "Containerfile").read_text().replace("\\\n", "")
+
+
+def test_the_containerfile_installs_the_otel_extra_unless_told_not_to():
+    text = _containerfile_run_text()
+    assert re.search(r"^ARG TRACING=otel$", (ROOT / "Containerfile").read_text(), re.MULTILINE)
+    # the requirements step's own Python, run on this pyproject.toml for each VARIANT and TRACING
+    (script,) = re.findall(r"python3 -c '(import sys, tomllib;[^']*)'\s+\"\$VARIANT\" \"\$TRACING\"", text)
+    script = script.replace("/tmp/pyproject.toml", str(ROOT / "pyproject.toml"))
+
+    def requirements(variant: str, tracing: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", script, variant, tracing], capture_output=True, text=True,
+                              check=True)
+        return done.stdout.splitlines()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    otel, cuda = project["optional-dependencies"]["otel"], project["optional-dependencies"]["cuda"]
+    assert any(d.startswith("opentelemetry-sdk") for d in otel)
+    assert any(d.startswith("opentelemetry-exporter-otlp-proto-http") for d in otel)
+    assert requirements("cpu", "otel") == project["dependencies"] + otel
+    assert requirements("cpu", "none") == project["dependencies"]
+    assert requirements("cuda", "otel") == project["dependencies"] + cuda + otel
+    assert requirements("cuda", "none") == project["dependencies"] + cuda
+    # the wheel is installed with the same extras, and the build fails if the exporter does not import
+    (extras_line,) = re.findall(r"extras=\$\(.*?\| paste -sd, -\)", text)
+    for variant, tracing, expected in (("cpu", "otel", "otel"), ("cpu", "none", ""), ("cuda", "otel", "cuda,otel"),
+                                       ("cuda", "none", "cuda")):
+        done = subprocess.run(["sh", "-c", f'{extras_line}; printf %s "$extras"'], capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "VARIANT": variant, "TRACING": tracing}, check=True)
+        assert done.stdout == expected, (variant, tracing, done.stdout)
+    assert 'if [ -n "$extras" ]; then spec="xlaserve[$extras] @ file://$wheel"' in text
+    assert re.search(r'if \[ "\$TRACING" = otel \]; then /opt/xlaserve/bin/python -c '
+                     r'\'import opentelemetry\.sdk\.trace; '
+                     r'from opentelemetry\.exporter\.otlp\.proto\.http\.trace_exporter import OTLPSpanExporter\'', text)
+    assert 'case "$TRACING" in otel|none) ;;' in text
+
+
+def test_tracing_is_shown_off_in_every_node_and_gateway_file_and_the_environment_turns_it_on(tmp_path):
+    on = {"INFERENCE_SERVER_TRACING_ENABLED": "true"}
+    # the image's node file: off, OTLP; the variables of its comment turn it on and point it elsewhere
+    image = load_node_config(ROOT / "deploy" / "node.yaml", {})
+    assert not image.tracing.enabled and image.tracing.exporter == "otlp"
+    text = (ROOT / "deploy" / "node.yaml").read_text()
+    variables = dict(re.findall(r"^#\s+-e (INFERENCE_SERVER_TRACING_\w+)=(\S+)$", text, re.MULTILINE))
+    assert variables == {**on, "INFERENCE_SERVER_TRACING_OTLP_ENDPOINT": "http://collector:4318/v1/traces"}
+    traced = load_node_config(ROOT / "deploy" / "node.yaml", variables).tracing
+    assert traced.enabled and traced.otlp_endpoint == "http://collector:4318/v1/traces"
+    # Kubernetes: the node and gateway ConfigMaps export to the same collector, off until enabled
+    node = load_node_config(_configmap_file(tmp_path, "xlaserve-node", "node.yaml"), {})
+    gateway = load_gateway_file(_configmap_file(tmp_path, "xlaserve-gateway", "gateway.yaml"), {})
+    collector = "http://otel-collector.observability.svc.cluster.local:4318/v1/traces"
+    for tracing in (node.tracing, gateway.tracing):
+        assert not tracing.enabled and tracing.exporter == "otlp" and tracing.otlp_endpoint == collector
+    assert node.tracing.sampling_ratio == gateway.tracing.sampling_ratio == 0.05
+    assert load_node_config(_configmap_file(tmp_path, "xlaserve-node", "node.yaml"), on).tracing.enabled
+    assert load_gateway_file(_configmap_file(tmp_path, "xlaserve-gateway", "gateway.yaml"),
+                             {"INFERENCE_SERVER_GATEWAY_TRACING_ENABLED": "true"}).tracing.enabled
+    # the node ConfigMap's comment names a variable that exists, in the form Kubernetes expands
+    configmap_text = (K8S / "node.yaml").read_text()
+    assert '{name: INFERENCE_SERVER_TRACING_OTLP_ENDPOINT, value: "http://$(HOST_IP):4318/v1/traces"}' in configmap_text
+    assert "{name: HOST_IP, valueFrom: {fieldRef: {fieldPath: status.hostIP}}}" in configmap_text
+    # KServe's ServingRuntime sets both through the environment of the image's node file
+    (container,) = one("ServingRuntime", "xlaserve")["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    runtime = load_node_config(ROOT / "deploy" / "node.yaml", env).tracing
+    assert not runtime.enabled and runtime.otlp_endpoint == collector
+    assert load_node_config(ROOT / "deploy" / "node.yaml", {**env, **on}).tracing.enabled
+    # compose: XLASERVE_TRACING turns it on, XLASERVE_OTLP_ENDPOINT points it
+    def compose_node_env(environ: dict[str, str]) -> dict[str, str]:
+        return yaml.safe_load(interpolated((ROOT / "compose.yaml").read_text(), environ))["services"]["node"]["environment"]
+    assert not load_node_config(ROOT / "deploy" / "node.yaml", compose_node_env({})).tracing.enabled
+    node_env = compose_node_env({"XLASERVE_TRACING": "true", "XLASERVE_OTLP_ENDPOINT": "http://jaeger:4318/v1/traces"})
+    traced = load_node_config(ROOT / "deploy" / "node.yaml", node_env).tracing
+    assert traced.enabled and traced.otlp_endpoint == "http://jaeger:4318/v1/traces"
 
 
 # --- compose and the dashboard --------------------------------------------------------------------

@@ -79,8 +79,10 @@ def test_infer_is_translated_to_model_infer_and_back_for_raw_and_typed_handlers(
 
 def test_statuses_follow_the_grpc_status_and_readiness_is_200_or_400():
     api = RestApi(Fake())
-    assert call(api, "GET", "/v2/health/live").status == 200
-    assert call(api, "GET", "/v2/health/ready").status == 400
+    live, ready = call(api, "GET", "/v2/health/live"), call(api, "GET", "/v2/health/ready")
+    # the body too, as KServe's server writes it: KServe's InferenceRESTClient reads it
+    assert (live.status, json.loads(live.body), live.content_type) == (200, {"live": True}, "application/json")
+    assert (ready.status, json.loads(ready.body)) == (400, {"ready": False})
     missing = call(api, "GET", "/v2/models/missing")
     assert missing.status == 404 and json.loads(missing.body) == {
         "error": "Request for unknown model: 'missing' is not found"}

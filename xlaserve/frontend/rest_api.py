@@ -200,11 +200,13 @@ class RestApi:
     # ---- health and metadata ------------------------------------------------------------------
     async def _live(self, request):
         reply = await self._call("ServerLive", pb.ServerLiveRequest(), request, pb.ServerLiveResponse)
-        return HttpResponse(200 if reply.live else 400)
+        # the status is the answer (Triton's clients read only it); KServe's InferenceRESTClient
+        # reads the body's "live" / "ready", as KServe's own server writes them
+        return _json({"live": reply.live}, 200 if reply.live else 400)
 
     async def _ready(self, request):
         reply = await self._call("ServerReady", pb.ServerReadyRequest(), request, pb.ServerReadyResponse)
-        return HttpResponse(200 if reply.ready else 400)
+        return _json({"ready": reply.ready}, 200 if reply.ready else 400)
 
     async def _server_metadata(self, request):
         reply = await self._call("ServerMetadata", pb.ServerMetadataRequest(), request, pb.ServerMetadataResponse)
