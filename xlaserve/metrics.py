@@ -171,11 +171,6 @@ class WeightCacheMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.resident_model = Gauge("xlaserve_weight_cache_model_resident_bytes",
-                                    "Weight bytes of the model on the device now", ["model"], registry=r)
-        self.resident_total = Gauge("xlaserve_weight_cache_resident_bytes",
-                                    "Weight bytes on the device now, all models", registry=r)
-        self.budget = Gauge("xlaserve_weight_cache_budget_bytes", "The device weight budget", registry=r)
         self.hits = _ModelAndTotal("hits", "Dispatches that found the weights resident", r)
         self.misses = _ModelAndTotal("misses", "Dispatches that had to copy the weights onto the device", r)
         self.evictions = _ModelAndTotal("evictions", "Device copies evicted to make room", r)
@@ -208,8 +203,7 @@ class WeightCacheMetrics:
             series = self._series[model] = _ModelSeries(
                 self.hits.model.labels(model), self.misses.model.labels(model),
                 self.evictions.model.labels(model), self.prefetch_hits.model.labels(model),
-                self.bytes_copied.model.labels(model), self.load_seconds_model.labels(model),
-                self.resident_model.labels(model))
+                self.bytes_copied.model.labels(model), self.load_seconds_model.labels(model))
         return series
 
     def hit(self, model: str, prefetched: bool) -> None:
@@ -240,21 +234,6 @@ class WeightCacheMetrics:
         self._of(model).evictions.inc()
         self.evictions.total.inc()
 
-    def resident(self, model: str, nbytes: int) -> None:
-        self._of(model).resident.set(nbytes)
-
-    def totals(self, resident: int, budget: int) -> None:
-        self.resident_total.set(resident)
-        self.budget.set(budget)
-
-    def forget(self, model: str) -> None:
-        """A model left the cache: its resident gauge goes (counters stay, as Prometheus expects)."""
-        self._series.pop(model, None)      # the gauge's child is removed: a new one if it comes back
-        try:
-            self.resident_model.remove(model)
-        except KeyError:
-            pass
-
 
 @dataclass(slots=True, frozen=True)
 class _ModelSeries:
@@ -266,12 +245,12 @@ class _ModelSeries:
     prefetch_hits: object
     bytes_copied: object
     load_seconds: object
-    resident: object
 
 
 class _CacheStateCollector:
     """The weight cache's state, read from its snapshot when ``/metrics`` is scraped (nothing is
-    kept up to date per request): the eviction order, the prefetch counters, the weight pool.
+    kept up to date per request or per miss): the bytes resident per model and in all, the budget,
+    the eviction order, the prefetch counters, the weight pool.
     Before :meth:`WeightCacheMetrics.watch` its families have no samples."""
 
     def __init__(self) -> None:
@@ -285,6 +264,12 @@ class _CacheStateCollector:
 
     @staticmethod
     def _families(snap):
+        resident_model = GaugeMetricFamily("xlaserve_weight_cache_model_resident_bytes",
+                                           "Weight bytes of the model on the device now (all its versions)",
+                                           labels=["model"])
+        resident_total = GaugeMetricFamily("xlaserve_weight_cache_resident_bytes",
+                                           "Weight bytes on the device now, all models")
+        budget = GaugeMetricFamily("xlaserve_weight_cache_budget_bytes", "The device weight budget")
         rank = GaugeMetricFamily(
             "xlaserve_weight_cache_model_eviction_rank",
             "Where the model stands in the order a load would evict resident models now: 1 is the next "
@@ -315,6 +300,13 @@ class _CacheStateCollector:
                                     "The largest free extent of the weight pool: the largest model that loads "
                                     "without growing it (cpu)")
         if snap is not None:
+            by_model: dict[str, int] = {}
+            for row in snap.models:
+                by_model[row.model] = by_model.get(row.model, 0) + row.resident_bytes
+            for model, nbytes in by_model.items():
+                resident_model.add_metric([model], nbytes)
+            resident_total.add_metric([], snap.resident_bytes)
+            budget.add_metric([], snap.budget_bytes)
             for i, (model, version) in enumerate(snap.eviction_order, 1):
                 rank.add_metric([model, str(version)], i)
             policy.add_metric([snap.policy], 1)
@@ -328,4 +320,5 @@ class _CacheStateCollector:
                 idle.add_metric([], snap.pool.idle_bytes)
                 reused.add_metric([], snap.pool.reused)
                 largest.add_metric([], snap.pool.largest_free_bytes)
-        return [rank, policy, started, landed, late, regions, reserved, used, idle, reused, largest]
+        return [resident_model, resident_total, budget, rank, policy, started, landed, late, regions, reserved, used,
+                idle, reused, largest]

@@ -191,9 +191,8 @@ class WeightCache:
         self._thrash = ThrashMonitor()
         self._recent_evictions: deque[tuple[str, int]] = deque(maxlen=self._thrash.window)
         self._nursery: trio.Nursery | None = None
-        self._publish_totals()
         watch = getattr(metrics, "watch", None)
-        if watch is not None:               # the state gauges read snapshot() when scraped
+        if watch is not None:               # the state gauges (residency, budget, order, pool) read snapshot() when scraped
             watch(self.snapshot)
 
     # ---- the actor's home: a nursery for prefetches ---------------------------------------
@@ -265,7 +264,6 @@ class WeightCache:
         except BaseException:
             self.release(model.name, model.version)
             raise
-        self._publish(model.name)
         return ""
 
     def _read_host(self, model: ModelVersion) -> tuple:
@@ -290,7 +288,6 @@ class WeightCache:
             if victim is None:
                 break
             self._evict(victim)
-        self._publish_totals()
 
     def release(self, name: str, version: int | None = None) -> None:
         """Forget a model (all versions when ``version`` is None): device copy, host copy, state."""
@@ -318,9 +315,6 @@ class WeightCache:
                     del self._versions[key[0]]
             self._counts.pop(key, None)
             self._prefetched.discard(key)
-        if self._metrics is not None:
-            self._metrics.forget(name)
-        self._publish_totals()
 
     def _forget_retired(self, key: Key) -> None:
         """A replaced version is gone (no request holds it): drop its host copy. Runs on
@@ -504,7 +498,6 @@ class WeightCache:
             self._prefetched.add(key)
         if self._metrics is not None:
             self._metrics.load(key[0], seconds, miss=why == "demand", nbytes=model.weight_bytes)
-        self._publish(key[0])
         if log.isEnabledFor(logging.DEBUG):
             log.debug("loaded %s v%d: %s in %.1f ms (%s)", key[0], key[1], fmt_bytes(model.weight_bytes),
                       seconds * 1e3, why)
@@ -528,7 +521,6 @@ class WeightCache:
         self._recent_evictions.append((key[0], nbytes))
         if self._metrics is not None:
             self._metrics.evict(key[0])
-        self._publish(key[0])
 
     def _warn_thrashing(self) -> None:
         sizes: dict[str, int] = {}
@@ -641,8 +633,6 @@ class WeightCache:
                 self._host_changes += 1
         if self._nursery is not None and new is not Floor.UNPINNED:
             self._nursery.start_soon(self._apply_residency, keys)
-        for key in keys:
-            self._publish(key[0])
         log.info("model %s: residency %s", model_name, new.value)
 
     async def _apply_residency(self, keys: list[Key]) -> None:
@@ -732,13 +722,3 @@ class WeightCache:
             return "none"
         return f"{len(keys)} model(s), {fmt_bytes(self._book.resident_bytes())}"
 
-    def _publish(self, name: str) -> None:
-        if self._metrics is None:
-            return
-        resident = sum(self._book.nbytes(k) for k in self._versions.get(name, ()) if self._book.is_resident(k))
-        self._metrics.resident(name, resident)
-        self._publish_totals()
-
-    def _publish_totals(self) -> None:
-        if self._metrics is not None:
-            self._metrics.totals(self._book.resident_bytes(), self._budget.bytes)
