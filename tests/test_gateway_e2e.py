@@ -342,6 +342,12 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
         status, text = node.get("/metrics")
         assert status == 200 and 'xlaserve_gateway_worker_up{worker="a"} 1.0' in text
         # answered: nothing in flight, though the gateway's status stream to each worker stays open
+        # (discovery's own unary calls to a worker count while they run: on a loaded machine one
+        # may be under way at the scrape, so the count is read until it settles)
+        settle = time.monotonic() + 10
+        while 'xlaserve_gateway_in_flight{worker="a"} 0.0' not in text and time.monotonic() < settle:
+            time.sleep(0.05)
+            status, text = node.get("/metrics")
         assert 'xlaserve_gateway_in_flight{worker="a"} 0.0' in text, text
         assert 'xlaserve_gateway_in_flight{worker="b"} 0.0' in text, text
         deadline = time.monotonic() + TIMEOUT        # the workers' own metrics, scraped, with their names
