@@ -36,6 +36,7 @@ def _module(w, groups) -> bytes:
 GROUPED = _module(W_GROUPED, 4)         # 4 groups of 2 channels: left by the depthwise rewrite
 DENSE = _module(W_DENSE, 1)
 DEPTHWISE = _module(W_DEPTHWISE, 8)
+NO_CONVOLUTION = jax.jit(lambda x: (jax.nn.relu(x) + 1.0,)).lower(X).as_text().encode()
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +53,19 @@ def test_pick_takes_the_lowest_median_but_keeps_the_default_within_the_margin():
     assert tuning.pick({}) == "default"
 
 
-def test_only_modules_with_grouped_convolutions_get_a_trial(device):
-    assert YNN in COMPILE_CHOICES["cpu"]
-    assert device.compile_choices(GROUPED) == (DEFAULT_CHOICE, *COMPILE_CHOICES["cpu"])
-    assert device.compile_choices(DENSE) == (DEFAULT_CHOICE,)
-    assert device.compile_choices(DEPTHWISE) == (DEFAULT_CHOICE, *COMPILE_CHOICES["cpu"])
-    # the load path writes depthwise convolutions out first: nothing is left to try
+def test_only_modules_with_convolutions_get_a_trial(device):
+    assert YNN in COMPILE_CHOICES["cpu"] and "xla-defaults" in COMPILE_CHOICES["cpu"]
+    assert device.overrides("xla-defaults") == ()          # XLA's own settings, as jax.jit compiles
+    every = (DEFAULT_CHOICE, *COMPILE_CHOICES["cpu"])
+    assert device.compile_choices(GROUPED) == every
+    assert device.compile_choices(DENSE) == every          # dense convolutions too: the path differs by model
+    assert device.compile_choices(DEPTHWISE) == every
+    # the load path writes depthwise convolutions out first: no convolution is left to try options on
     assert device.compile_choices(rewrite_depthwise_convolutions(DEPTHWISE)) == (DEFAULT_CHOICE,)
-    tuned = tuning.compile_tuned(device, DENSE)
+    tuned = tuning.compile_tuned(device, NO_CONVOLUTION)
     assert (tuned.choice, tuned.seconds, dict(tuned.times)) == (DEFAULT_CHOICE, 0.0, {})
     with pytest.raises(ValueError, match="no compile options named 'bogus'"):
-        device.compile(DENSE, "bogus")
+        device.compile(NO_CONVOLUTION, "bogus")
 
 
 def test_results_are_equal_under_every_compile_option(device):
@@ -109,19 +112,19 @@ def test_the_cache_keeps_the_chosen_options_with_the_executable(device, tmp_path
     exe2, hit2 = ExecutableCache(tmp_path / "c", device).compile_module(Path("g.mlir"), GROUPED)
     assert hit2 and used == [YNN]
     np.testing.assert_array_equal(device.execute(exe2, [X, W_GROUPED])[0], device.execute(exe, [X, W_GROUPED])[0])
-    # a module without grouped convolutions is stored with the default options, untried
-    cache.compile_module(Path("d.mlir"), DENSE)
-    assert f"\n{DEFAULT_CHOICE}\n".encode() in cache.entry_path(cache.key(DENSE)).read_bytes()[:400]
+    # a module without convolutions is stored with the default options, untried
+    cache.compile_module(Path("d.mlir"), NO_CONVOLUTION)
+    assert f"\n{DEFAULT_CHOICE}\n".encode() in cache.entry_path(cache.key(NO_CONVOLUTION)).read_bytes()[:400]
 
 
 def test_an_entry_naming_unknown_options_is_rebuilt(device, tmp_path, caplog):
     cache = ExecutableCache(_private(tmp_path / "c"), device)
-    key = cache.key(DENSE)
-    cache._write(cache.entry_path(key), key, device.compile(DENSE), "from-a-newer-server")
+    key = cache.key(NO_CONVOLUTION)
+    cache._write(cache.entry_path(key), key, device.compile(NO_CONVOLUTION), "from-a-newer-server")
     with caplog.at_level(logging.WARNING, "xlaserve.excache"):
-        exe, hit = ExecutableCache(tmp_path / "c", device).compile_module(Path("d.mlir"), DENSE)
+        exe, hit = ExecutableCache(tmp_path / "c", device).compile_module(Path("d.mlir"), NO_CONVOLUTION)
     assert not hit and "compile options this server does not have ('from-a-newer-server')" in caplog.text
-    assert ExecutableCache(tmp_path / "c", device).compile_module(Path("d.mlir"), DENSE)[1]
+    assert ExecutableCache(tmp_path / "c", device).compile_module(Path("d.mlir"), NO_CONVOLUTION)[1]
 
 
 def test_compile_choices_are_part_of_the_cache_key(device, monkeypatch):

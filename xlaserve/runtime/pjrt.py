@@ -462,13 +462,20 @@ def rewrite_depthwise_convolutions(module: bytes, channels_last: bool = True) ->
 
 def has_grouped_convolutions(module: bytes) -> bool:
     """Whether ``module`` has a convolution with a ``feature_group_count`` or
-    ``batch_group_count`` above 1."""
+    ``batch_group_count`` above 1 (what :func:`rewrite_depthwise_convolutions` may leave)."""
     with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
         parsed = _parse(module, ctx)
         return any(op.operation.name == "stablehlo.convolution"
                    and (ir.IntegerAttr(op.operation.attributes["feature_group_count"]).value > 1
                         or ir.IntegerAttr(op.operation.attributes["batch_group_count"]).value > 1)
                    for op in _operations(parsed.operation))
+
+
+def has_convolutions(module: bytes) -> bool:
+    """Whether ``module`` has any convolution."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
+        parsed = _parse(module, ctx)
+        return any(op.operation.name == "stablehlo.convolution" for op in _operations(parsed.operation))
 
 
 _RESOURCE_REF = re.compile(r'dense_resource<("(?:[^"\\]|\\.)*"|[^>]+)>')
@@ -641,8 +648,12 @@ DEFAULT_CHOICE = "default"
 # (:mod:`xlaserve.runtime.tuning`). On the cpu YNNPACK also taking convolutions runs a ResNeXt
 # block at batch 8 in half the time of XLA's own path, at batch 1 about 17% faster
 # (benchmarks/dwconv_bench.py, docs/benchmarks.md), while it slows ResNet-18's dense ones.
+# ``xla-defaults`` sets nothing: XLA's own choice of what YNNPACK takes, as ``jax.jit`` compiles;
+# it ran the Flax MNIST CNN at batch 8 in 1.3 ms against 1.9 with the server's default (the
+# same module, docs/export.md), while it is the setting that made ResNet-18 slower.
 COMPILE_CHOICES: Mapping[str, Mapping[str, tuple[tuple[str, str], ...]]] = {
-    "cpu": {"ynn-convolutions": ((_YNN_FUSION, _YNN_DOTS + ",LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"),)},
+    "cpu": {"ynn-convolutions": ((_YNN_FUSION, _YNN_DOTS + ",LIBRARY_FUSION_TYPE_INDIVIDUAL_CONVOLUTION"),),
+            "xla-defaults": ()},
 }
 
 
@@ -746,10 +757,10 @@ class Device:
 
     def compile_choices(self, module: bytes) -> tuple[str, ...]:
         """The compile options worth trying on ``module``, the default first: all of this
-        backend's :data:`COMPILE_CHOICES` when the module has grouped convolutions
-        (:func:`has_grouped_convolutions`), else the default alone."""
+        backend's :data:`COMPILE_CHOICES` when the module has convolutions (which path runs
+        them fastest differs from model to model), else the default alone."""
         others = tuple(COMPILE_CHOICES.get(self.backend, {}))
-        if others and has_grouped_convolutions(module):
+        if others and has_convolutions(module):
             return (DEFAULT_CHOICE, *others)
         return (DEFAULT_CHOICE,)
 

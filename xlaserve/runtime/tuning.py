@@ -1,12 +1,13 @@
 """Compile options chosen per module by measurement, when the module is first compiled.
 
 XLA's cpu backend has more than one way to run a convolution (its own Eigen-based path, YNNPACK),
-and which is faster depends on the convolution: grouped convolutions run faster on YNNPACK, dense
-ones on XLA's path (docs/benchmarks.md). One global setting cannot suit both, so a module that
-has grouped convolutions (:meth:`Device.compile_choices`) is compiled with each candidate set of
+and which is faster depends on the model: grouped convolutions run faster on YNNPACK, ResNet-18's
+dense ones on XLA's path, and the Flax MNIST CNN's small dense ones fastest with XLA's own
+defaults (docs/benchmarks.md, docs/export.md). One global setting cannot suit all, so a module
+that has convolutions (:meth:`Device.compile_choices`) is compiled with each candidate set of
 options and timed on trial arguments; the fastest is kept, and the executable cache stores it
 with the executable (:mod:`xlaserve.runtime.excache`), so the trial runs once per module, not
-once per start. Modules without grouped convolutions, nearly all, are compiled once with the
+once per start. Modules without convolutions (text models, MLPs) are compiled once with the
 default options and pay nothing.
 
 The trial's cost is bounded: the timed calls of all candidates together stop after about
