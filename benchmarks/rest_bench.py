@@ -4,6 +4,7 @@ gRPC aio client) and through the REST port with Triton's binary tensor data and 
 
     python -m benchmarks.rest_bench [--duration 5] [--warmup 1] [--concurrency 1,8,32] [--rounds 1]
     python -m benchmarks.rest_bench --triton [--rounds 3] [--modes rest-binary,rest-json]
+    python -m benchmarks.rest_bench --baseline CHECKOUT [--rounds 3]
     python -m benchmarks.rest_bench --idle 1000
 
 ``--idle N`` measures instead what N slowloris connections cost: each sends half a request head
@@ -23,7 +24,9 @@ beside xlaserve, both answers are checked once against the numpy reference
 (peer_models.py), and each round drives, for every mode (binary tensor data, JSON) and
 concurrency, xlaserve then Triton (the order reversed every other round) with the same client
 and the same request bytes. It ends with a table of per-round medians and ranges, and the
-ratio xlaserve / Triton of each round's requests/s.
+ratio xlaserve / Triton of each round's requests/s. ``--baseline CHECKOUT`` does the same with
+xlaserve run from another checkout (an earlier commit's ``git archive``) in Triton's place, so a
+change to the REST path is measured against what it changed.
 """
 from __future__ import annotations
 
@@ -50,8 +53,9 @@ MODES = ("grpc", "rest-binary", "rest-json")
 
 
 @contextmanager
-def server(repo: Path):
-    """``xlaserve run`` over ``repo`` with gRPC and REST on loopback; yields (grpc url, rest port, pid)."""
+def server(repo: Path, source: Path = ROOT):
+    """``xlaserve run`` over ``repo`` with gRPC and REST on loopback, from the checkout ``source``;
+    yields (grpc url, rest port, pid)."""
     work = Path(tempfile.mkdtemp(prefix="xlaserve-rest-bench-"))
     node = {"model_repo": str(repo),
             "listen": {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"},
@@ -61,7 +65,7 @@ def server(repo: Path):
     log = open(work / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "--log-level", "warning", "run",
                              str(work / "node.yaml"), "--ready-file", str(ready)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=source)
     try:
         deadline = time.monotonic() + 300
         while not ready.exists():
@@ -239,46 +243,57 @@ def check_peers(ports: dict[str, int], modes) -> None:
                   flush=True)
 
 
-def against_triton(rest_port: int, pid: int, args, levels: list[int]) -> None:
-    modes = args.modes.split(",")
-    rows: list[dict] = []
+@contextmanager
+def other_server(args, repo: Path):
+    """The server compared with: Triton's HTTP endpoint, or xlaserve from ``--baseline``;
+    yields (name, REST port, pid)."""
+    if args.baseline is not None:
+        with server(repo, Path(args.baseline).resolve()) as (_, rest_port, pid):
+            yield "baseline", rest_port, pid
+        return
     logs = Path(tempfile.mkdtemp(prefix="rest-bench-triton-"))
     try:
         with peer("triton", logs) as (triton_url, triton_pid):
-            triton_http = int(triton_url.rsplit(":", 1)[1]) - 1
             wait_ready(triton_url, time.monotonic() + 300, models=("mlp",))
-            servers = {"xlaserve": (rest_port, pid), "triton": (triton_http, triton_pid)}
-            check_peers({k: v[0] for k, v in servers.items()}, modes)
-            for rnd in range(args.rounds):
-                for mode in modes:
-                    for conc in levels:
-                        order = ("xlaserve", "triton") if rnd % 2 == 0 else ("triton", "xlaserve")
-                        for name in order:
-                            port, server_pid = servers[name]
-                            cpu = tree_cpu_seconds(server_pid)
-                            row = asyncio.run(rest_level(port, mode, conc, args.duration, args.warmup))
-                            spent = tree_cpu_seconds(server_pid) - cpu
-                            row["server_cpu_us_per_req"] = spent / max(row.pop("answered"), 1) * 1e6
-                            row = {"round": rnd, "server": name, "mode": mode, "concurrency": conc,
-                                   "load1": round(os.getloadavg()[0], 2), **row}
-                            rows.append(row)
-                            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
-                                  flush=True)
+            yield "triton", int(triton_url.rsplit(":", 1)[1]) - 1, triton_pid
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    print_comparison(rows, modes, levels, args.rounds)
 
 
-def print_comparison(rows: list[dict], modes, levels, rounds: int) -> None:
+def against(rest_port: int, pid: int, args, levels: list[int], repo: Path) -> None:
+    modes = args.modes.split(",")
+    rows: list[dict] = []
+    with other_server(args, repo) as (other, other_port, other_pid):
+        servers = {"xlaserve": (rest_port, pid), other: (other_port, other_pid)}
+        check_peers({k: v[0] for k, v in servers.items()}, modes)
+        for rnd in range(args.rounds):
+            for mode in modes:
+                for conc in levels:
+                    order = ("xlaserve", other) if rnd % 2 == 0 else (other, "xlaserve")
+                    for name in order:
+                        port, server_pid = servers[name]
+                        cpu = tree_cpu_seconds(server_pid)
+                        row = asyncio.run(rest_level(port, mode, conc, args.duration, args.warmup))
+                        spent = tree_cpu_seconds(server_pid) - cpu
+                        row["server_cpu_us_per_req"] = spent / max(row.pop("answered"), 1) * 1e6
+                        row = {"round": rnd, "server": name, "mode": mode, "concurrency": conc,
+                               "load1": round(os.getloadavg()[0], 2), **row}
+                        rows.append(row)
+                        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}),
+                              flush=True)
+    print_comparison(rows, modes, levels, args.rounds, other)
+
+
+def print_comparison(rows: list[dict], modes, levels, rounds: int, other: str = "triton") -> None:
     def span(values, fmt):
         return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-    print(f"\nmedian (min-max) of {rounds} round(s); ratio: xlaserve req/s / Triton req/s within each round")
-    print(f"{'mode':<12} {'c':>3} {'server':<9} {'req/s':>22} {'p50 ms':>20} {'p99 ms':>20} {'cpu us/req':>8} "
+    print(f"\nmedian (min-max) of {rounds} round(s); ratio: xlaserve req/s / {other} req/s within each round")
+    print(f"{'mode':<12} {'c':>3} {'server':<9} {'req/s':>22} {'p50 ms':>20} {'p99 ms':>20} {'cpu us/req':>10} "
           f"{'errors':>6}")
     for mode in modes:
         for conc in levels:
             mine = {name: [r for r in rows if r["server"] == name and r["mode"] == mode and r["concurrency"] == conc]
-                    for name in ("xlaserve", "triton")}
+                    for name in ("xlaserve", other)}
             for name, rs in mine.items():
                 if not rs:
                     continue
@@ -286,7 +301,7 @@ def print_comparison(rows: list[dict], modes, levels, rounds: int) -> None:
                       f"{span([r['p50_ms'] for r in rs], '{:.2f}'):>20} {span([r['p99_ms'] for r in rs], '{:.2f}'):>20} "
                       f"{statistics.median(r['server_cpu_us_per_req'] for r in rs):>10.0f} "
                       f"{sum(r['errors'] for r in rs):>6}")
-            ratios = [x["throughput_rps"] / t["throughput_rps"] for x, t in zip(mine["xlaserve"], mine["triton"])
+            ratios = [x["throughput_rps"] / t["throughput_rps"] for x, t in zip(mine["xlaserve"], mine[other])
                       if t["throughput_rps"]]
             if ratios:
                 print(f"{mode:<12} {conc:>3} {'ratio':<9} {span(ratios, '{:.2f}'):>22}")
@@ -301,7 +316,9 @@ def main(argv=None) -> None:
     p.add_argument("--idle", type=int, default=0, help="measure N slowloris connections instead")
     p.add_argument("--triton", action="store_true",
                    help="compare the REST port with Triton's HTTP endpoint (../shared/peers/run_triton.sh)")
-    p.add_argument("--modes", default="rest-binary,rest-json", help="with --triton: the REST modes to compare")
+    p.add_argument("--baseline", help="compare the REST port with xlaserve run from this checkout instead")
+    p.add_argument("--modes", default="rest-binary,rest-json",
+                   help="with --triton or --baseline: the REST modes to compare")
     args = p.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -311,8 +328,8 @@ def main(argv=None) -> None:
             if args.idle:
                 print(json.dumps(idle_connections(rest_port, pid, args.idle)), flush=True)
                 return
-            if args.triton:
-                against_triton(rest_port, pid, args, levels)
+            if args.triton or args.baseline:
+                against(rest_port, pid, args, levels, repo)
                 return
             for rnd in range(args.rounds):
                 for conc in levels:
