@@ -35,6 +35,8 @@ async def echo(request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, b"x" * 5000, "text/plain")
     if request.path == "/huge":
         return HttpResponse(200, bytes(range(256)) * 1000, "application/octet-stream")
+    if request.path == "/inject":
+        return HttpResponse(200, b"{}", headers=(("x-note", "a\r\nset-cookie: evil"),))
     return HttpResponse(200, json.dumps({"method": request.method, "path": request.path,
                                          "body": len(request.body)}).encode())
 
@@ -341,4 +343,38 @@ def test_bodies_held_by_all_connections_are_bounded_and_given_back_once_answered
         again = connect()
         await again.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 700\r\n\r\n" + b"b" * 700)
         assert (await read_response(again))[0] == 200
+    run(test)
+
+
+def test_http10_and_connection_close_get_their_answer_with_connection_close_then_the_end():
+    async def test(server, connect):
+        for request in (b"GET /echo HTTP/1.0\r\n\r\n", b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"):
+            client = connect()
+            await client.send_all(request + GET)        # what follows a closing request is not answered
+            reply = await read_all(client)
+            assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and reply.count(b"HTTP/1.1") == 1
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert b"\r\nconnection: close" in head and json.loads(body)["path"] == "/echo"
+    run(test)
+
+
+def test_head_is_answered_with_the_gets_headers_and_no_body_and_the_connection_goes_on():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"HEAD /big HTTP/1.1\r\nhost: x\r\n\r\n" + GET)
+        data = b""
+        while data.count(b"HTTP/1.1 200") < 2 or not data.endswith(b"}"):
+            data += await client.receive_some(65536)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        assert b"content-length: 5000" in head and b"connection" not in head
+        assert rest.startswith(b"HTTP/1.1 200 OK\r\n") and b"x" * 10 not in rest  # no body before the next answer
+    run(test)
+
+
+def test_a_response_header_with_a_line_break_is_never_written_and_others_are_served():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /inject HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert b"set-cookie" not in await read_all(client)      # the connection is closed, nothing injected
+        await served(connect)
     run(test)

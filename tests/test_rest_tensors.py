@@ -156,3 +156,24 @@ def test_absurdly_nested_data_is_a_400_not_a_crash():
     body = ('{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":' + deep.replace('"a"', "1") + "}]}").encode()
     with pytest.raises(InvalidArgument, match="input 'x'"):
         infer_request(body, None, "m", "")
+
+
+@pytest.mark.parametrize("datatype,numpy,values", [
+    ("BOOL", np.bool_, [True, False]), ("UINT8", np.uint8, [0, 255]), ("UINT64", np.uint64, [0, 2 ** 64 - 1]),
+    ("INT8", np.int8, [-128, 127]), ("INT64", np.int64, [-(2 ** 63), 2 ** 63 - 1]),
+    ("FP16", np.float16, [0.1, -65504]), ("BF16", ml_dtypes.bfloat16, [0.1, -3]),
+    ("FP32", np.float32, [0.1, np.float32(np.pi)]), ("FP64", np.float64, [0.1, np.pi]),
+])
+def test_json_outputs_of_every_datatype_read_back_as_the_same_values(datatype, numpy, values):
+    wanted = infer_request(b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]}]}', None, "m", "")
+    raw = np.array(values, dtype=numpy) if numpy in (np.uint64, np.int64) else np.array(values).astype(numpy)
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    response.outputs.add(name="y", datatype=datatype, shape=[2])
+    response.raw_output_contents.append(raw.tobytes())
+    body, header = infer_response(response, wanted)
+    data = json.loads(body)["outputs"][0]["data"]
+    assert header is None and all(type(v) is type(data[0]) for v in data)
+    if raw.dtype.kind in "biu":
+        assert data == raw.tolist()             # exact, up to 2**64 - 1
+    else:
+        assert (np.array(data).astype(numpy) == raw).all()     # a float32 reads back as itself

@@ -5,7 +5,9 @@
 the ``handler`` answers an :class:`HttpRequest` with an :class:`HttpResponse`. Keep-alive is
 h11's; pipelined requests are read one after another (the next is not read before the previous
 one is answered, so a client that sends without reading is held back by its own socket, then
-closed by the write timeout).
+closed by the write timeout). Each connection has one reader task (:class:`_Inbox`) for its
+whole life: it hands what arrives to h11 while the connection's task parses and answers, and
+it is what notices a peer that leaves while its request is in the handler.
 
 Every resource a peer can make the server spend has a limit in :class:`HttpLimits`, and each
 offender is answered with the status that names it (when it can still read one) and closed:
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
@@ -145,6 +148,94 @@ class _Held:
         self.bytes = 0
 
 
+class _Inbox:
+    """The one task that receives from a connection (:meth:`run`), for the connection's whole
+    life: what arrives goes to h11, and the connection's task, which parses and answers, waits
+    for it with :meth:`receive`. It reads while that task waits for bytes, and while a request is
+    in the handler (``handling``), where what arrives is the next, pipelined request, taken up to
+    ``limit`` bytes (past that the connection is not read until the answer is written), and the
+    end of the stream cancels the handler: the peer left. A receive error is kept and raised to
+    the waiting task (the guard closes the connection and logs it as before).
+
+    One reader for the whole connection costs a task switch per arrival; watching the peer from
+    a task of its own for each request (a nursery, a receive that blocks, and its cancellation
+    once answered) cost about a third of this layer's CPU time per request, measured with a
+    handler that answers at once (docs/benchmarks.md, *REST against Triton's HTTP endpoint*)."""
+
+    __slots__ = ("stream", "conn", "limit", "waiting", "arrived", "fed", "handling", "pipelined", "ended", "error",
+                 "_go")
+
+    def __init__(self, stream, conn: h11.Connection, limit: int) -> None:
+        self.stream = stream
+        self.conn = conn                #: the h11 connection of the request being read (replaced for each)
+        self.limit = limit
+        self.waiting = False
+        self.arrived = trio.Event()
+        self.fed = 0                #: how many reads went to h11
+        #: the cancel scope of the request in the handler (None between requests)
+        self.handling: trio.CancelScope | None = None
+        self.pipelined = 0
+        self.ended = False
+        self.error: Exception | None = None
+        self._go: trio.Event | None = None
+
+    def _wanted(self) -> bool:
+        return self.waiting or (self.handling is not None and self.pipelined <= self.limit)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                while not self._wanted():
+                    self._go = trio.Event()
+                    await self._go.wait()
+                data = await self.stream.receive_some(RECEIVE_BYTES)
+                if not data:
+                    break
+                self.conn.receive_data(data)
+                self.fed += 1
+                if self.handling is not None:
+                    self.pipelined += len(data)
+                self.arrived.set()
+        except Exception as exc:        # raised to the connection's task when it next reads
+            self.error = exc
+        self.ended = True
+        if self.handling is not None:
+            self.handling.cancel()
+        self.arrived.set()
+
+    def _wake(self) -> None:
+        if self._go is not None:
+            self._go.set()
+            self._go = None
+
+    async def receive(self) -> bool:
+        """Wait until more bytes went to h11 (True) or the stream ended (False; a receive error
+        is raised). Called when h11 needs data, so nothing that came before is missed."""
+        fed = self.fed
+        if not self.ended:
+            self.arrived = trio.Event()
+            self.waiting = True
+            self._wake()
+            try:
+                await self.arrived.wait()
+            finally:
+                self.waiting = False
+        if self.fed != fed:
+            return True
+        if self.error is not None:
+            raise self.error
+        return False
+
+    def watch(self, scope: trio.CancelScope) -> None:
+        """``scope`` (the handler's) is cancelled if the peer leaves before it is answered."""
+        self.handling = scope
+        self.pipelined = 0
+        if self.ended:
+            scope.cancel()
+        else:
+            self._wake()
+
+
 class Http1Server:
     """Serves ``handler`` over HTTP/1.1 on the listeners given to :meth:`serve`; ``what`` names
     the port in log lines (``REST``)."""
@@ -236,34 +327,58 @@ class Http1Server:
             self.connections -= 1
 
     async def _serve_connection(self, stream: trio.SocketStream, peer) -> None:
-        limits = self.limits
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        inbox = _Inbox(stream, self._parser(), self.limits.max_header_bytes)
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(inbox.run)
+            try:
+                await self._serve_requests(stream, peer, inbox)
+            except Exception as exc:        # raised as itself (not in a group) to the guard
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    def _parser(self) -> h11.Connection:
+        return h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
+
+    async def _serve_requests(self, stream, peer, inbox: _Inbox) -> None:
+        """Requests in turn. Each is parsed by an h11 connection of its own, which takes over
+        what the previous one received past its request (a pipelined request), and answered by
+        :meth:`_respond`, which writes the response without h11 (h11 validating and framing our
+        own few headers cost about 50 µs a request, a sixth of this layer's CPU time)."""
         first = True
-        held = _Held(self.bodies, limits)
+        held = _Held(self.bodies, self.limits)
         while not self._closing:
+            conn = inbox.conn
             try:
                 try:
-                    request = await self._read_request(conn, stream, peer, first, held)
+                    request = await self._read_request(conn, stream, peer, first, held, inbox)
                 except _Quiet:
                     return
                 except _Refusal as refusal:
                     await self._refuse(conn, stream, refusal)
                     return
                 first = False
-                response = await self._answer_watching(conn, stream, request)
+                response = await self._answer_watching(request, inbox)
                 if response is None:
                     return                  # the peer left before its answer: nothing to write
-                await self._respond(conn, stream, request, response)
+                # the client's keep-alive as h11 read it: HTTP/1.0, or Connection: close, ends it
+                close = self._closing or conn.their_state is not h11.DONE
+                await self._respond(stream, request, response, close)
             finally:
                 held.release()
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+            if close:
                 return
-            try:
-                conn.start_next_cycle()
-            except h11.LocalProtocolError:
-                return
+            data, ended = conn.trailing_data
+            inbox.conn = conn = self._parser()
+            if data:
+                conn.receive_data(data)
+            if ended:
+                conn.receive_data(b"")
 
-    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, held: _Held) -> HttpRequest:
+    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, held: _Held,
+                            inbox: _Inbox) -> HttpRequest:
         limits = self.limits
         now = trio.current_time()
         # a new connection must send its first head within header_timeout; a kept-alive one may
@@ -283,7 +398,7 @@ class Http1Server:
                 if waiting:
                     self._idle.add(scope)      # close() ends a connection between requests at once
                 try:
-                    data = await stream.receive_some(RECEIVE_BYTES)
+                    more = await inbox.receive()
                 finally:
                     self._idle.discard(scope)
             if scope.cancelled_caught:
@@ -291,8 +406,8 @@ class Http1Server:
                     raise _Quiet()
                 raise _Refusal(408, f"the request's head did not arrive within {limits.header_timeout:g} s "
                                     f"({limits.key('header_timeout')})")
-            conn.receive_data(data)
-            if not data:
+            if not more:
+                conn.receive_data(b"")
                 if waiting:
                     raise _Quiet()
                 continue
@@ -322,14 +437,14 @@ class Http1Server:
                                 f"is {limits.max_body_bytes}; send large tensors through shared memory")
         target = event.target.decode("latin-1")
         path, _, query = target.partition("?")
-        body = await self._read_body(conn, stream, held)
+        body = await self._read_body(conn, stream, held, inbox)
         encoding = headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("identity", ""):
             body = await self._inflate(body, encoding)
             held.take(len(body))            # the inflated body is held too, until answered
         return HttpRequest(event.method.decode("latin-1"), path, query, headers, body, peer)
 
-    async def _read_body(self, conn: h11.Connection, stream, held: _Held) -> bytes:
+    async def _read_body(self, conn: h11.Connection, stream, held: _Held, inbox: _Inbox) -> bytes:
         limits = self.limits
         parts: list[bytes] = []
         size = 0
@@ -343,13 +458,14 @@ class Http1Server:
                 raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
             if event is h11.NEED_DATA:
                 with trio.move_on_at(deadline) as scope:
-                    data = await stream.receive_some(RECEIVE_BYTES)
+                    more = await inbox.receive()
                 if scope.cancelled_caught:
                     raise _Refusal(408, f"the request body did not arrive in full within {limits.body_timeout:g} s "
                                         f"({limits.key('body_timeout')}); {size} bytes came")
-                conn.receive_data(data)
-                if not data and conn.their_state is not h11.DONE:
-                    raise _Quiet()      # the peer left mid-body (h11 reports it on the next event)
+                if not more:
+                    conn.receive_data(b"")
+                    if conn.their_state is not h11.DONE:
+                        raise _Quiet()      # the peer left mid-body (h11 reports it on the next event)
                 continue
             if isinstance(event, h11.Data):
                 size += len(event.data)
@@ -392,34 +508,25 @@ class Http1Server:
                                 "uncompressed or through shared memory")
         return out
 
-    async def _answer_watching(self, conn: h11.Connection, stream, request: HttpRequest) -> HttpResponse | None:
-        """The handler's response, while the connection is watched: a peer that closes it
-        before the answer cancels the handler (which aborts the request: a client that goes
-        away gets no work done for it) and None is returned. Bytes that arrive meanwhile (a
-        pipelined request) are handed to h11 for the next cycle, up to ``max_header_bytes``;
-        past that the connection is not read until the answer is written."""
-        answered: list[HttpResponse] = []
-        async with trio.open_nursery() as nursery:
-            async def answer() -> None:
-                answered.append(await self._answer(request))
-                nursery.cancel_scope.cancel()
-            nursery.start_soon(answer)
-            await self._until_peer_leaves(conn, stream)
-            nursery.cancel_scope.cancel()
-        return answered[0] if answered else None
-
-    async def _until_peer_leaves(self, conn: h11.Connection, stream) -> None:
-        buffered = 0
-        while buffered <= self.limits.max_header_bytes:
+    async def _answer_watching(self, request: HttpRequest, inbox: _Inbox) -> HttpResponse | None:
+        """The handler's response, while the connection is watched (by its :class:`_Inbox`): a
+        peer that closes it before the answer cancels the handler (which aborts the request: a
+        client that goes away gets no work done for it) and None is returned. Bytes that arrive
+        meanwhile (a pipelined request) are handed to h11 for the next cycle, up to
+        ``max_header_bytes``; past that the connection is not read until the answer is written."""
+        response = None
+        with trio.CancelScope() as scope:
+            inbox.watch(scope)
             try:
-                data = await stream.receive_some(RECEIVE_BYTES)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                return
-            if not data:
-                return
-            conn.receive_data(data)
-            buffered += len(data)
-        await trio.sleep_forever()
+                response = await self._answer(request)
+            finally:
+                inbox.handling = None
+        if response is None and scope.cancelled_caught:
+            error = inbox.error
+            if error is not None and not isinstance(error, (trio.BrokenResourceError, trio.ClosedResourceError,
+                                                            OSError)):
+                raise error         # not a peer's doing: the guard logs it
+        return response
 
     async def _answer(self, request: HttpRequest) -> HttpResponse:
         try:
@@ -428,30 +535,28 @@ class Http1Server:
             self._bugs.line(logging.ERROR, "%s %s %s failed", self.what, request.method, request.path, exc=exc)
             return HttpResponse(500, error_json(internal_message(exc, f"{request.method} {request.path[:200]}")))
 
-    async def _respond(self, conn: h11.Connection, stream, request: HttpRequest, response: HttpResponse) -> None:
+    async def _respond(self, stream, request: HttpRequest, response: HttpResponse, close: bool) -> None:
+        """Write ``response``, framed by Content-Length (a HEAD's without its body), with
+        ``Connection: close`` when the connection ends after it."""
         body = response.body
-        headers = [(b"server", SERVER_HEADER)]
+        head = _status_line(response.status)
         if response.content_type and body:
-            headers.append((b"content-type", response.content_type.encode()))
-        headers.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers)
+            head += b"content-type: %s\r\n" % _header_value(response.content_type)
+        for name, value in response.headers:
+            head += b"%s: %s\r\n" % (_header_name(name), _header_value(value))
         if len(body) >= COMPRESS_MIN:
             accepted = _accepted_encoding(request.headers.get("accept-encoding", ""))
             if accepted is not None:
                 body = await self._compress(body, accepted)
-                headers.append((b"content-encoding", accepted.encode()))
-        headers.append((b"content-length", str(len(body)).encode()))
-        if self._closing:
-            headers.append((b"connection", b"close"))
-        head = conn.send(h11.Response(status_code=response.status, headers=headers, reason=_reason(response.status)))
-        framed = conn.send(h11.Data(data=body)) if request.method != "HEAD" and body else b""
-        end = conn.send(h11.EndOfMessage())
-        if len(framed) > RECEIVE_BYTES:     # a large body goes out as it is, not copied behind its head
+                head += b"content-encoding: %s\r\n" % accepted.encode()
+        head += b"content-length: %d\r\n%s\r\n" % (len(body), b"connection: close\r\n" if close else b"")
+        if request.method == "HEAD" or not body:
             await self._send(stream, head)
-            await self._send(stream, framed)
-            if end:
-                await self._send(stream, end)
+        elif len(body) > RECEIVE_BYTES:     # a large body goes out as it is, not copied behind its head
+            await self._send(stream, head)
+            await self._send(stream, body)
         else:
-            await self._send(stream, b"".join((head, framed, end)))
+            await self._send(stream, head + body)
 
     async def _compress(self, body: bytes, encoding: str) -> bytes:
         if len(body) > INFLATE_INLINE:
@@ -486,6 +591,34 @@ def _reason(status: int) -> bytes:
         return HTTPStatus(status).phrase.encode()
     except ValueError:
         return b"Client Closed Request" if status == 499 else b""
+
+
+_STATUS_LINES: dict[int, bytes] = {}
+_TOKEN = re.compile(r"[-!#$%&'*+.^_`|~0-9a-zA-Z]+\Z")
+_FIELD_VALUE = re.compile(r"[\t\x20-\x7e\x80-\xff]*\Z")
+
+
+def _status_line(status: int) -> bytes:
+    """``HTTP/1.1 <status> <reason>`` and the server header (made once per status)."""
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        if not 200 <= status <= 999:
+            raise ValueError(f"a response's status must be 200-999 (1xx are not final), got {status}")
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\nserver: %s\r\n" % (status, _reason(status), SERVER_HEADER)
+    return line
+
+
+def _header_name(name: str) -> bytes:
+    if not _TOKEN.match(name):
+        raise ValueError(f"a response header name must be a token, got {name[:80]!r}")
+    return name.encode("ascii")
+
+
+def _header_value(value: str) -> bytes:
+    """A response header value: no CR, LF or other control characters (no header injection)."""
+    if not _FIELD_VALUE.match(value):
+        raise ValueError(f"a response header value has control characters: {value[:80]!r}")
+    return value.encode("latin-1")
 
 
 def _raw_response(status: int, message: str) -> bytes:

@@ -259,7 +259,9 @@ def infer_request(body: bytes | memoryview, header_length: int | None, model: st
     return RestInfer(request, frozenset(binary), all_binary)
 
 
-def _json_values(name: str, datatype: str, shape: list[int], raw: bytes) -> list:
+def _json_values(name: str, datatype: str, shape: list[int], raw: bytes) -> list | np.ndarray:
+    """An output's JSON ``data``: a list of strings (BYTES), or a flat NumPy array that orjson
+    writes itself (OPT_SERIALIZE_NUMPY; no Python number per element)."""
     count = 1
     for d in shape:
         count *= d
@@ -276,7 +278,7 @@ def _json_values(name: str, datatype: str, shape: list[int], raw: bytes) -> list
         array = array.astype(np.float32)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise _NonFinite
-    return array.tolist()
+    return array
 
 
 class _NonFinite(Exception):
@@ -318,7 +320,13 @@ def infer_response(response: pb.ModelInferResponse, wanted: RestInfer) -> tuple[
                 out["data"] = array.astype(np.float64).tolist()
         outputs.append(out)
     doc["outputs"] = outputs
-    header = json.dumps(doc, separators=(",", ":")).encode() if nonfinite else orjson.dumps(doc)
+    if nonfinite:
+        for out in outputs:
+            if isinstance(out.get("data"), np.ndarray):
+                out["data"] = out["data"].tolist()
+        header = json.dumps(doc, separators=(",", ":")).encode()
+    else:
+        header = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return header, None
     return b"".join((header, *blobs)), len(header)
