@@ -8,7 +8,7 @@ corrupt, written for another key or that the backend refuses to deserialize is i
 and overwritten.
 
 An entry holds the executable and the name of the compile options it was compiled with: a module
-with grouped convolutions gets them by a trial when it is first compiled
+with convolutions gets them by a trial when it is first compiled
 (:mod:`xlaserve.runtime.tuning`), and a hit deserializes it with the same options, without a
 new trial.
 

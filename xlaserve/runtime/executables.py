@@ -118,7 +118,7 @@ class ExecutableTable:
     """The executables of one device, one per distinct module, counted by the versions using them.
 
     ``compile_module`` compiles what the table does not hold (default: :func:`~xlaserve.runtime.tuning.compile_tuned`, which
-    picks a module's compile options by a trial where it has grouped convolutions)."""
+    picks a module's compile options by a trial where it has convolutions)."""
 
     def __init__(self, device: Device, compile_module: Compile | None = None) -> None:
         self._device = device
