@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
 from xlaserve.config import TracingConfig
-from xlaserve.tracing import (TraceParent, Tracing, format_traceparent, open_tracing, parse_traceparent,
+from xlaserve.tracing import (Execution, TraceParent, Tracing, format_traceparent, open_tracing, parse_traceparent,
                               sampled)
-from xlaserve.tracing.export import SpanExport
+from xlaserve.tracing.export import FAST_SPANS, SpanExport, fast_spans_match, public_span
 
 from tests.conftest import ROOT
 
@@ -167,6 +167,116 @@ def test_a_request_trace_becomes_sdk_spans_with_its_parentage_and_times():
     assert execute.end_time - execute.start_time == 3000
     assert before - 10**6 <= root.start_time <= execute.start_time < execute.end_time <= root.end_time <= after + 10**6
     assert len({s.context.span_id for s in spans.values()}) == 4
+
+
+def _execution(started: int, weights_ns: int, done: int, error: str | None = None, batch_id: int = 1) -> Execution:
+    return Execution(started, weights_ns, done, error, {"xlaserve.model": "m", "xlaserve.batch.id": batch_id},
+                     {"xlaserve.weights.bytes": 64, "xlaserve.batch.id": batch_id},
+                     {"xlaserve.batch.size": 3, "xlaserve.batch.requests": 2, "xlaserve.batch.id": batch_id})
+
+
+def test_requests_coalesced_into_one_execution_each_get_their_own_stage_spans():
+    memory = InMemorySpanExporter()
+    tracing, _ = _export(memory)
+    t0 = time.perf_counter_ns()
+    shared = _execution(t0 + 100, t0 + 200, t0 + 500)
+    traces = []
+    for i, enqueued in enumerate((t0 + 10, t0 + 60)):
+        trace = tracing.start("xlaserve.infer", {}, t0, {"xlaserve.request_id": f"r{i}"})
+        trace.admitted(1 + i)
+        trace.enqueued_ns = enqueued
+        trace.execution = shared            # what the scheduler's dispatch records, once for the batch
+        traces.append(trace)
+    for trace in traces:
+        trace.finish(None, {"rpc.grpc.status_code": 0})
+    tracing.close()
+    spans = memory.get_finished_spans()
+    assert len(spans) == 10
+    assert len({s.context.span_id for s in spans}) == 10
+    for i, trace in enumerate(traces):
+        mine = [s for s in spans if s.context.trace_id == trace.trace_id]
+        (root,) = [s for s in mine if s.name == "xlaserve.infer"]
+        assert root.parent is None
+        assert dict(root.attributes) == {"xlaserve.request_id": f"r{i}", "rpc.grpc.status_code": 0}
+        stages = {s.name: s for s in mine if s is not root}
+        assert set(stages) == {"xlaserve.admission", "xlaserve.queue", "xlaserve.weights", "xlaserve.execute"}
+        assert all(s.parent.span_id == root.context.span_id and not s.parent.is_remote for s in stages.values())
+        assert dict(stages["xlaserve.admission"].attributes) == {"xlaserve.rows": 1 + i}
+        queue, weights, execute = stages["xlaserve.queue"], stages["xlaserve.weights"], stages["xlaserve.execute"]
+        assert queue.end_time - queue.start_time == 100 - (10, 60)[i]       # each its own wait
+        assert (weights.end_time - weights.start_time, execute.end_time - execute.start_time) == (100, 300)
+        assert weights.end_time == execute.start_time and queue.end_time == weights.start_time
+        assert dict(execute.attributes)["xlaserve.batch.requests"] == 2
+        assert dict(queue.attributes) == {"xlaserve.model": "m", "xlaserve.batch.id": 1}
+        assert all(s.status.status_code is StatusCode.UNSET for s in mine)
+
+
+def test_a_batch_whose_weights_failed_ends_at_an_erroneous_weights_span():
+    memory = InMemorySpanExporter()
+    tracing, _ = _export(memory)
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {}, t0)
+    trace.enqueued_ns = t0 + 5
+    trace.execution = _execution(t0 + 10, 0, t0 + 40, "UNAVAILABLE: no room for the weights")
+    trace.finish("UNAVAILABLE: no room for the weights")
+    tracing.close()
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    assert set(spans) == {"xlaserve.infer", "xlaserve.queue", "xlaserve.weights"}    # no admission recorded, no run
+    weights = spans["xlaserve.weights"]
+    assert weights.end_time - weights.start_time == 30
+    assert weights.status.status_code is StatusCode.ERROR
+    assert weights.status.description == "UNAVAILABLE: no room for the weights"
+    assert spans["xlaserve.queue"].status.status_code is StatusCode.UNSET
+
+
+def test_the_queued_span_count_is_what_the_export_makes():
+    # the bound on queued spans counts a trace's spans before they exist: hooks, a meta model's
+    # sub-calls (each with its own stages) and the shared execution included
+    memory = InMemorySpanExporter()
+    tracing, export = _export(memory)
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {}, t0)
+    trace.admitted(1)
+    trace.record("xlaserve.run", t0, t0 + 50)
+    for model, loaded in (("a", t0 + 20), ("b", 0)):
+        call = trace.child("xlaserve.meta.call", {"xlaserve.model": model})
+        call.record("xlaserve.preprocess", t0 + 1, t0 + 2)
+        call.enqueued_ns = t0 + 3
+        call.execution = _execution(t0 + 10, loaded, t0 + 30)
+        call.finish()
+    trace.finish()
+    assert trace.span_count() == 1 + 1 + 1 + 2 * (1 + 1 + 1 + 1) + 1   # root, admission, run, 2 calls: 10 + 1
+    export.flush()
+    spans = memory.get_finished_spans()
+    assert len(spans) == trace.span_count() == 12
+    calls = [s for s in spans if s.name == "xlaserve.meta.call"]
+    for call in calls:
+        kids = {s.name for s in spans if s.parent is not None and s.parent.span_id == call.context.span_id}
+        loaded = dict(call.attributes)["xlaserve.model"] == "a"
+        assert kids == {"xlaserve.preprocess", "xlaserve.queue", "xlaserve.weights"} | (
+            {"xlaserve.execute"} if loaded else set())
+    tracing.close()
+
+
+def test_the_export_makes_its_spans_as_the_sdks_public_constructors_do():
+    # the fast path (a ReadableSpan subclass, SpanContext by tuple.__new__) holds on this SDK, and
+    # what it makes reads, property by property, like the spans the public constructors make
+    assert FAST_SPANS and fast_spans_match()
+    memory = InMemorySpanExporter()
+    tracing, export = _export(memory)
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {"traceparent": GOOD}, t0, {"xlaserve.model": "m"})
+    trace.record("xlaserve.preprocess", t0, t0 + 5, None, "INTERNAL: the hook raised")
+    trace.finish()
+    export.flush()
+    for span in memory.get_finished_spans():
+        public = public_span(span.name, span.context.trace_id, span.context.span_id, span.parent, span.resource,
+                             span.attributes or None, span.kind, span.status, span.start_time, span.end_time)
+        assert isinstance(span, type(public))
+        assert span.to_json() == public.to_json()
+        assert (span.context, span.parent, span.events, span.links, span.instrumentation_scope) == (
+            public.context, public.parent, public.events, public.links, public.instrumentation_scope)
+    tracing.close()
 
 
 def test_traces_past_the_queue_limit_are_dropped_and_counted():
