@@ -3,15 +3,18 @@
 Off, nothing here runs: whoever would trace holds ``None`` instead of a :class:`Tracing`, so a
 request pays an ``is None`` check or two and OpenTelemetry is never imported.
 
-On, the request path records plain numbers only: a :class:`RequestTrace` per request collects
-``(name, span id, parent id, start, end, attributes, error)`` records, timed with
-``time.perf_counter_ns()`` where the stage happened (the frontend, the hook threads, the
-scheduler's dispatch loop). A finished trace is queued (bounded: past ``max_queued_spans`` it is
-dropped and counted); the export thread (:mod:`xlaserve.tracing.export`, the one module that
-imports the OpenTelemetry SDK) turns the records into SDK spans and hands them to the exporter.
-The worker coalesces requests into one execution: each traced request gets its own
-``xlaserve.queue``, ``xlaserve.weights`` and ``xlaserve.execute`` spans, with the shared
-batch's attributes and its ``xlaserve.batch.id`` (docs/tracing.md).
+On, the request path records plain numbers only, into one flat :class:`RequestTrace` per
+request: ``time.perf_counter_ns()`` readings taken where each stage happened (the frontend, the
+hook threads, the scheduler's dispatch loop) as its fields, with a tuple only for the spans few
+requests have (hooks, a meta model's ``run``) and a child record per meta sub-call. The worker
+coalesces requests into one execution, so the dispatch records an :class:`Execution` (times and
+attributes) once per batch and each traced request of the batch references it. No span ids,
+span objects or locks per stage: ids are made at export, except the one a ``traceparent``
+passes on. A finished trace is queued (bounded: past ``max_queued_spans`` it is dropped and
+counted); the export thread (:mod:`xlaserve.tracing.export`, the one module that imports the
+OpenTelemetry SDK) turns each record into its spans, each traced request getting its own
+``xlaserve.queue``, ``xlaserve.weights`` and ``xlaserve.execute`` spans with the shared batch's
+attributes and its ``xlaserve.batch.id`` (docs/tracing.md).
 
 W3C trace context: :func:`parse_traceparent` reads a ``traceparent`` from any mapping of
 lower-case header names (gRPC metadata, HTTP headers); a malformed one is ignored, never an

@@ -3,10 +3,16 @@
 The one module that imports the OpenTelemetry SDK (the install extra ``otel``); imported only
 when tracing is enabled. The request path never waits on it: every
 ``tracing.export_interval_seconds`` (sooner when half of ``tracing.max_queued_spans`` wait) the
-thread takes what is queued, builds ``ReadableSpan`` objects from the records (timestamps moved
-from ``perf_counter_ns`` to the epoch) and calls the exporter's ``export``; the ``file``
-exporter writes its JSON lines straight from the records instead. An exporter that fails or
-raises loses that batch, with one log line a minute.
+thread takes what is queued, walks each request's record into its spans (:func:`walk`: span ids
+made here, timestamps moved from ``perf_counter_ns`` to the epoch), builds ``ReadableSpan``
+objects and calls the exporter's ``export``; the ``file`` exporter writes its JSON lines
+straight from the walk instead. An exporter that fails or raises loses that batch, with one log
+line a minute.
+
+Building SDK spans is most of what tracing costs, so it takes the short way where the installed
+SDK allows it (:func:`fast_spans_match`, checked at import): a ``ReadableSpan`` subclass that
+holds what all spans of the process share (:func:`span_class`) and ``SpanContext`` tuples made
+with ``tuple.__new__``. Their public properties are the SDK constructors' (a test compares them).
 """
 from __future__ import annotations
 
