@@ -275,7 +275,7 @@ class Tracing:
                 return
             self._queued.append(trace)
             self._queued_spans = queued = self._queued_spans + n
-        if queued >= self._wake_at:
+        if queued >= self._wake_at > queued - n:     # once, as the queue crosses the mark
             self._exporter.wake(queued)
 
     def take(self) -> list[RequestTrace]:
