@@ -231,7 +231,7 @@ class RequestTrace:
 class Tracing:
     """The tracing of one process: sampling, ids, and the bounded queue of finished traces that
     ``exporter`` (a :class:`~xlaserve.tracing.export.SpanExport`, or any object with
-    ``wake(queued_spans)`` and ``close()``) drains; it is woken when half of
+    ``wake(queued_spans)``, ``flush()`` and ``close()``) drains; it is woken when half of
     ``max_queued_spans`` wait."""
 
     def __init__(self, ratio: float, exporter, max_queued_spans: int = 2048) -> None:
@@ -283,6 +283,10 @@ class Tracing:
         with self._lock:
             taken, self._queued, self._queued_spans = self._queued, [], 0
         return taken
+
+    def flush(self) -> None:
+        """Export what is queued now, in the calling thread (blocking; the export thread goes on)."""
+        self._exporter.flush()
 
     def close(self) -> None:
         """Export what is queued and stop the exporter (blocking; at shutdown)."""
