@@ -328,6 +328,24 @@ def test_the_json_lines_exporter_writes_one_object_a_span(tmp_path):
     assert inner["end_time_ns"] - inner["start_time_ns"] == 10
 
 
+def test_the_json_lines_exporter_writes_any_attribute_value_as_json_does(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    tracing = open_tracing(TracingConfig(enabled=True, exporter="file", file=path), "w")
+    attributes = {"text": 'quote " back \\ newline \n é \u2028', "count": -7, "big": 10**30, "yes": True, "no": False,
+                  "ratio": 0.25, "many": ["a", 1], "é key": "v"}
+    trace = tracing.start("xlaserve.infer", {}, time.perf_counter_ns(), dict(attributes))
+    trace.record("xlaserve.preprocess", trace.start_ns, trace.start_ns + 1, None, 'INTERNAL: "boom" é')
+    trace.finish()
+    tracing.close()
+    raw = path.read_text()
+    assert raw.isascii()            # as json.dumps writes it: non-ASCII escaped
+    lines = {line["name"]: line for line in map(json.loads, raw.splitlines())}
+    assert lines["xlaserve.infer"]["attributes"] == attributes
+    assert json.dumps(attributes, separators=(",", ":")) in raw
+    assert lines["xlaserve.preprocess"]["attributes"] == {}
+    assert lines["xlaserve.preprocess"]["status_message"] == 'INTERNAL: "boom" é'
+
+
 def test_an_unwritable_trace_file_is_an_os_error(tmp_path):
     config = TracingConfig(enabled=True, exporter="file", file=tmp_path / "missing" / "spans.jsonl")
     with pytest.raises(OSError):

@@ -38,6 +38,7 @@ log = logging.getLogger("xlaserve.tracing")
 _KINDS = (SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT)
 _KIND_NAMES = tuple(kind.name for kind in _KINDS)
 _compact = json.JSONEncoder(separators=(",", ":")).encode
+_quote = json.encoder.encode_basestring_ascii      # a str as json.dumps writes it (ensure_ascii)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _OK = Status(StatusCode.UNSET)
 _SCOPE = InstrumentationScope("xlaserve")
@@ -169,9 +170,30 @@ class JsonLinesWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._resource = json.dumps(dict(resource.attributes), separators=(",", ":"))
         self._names: dict[str, str] = {}
+        self._keys: dict[str, str] = {}
+
+    def _attributes(self, attributes) -> str:
+        """``attributes`` as ``json.dumps`` writes them (compact), a third of its cost: the keys'
+        JSON kept (a few constants), strings and integers written here, other values by
+        ``json``. ``json.dumps`` makes a new encoder a call; a span's attributes are a few."""
+        keys = self._keys
+        items = []
+        for key, value in attributes.items():
+            quoted = keys.get(key)
+            if quoted is None:
+                quoted = _quote(key)
+                if len(keys) < 256:
+                    keys[key] = quoted
+            kind = value.__class__
+            if kind is str:
+                items.append(f"{quoted}:{_quote(value)}")
+            elif kind is int:
+                items.append(f"{quoted}:{value}")
+            else:                   # bool, float, a sequence: as json writes them
+                items.append(f"{quoted}:{_compact(value)}")
+        return "{" + ",".join(items) + "}"
 
     def write(self, traces, epoch: int) -> bool:
-        dumps = _compact
         names = self._names
         # a coalesced batch's spans share their attribute mappings: each is encoded once
         encoded: dict[int, str] = {}
@@ -181,20 +203,20 @@ class JsonLinesWriter:
         head = ""
 
         def span(name, span_id, parent, start, end, attributes, error, kind) -> str:
-            me = f"{span_id:016x}"
+            me = f'"{span_id:016x}"'
             quoted = names.get(name)
             if quoted is None:
-                quoted = dumps(name)
+                quoted = _quote(name)
                 if len(names) < 256:        # the span names are a few constants
                     names[name] = quoted
             attrs = encoded.get(id(attributes))
             if attrs is None:
-                attrs = encoded[id(attributes)] = dumps(attributes or {})
-            status = '"OK","status_message":null' if error is None else f'"ERROR","status_message":{dumps(error)}'
-            append(f'{{"name":{quoted},{head},"span_id":"{me}","parent_span_id":{parent},"kind":"{_KIND_NAMES[kind]}",'
+                attrs = encoded[id(attributes)] = self._attributes(attributes) if attributes else "{}"
+            status = '"OK","status_message":null' if error is None else f'"ERROR","status_message":{_quote(error)}'
+            append(f'{{"name":{quoted},{head},"span_id":{me},"parent_span_id":{parent},"kind":"{_KIND_NAMES[kind]}",'
                    f'"start_time_ns":{start + epoch},"end_time_ns":{end + epoch},"attributes":{attrs},'
                    f'"status":{status}{tail}')
-            return f'"{me}"'
+            return me
         for trace in traces:
             head = f'"trace_id":"{trace.trace_id:032x}"'
             walk(trace, span, f'"{trace.parent_id:016x}"' if trace.parent_id else "null")
