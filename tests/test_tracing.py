@@ -108,6 +108,17 @@ def test_tracing_at_ratio_zero_traces_only_sampled_callers():
     assert trace is not None and trace.trace_id == int(TRACE, 16) and trace.parent_id == int(SPAN, 16)
 
 
+def test_tracing_samples_new_traces_as_the_sampling_rule_says():
+    tracing = Tracing(0.25, _NoExport())
+    random.seed(27)
+    ids = [random.getrandbits(128) or 1 for _ in range(2000)]
+    random.seed(27)                 # start() draws the same trace ids
+    traces = [tracing.start("r", {}, 0) for _ in ids]
+    assert [t is not None for t in traces] == [sampled(i, None, 0.25) for i in ids]
+    assert [t.trace_id for t in traces if t is not None] == [i for i in ids if sampled(i, None, 0.25)]
+    assert 400 < sum(t is not None for t in traces) < 600
+
+
 def test_an_unsampled_caller_passes_on_a_traceparent_that_says_so():
     tracing = Tracing(0.0, _NoExport())
     assert tracing.unsampled_traceparent({"traceparent": GOOD}) is None    # the caller's goes on unchanged
