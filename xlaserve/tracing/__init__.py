@@ -147,33 +147,32 @@ class RequestTrace:
     :meth:`traceparent` passes on. Any thread may record; the root queues the whole trace for
     export when it finishes."""
 
-    __slots__ = ("_tracing", "_parent", "trace_id", "span_id", "parent_id", "name", "kind", "start_ns", "end_ns",
-                 "attributes", "error", "admitted_ns", "rows", "enqueued_ns", "execution", "spans")
+    # What most requests leave as it starts is the class's: __init__ sets only what it is given.
+    #: 0 until :meth:`traceparent` or the export needs it
+    span_id = 0
+    end_ns = 0
+    error: str | None = None
+    #: the admission span: from ``start_ns`` to ``admitted_ns`` (0: none), with ``rows``
+    admitted_ns = 0
+    rows = 0
+    #: the queue span's start; the rest of it, and the weights and execute spans: ``execution``
+    enqueued_ns = 0
+    execution: Execution | None = None
+    #: None until a span is recorded (most requests have none: one object less to collect)
+    spans: list | None = None
 
     def __init__(self, tracing: "Tracing", trace_id: int, parent_id: int, name: str, kind: int, start_ns: int,
                  attributes: dict | None, parent: "RequestTrace | None" = None) -> None:
         self._tracing = tracing
         self._parent = parent
         self.trace_id = trace_id
-        #: 0 until :meth:`traceparent` or the export needs it
-        self.span_id = 0
         #: the caller's span (a root's parent is remote: a ``traceparent``); 0: none, or a child
         self.parent_id = parent_id
         self.name = name
         self.kind = kind
         self.start_ns = start_ns
-        self.end_ns = 0
         #: this span's own attributes; the request path may add to them until it finishes
         self.attributes = attributes if attributes is not None else {}
-        self.error: str | None = None
-        #: the admission span: from ``start_ns`` to ``admitted_ns`` (0: none), with ``rows``
-        self.admitted_ns = 0
-        self.rows = 0
-        #: the queue span's start; the rest of it, and the weights and execute spans: ``execution``
-        self.enqueued_ns = 0
-        self.execution: Execution | None = None
-        #: None until a span is recorded (most requests have none: one object less to collect)
-        self.spans: list | None = None
 
     def traceparent(self) -> str:
         """This span as the ``traceparent`` a callee continues the trace from."""
