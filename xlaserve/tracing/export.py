@@ -236,10 +236,11 @@ class JsonLinesWriter:
 
 
 EXPORT_TRACES = 64
-"""The traces exported in one call, at most (about 320 spans): built, handed over and let go
-before the garbage collector's youngest generation (700 objects) fills, so that spans an
-exporter does not keep are freed by reference counting instead of being carried into older
-generations whose collections cost more."""
+"""The traces exported in one call, at most (about 320 spans, 640 objects with their contexts):
+built, handed over and let go before the garbage collector's youngest generation (700 objects)
+fills, so that spans an exporter does not keep are mostly freed by reference counting instead of
+being carried into older generations, whose collections cost more. (The SDK's batch processor
+exports 512 spans a call by default: an OTLP collector gets batches of a similar size.)"""
 
 
 class SpanExport:
