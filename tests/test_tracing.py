@@ -269,6 +269,14 @@ def test_the_queued_span_count_is_what_the_export_makes():
     tracing.close()
 
 
+def test_the_export_maps_the_kinds_the_records_name():
+    from xlaserve import tracing
+    from xlaserve.tracing import export
+    assert export.INTERNAL == tracing.INTERNAL
+    assert [export._KINDS[k] for k in (tracing.INTERNAL, tracing.SERVER, tracing.CLIENT)] == [
+        SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT]
+
+
 def test_the_export_makes_its_spans_as_the_sdks_public_constructors_do():
     # the fast path (a ReadableSpan subclass, SpanContext by tuple.__new__) holds on this SDK, and
     # what it makes reads, property by property, like the spans the public constructors make

@@ -31,11 +31,10 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
-from xlaserve.tracing import INTERNAL
-
 log = logging.getLogger("xlaserve.tracing")
 
-_KINDS = (SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT)
+_KINDS = (SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT)     # by xlaserve.tracing's INTERNAL, SERVER, CLIENT
+INTERNAL = 0                # a stage's kind (xlaserve.tracing.INTERNAL; importing it would be a cycle)
 _KIND_NAMES = tuple(kind.name for kind in _KINDS)
 _compact = json.JSONEncoder(separators=(",", ":")).encode
 _quote = json.encoder.encode_basestring_ascii      # a str as json.dumps writes it (ensure_ascii)
