@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -13,6 +14,7 @@ from trio.testing import MockClock
 from xlaserve.config import ModelSchedConfig, SchedulerConfig
 from xlaserve.errors import Cancelled, DeadlineExceeded, InternalError, ModelNotReady, QueueFull, Unavailable
 from xlaserve.metrics import Metrics
+from xlaserve.tracing import Tracing
 from xlaserve.worker.executor import BatchResult
 from xlaserve.worker.messages import CancelRequest, DropModel, InferRequest, InferResult
 from xlaserve.worker.policy import Candidate, CostModel, DeficitRoundRobin, EdfPolicy, FifoPolicy
@@ -25,6 +27,8 @@ class FakeModel:
     name: str
     compiled_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     version: int = 1
+    weight_bytes: int = 0
+    weights: object = None
 
 
 @dataclass
@@ -62,11 +66,12 @@ def config(**kw) -> SchedulerConfig:
 
 
 class Harness:
-    def __init__(self, cfg: SchedulerConfig, cost: dict, nursery: trio.Nursery, weights=None) -> None:
+    def __init__(self, cfg: SchedulerConfig, cost: dict, nursery: trio.Nursery, weights=None, tracing=None) -> None:
         self.device = FakeDevice(cost)
         self.stats = StatsBook()
         self.metrics = Metrics()
-        self.scheduler = Scheduler(cfg, self.device, weights or FakeWeights(), self.stats, self.metrics)
+        self.scheduler = Scheduler(cfg, self.device, weights or FakeWeights(), self.stats, self.metrics,
+                                   tracing=tracing)
         self.send, self._inbox = trio.open_memory_channel(1000)
         self.models: dict[str, FakeModel] = {}
         self.nursery = nursery
@@ -78,15 +83,16 @@ class Harness:
         return self.models.setdefault(name, FakeModel(name, tuple(sizes)))
 
     def request(self, name: str, reply, rows: int = 1, timeout: float | None = None, tag: int = 0,
-                ticket=None) -> InferRequest:
+                ticket=None, trace=None) -> InferRequest:
         x = np.full((rows, 1), tag, dtype=np.int64)
         now = trio.current_time()
         deadline = math.inf if timeout is None else now + timeout
-        return InferRequest(self.model(name), {"x": x}, rows, str(tag), deadline, reply, 0, now, ticket)
+        return InferRequest(self.model(name), {"x": x}, rows, str(tag), deadline, reply, 0, now, ticket, trace)
 
-    async def infer(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, ticket=None):
+    async def infer(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, ticket=None,
+                    trace=None):
         send, receive = trio.open_memory_channel(1)
-        await self.send.send(self.request(name, send.send_nowait, rows, timeout, tag, ticket))
+        await self.send.send(self.request(name, send.send_nowait, rows, timeout, tag, ticket, trace))
         return await receive.receive()
 
     def rejections(self, name: str, reason: str) -> float:
@@ -96,9 +102,10 @@ class Harness:
     def queue_depth(self, name: str) -> float:
         return self.metrics.registry.get_sample_value("xlaserve_queue_depth", {"model": name})
 
-    def submit(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, into=None, ticket=None):
+    def submit(self, name: str, rows: int = 1, timeout: float | None = None, tag: int = 0, into=None, ticket=None,
+               trace=None):
         async def one():
-            outcome = await self.infer(name, rows, timeout, tag, ticket)
+            outcome = await self.infer(name, rows, timeout, tag, ticket, trace)
             if into is not None:
                 into.append((trio.current_time(), name, tag, outcome))
         self.nursery.start_soon(one)
@@ -120,10 +127,10 @@ class Harness:
             self.nursery.start_soon(client)
 
 
-def run(test, cfg: SchedulerConfig, cost: dict):
+def run(test, cfg: SchedulerConfig, cost: dict, tracing=None):
     async def main():
         async with trio.open_nursery() as nursery:
-            h = Harness(cfg, cost, nursery)
+            h = Harness(cfg, cost, nursery, tracing=tracing)
             await h.start()
             await test(h)
             nursery.cancel_scope.cancel()
@@ -155,6 +162,35 @@ def test_requests_queued_while_busy_run_as_one_batch_with_their_own_rows():
         assert h.stats.get("m").execution_count == len(sizes)
 
     run(test, config(), {"m": per_batch(0.01)})
+
+
+def test_a_coalesced_batch_is_recorded_once_for_the_traces_of_its_requests():
+    class Unexported:
+        def wake(self, queued_spans: int) -> None:
+            pass
+    tracing = Tracing(1.0, Unexported())
+
+    async def test(h: Harness):
+        h.submit("m", rows=3)            # starts alone, untraced
+        await trio.sleep(0.001)
+        traces = [tracing.start("xlaserve.infer", {}, time.perf_counter_ns()) for _ in range(3)]
+        for tag, trace in enumerate(traces):
+            h.submit("m", tag=tag, trace=trace)
+        h.submit("m", tag=9)             # untraced, in the same batch
+        await trio.sleep(1)
+        assert [(size, sum(rows)) for _, _, size, rows in h.device.log] == [(4, 3), (4, 4)]
+        execution = traces[0].execution
+        assert execution is not None and all(trace.execution is execution for trace in traces)
+        assert execution.error is None
+        assert 0 < execution.started_ns <= execution.weights_ns <= execution.done_ns
+        assert execution.queue_attributes == {"xlaserve.model": "m", "xlaserve.batch.id": 2}
+        assert execution.weights_attributes == {"xlaserve.weights.bytes": 0, "xlaserve.batch.id": 2}
+        assert execution.execute_attributes == {
+            "xlaserve.batch.id": 2, "xlaserve.batch.size": 4, "xlaserve.batch.requests": 4,
+            "xlaserve.batch.compiled_size": 4, "xlaserve.compute.input_ns": 0, "xlaserve.compute.infer_ns": 0,
+            "xlaserve.compute.output_ns": 0}
+
+    run(test, config(), {"m": per_batch(0.1)}, tracing)
 
 
 def test_backlog_coalesces_to_the_largest_size_and_pads_the_rest():

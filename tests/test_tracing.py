@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
 from xlaserve.config import TracingConfig
-from xlaserve.tracing import (TraceParent, Tracing, format_traceparent, open_tracing, parse_traceparent,
+from xlaserve.tracing import (Execution, TraceParent, Tracing, format_traceparent, open_tracing, parse_traceparent,
                               sampled)
-from xlaserve.tracing.export import SpanExport
+from xlaserve.tracing.export import FAST_SPANS, SpanExport, fast_spans_match, public_span
 
 from tests.conftest import ROOT
 
@@ -108,6 +108,17 @@ def test_tracing_at_ratio_zero_traces_only_sampled_callers():
     assert trace is not None and trace.trace_id == int(TRACE, 16) and trace.parent_id == int(SPAN, 16)
 
 
+def test_tracing_samples_new_traces_as_the_sampling_rule_says():
+    tracing = Tracing(0.25, _NoExport())
+    random.seed(27)
+    ids = [random.getrandbits(128) or 1 for _ in range(2000)]
+    random.seed(27)                 # start() draws the same trace ids
+    traces = [tracing.start("r", {}, 0) for _ in ids]
+    assert [t is not None for t in traces] == [sampled(i, None, 0.25) for i in ids]
+    assert [t.trace_id for t in traces if t is not None] == [i for i in ids if sampled(i, None, 0.25)]
+    assert 400 < sum(t is not None for t in traces) < 600
+
+
 def test_an_unsampled_caller_passes_on_a_traceparent_that_says_so():
     tracing = Tracing(0.0, _NoExport())
     assert tracing.unsampled_traceparent({"traceparent": GOOD}) is None    # the caller's goes on unchanged
@@ -169,6 +180,124 @@ def test_a_request_trace_becomes_sdk_spans_with_its_parentage_and_times():
     assert len({s.context.span_id for s in spans.values()}) == 4
 
 
+def _execution(started: int, weights_ns: int, done: int, error: str | None = None, batch_id: int = 1) -> Execution:
+    return Execution(started, weights_ns, done, error, {"xlaserve.model": "m", "xlaserve.batch.id": batch_id},
+                     {"xlaserve.weights.bytes": 64, "xlaserve.batch.id": batch_id},
+                     {"xlaserve.batch.size": 3, "xlaserve.batch.requests": 2, "xlaserve.batch.id": batch_id})
+
+
+def test_requests_coalesced_into_one_execution_each_get_their_own_stage_spans():
+    memory = InMemorySpanExporter()
+    tracing, _ = _export(memory)
+    t0 = time.perf_counter_ns()
+    shared = _execution(t0 + 100, t0 + 200, t0 + 500)
+    traces = []
+    for i, enqueued in enumerate((t0 + 10, t0 + 60)):
+        trace = tracing.start("xlaserve.infer", {}, t0, {"xlaserve.request_id": f"r{i}"})
+        trace.admitted(1 + i)
+        trace.enqueued_ns = enqueued
+        trace.execution = shared            # what the scheduler's dispatch records, once for the batch
+        traces.append(trace)
+    for trace in traces:
+        trace.finish(None, {"rpc.grpc.status_code": 0})
+    tracing.close()
+    spans = memory.get_finished_spans()
+    assert len(spans) == 10
+    assert len({s.context.span_id for s in spans}) == 10
+    for i, trace in enumerate(traces):
+        mine = [s for s in spans if s.context.trace_id == trace.trace_id]
+        (root,) = [s for s in mine if s.name == "xlaserve.infer"]
+        assert root.parent is None
+        assert dict(root.attributes) == {"xlaserve.request_id": f"r{i}", "rpc.grpc.status_code": 0}
+        stages = {s.name: s for s in mine if s is not root}
+        assert set(stages) == {"xlaserve.admission", "xlaserve.queue", "xlaserve.weights", "xlaserve.execute"}
+        assert all(s.parent.span_id == root.context.span_id and not s.parent.is_remote for s in stages.values())
+        assert dict(stages["xlaserve.admission"].attributes) == {"xlaserve.rows": 1 + i}
+        queue, weights, execute = stages["xlaserve.queue"], stages["xlaserve.weights"], stages["xlaserve.execute"]
+        assert queue.end_time - queue.start_time == 100 - (10, 60)[i]       # each its own wait
+        assert (weights.end_time - weights.start_time, execute.end_time - execute.start_time) == (100, 300)
+        assert weights.end_time == execute.start_time and queue.end_time == weights.start_time
+        assert dict(execute.attributes)["xlaserve.batch.requests"] == 2
+        assert dict(queue.attributes) == {"xlaserve.model": "m", "xlaserve.batch.id": 1}
+        assert all(s.status.status_code is StatusCode.UNSET for s in mine)
+
+
+def test_a_batch_whose_weights_failed_ends_at_an_erroneous_weights_span():
+    memory = InMemorySpanExporter()
+    tracing, _ = _export(memory)
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {}, t0)
+    trace.enqueued_ns = t0 + 5
+    trace.execution = _execution(t0 + 10, 0, t0 + 40, "UNAVAILABLE: no room for the weights")
+    trace.finish("UNAVAILABLE: no room for the weights")
+    tracing.close()
+    spans = {s.name: s for s in memory.get_finished_spans()}
+    assert set(spans) == {"xlaserve.infer", "xlaserve.queue", "xlaserve.weights"}    # no admission recorded, no run
+    weights = spans["xlaserve.weights"]
+    assert weights.end_time - weights.start_time == 30
+    assert weights.status.status_code is StatusCode.ERROR
+    assert weights.status.description == "UNAVAILABLE: no room for the weights"
+    assert spans["xlaserve.queue"].status.status_code is StatusCode.UNSET
+
+
+def test_the_queued_span_count_is_what_the_export_makes():
+    # the bound on queued spans counts a trace's spans before they exist: hooks, a meta model's
+    # sub-calls (each with its own stages) and the shared execution included
+    memory = InMemorySpanExporter()
+    tracing, export = _export(memory)
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {}, t0)
+    trace.admitted(1)
+    trace.record("xlaserve.run", t0, t0 + 50)
+    for model, loaded in (("a", t0 + 20), ("b", 0)):
+        call = trace.child("xlaserve.meta.call", {"xlaserve.model": model})
+        call.record("xlaserve.preprocess", t0 + 1, t0 + 2)
+        call.enqueued_ns = t0 + 3
+        call.execution = _execution(t0 + 10, loaded, t0 + 30)
+        call.finish()
+    trace.finish()
+    assert trace.span_count() == 1 + 1 + 1 + 2 * (1 + 1 + 1 + 1) + 1   # root, admission, run, 2 calls: 10 + 1
+    export.flush()
+    spans = memory.get_finished_spans()
+    assert len(spans) == trace.span_count() == 12
+    calls = [s for s in spans if s.name == "xlaserve.meta.call"]
+    for call in calls:
+        kids = {s.name for s in spans if s.parent is not None and s.parent.span_id == call.context.span_id}
+        loaded = dict(call.attributes)["xlaserve.model"] == "a"
+        assert kids == {"xlaserve.preprocess", "xlaserve.queue", "xlaserve.weights"} | (
+            {"xlaserve.execute"} if loaded else set())
+    tracing.close()
+
+
+def test_the_export_maps_the_kinds_the_records_name():
+    from xlaserve import tracing
+    from xlaserve.tracing import export
+    assert export.INTERNAL == tracing.INTERNAL
+    assert [export._KINDS[k] for k in (tracing.INTERNAL, tracing.SERVER, tracing.CLIENT)] == [
+        SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT]
+
+
+def test_the_export_makes_its_spans_as_the_sdks_public_constructors_do():
+    # the fast path (a ReadableSpan subclass, SpanContext by tuple.__new__) holds on this SDK, and
+    # what it makes reads, property by property, like the spans the public constructors make
+    assert FAST_SPANS and fast_spans_match()
+    memory = InMemorySpanExporter()
+    tracing, export = _export(memory)
+    t0 = time.perf_counter_ns()
+    trace = tracing.start("xlaserve.infer", {"traceparent": GOOD}, t0, {"xlaserve.model": "m"})
+    trace.record("xlaserve.preprocess", t0, t0 + 5, None, "INTERNAL: the hook raised")
+    trace.finish()
+    export.flush()
+    for span in memory.get_finished_spans():
+        public = public_span(span.name, span.context.trace_id, span.context.span_id, span.parent, span.resource,
+                             span.attributes or None, span.kind, span.status, span.start_time, span.end_time)
+        assert isinstance(span, type(public))
+        assert span.to_json() == public.to_json()
+        assert (span.context, span.parent, span.events, span.links, span.instrumentation_scope) == (
+            public.context, public.parent, public.events, public.links, public.instrumentation_scope)
+    tracing.close()
+
+
 def test_traces_past_the_queue_limit_are_dropped_and_counted():
     memory = InMemorySpanExporter()
     tracing, export = _export(memory, max_queued_spans=3)
@@ -216,6 +345,24 @@ def test_the_json_lines_exporter_writes_one_object_a_span(tmp_path):
     assert inner["parent_span_id"] == forward["span_id"]
     assert inner["status"] == "ERROR" and inner["status_message"] == "boom"
     assert inner["end_time_ns"] - inner["start_time_ns"] == 10
+
+
+def test_the_json_lines_exporter_writes_any_attribute_value_as_json_does(tmp_path):
+    path = tmp_path / "spans.jsonl"
+    tracing = open_tracing(TracingConfig(enabled=True, exporter="file", file=path), "w")
+    attributes = {"text": 'quote " back \\ newline \n é \u2028', "count": -7, "big": 10**30, "yes": True, "no": False,
+                  "ratio": 0.25, "many": ["a", 1], "é key": "v"}
+    trace = tracing.start("xlaserve.infer", {}, time.perf_counter_ns(), dict(attributes))
+    trace.record("xlaserve.preprocess", trace.start_ns, trace.start_ns + 1, None, 'INTERNAL: "boom" é')
+    trace.finish()
+    tracing.close()
+    raw = path.read_text()
+    assert raw.isascii()            # as json.dumps writes it: non-ASCII escaped
+    lines = {line["name"]: line for line in map(json.loads, raw.splitlines())}
+    assert lines["xlaserve.infer"]["attributes"] == attributes
+    assert json.dumps(attributes, separators=(",", ":")) in raw
+    assert lines["xlaserve.preprocess"]["attributes"] == {}
+    assert lines["xlaserve.preprocess"]["status_message"] == 'INTERNAL: "boom" é'
 
 
 def test_an_unwritable_trace_file_is_an_os_error(tmp_path):

@@ -158,10 +158,12 @@ def open_weight_trace(config: WorkerConfig, budget_bytes: int) -> TraceWriter | 
 
 
 async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketListener] | None = None,
-                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+                     span_exporter=None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """The worker's actors. Reports them as :class:`Actors` once they are up (models may still
     be loading) and runs until cancelled. The admin HTTP port serves ``admin_listeners`` when
-    given, else binds ``config.http_host:http_port``."""
+    given, else binds ``config.http_host:http_port``. ``span_exporter``: an OpenTelemetry SDK
+    ``SpanExporter`` for the spans instead of ``config.tracing``'s exporter (when tracing is
+    enabled; benchmarks and tests use an in-process one)."""
     started = time.monotonic()
     device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
     log.info("device: %s (%s), jax PJRT %s; host copies of weights in %s memory", device.backend, device.kind,
@@ -180,7 +182,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
                           miss_overhead=config.runtime.weight_miss_overhead_seconds,
                           trace=open_weight_trace(config, budget.bytes))
     from xlaserve.worker.executor import Executor
-    tracing = open_request_tracing(config)
+    tracing = open_request_tracing(config, span_exporter)
     scheduler = Scheduler(config.scheduler, Executor(device, device_limiter), weights, stats, metrics,
                           tracing=tracing)
     to_scheduler, scheduler_inbox = trio.open_memory_channel(65536)
@@ -207,9 +209,9 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
             tracing.close()     # what is queued is exported before the worker exits
 
 
-def open_request_tracing(config: WorkerConfig) -> Tracing | None:
+def open_request_tracing(config: WorkerConfig, span_exporter=None) -> Tracing | None:
     try:
-        return open_tracing(config.tracing, config.name)
+        return open_tracing(config.tracing, config.name, span_exporter=span_exporter)
     except OSError as exc:
         raise StartupError(f"tracing.file: cannot write spans to {config.tracing.file}: "
                            f"{exc.strerror or exc}; give a writable file or another tracing.exporter") from None

@@ -89,15 +89,15 @@ def _request_timeout(request, stream) -> float | None:
 def finish_trace(trace: RequestTrace, outcome, model: ModelVersion | None) -> None:
     """End a request's root span with how it was answered (``outcome``: the response or the
     XlaserveError); ``model``: the version that served it, once known."""
-    attributes: dict = {}
+    attributes = trace.attributes
     if model is not None:
         attributes["xlaserve.model_version"] = model.version
     if isinstance(outcome, XlaserveError):
         attributes["rpc.grpc.status_code"] = outcome.status.value
-        trace.finish(f"{outcome.status.name}: {outcome}"[:MAX_ERROR], attributes)
+        trace.finish(f"{outcome.status.name}: {outcome}"[:MAX_ERROR])
     else:
         attributes["rpc.grpc.status_code"] = 0
-        trace.finish(None, attributes)
+        trace.finish()
 
 
 class KServeService(GRPCInferenceServiceBase):
@@ -334,7 +334,7 @@ class KServeService(GRPCInferenceServiceBase):
             stream.on_cancel = cancel
             on_trio = worker.bridge.on_trio
             if trace is not None:
-                trace.record("xlaserve.admission", received_ns, time.perf_counter_ns(), {"xlaserve.rows": decoded.rows})
+                trace.admitted(decoded.rows)
             worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
                                         lambda outcome: on_trio(finish, outcome), received_ns, stream, trace))
         except XlaserveError as exc:

@@ -3,16 +3,23 @@
 The one module that imports the OpenTelemetry SDK (the install extra ``otel``); imported only
 when tracing is enabled. The request path never waits on it: every
 ``tracing.export_interval_seconds`` (sooner when half of ``tracing.max_queued_spans`` wait) the
-thread takes what is queued, builds ``ReadableSpan`` objects from the records (timestamps moved
-from ``perf_counter_ns`` to the epoch) and calls the exporter's ``export``; the ``file``
-exporter writes its JSON lines straight from the records instead. An exporter that fails or
-raises loses that batch, with one log line a minute.
+thread takes what is queued, walks each request's record into its spans (:func:`walk`: span ids
+made here, timestamps moved from ``perf_counter_ns`` to the epoch), builds ``ReadableSpan``
+objects and calls the exporter's ``export``; the ``file`` exporter writes its JSON lines
+straight from the walk instead. An exporter that fails or raises loses that batch, with one log
+line a minute.
+
+Building SDK spans is most of what tracing costs, so it takes the short way where the installed
+SDK allows it (:func:`fast_spans_match`, checked at import): a ``ReadableSpan`` subclass that
+holds what all spans of the process share (:func:`span_class`) and ``SpanContext`` tuples made
+with ``tuple.__new__``. Their public properties are the SDK constructors' (a test compares them).
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -22,15 +29,131 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace.span import DEFAULT_TRACE_STATE
 
 log = logging.getLogger("xlaserve.tracing")
 
-_KINDS = (SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT)
+_KINDS = (SpanKind.INTERNAL, SpanKind.SERVER, SpanKind.CLIENT)     # by xlaserve.tracing's INTERNAL, SERVER, CLIENT
+INTERNAL = 0                # a stage's kind (xlaserve.tracing.INTERNAL; importing it would be a cycle)
 _KIND_NAMES = tuple(kind.name for kind in _KINDS)
 _compact = json.JSONEncoder(separators=(",", ":")).encode
+_quote = json.encoder.encode_basestring_ascii      # a str as json.dumps writes it (ensure_ascii)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _OK = Status(StatusCode.UNSET)
 _SCOPE = InstrumentationScope("xlaserve")
+_ROWS: dict[int, dict] = {}
+_ROWS_KEPT = 1024
+
+
+def _rows(rows: int) -> dict:
+    """The admission span's attributes: one read-only mapping a row count, shared by the spans."""
+    attributes = _ROWS.get(rows)
+    if attributes is None:
+        attributes = {"xlaserve.rows": rows}
+        if len(_ROWS) < _ROWS_KEPT:
+            _ROWS[rows] = attributes
+    return attributes
+
+
+def walk(trace, span, root_parent):
+    """Turn a finished root :class:`~xlaserve.tracing.RequestTrace` into its spans, parents
+    first: ``span(name, span_id, parent, start_ns, end_ns, attributes, error, kind)`` is called
+    for each and returns what its children get as ``parent`` (the root gets ``root_parent``);
+    ids not made while the request ran are made here."""
+    _walk(trace, span, root_parent, random.getrandbits)
+
+
+def _walk(node, span, parent, bits) -> None:
+    me = span(node.name, node.span_id or bits(64) or 1, parent, node.start_ns, node.end_ns, node.attributes,
+              node.error, node.kind)
+    if node.admitted_ns:
+        span("xlaserve.admission", bits(64) or 1, me, node.start_ns, node.admitted_ns, _rows(node.rows), None,
+             INTERNAL)
+    execution = node.execution
+    if execution is not None:
+        started, loaded = execution.started_ns, execution.weights_ns
+        span("xlaserve.queue", bits(64) or 1, me, node.enqueued_ns or started, started, execution.queue_attributes,
+             None, INTERNAL)
+        if loaded:
+            span("xlaserve.weights", bits(64) or 1, me, started, loaded, execution.weights_attributes, None, INTERNAL)
+            span("xlaserve.execute", bits(64) or 1, me, loaded, execution.done_ns, execution.execute_attributes,
+                 execution.error, INTERNAL)
+        else:
+            span("xlaserve.weights", bits(64) or 1, me, started, execution.done_ns, execution.weights_attributes,
+                 execution.error, INTERNAL)
+    for child in node.spans or ():
+        if child.__class__ is tuple:
+            name, start, end, attributes, error = child
+            span(name, bits(64) or 1, me, start, end, attributes, error, INTERNAL)
+        else:
+            _walk(child, span, me, bits)
+
+
+def span_class(resource: Resource) -> type[ReadableSpan]:
+    """The ``ReadableSpan`` subclass one process's export makes its spans of: what all of them
+    share (the resource, xlaserve's scope, no events or links) is held by the class, so that
+    making a span sets only its own eight fields, a third less work than the SDK's constructor.
+    Its public face is the SDK's (:func:`fast_spans_match` checks that)."""
+    class Span(ReadableSpan):
+        _resource = resource
+        _instrumentation_scope = _SCOPE
+        _instrumentation_info = None
+        _events = ()
+        _links = ()
+
+        def __init__(self, name: str, context: SpanContext, parent: SpanContext | None, attributes, kind: SpanKind,
+                     status: Status, start: int, end: int) -> None:    # pylint: disable=super-init-not-called
+            self._name = name
+            self._context = context
+            self._parent = parent
+            self._attributes = attributes
+            self._kind = kind
+            self._status = status
+            self._start_time = start
+            self._end_time = end
+    return Span
+
+
+def fast_context(trace_id: int, span_id: int) -> SpanContext:
+    """A sampled, local ``SpanContext`` made with ``tuple.__new__`` (it is a tuple), skipping the
+    constructor's defaults and range checks: the records' ids are valid. Half the cost."""
+    return tuple.__new__(SpanContext, (trace_id, span_id, False, _SAMPLED, DEFAULT_TRACE_STATE, True))
+
+
+def public_span(name: str, trace_id: int, span_id: int, parent: SpanContext | None, resource: Resource, attributes,
+                kind: SpanKind, status: Status, start: int, end: int) -> ReadableSpan:
+    """A span made through the SDK's public constructors, as the export makes it (fast) when
+    :func:`fast_spans_match`."""
+    return ReadableSpan(name=name, context=SpanContext(trace_id, span_id, False, _SAMPLED), parent=parent,
+                        resource=resource, attributes=attributes, kind=kind, start_time=start, end_time=end,
+                        status=status, instrumentation_scope=_SCOPE)
+
+
+def _public_face(span: ReadableSpan) -> tuple:
+    return (span.name, tuple(span.context), type(span.context), span.context.trace_state, span.parent, span.resource,
+            dict(span.attributes), span.events, span.links, span.kind, span.status.status_code,
+            span.status.description, span.start_time, span.end_time, span.instrumentation_scope,
+            span.dropped_attributes, span.dropped_events, span.dropped_links, span.to_json())
+
+
+def fast_spans_match() -> bool:
+    """Whether :func:`span_class` and :func:`fast_context` make what :func:`public_span` makes
+    with the installed SDK, every public property alike; else (a later SDK changed either) the
+    export uses the public constructors."""
+    resource = Resource.create({"service.name": "probe"})
+    try:
+        for parent, kind, status in ((SpanContext(7 << 100, 8, True, _SAMPLED), SpanKind.SERVER,
+                                      Status(StatusCode.ERROR, "e")), (None, SpanKind.INTERNAL, _OK)):
+            fast = span_class(resource)("n", fast_context(7 << 100, 9 << 40), parent, {"a": 1}, kind, status, 11, 12)
+            public = public_span("n", 7 << 100, 9 << 40, parent, resource, {"a": 1}, kind, status, 11, 12)
+            if _public_face(fast) != _public_face(public):
+                return False
+    except Exception:
+        return False
+    return True
+
+
+FAST_SPANS = fast_spans_match()
 
 
 class JsonLinesWriter:
@@ -38,32 +161,64 @@ class JsonLinesWriter:
     ``span_id``, ``parent_span_id`` (hex; null for a span without a parent), ``kind``,
     ``start_time_ns``, ``end_time_ns`` (Unix epoch), ``attributes``, ``status`` (``OK`` or
     ``ERROR``), ``status_message`` and ``resource``. Written straight from the records (no SDK
-    span objects: this is the exporter the cost of tracing was measured with). One ``write`` a
-    batch on a file opened for appending, so the processes of a node may share one file."""
+    span objects). One ``write`` a batch on a file opened for appending, so the processes of a
+    node may share one file."""
 
     def __init__(self, path: Path, resource: Resource) -> None:
         self._path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._resource = json.dumps(dict(resource.attributes), separators=(",", ":"))
+        self._names: dict[str, str] = {}
+        self._keys: dict[str, str] = {}
+
+    def _attributes(self, attributes) -> str:
+        """``attributes`` as ``json.dumps`` writes them (compact), a third of its cost: the keys'
+        JSON kept (a few constants), strings and integers written here, other values by
+        ``json``. ``json.dumps`` makes a new encoder a call; a span's attributes are a few."""
+        keys = self._keys
+        items = []
+        for key, value in attributes.items():
+            quoted = keys.get(key)
+            if quoted is None:
+                quoted = _quote(key)
+                if len(keys) < 256:
+                    keys[key] = quoted
+            kind = value.__class__
+            if kind is str:
+                items.append(f"{quoted}:{_quote(value)}")
+            elif kind is int:
+                items.append(f"{quoted}:{value}")
+            else:                   # bool, float, a sequence: as json writes them
+                items.append(f"{quoted}:{_compact(value)}")
+        return "{" + ",".join(items) + "}"
 
     def write(self, traces, epoch: int) -> bool:
-        dumps = _compact
-        resource = self._resource
+        names = self._names
         # a coalesced batch's spans share their attribute mappings: each is encoded once
         encoded: dict[int, str] = {}
         lines = []
+        append = lines.append
+        tail = f',"resource":{self._resource}}}\n'
+        head = ""
+
+        def span(name, span_id, parent, start, end, attributes, error, kind) -> str:
+            me = f'"{span_id:016x}"'
+            quoted = names.get(name)
+            if quoted is None:
+                quoted = _quote(name)
+                if len(names) < 256:        # the span names are a few constants
+                    names[name] = quoted
+            attrs = encoded.get(id(attributes))
+            if attrs is None:
+                attrs = encoded[id(attributes)] = self._attributes(attributes) if attributes else "{}"
+            status = '"OK","status_message":null' if error is None else f'"ERROR","status_message":{_quote(error)}'
+            append(f'{{"name":{quoted},{head},"span_id":{me},"parent_span_id":{parent},"kind":"{_KIND_NAMES[kind]}",'
+                   f'"start_time_ns":{start + epoch},"end_time_ns":{end + epoch},"attributes":{attrs},'
+                   f'"status":{status}{tail}')
+            return me
         for trace in traces:
-            trace_id = f"{trace.trace_id:032x}"
-            for name, span_id, parent_id, start, end, attributes, error, kind in trace.spans:
-                parent = f'"{parent_id:016x}"' if parent_id else "null"
-                status = '"OK","status_message":null' if error is None else f'"ERROR","status_message":{dumps(error)}'
-                attrs = encoded.get(id(attributes))
-                if attrs is None:
-                    attrs = encoded[id(attributes)] = dumps(attributes or {})
-                lines.append(f'{{"name":{dumps(name)},"trace_id":"{trace_id}","span_id":"{span_id:016x}",'
-                             f'"parent_span_id":{parent},"kind":"{_KIND_NAMES[kind]}","start_time_ns":{start + epoch},'
-                             f'"end_time_ns":{end + epoch},"attributes":{attrs},'
-                             f'"status":{status},"resource":{resource}}}\n')
+            head = f'"trace_id":"{trace.trace_id:032x}"'
+            walk(trace, span, f'"{trace.parent_id:016x}"' if trace.parent_id else "null")
         data = "".join(lines).encode()
         try:
             while data:
@@ -79,6 +234,14 @@ class JsonLinesWriter:
             self._fd = -1
 
 
+EXPORT_TRACES = 64
+"""The traces exported in one call, at most (about 320 spans, 640 objects with their contexts):
+built, handed over and let go before the garbage collector's youngest generation (700 objects)
+fills, so that spans an exporter does not keep are mostly freed by reference counting instead of
+being carried into older generations, whose collections cost more. (The SDK's batch processor
+exports 512 spans a call by default: an OTLP collector gets batches of a similar size.)"""
+
+
 class SpanExport:
     """The export thread of one process's :class:`~xlaserve.tracing.Tracing`."""
 
@@ -88,7 +251,6 @@ class SpanExport:
         self._resource = resource
         self._interval = interval
         self._description = description
-        self._wake_at = max(1, max_queued_spans // 2)
         self._wake = threading.Event()
         self._stop = False
         self._tracing = None
@@ -96,6 +258,7 @@ class SpanExport:
         # perf_counter_ns -> Unix epoch ns, taken once: a request's stages keep their order
         self._epoch = time.time_ns() - time.perf_counter_ns()
         self._failed_at = -float("inf")
+        self._span_class = span_class(resource)
 
     @classmethod
     def from_config(cls, config, process: str, span_exporter: SpanExporter | None = None) -> "SpanExport":
@@ -123,8 +286,8 @@ class SpanExport:
             self._thread.start()
 
     def wake(self, queued_spans: int) -> None:
-        if queued_spans >= self._wake_at:
-            self._wake.set()
+        """Export soon: ``queued_spans`` wait (half of ``max_queued_spans`` or more)."""
+        self._wake.set()
 
     def _run(self) -> None:
         while not self._stop:
@@ -135,13 +298,15 @@ class SpanExport:
     def flush(self) -> None:
         """Export every queued trace now (the export thread, or close)."""
         traces = self._tracing.take()
-        if not traces:
-            return
+        for at in range(0, len(traces), EXPORT_TRACES):
+            self._export(traces[at:at + EXPORT_TRACES])
+
+    def _export(self, traces: list) -> None:
         try:
             if isinstance(self._exporter, JsonLinesWriter):
                 result = SpanExportResult.SUCCESS if self._exporter.write(traces, self._epoch) else "write failed"
             else:
-                result = self._exporter.export([span for trace in traces for span in self._spans(trace)])
+                result = self._exporter.export(self.spans(traces))
         except Exception as exc:        # the exporter's fault loses this batch only
             result = exc
         if result is not SpanExportResult.SUCCESS and time.monotonic() - self._failed_at > 60:
@@ -149,22 +314,33 @@ class SpanExport:
             log.error("tracing: exporting the spans of %d requests with %s failed: %s", len(traces),
                       self._description, result)
 
-    def _spans(self, trace) -> list[ReadableSpan]:
+    def spans(self, traces) -> list[ReadableSpan]:
+        """The SDK spans of finished ``traces``: a ``ReadableSpan`` each, parents first."""
         epoch = self._epoch
         resource = self._resource
-        trace_id = trace.trace_id
+        ok = _OK
+        kinds = _KINDS
         out = []
-        for name, span_id, parent_id, start, end, attributes, error, kind in trace.spans:
-            context = SpanContext(trace_id, span_id, False, _SAMPLED)
-            if parent_id:
-                remote = parent_id == trace.parent_id and trace.remote_parent
-                parent = SpanContext(trace_id, parent_id, remote, _SAMPLED)
-            else:
-                parent = None
-            out.append(ReadableSpan(
-                name=name, context=context, parent=parent, resource=resource, attributes=attributes,
-                kind=_KINDS[kind], start_time=start + epoch, end_time=end + epoch,
-                status=_OK if error is None else Status(StatusCode.ERROR, error), instrumentation_scope=_SCOPE))
+        append = out.append
+        trace_id = 0
+        if FAST_SPANS:      # fast_context inlined: this runs for every span
+            new, sampled, state, make = tuple.__new__, _SAMPLED, DEFAULT_TRACE_STATE, self._span_class
+
+            def span(name, span_id, parent, start, end, attributes, error, kind) -> SpanContext:
+                me = new(SpanContext, (trace_id, span_id, False, sampled, state, True))
+                append(make(name, me, parent, attributes, kinds[kind],
+                            ok if error is None else Status(StatusCode.ERROR, error), start + epoch, end + epoch))
+                return me
+        else:
+            def span(name, span_id, parent, start, end, attributes, error, kind) -> SpanContext:
+                made = public_span(name, trace_id, span_id, parent, resource, attributes, kinds[kind],
+                                   ok if error is None else Status(StatusCode.ERROR, error), start + epoch,
+                                   end + epoch)
+                append(made)
+                return made.context
+        for trace in traces:
+            trace_id = trace.trace_id
+            walk(trace, span, SpanContext(trace_id, trace.parent_id, True, _SAMPLED) if trace.parent_id else None)
         return out
 
     def close(self) -> None:

@@ -40,6 +40,7 @@ from xlaserve.config import SchedulerConfig
 from xlaserve.errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull, XlaserveError,
                              describe_exception)
 from xlaserve.runtime.weights import WeightCache
+from xlaserve.tracing import Execution
 from xlaserve.worker.batching import BatchPlan, plan_batch, smallest_holding
 from xlaserve.worker.executor import Executor
 from xlaserve.worker.messages import CancelRequest, DropModel, InferRequest, InferResult, SchedulerMessage
@@ -567,10 +568,11 @@ class Scheduler:
 
     def _trace_batch(self, batch: list[Queued], size: int, started_ns: int, weights_ns: int, done_ns: int,
                      error: str | None, result=None) -> None:
-        """Each traced request of ``batch`` gets its own queue, weights and execution spans
-        (``xlaserve.tracing``), the batch's attributes shared: the weight load between
-        ``started_ns`` and ``weights_ns`` (0: it failed at ``done_ns``), the execution up to
-        ``done_ns``. ``error``: why the batch failed."""
+        """The traced requests of ``batch`` share one :class:`~xlaserve.tracing.Execution`
+        record: the weight load between ``started_ns`` and ``weights_ns`` (0: it failed at
+        ``done_ns``), the execution up to ``done_ns``, the batch's attributes. Each request's
+        queue, weights and execution spans are made from it at export. ``error``: why the batch
+        failed."""
         model = batch[0].request.model
         batch_id = next(self._batches)
         loaded = weights_ns != 0
@@ -586,18 +588,13 @@ class Scheduler:
             execution["xlaserve.compute.input_ns"] = result.compute_input_ns
             execution["xlaserve.compute.infer_ns"] = result.compute_infer_ns
             execution["xlaserve.compute.output_ns"] = result.compute_output_ns
-        queued = {"xlaserve.model": model.name, "xlaserve.batch.id": batch_id}
-        # the attribute mappings are shared by the batch's spans: read-only from here on
+        record = Execution(started_ns, weights_ns, done_ns, error, {"xlaserve.model": model.name,
+                                                                   "xlaserve.batch.id": batch_id},
+                           weights, execution)
         for q in batch:
             trace = q.request.trace
-            if trace is None:
-                continue
-            trace.record("xlaserve.queue", trace.enqueued_ns or started_ns, started_ns, queued)
-            if not loaded:
-                trace.record("xlaserve.weights", started_ns, done_ns, weights, error)
-                continue
-            trace.record("xlaserve.weights", started_ns, weights_ns, weights)
-            trace.record("xlaserve.execute", weights_ns, done_ns, execution, error)
+            if trace is not None:
+                trace.execution = record
 
     def _answer_pending(self) -> None:
         """Reply to every executed batch not yet answered. Replying encodes each response (the
