@@ -526,7 +526,13 @@ async def _fixed_app(size: tuple[int, int], gateway: bool, svg: Path | None = No
     async with app.run_test(size=size) as pilot:
         await _until(app, lambda: len(app.rows) == (8 if gateway else 4)
                      and all(r.rows_per_second is not None for r in app.rows))
-        await pilot.pause()
+        # the rows are in; their paint may lag on a loaded machine: wait for the screen to show
+        # the second snapshot's figures and to stop changing
+        async with asyncio.timeout(WAIT):
+            before, shown = None, _screen_text(app)
+            while "75%/67%" not in shown or shown != before:
+                await pilot.pause()
+                before, shown = shown, _screen_text(app)
         if svg is not None:
             svg.write_text(app.export_screenshot(title="xlaserve top"))
         return _screen_text(app)
