@@ -433,16 +433,21 @@ class Http1Server:
         if not isinstance(event, h11.Request):
             raise _Refusal(400, f"expected a request, got {type(event).__name__}")
         # h11 bounds a head still arriving; one that arrived whole in a read is measured here
-        head = len(event.method) + len(event.target) + 12 + sum(len(n) + len(v) + 4 for n, v in event.headers)
+        # raw_items(): one list of (name as sent, value) pairs; iterating the Headers sequence itself
+        # goes through __getitem__ per field (names are lower-cased here as h11 does)
+        fields = event.headers.raw_items()
+        head = len(event.method) + len(event.target) + 12
+        for name, value in fields:
+            head += len(name) + len(value) + 4
         if head > limits.max_header_bytes:
             raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
                                 f"({limits.key('max_header_bytes')})")
-        if len(event.headers) > limits.max_headers:
-            raise _Refusal(431, f"the request has {len(event.headers)} header fields, the limit "
+        if len(fields) > limits.max_headers:
+            raise _Refusal(431, f"the request has {len(fields)} header fields, the limit "
                                 f"({limits.key('max_headers')}) is {limits.max_headers}")
         headers: dict[str, str] = {}
-        for name, value in event.headers:
-            key = name.decode("latin-1")
+        for name, value in fields:
+            key = name.decode("latin-1").lower()
             text = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         length = headers.get("content-length")
