@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import socket
+import struct
 
 import trio
 import trio.testing
@@ -20,10 +22,12 @@ GET = b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n"
 
 
 CANCELLED: list[str] = []
+WAITING: list[str] = []         # /wait requests that reached the handler
 
 
 async def echo(request: HttpRequest) -> HttpResponse:
     if request.path == "/wait":
+        WAITING.append(request.path)
         try:
             await trio.sleep(100)
         except trio.Cancelled:
@@ -35,6 +39,8 @@ async def echo(request: HttpRequest) -> HttpResponse:
         return HttpResponse(200, b"x" * 5000, "text/plain")
     if request.path == "/huge":
         return HttpResponse(200, bytes(range(256)) * 1000, "application/octet-stream")
+    if request.path == "/vast":             # more than a loopback socket's send buffer takes at once
+        return HttpResponse(200, bytes(range(256)) * 64 * 1024, "application/octet-stream")
     if request.path == "/inject":
         return HttpResponse(200, b"{}", headers=(("x-note", "a\r\nset-cookie: evil"),))
     return HttpResponse(200, json.dumps({"method": request.method, "path": request.path,
@@ -378,3 +384,78 @@ def test_a_response_header_with_a_line_break_is_never_written_and_others_are_ser
         assert b"set-cookie" not in await read_all(client)      # the connection is closed, nothing injected
         await served(connect)
     run(test)
+
+
+# ---- over loopback TCP: the non-blocking socket reads and writes (_receive_raw, _send) --------
+def run_tcp(test) -> None:
+    """``test(server, connect)`` with ``connect()`` opening a real TCP connection to the server on
+    loopback (the plain-TCP path reads and writes the socket without Trio's stream); real clock."""
+    async def main():
+        server = Http1Server(echo, LIMITS, what="REST")
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(server.serve, listeners)
+
+            async def connect():
+                return await trio.open_tcp_stream("127.0.0.1", port)
+            with trio.fail_after(30):
+                await test(server, connect)
+            nursery.cancel_scope.cancel()
+    trio.run(main)
+
+
+def test_over_tcp_keep_alive_and_pipelined_requests_are_answered_in_order():
+    async def test(server, connect):
+        client = await connect()
+        for _ in range(3):
+            await client.send_all(GET)
+            assert (await read_response(client))[0] == 200
+        await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
+                              b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        reply = await read_all(client)
+        assert reply.count(b"HTTP/1.1 200 OK") == 3
+        assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+        await client.aclose()
+    run_tcp(test)
+
+
+def test_over_tcp_a_response_larger_than_the_socket_takes_at_once_arrives_whole():
+    async def test(server, connect):
+        client = await connect()
+        await client.send_all(b"GET /vast HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = await read_response(client)
+        assert status == 200 and headers["content-length"] == str(256 * 64 * 1024)
+        assert body == bytes(range(256)) * 64 * 1024
+        await client.send_all(GET)
+        assert (await read_response(client))[0] == 200
+        await client.aclose()
+    run_tcp(test)
+
+
+def test_over_tcp_a_peer_that_leaves_or_resets_is_closed_and_its_handler_cancelled():
+    CANCELLED.clear()
+    WAITING.clear()
+
+    async def test(server, connect):
+        client = await connect()
+        await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+        await client.send_eof()
+        assert await read_all(client) == b""
+        assert CANCELLED == ["/wait"]
+        await client.aclose()
+        reset = await connect()
+        await reset.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+        while len(WAITING) < 2:             # the request reaches the handler (else the RST ends it sooner)
+            await trio.sleep(0.01)
+        reset.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await reset.aclose()                # an RST, not a FIN
+        while len(CANCELLED) < 2:
+            await trio.sleep(0.01)
+        assert CANCELLED == ["/wait", "/wait"]
+        client = await connect()            # and the server goes on
+        await client.send_all(GET)
+        assert (await read_response(client))[0] == 200
+        await client.aclose()
+        while server.connections:
+            await trio.sleep(0.01)
+    run_tcp(test)

@@ -93,6 +93,8 @@ def test_binary_and_json_inputs_mix_and_parameters_become_typed_parameters():
      "input 'x': 'datatype' must be one of BOOL"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, -1], "data": [1, 2]}]}, None,
      "input 'x': 'shape' [2, -1] has a negative dimension"),
+    ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2 ** 63, 1], "data": [1]}]}, None,
+     "input 'x': 'shape' [9223372036854775808, 1] has a dimension past int64"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2]}]}, None, "input 'x' has no 'data'"),
     ({"inputs": []}, None, "'inputs' must be a non-empty array"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 9}}]}, 0,

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import ssl
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
@@ -162,11 +163,13 @@ class _Inbox:
     once answered) cost about a third of this layer's CPU time per request, measured with a
     handler that answers at once (docs/benchmarks.md, *REST against Triton's HTTP endpoint*)."""
 
-    __slots__ = ("stream", "conn", "limit", "waiting", "arrived", "fed", "handling", "pipelined", "ended", "error",
-                 "_go")
+    __slots__ = ("stream", "raw", "conn", "limit", "waiting", "arrived", "fed", "handling", "pipelined", "ended",
+                 "error", "_go")
 
-    def __init__(self, stream, conn: h11.Connection, limit: int) -> None:
+    def __init__(self, stream, conn: h11.Connection, limit: int, raw: socket.socket | None = None) -> None:
         self.stream = stream
+        #: the connection's socket for non-blocking reads (:func:`_receive_raw`); None over TLS
+        self.raw = raw
         self.conn = conn                #: the h11 connection of the request being read (replaced for each)
         self.limit = limit
         self.waiting = False
@@ -188,7 +191,8 @@ class _Inbox:
                 while not self._wanted():
                     self._go = trio.Event()
                     await self._go.wait()
-                data = await self.stream.receive_some(RECEIVE_BYTES)
+                raw = self.raw
+                data = await (self.stream.receive_some(RECEIVE_BYTES) if raw is None else _receive_raw(raw))
                 if not data:
                     break
                 self.conn.receive_data(data)
@@ -327,15 +331,25 @@ class Http1Server:
             self.connections -= 1
 
     async def _serve_connection(self, stream: trio.SocketStream, peer) -> None:
-        inbox = _Inbox(stream, self._parser(), self.limits.max_header_bytes)
+        # A plain TCP connection is read and written through the same socket's descriptor with
+        # non-blocking calls (_receive_raw, _send): Trio's stream reads and writes each yield a
+        # turn of the run loop even when the socket had the bytes or took them at once, and a
+        # read of an empty socket raises and catches an exception. Detached before the stream
+        # (which owns the descriptor) closes it.
+        raw = socket.socket(fileno=stream.socket.fileno()) if isinstance(stream, trio.SocketStream) else None
+        inbox = _Inbox(stream, self._parser(), self.limits.max_header_bytes, raw)
         error: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(inbox.run)
-            try:
-                await self._serve_requests(stream, peer, inbox)
-            except Exception as exc:        # raised as itself (not in a group) to the guard
-                error = exc
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(inbox.run)
+                try:
+                    await self._serve_requests(stream, peer, inbox)
+                except Exception as exc:        # raised as itself (not in a group) to the guard
+                    error = exc
+                nursery.cancel_scope.cancel()
+        finally:
+            if raw is not None:
+                raw.detach()
         if error is not None:
             raise error
 
@@ -365,7 +379,7 @@ class Http1Server:
                     return                  # the peer left before its answer: nothing to write
                 # the client's keep-alive as h11 read it: HTTP/1.0, or Connection: close, ends it
                 close = self._closing or conn.their_state is not h11.DONE
-                await self._respond(stream, request, response, close)
+                await self._respond(stream, request, response, close, inbox.raw)
             finally:
                 held.release()
             if close:
@@ -419,16 +433,21 @@ class Http1Server:
         if not isinstance(event, h11.Request):
             raise _Refusal(400, f"expected a request, got {type(event).__name__}")
         # h11 bounds a head still arriving; one that arrived whole in a read is measured here
-        head = len(event.method) + len(event.target) + 12 + sum(len(n) + len(v) + 4 for n, v in event.headers)
+        # raw_items(): one list of (name as sent, value) pairs; iterating the Headers sequence itself
+        # goes through __getitem__ per field (names are lower-cased here as h11 does)
+        fields = event.headers.raw_items()
+        head = len(event.method) + len(event.target) + 12
+        for name, value in fields:
+            head += len(name) + len(value) + 4
         if head > limits.max_header_bytes:
             raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
                                 f"({limits.key('max_header_bytes')})")
-        if len(event.headers) > limits.max_headers:
-            raise _Refusal(431, f"the request has {len(event.headers)} header fields, the limit "
+        if len(fields) > limits.max_headers:
+            raise _Refusal(431, f"the request has {len(fields)} header fields, the limit "
                                 f"({limits.key('max_headers')}) is {limits.max_headers}")
         headers: dict[str, str] = {}
-        for name, value in event.headers:
-            key = name.decode("latin-1")
+        for name, value in fields:
+            key = name.decode("latin-1").lower()
             text = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         length = headers.get("content-length")
@@ -535,7 +554,8 @@ class Http1Server:
             self._bugs.line(logging.ERROR, "%s %s %s failed", self.what, request.method, request.path, exc=exc)
             return HttpResponse(500, error_json(internal_message(exc, f"{request.method} {request.path[:200]}")))
 
-    async def _respond(self, stream, request: HttpRequest, response: HttpResponse, close: bool) -> None:
+    async def _respond(self, stream, request: HttpRequest, response: HttpResponse, close: bool,
+                       raw: socket.socket | None = None) -> None:
         """Write ``response``, framed by Content-Length (a HEAD's without its body), with
         ``Connection: close`` when the connection ends after it."""
         body = response.body
@@ -551,19 +571,33 @@ class Http1Server:
                 head += b"content-encoding: %s\r\n" % accepted.encode()
         head += b"content-length: %d\r\n%s\r\n" % (len(body), b"connection: close\r\n" if close else b"")
         if request.method == "HEAD" or not body:
-            await self._send(stream, head)
+            await self._send(stream, head, raw)
         elif len(body) > RECEIVE_BYTES:     # a large body goes out as it is, not copied behind its head
-            await self._send(stream, head)
-            await self._send(stream, body)
+            await self._send(stream, head, raw)
+            await self._send(stream, body, raw)
         else:
-            await self._send(stream, head + body)
+            await self._send(stream, head + body, raw)
 
     async def _compress(self, body: bytes, encoding: str) -> bytes:
         if len(body) > INFLATE_INLINE:
             return await trio.to_thread.run_sync(_deflate, body, encoding, limiter=self._inflate_threads)
         return _deflate(body, encoding)
 
-    async def _send(self, stream, data: bytes) -> None:
+    async def _send(self, stream, data: bytes, raw: socket.socket | None = None) -> None:
+        """Write ``data``; with ``raw`` (the connection's socket, not TLS) first with one
+        non-blocking send, and only what it did not take through the stream, under
+        ``write_timeout``."""
+        if raw is not None:
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"the write failed: {exc}") from exc
+            if sent == len(data):
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return
+            data = memoryview(data)[sent:]
         with trio.move_on_after(self.limits.write_timeout) as scope:
             await stream.send_all(data)
         if scope.cancelled_caught:
@@ -576,6 +610,30 @@ class Http1Server:
             await self._send(stream, _raw_response(refusal.status, refusal.message))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
+
+
+async def _receive_raw(raw: socket.socket) -> bytes:
+    """What the non-blocking ``raw`` socket has, waiting until it is readable (b"" at its end).
+    Unlike Trio's ``receive_some`` a read that had to wait does not yield a second turn, and an
+    empty socket raises no exception through an async context manager; a read that did not wait
+    yields a turn (no connection starves the others). A socket error is the peer's doing, raised
+    as Trio's stream raises it (BrokenResourceError)."""
+    try:
+        try:
+            data = raw.recv(RECEIVE_BYTES)
+        except BlockingIOError:
+            pass
+        else:
+            await trio.lowlevel.checkpoint()
+            return data
+        while True:
+            await trio.lowlevel.wait_readable(raw)
+            try:
+                return raw.recv(RECEIVE_BYTES)
+            except BlockingIOError:
+                pass
+    except OSError as exc:
+        raise trio.BrokenResourceError(f"the read failed: {exc}") from exc
 
 
 def _protocol_message(exc: h11.RemoteProtocolError, limits: HttpLimits) -> str:

@@ -102,6 +102,8 @@ def _shape(value: object, where: str) -> list[int]:
         raise InvalidArgument(f"{where}: 'shape' must be an array of integers, got {json.dumps(value)[:80]}")
     if any(d < 0 for d in value):
         raise InvalidArgument(f"{where}: 'shape' {value} has a negative dimension")
+    if any(d >= 2 ** 63 for d in value):     # the message's shape is int64 (assigning it would raise)
+        raise InvalidArgument(f"{where}: 'shape' {value} has a dimension past int64 (at most {2 ** 63 - 1})")
     return value
 
 
