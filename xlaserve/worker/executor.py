@@ -38,9 +38,9 @@ def assemble(model: ModelVersion, requests: Sequence[Mapping[str, np.ndarray]], 
 
     Several requests are copied once, into memory aligned to :data:`~xlaserve.runtime.pool.ALIGN`
     bytes, which PJRT's cpu client takes as the device buffer as it is; ``np.concatenate``'s
-    result (16-byte aligned) was copied a second time by PJRT (``img_mean`` at batch 32: 0.5 ms
-    of a 2 ms execution, docs/benchmarks.md). One request that fills the batch is passed as it
-    is (PJRT copies it where it is not aligned: one copy either way)."""
+    result (16-byte aligned) was copied a second time by PJRT (``img_mean`` at batch 32: 2-13 µs
+    of CPU a request, docs/benchmarks.md). One request that fills the batch is passed as it is
+    (PJRT copies it where it is not aligned: one copy either way)."""
     arrays = []
     for decl in model.manifest.executable_inputs:
         axis = decl.batch_axis
