@@ -65,7 +65,8 @@ def test_one_request_that_fills_the_batch_is_not_copied():
 def test_aligned_empty(shape, dtype):
     out = aligned_empty(shape, dtype)
     assert out.shape == shape and out.dtype == dtype and out.flags.c_contiguous and out.flags.writeable
-    assert out.ctypes.data % ALIGN == 0
+    if out.size:                # an empty array's address means nothing (NumPy may not keep it)
+        assert out.ctypes.data % ALIGN == 0
 
 
 def test_the_cpu_device_uses_an_assembled_batch_without_copying_it():

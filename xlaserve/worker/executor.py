@@ -67,7 +67,8 @@ def assemble(model: ModelVersion, requests: Sequence[Mapping[str, np.ndarray]], 
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts at a multiple of ``ALIGN`` bytes."""
+    """An uninitialized C-contiguous array whose data starts at a multiple of ``ALIGN`` bytes
+    (unless it is empty: NumPy need not keep an empty array's address)."""
     dtype = np.dtype(dtype)
     nbytes = dtype.itemsize * math.prod(shape)
     raw = np.empty(nbytes + ALIGN, np.uint8)
