@@ -9,7 +9,7 @@ import trio
 from trio.testing import MockClock
 
 from xlaserve.worker import executor as executor_module
-from xlaserve.worker.executor import INLINE_BELOW_SECONDS, Executor
+from xlaserve.worker.executor import INLINE_BELOW_SECONDS, INLINE_WITH_BACKLOG_BELOW_SECONDS, Executor
 
 
 class FakeClock:
@@ -48,13 +48,13 @@ def plain_batches(monkeypatch):
 MODEL = SimpleNamespace(modules={1: SimpleNamespace(executable=object())})
 
 
-def _runs(backend: str, seconds: float, n: int = 3) -> tuple[list[bool], list[bool]]:
+def _runs(backend: str, seconds: float, n: int = 3, backlog: bool = False) -> tuple[list[bool], list[bool]]:
     """(inline flag of each run, whether each ran on the Trio thread)."""
     device = FakeDevice(backend, seconds)
 
     async def main():
         ex = Executor(device, trio.CapacityLimiter(1))
-        results = [await ex.run(MODEL, 1, (), [{"x": i}], [1]) for i in range(n)]
+        results = [await ex.run(MODEL, 1, (), [{"x": i}], [1], backlog=backlog) for i in range(n)]
         assert [r.per_request[0]["y"] for r in results] == list(range(n))
         return [r.inline for r in results], [t == threading.get_ident() for t in device.threads]
     return trio.run(main)
@@ -71,6 +71,14 @@ def test_executions_over_the_backend_threshold_stay_on_a_thread():
     assert _runs("cpu", 0.002) == ([False, True, True], [False, True, True])
     assert _runs("cuda", 0.002) == ([False, False, False], [False, False, False])
     assert _runs("cpu", INLINE_BELOW_SECONDS["cpu"] * 2, n=2) == ([False, False], [False, False])
+
+
+def test_with_requests_waiting_only_short_executions_run_inline():
+    """A backlog: a 2 ms execution goes to a thread (the frontend keeps receiving), a 0.1 ms one
+    still runs inline (a hop would cost more than it)."""
+    assert INLINE_WITH_BACKLOG_BELOW_SECONDS < 0.002 < INLINE_BELOW_SECONDS["cpu"]
+    assert _runs("cpu", 0.002, backlog=True) == ([False, False, False], [False, False, False])
+    assert _runs("cpu", 0.0001, backlog=True) == ([False, True, True], [False, True, True])
 
 
 def test_an_inline_execution_waits_for_the_device_limiter():

@@ -37,10 +37,12 @@ class FakeDevice:
 
     cost: dict
     log: list = field(default_factory=list)   # (start, model, size, rows)
+    backlogs: list = field(default_factory=list)   # each run's backlog flag
 
-    async def run(self, model, size, weights, inputs, rows):
+    async def run(self, model, size, weights, inputs, rows, backlog=False):
         start = trio.current_time()
         self.log.append((start, model.name, size, tuple(rows)))
+        self.backlogs.append(backlog)
         await trio.sleep(self.cost[model.name](size))
         return BatchResult(tuple({"x": r["x"]} for r in inputs), 0, 0, 0)
 
@@ -191,6 +193,23 @@ def test_a_coalesced_batch_is_recorded_once_for_the_traces_of_its_requests():
             "xlaserve.compute.output_ns": 0}
 
     run(test, config(), {"m": per_batch(0.1)}, tracing)
+
+
+def test_the_executor_is_told_when_requests_wait_beyond_the_batch():
+    """While c runs, a's and b's requests queue: c's batch left nothing waiting when it was
+    dispatched, the next one leaves the other model's request waiting (backlog), the last none."""
+    results = []
+
+    async def test(h: Harness):
+        h.submit("c", tag=0, into=results)
+        await trio.sleep(0.1)
+        h.submit("a", tag=1, into=results)
+        h.submit("b", tag=2, into=results)
+        await trio.sleep(2)
+        assert sorted(name for _, name, _, _ in h.device.log) == ["a", "b", "c"] and h.device.log[0][1] == "c"
+        assert h.device.backlogs == [False, True, False]
+
+    run(test, config(), {"a": per_batch(0.01), "b": per_batch(0.01), "c": per_batch(0.5)})
 
 
 def test_backlog_coalesces_to_the_largest_size_and_pads_the_rest():
@@ -358,7 +377,7 @@ def _ran(h: Harness) -> list[int]:
 class TaggingDevice(FakeDevice):
     """Logs the tags of the requests in each execution (its ``rows`` slot) instead of their rows."""
 
-    async def run(self, model, size, weights, inputs, rows):
+    async def run(self, model, size, weights, inputs, rows, backlog=False):
         self.log.append((trio.current_time(), model.name, size, tuple(int(r["x"][0, 0]) for r in inputs)))
         await trio.sleep(self.cost[model.name](size))
         return BatchResult(tuple({"x": r["x"]} for r in inputs), 0, 0, 0)

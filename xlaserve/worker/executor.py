@@ -98,6 +98,13 @@ by running beside it: every execution inline measured +16% for ``img_mean`` at c
 sit idle while the device works, so only sub-millisecond ones."""
 
 
+INLINE_WITH_BACKLOG_BELOW_SECONDS = 0.001
+"""While other requests wait, an execution runs on the Trio thread only below this: a longer
+one inline holds the frontend for its whole length, and the requests arriving meanwhile are
+received only after it (``img_mean`` at batch 32, about 4 ms: +11% at c=128 and +7% at c=256 in a
+thread, -5% at c=32, where few requests wait; docs/benchmarks.md)."""
+
+
 class Executor:
     def __init__(self, device: Device, limiter: trio.CapacityLimiter) -> None:
         self.device = device
@@ -106,10 +113,16 @@ class Executor:
         self._last: dict[tuple[int, int], float] = {}   # (id of the executable's model version, size) -> s
 
     async def run(self, model: ModelVersion, size: int, weights: tuple[object, ...],
-                  requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int]) -> BatchResult:
+                  requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int],
+                  backlog: bool = False) -> BatchResult:
+        """Run one batch. ``backlog``: requests are waiting that this batch does not take; then
+        only executions under :data:`INLINE_WITH_BACKLOG_BELOW_SECONDS` run on the Trio thread,
+        so that the frontend goes on receiving and decoding the next ones while a longer one
+        runs."""
         key = (id(model), size)
         last = self._last.get(key)
-        if last is not None and last < self._inline_below:
+        below = min(self._inline_below, INLINE_WITH_BACKLOG_BELOW_SECONDS) if backlog else self._inline_below
+        if last is not None and last < below:
             # the device is still one at a time with weight copies; a free device costs no yield
             try:
                 self._limiter.acquire_nowait()

@@ -531,7 +531,8 @@ class Scheduler:
             if hint is not None:
                 self._weights.hint_next(hint)
             started = trio.current_time()
-            result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows)
+            result = await self._executor.run(model, size, weights, [q.request.inputs for q in batch], rows,
+                                              backlog=bool(self._queued))
             finished = trio.current_time()
         except Exception as exc:  # an XLA runtime failure fails this batch only
             log.exception("model %s: execution at batch size %d failed", model.name, size)
