@@ -65,6 +65,7 @@ from xlaserve.frontend.grpc_protocol import (
 )
 from xlaserve.frontend.guard import LineLimiter, serve_guarded
 from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
+from xlaserve.frontend.sockread import read_when_ready
 from xlaserve.frontend.statuses import status_of
 from xlaserve.frontend.tls import handshake as tls_handshake
 
@@ -132,27 +133,8 @@ KEEPALIVE_PING = b"xlkeepal"
 
 
 async def recv_into(raw: socket.socket, view: memoryview, turn: bool = True) -> int:
-    """Read into ``view`` from the non-blocking ``raw`` socket: what is there now, else once it
-    is readable. A read that did not wait then yields a turn of the run loop, as Trio's socket
-    reads do (without ``turn``: it only checks for cancellation; the caller yields now and then).
-    Trio's ``recv_into`` does the same through an async context manager that raises and catches
-    an exception each time the socket is empty: the common case for a server between requests."""
-    try:
-        n = raw.recv_into(view)
-    except BlockingIOError:
-        pass
-    else:
-        if turn:
-            await trio.lowlevel.checkpoint()
-        else:
-            await trio.lowlevel.checkpoint_if_cancelled()
-        return n
-    while True:
-        await trio.lowlevel.wait_readable(raw)
-        try:
-            return raw.recv_into(view)
-        except BlockingIOError:
-            pass
+    """Read into ``view`` from the non-blocking ``raw`` socket (:func:`read_when_ready`)."""
+    return await read_when_ready(raw, lambda: raw.recv_into(view), turn)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ import trio
 from xlaserve.errors import internal_message
 from xlaserve.frontend.access import peer_address
 from xlaserve.frontend.guard import LineLimiter, guarded, serve_guarded
+from xlaserve.frontend.sockread import read_when_ready
 
 log = logging.getLogger("xlaserve.http")
 
@@ -613,25 +614,10 @@ class Http1Server:
 
 
 async def _receive_raw(raw: socket.socket) -> bytes:
-    """What the non-blocking ``raw`` socket has, waiting until it is readable (b"" at its end).
-    Unlike Trio's ``receive_some`` a read that had to wait does not yield a second turn, and an
-    empty socket raises no exception through an async context manager; a read that did not wait
-    yields a turn (no connection starves the others). A socket error is the peer's doing, raised
-    as Trio's stream raises it (BrokenResourceError)."""
+    """What the non-blocking ``raw`` socket has (:func:`read_when_ready`; b"" at its end). A
+    socket error is the peer's doing, raised as Trio's stream raises it (BrokenResourceError)."""
     try:
-        try:
-            data = raw.recv(RECEIVE_BYTES)
-        except BlockingIOError:
-            pass
-        else:
-            await trio.lowlevel.checkpoint()
-            return data
-        while True:
-            await trio.lowlevel.wait_readable(raw)
-            try:
-                return raw.recv(RECEIVE_BYTES)
-            except BlockingIOError:
-                pass
+        return await read_when_ready(raw, lambda: raw.recv(RECEIVE_BYTES))
     except OSError as exc:
         raise trio.BrokenResourceError(f"the read failed: {exc}") from exc
 
