@@ -158,11 +158,17 @@ _LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2
 
 
 class _ModelAndTotal:
-    """One weight-cache counter twice: labelled by model, and an unlabelled total."""
+    """One weight-cache counter twice: labelled by model (children looked up once), and an
+    unlabelled total."""
 
     def __init__(self, stem: str, doc: str, registry: CollectorRegistry) -> None:
         self.model = Counter(f"xlaserve_weight_cache_model_{stem}", doc, ["model"], registry=registry)
         self.total = Counter(f"xlaserve_weight_cache_{stem}", doc, registry=registry)
+        self.of = _Children(self.model)
+
+    def inc(self, model: str, amount: float = 1) -> None:
+        self.of(model).inc(amount)
+        self.total.inc(amount)
 
 
 class WeightCacheMetrics:
@@ -188,63 +194,33 @@ class WeightCacheMetrics:
                                     registry=r)
         self._state = _CacheStateCollector()
         r.register(self._state)
-        self._series: dict[str, _ModelSeries] = {}
+        self._load_seconds = _Children(self.load_seconds_model)
 
     def watch(self, snapshot) -> None:
         """Read the cache's state from ``snapshot()`` (a :class:`~xlaserve.runtime.weights.CacheSnapshot`)
         when the registry is collected: the eviction order, prefetch counts and the weight pool."""
         self._state.snapshot = snapshot
 
-    def _of(self, model: str) -> _ModelSeries:
-        """The model's labelled children, looked up once: ``labels()`` validates and locks on
-        every call (a few us each, several a miss), which the weight cache's hot path pays."""
-        series = self._series.get(model)
-        if series is None:
-            series = self._series[model] = _ModelSeries(
-                self.hits.model.labels(model), self.misses.model.labels(model),
-                self.evictions.model.labels(model), self.prefetch_hits.model.labels(model),
-                self.bytes_copied.model.labels(model), self.load_seconds_model.labels(model))
-        return series
-
     def hit(self, model: str, prefetched: bool) -> None:
-        series = self._of(model)
-        series.hits.inc()
-        self.hits.total.inc()
+        self.hits.inc(model)
         if prefetched:
-            series.prefetch_hits.inc()
-            self.prefetch_hits.total.inc()
+            self.prefetch_hits.inc(model)
 
     def load(self, model: str, seconds: float, miss: bool, nbytes: int = 0) -> None:
         """One copy of ``nbytes`` onto the device; ``miss`` when a dispatch waited for it (not a
         prefetch or pin)."""
-        series = self._of(model)
-        series.load_seconds.observe(seconds)
+        self._load_seconds(model).observe(seconds)
         self.load_seconds_total.observe(seconds)
-        series.bytes_copied.inc(nbytes)
-        self.bytes_copied.total.inc(nbytes)
+        self.bytes_copied.inc(model, nbytes)
         if miss:
-            series.misses.inc()
-            self.misses.total.inc()
+            self.misses.inc(model)
 
     def missed(self, seconds: float) -> None:
         """A dispatch's miss took ``seconds`` from asking for the weights to having them."""
         self.miss_seconds.inc(seconds)
 
     def evict(self, model: str) -> None:
-        self._of(model).evictions.inc()
-        self.evictions.total.inc()
-
-
-@dataclass(slots=True, frozen=True)
-class _ModelSeries:
-    """One model's labelled children of the weight cache's metrics."""
-
-    hits: object
-    misses: object
-    evictions: object
-    prefetch_hits: object
-    bytes_copied: object
-    load_seconds: object
+        self.evictions.inc(model)
 
 
 class _CacheStateCollector:
