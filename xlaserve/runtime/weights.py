@@ -437,10 +437,6 @@ class WeightCache:
             raise Unavailable(f"model '{key[0]}' cannot be made resident now: {plan.refused}")
         for victim in plan.evict:
             self._evict(victim)
-        if plan.evict and self._pool is not None:
-            # jax releases the memory of arrays dropped since its last call only at its next
-            # one: collected now, the victims' extents are free when the load asks the pool
-            self._device.collect_garbage()
         self._book.begin_load(key)
         return len(plan.evict)
 
