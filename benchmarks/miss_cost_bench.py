@@ -60,10 +60,8 @@ def _open_device(backend: str):
     return pjrt.Device(backend)
 
 
-def _metrics(enabled: bool):
-    """The weight cache's Prometheus metrics as a worker has them (None: without, as before)."""
-    if not enabled:
-        return None
+def _metrics():
+    """The weight cache's Prometheus metrics as a worker has them."""
     from prometheus_client import CollectorRegistry
 
     from xlaserve.metrics import WeightCacheMetrics
@@ -90,7 +88,7 @@ def measure(device, tmp: Path, nbytes: int, tensors: int, misses: int,
     dsts = [np.zeros(a.weight_bytes, np.uint8) for _ in range(2)]
 
     async def main():
-        extra = {"metrics": _metrics(True)} if metrics else {}   # absent from older checkouts' calls
+        extra = {"metrics": _metrics()} if metrics else {}   # without --metrics the call is an older checkout's
         cache = WeightCache(device, trio.CapacityLimiter(1), Budget(a.weight_bytes + a.weight_bytes // 2, 1.0, 0),
                             prefetch=False, **extra)
         async with trio.open_nursery() as nursery:
