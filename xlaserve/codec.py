@@ -88,12 +88,8 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     raw = request.raw_input_contents
     inputs = request.inputs
 
-    def raw_mismatch() -> InvalidArgument:   # raw contents belong, in order, to the inputs not in shared memory
-        inline = sum(1 for t in inputs if "shared_memory_region" not in t.parameters)
-        return InvalidArgument(f"raw_input_contents has {len(raw)} entries for {inline} inputs sent inline; "
-                               "when raw contents are used, every inline input needs exactly one")
     if len(raw) > len(inputs):
-        raise raw_mismatch()
+        raise _raw_mismatch(raw, inputs)
     next_raw = 0
     arrays: dict[str, np.ndarray] = {}
     rows: int | None = None
@@ -136,7 +132,7 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
             buffer = read_shm(tensor.name, params)
         elif raw:
             if next_raw == len(raw):
-                raise raw_mismatch()
+                raise _raw_mismatch(raw, inputs)
             buffer = raw[next_raw]
             next_raw += 1
         if buffer is not None:
@@ -144,7 +140,7 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
         else:
             arrays[tensor.name] = _from_contents(tensor, decl.dtype, shape, count)
     if raw and next_raw != len(raw):
-        raise raw_mismatch()
+        raise _raw_mismatch(raw, inputs)
     missing = [d.name for d in expected if d.name not in arrays]
     if missing:
         raise InvalidArgument(f"missing input(s) {', '.join(repr(m) for m in missing)}; the model takes {want()}")
@@ -152,6 +148,13 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     if rows < 1:
         raise InvalidArgument(f"input '{rows_from}': the batch dimension must be at least 1, got {rows}")
     return DecodedInputs(arrays, rows)
+
+
+def _raw_mismatch(raw, inputs) -> InvalidArgument:
+    """Raw contents belong, in order, to the inputs that are not read from shared memory."""
+    inline = sum(1 for t in inputs if "shared_memory_region" not in t.parameters)
+    return InvalidArgument(f"raw_input_contents has {len(raw)} entries for {inline} inputs sent inline; "
+                           "when raw contents are used, every inline input needs exactly one")
 
 
 def _check_shape(name: str, decl: TensorDecl, shape: tuple[int, ...]) -> None:
