@@ -354,7 +354,12 @@ class WeightPool:
                              len(self._regions), self._leases, self._grown, self._released, idle, self._reused)
 
 
-def _page_aligned(nbytes: int) -> np.ndarray:
-    raw = np.empty(nbytes + 4096, np.uint8)
-    skew = (-raw.ctypes.data) % 4096
+def aligned_bytes(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """``nbytes`` of uninitialized uint8 memory whose start is a multiple of ``align`` bytes."""
+    raw = np.empty(nbytes + align, np.uint8)
+    skew = (-raw.ctypes.data) % align
     return raw[skew:skew + nbytes]
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    return aligned_bytes(nbytes, 4096)

@@ -19,7 +19,7 @@ import trio
 
 from xlaserve.bundle import ModelVersion
 from xlaserve.runtime.pjrt import Device
-from xlaserve.runtime.pool import ALIGN
+from xlaserve.runtime.pool import aligned_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +67,10 @@ def assemble(model: ModelVersion, requests: Sequence[Mapping[str, np.ndarray]], 
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts at a multiple of ``ALIGN`` bytes
+    """An uninitialized C-contiguous array whose data starts at a multiple of :data:`~xlaserve.runtime.pool.ALIGN` bytes
     (unless it is empty: NumPy need not keep an empty array's address)."""
     dtype = np.dtype(dtype)
-    nbytes = dtype.itemsize * math.prod(shape)
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    skew = (-raw.ctypes.data) % ALIGN
-    return raw[skew:skew + nbytes].view(dtype).reshape(shape)
+    return aligned_bytes(dtype.itemsize * math.prod(shape)).view(dtype).reshape(shape)
 
 
 def split(model: ModelVersion, outputs: Sequence[np.ndarray], rows: Sequence[int]) -> tuple[dict[str, np.ndarray], ...]:
