@@ -67,8 +67,9 @@ def assemble(model: ModelVersion, requests: Sequence[Mapping[str, np.ndarray]], 
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts at a multiple of :data:`~xlaserve.runtime.pool.ALIGN` bytes
-    (unless it is empty: NumPy need not keep an empty array's address)."""
+    """An uninitialized C-contiguous array whose data starts at a multiple of
+    :data:`~xlaserve.runtime.pool.ALIGN` bytes (unless it is empty: NumPy need not keep an empty
+    array's address)."""
     dtype = np.dtype(dtype)
     return aligned_bytes(dtype.itemsize * math.prod(shape)).view(dtype).reshape(shape)
 
