@@ -1,6 +1,7 @@
 """The scheduler's policies on a fake device, under Trio's MockClock: every timing is exact."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -193,6 +194,27 @@ def test_a_coalesced_batch_is_recorded_once_for_the_traces_of_its_requests():
             "xlaserve.compute.output_ns": 0}
 
     run(test, config(), {"m": per_batch(0.1)}, tracing)
+
+
+def test_a_failure_in_the_bookkeeping_after_an_execution_still_answers_the_batch(caplog):
+    """Statistics that raise (a bug) are logged; the executed batch is answered and the
+    scheduler goes on serving."""
+    results = []
+
+    async def test(h: Harness):
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug in the statistics")
+        h.stats.record_execution = broken
+        h.submit("m", tag=1, into=results)
+        await trio.sleep(1)
+        h.submit("m", tag=2, into=results)
+        await trio.sleep(1)
+        assert [tag for _, _, tag, _ in results] == [1, 2]
+        assert all(isinstance(outcome, InferResult) for _, _, _, outcome in results)
+
+    with caplog.at_level(logging.ERROR, "xlaserve.scheduler"):
+        run(test, config(), {"m": per_batch(0.01)})
+    assert caplog.text.count("recording the execution at batch size 1 failed") == 2
 
 
 def test_the_executor_is_told_when_requests_wait_beyond_the_batch():

@@ -517,7 +517,7 @@ class Scheduler:
                 error = InternalError(f"model '{model.name}': making its weights resident failed: "
                                       f"{type(exc).__name__}: {describe_exception(exc)}")
             if self._tracing:
-                self._trace_batch(batch, size, started_ns, time.perf_counter_ns(), 0, str(error))
+                self._trace_failed(batch, size, started_ns, time.perf_counter_ns(), 0, str(error))
             self._reject_all(batch, WEIGHTS_UNAVAILABLE, error)
             return
         weights_ns = time.perf_counter_ns() if self._tracing else 0
@@ -540,25 +540,15 @@ class Scheduler:
                 f"model '{model.name}': execution at batch size {size} failed: {type(exc).__name__}: "
                 f"{describe_exception(exc)}")
             if self._tracing:
-                self._trace_batch(batch, size, started_ns, weights_ns, time.perf_counter_ns(), str(error))
+                self._trace_failed(batch, size, started_ns, weights_ns, time.perf_counter_ns(), str(error))
             self._reject_all(batch, EXECUTION_FAILED, error)
             return
-        self._costs.observe(name, size, finished - started, finished)
-        total_rows = sum(rows)
-        self._stats.record_execution(name, size, total_rows, result.compute_input_ns,
-                                     result.compute_infer_ns, result.compute_output_ns)
-        done_ns = time.perf_counter_ns()
-        if self._tracing:
-            self._trace_batch(batch, size, started_ns, weights_ns, done_ns, None, result)
-        now_ms = time.time_ns() // 1_000_000
         queue_ns = [max(0, started_ns - q.request.received_ns) for q in batch]
-        if self._metrics is not None:
-            compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
-            self._metrics.observe_dispatch(name, size, total_rows, queue_ns, compute_ns)
-        n = len(batch)
-        self._stats.record_successes(name, n, sum(done_ns - q.request.received_ns for q in batch), sum(queue_ns),
-                                     n * result.compute_input_ns, n * result.compute_infer_ns,
-                                     n * result.compute_output_ns, now_ms)
+        try:
+            self._account(name, batch, size, rows, queue_ns, started_ns, weights_ns, finished - started, finished,
+                          result)
+        except Exception:   # a bug in the bookkeeping: logged, and the batch is still answered
+            log.exception("model %s: recording the execution at batch size %d failed", name, size)
         self._answers.append((batch, queue_ns, size, result))
         if result.inline:
             # Nothing ran meanwhile, so nothing is gained by answering later: answer now
@@ -566,6 +556,34 @@ class Scheduler:
             self._answer_pending()
         else:
             self._answers_ready.set()
+
+    def _account(self, name: str, batch: list[Queued], size: int, rows: list[int], queue_ns: list[int],
+                 started_ns: int, weights_ns: int, seconds: float, finished: float, result) -> None:
+        """What an execution leaves besides its answers: the learned cost, statistics, metrics
+        and the traces of its requests."""
+        self._costs.observe(name, size, seconds, finished)
+        total_rows = sum(rows)
+        self._stats.record_execution(name, size, total_rows, result.compute_input_ns,
+                                     result.compute_infer_ns, result.compute_output_ns)
+        done_ns = time.perf_counter_ns()
+        if self._tracing:
+            self._trace_batch(batch, size, started_ns, weights_ns, done_ns, None, result)
+        now_ms = time.time_ns() // 1_000_000
+        if self._metrics is not None:
+            compute_ns = result.compute_input_ns + result.compute_infer_ns + result.compute_output_ns
+            self._metrics.observe_dispatch(name, size, total_rows, queue_ns, compute_ns)
+        n = len(batch)
+        self._stats.record_successes(name, n, sum(done_ns - q.request.received_ns for q in batch), sum(queue_ns),
+                                     n * result.compute_input_ns, n * result.compute_infer_ns,
+                                     n * result.compute_output_ns, now_ms)
+
+    def _trace_failed(self, batch: list[Queued], size: int, started_ns: int, weights_ns: int, done_ns: int,
+                      error: str) -> None:
+        """:meth:`_trace_batch` for a failed batch, whose requests are rejected next whatever it raises."""
+        try:
+            self._trace_batch(batch, size, started_ns, weights_ns, done_ns, error)
+        except Exception:
+            log.exception("model %s: tracing the failed batch failed", batch[0].request.model.name)
 
     def _trace_batch(self, batch: list[Queued], size: int, started_ns: int, weights_ns: int, done_ns: int,
                      error: str | None, result=None) -> None:
