@@ -1,10 +1,10 @@
 """Generic validation of the node file's fields: one parser for every documented key.
 
-A key is a dataclass field declared with :func:`_key`, whose type hint and :class:`_Rule` say
-what a valid value is. :func:`_convert` checks one YAML value against them and words the error
+A key is a dataclass field declared with :func:`config_key`, whose type hint and :class:`_Rule` say
+what a valid value is. :func:`convert_value` checks one YAML value against them and words the error
 (``global.scheduler.max_queue_depth: expected a positive integer, got 'abc'``);
-:func:`_parse_partial` validates the keys one block sets without filling in defaults, and
-:func:`_merge` lays such a partial block over a complete one. Nothing here knows any particular
+:func:`parse_partial` validates the keys one block sets without filling in defaults, and
+:func:`merge_partial` lays such a partial block over a complete one. Nothing here knows any particular
 key: the schema lives in :mod:`xlaserve.config.schema`.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ConfigError(Exception):
 
 # --- validation rules, attached to dataclass fields ----------------------------------------------
 
-class _Invalid(Exception):
+class InvalidValue(Exception):
     """Raised by a custom field parser; the generic code turns it into a ConfigError.
 
     Without arguments the error says what the field expects (its ``describe``); with ``detail``
@@ -48,21 +48,21 @@ class _Rule:
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
-    # A custom parser for values the type alone cannot describe; raises _Invalid.
+    # A custom parser for values the type alone cannot describe; raises InvalidValue.
     parse: Callable[[Any], Any] | None = None
     describe: str = ""
     # False for fields an environment variable may not set.
     env: bool = True
 
 
-def _key(default: Any = MISSING, *, factory: Any = MISSING, **rule: Any) -> Any:
+def config_key(default: Any = MISSING, *, factory: Any = MISSING, **rule: Any) -> Any:
     return field(default=default, default_factory=factory, metadata={"rule": _Rule(**rule)})
 
 
 # --- the generic field parser --------------------------------------------------------------------
 
 @functools.cache
-def _field_specs(cls: type) -> dict[str, tuple[Any, _Rule, bool]]:
+def field_specs(cls: type) -> dict[str, tuple[Any, _Rule, bool]]:
     """name -> (type hint, rule, required) for each field of a config dataclass."""
     hints = get_type_hints(cls)
     return {
@@ -72,7 +72,7 @@ def _field_specs(cls: type) -> dict[str, tuple[Any, _Rule, bool]]:
     }
 
 
-def _optional_inner(hint: Any) -> Any | None:
+def optional_inner(hint: Any) -> Any | None:
     if get_origin(hint) in (Union, UnionType) and NoneType in get_args(hint):
         (inner,) = (a for a in get_args(hint) if a is not NoneType)
         return inner
@@ -84,7 +84,7 @@ def _bound(value: float) -> str:
 
 
 def _expected(hint: Any, rule: _Rule) -> str:
-    inner = _optional_inner(hint)
+    inner = optional_inner(hint)
     if inner is not None:
         return f"{_expected(inner, rule)} or null"
     if rule.describe:
@@ -117,7 +117,7 @@ def _expected(hint: Any, rule: _Rule) -> str:
     return "a non-empty string"
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -135,27 +135,27 @@ def _in_range(value: float, rule: _Rule) -> bool:
     return rule.high is None or (value < rule.high if rule.high_open else value <= rule.high)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _convert(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | None,
-             described: Any = None) -> Any:
+def convert_value(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | None,
+                  described: Any = None) -> Any:
     """Validate one YAML value against a field's type and rule; ``base_dir`` anchors paths.
 
     ``described`` is the hint the error message describes (the field's own, optional included).
     """
     def fail() -> ConfigError:
         expected = _expected(described or hint, rule)
-        return ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+        return ConfigError(f"{path}: expected {expected}, got {show_value(value)}")
 
-    inner = _optional_inner(hint)
+    inner = optional_inner(hint)
     if inner is not None:
-        return None if value is None else _convert(inner, rule, value, path, base_dir, hint)
+        return None if value is None else convert_value(inner, rule, value, path, base_dir, hint)
     if rule.parse is not None:
         try:
             return rule.parse(value)
-        except _Invalid as exc:
+        except InvalidValue as exc:
             if exc.detail:
                 raise ConfigError(f"{path}{exc.where}: {exc.detail}") from None
             raise fail() from None
@@ -163,10 +163,10 @@ def _convert(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | Non
         if isinstance(value, bool):
             return value
     elif hint is int:
-        if _is_int(value) and _in_range(value, rule):
+        if is_int(value) and _in_range(value, rule):
             return value
     elif hint is float:
-        if (_is_int(value) or isinstance(value, float)) and math.isfinite(value) \
+        if (is_int(value) or isinstance(value, float)) and math.isfinite(value) \
                 and _in_range(value, rule):
             return float(value)
     elif hint is str:
@@ -187,81 +187,81 @@ def _convert(hint: Any, rule: _Rule, value: Any, path: str, base_dir: Path | Non
             out = {}
             for name, sub in value.items():
                 if not isinstance(name, str) or not name:
-                    raise ConfigError(f"{path}: keys must be model names, got {_show(name)}")
-                out[name] = _parse_partial(nested, sub, f"{path}.{name}", base_dir)
+                    raise ConfigError(f"{path}: keys must be model names, got {show_value(name)}")
+                out[name] = parse_partial(nested, sub, f"{path}.{name}", base_dir)
             return MappingProxyType(out)
     elif dataclasses.is_dataclass(hint):
         # a nested block (endpoints.tls): set as a whole, never merged key by key
         if isinstance(value, Mapping):
-            keys = _parse_partial(hint, value, path, base_dir)
-            for name, (_, _, required) in _field_specs(hint).items():
+            keys = parse_partial(hint, value, path, base_dir)
+            for name, (_, _, required) in field_specs(hint).items():
                 if required and name not in keys:
-                    needed = " and ".join(n for n, spec in _field_specs(hint).items() if spec[2])
-                    raise ConfigError(f"{_join(path, name)}: required ({path} needs {needed})")
+                    needed = " and ".join(n for n, spec in field_specs(hint).items() if spec[2])
+                    raise ConfigError(f"{join_path(path, name)}: required ({path} needs {needed})")
             return hint(**keys)
     else:  # pragma: no cover - a field type this parser does not know is a bug here
         raise TypeError(f"no parser for {hint!r}")
     raise fail()
 
 
-def _value(cls: type, name: str, value: Any, path: str, base_dir: Path | None) -> Any:
-    hint, rule, _ = _field_specs(cls)[name]
-    return _convert(hint, rule, value, path, base_dir)
+def field_value(cls: type, name: str, value: Any, path: str, base_dir: Path | None) -> Any:
+    hint, rule, _ = field_specs(cls)[name]
+    return convert_value(hint, rule, value, path, base_dir)
 
 
-def _mapping(raw: Any, path: str) -> Mapping[str, Any]:
+def as_mapping(raw: Any, path: str) -> Mapping[str, Any]:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"{path}: expected a mapping, got {_show(raw)}")
+        raise ConfigError(f"{path}: expected a mapping, got {show_value(raw)}")
     for key in raw:
         if not isinstance(key, str):
-            raise ConfigError(f"{path}: keys must be strings, got {_show(key)}")
+            raise ConfigError(f"{path}: keys must be strings, got {show_value(key)}")
     return raw
 
 
-def _join(path: str, key: str) -> str:
+def join_path(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _reject_unknown(raw: Mapping[str, Any], known: set[str] | frozenset[str], path: str) -> None:
+def reject_unknown(raw: Mapping[str, Any], known: set[str] | frozenset[str], path: str) -> None:
     for key in raw:
         if key not in known:
             raise ConfigError(
-                f"{_join(path, key)}: unknown key (known: {', '.join(sorted(known))})")
+                f"{join_path(path, key)}: unknown key (known: {', '.join(sorted(known))})")
 
 
-def _parse_partial(cls: type, raw: Any, path: str,
-                   base_dir: Path | None) -> Mapping[str, Any]:
+def parse_partial(cls: type, raw: Any, path: str,
+                  base_dir: Path | None) -> Mapping[str, Any]:
     """Validate the keys a block sets, without filling in defaults (so blocks can merge).
 
     A block class may accept keys beyond its fields: its ``ALIASES`` class attribute maps each
     such key to a function ``(value, validated keys so far, key path, block path)`` that returns
     the validated keys with the alias applied (or raises :class:`ConfigError`).
     """
-    raw = _mapping(raw, path)
+    raw = as_mapping(raw, path)
     aliases: Mapping[str, Callable[..., Mapping[str, Any]]] = getattr(cls, "ALIASES", {})
-    _reject_unknown(raw, set(_field_specs(cls)) | set(aliases), path)
-    out = {key: _value(cls, key, value, _join(path, key), base_dir)
-           for key, value in raw.items() if key in _field_specs(cls)}
+    reject_unknown(raw, set(field_specs(cls)) | set(aliases), path)
+    out = {key: field_value(cls, key, value, join_path(path, key), base_dir)
+           for key, value in raw.items() if key in field_specs(cls)}
     for key, apply in aliases.items():
         if key in raw:
-            out = dict(apply(raw[key], out, _join(path, key), path))
+            out = dict(apply(raw[key], out, join_path(path, key), path))
     return MappingProxyType(out)
 
 
-def _merge(base: Any, partial: Mapping[str, Any]) -> Any:
+def merge_partial(base: Any, partial: Mapping[str, Any]) -> Any:
     """``base`` with the keys of ``partial`` set; mapping-of-block fields merge per entry."""
     if not partial:
         return base
     changes = {}
     for name, value in partial.items():
-        hint = _field_specs(type(base))[name][0]
+        hint = field_specs(type(base))[name][0]
         if get_origin(hint) is Mapping and dataclasses.is_dataclass(get_args(hint)[1]):
             nested = get_args(hint)[1]
             merged = dict(getattr(base, name))
             for key, sub in value.items():
-                merged[key] = _merge(merged.get(key) or nested(), sub)
+                merged[key] = merge_partial(merged.get(key) or nested(), sub)
             value = MappingProxyType(merged)
         changes[name] = value
     return dataclasses.replace(base, **changes)

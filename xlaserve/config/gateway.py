@@ -26,14 +26,14 @@ from types import MappingProxyType
 from typing import Any, ClassVar
 
 from xlaserve.config.access import LOOPBACK_NETWORKS, IPNetwork, parse_network
-from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _Invalid, _is_int, _join,
-                                    _key, _mapping, _merge, _parse_partial, _reject_unknown,
-                                    _show, _value)
-from xlaserve.config.resolve import (GATEWAY_ENV_PREFIX, NODE_CHECKS, _from_text, load_yaml_file,
+from xlaserve.config.fields import (ConfigError, convert_value, field_specs, InvalidValue, is_int, join_path,
+                                    config_key, as_mapping, merge_partial, parse_partial, reject_unknown,
+                                    show_value, field_value)
+from xlaserve.config.resolve import (GATEWAY_ENV_PREFIX, NODE_CHECKS, from_env_text, load_yaml_file,
                                      resolve_worker)
 from xlaserve.config.resolve import worker_count as _node_worker_count
-from xlaserve.config.schema import (MAX_PORT, NodeConfig, TracingConfig, _join_address, _parse_address,
-                                    _parse_networks, check_tracing, split_address)
+from xlaserve.config.schema import (MAX_PORT, NodeConfig, TracingConfig, join_address, parse_listen_address,
+                                    parse_networks, check_tracing, split_address)
 
 _MIB = 1024 * 1024
 _ADDRESS = "a host:port address"
@@ -64,24 +64,24 @@ def _endpoint_problem(text: str) -> str:
 
 def _parse_endpoints(value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)):
-        raise _Invalid
+        raise InvalidValue
     seen: dict[str, int] = {}
     for i, text in enumerate(value):
         if not isinstance(text, str):
-            raise _Invalid(f"expected a host:port address, got {_show(text)}", f"[{i}]")
+            raise InvalidValue(f"expected a host:port address, got {show_value(text)}", f"[{i}]")
         problem = _endpoint_problem(text)
         if problem:
-            raise _Invalid(problem, f"[{i}]")
+            raise InvalidValue(problem, f"[{i}]")
         if text in seen:
-            raise _Invalid(f"{text!r} is listed twice (also [{seen[text]}])", f"[{i}]")
+            raise InvalidValue(f"{text!r} is listed twice (also [{seen[text]}])", f"[{i}]")
         seen[text] = i
     return tuple(value)
 
 
 def _parse_replicas(value: Any) -> int | str:
-    if value == "all" or (_is_int(value) and value >= 1):
+    if value == "all" or (is_int(value) and value >= 1):
         return value
-    raise _Invalid
+    raise InvalidValue
 
 
 _REPLICAS = "a positive integer or 'all'"
@@ -107,17 +107,17 @@ class GatewayListenConfig:
     # ``http`` is accepted as an alias of ``metrics``
     ALIASES: ClassVar[Mapping[str, Callable[..., Mapping[str, Any]]]]
 
-    grpc: str = _key("0.0.0.0:8001", parse=_parse_address, describe=_ADDRESS)
-    metrics: str = _key("0.0.0.0:8002", parse=_parse_address, describe=_ADDRESS)
-    rest: str | None = _key(None, parse=_parse_address, describe=_ADDRESS)
+    grpc: str = config_key("0.0.0.0:8001", parse=parse_listen_address, describe=_ADDRESS)
+    metrics: str = config_key("0.0.0.0:8002", parse=parse_listen_address, describe=_ADDRESS)
+    rest: str | None = config_key(None, parse=parse_listen_address, describe=_ADDRESS)
 
 
 def _http_alias(value: Any, out: Mapping[str, Any], alias_path: str,
                 path: str) -> Mapping[str, Any]:
     if "metrics" in out:
-        raise ConfigError(f"{alias_path}: also set as {_join(path, 'metrics')}; set one "
+        raise ConfigError(f"{alias_path}: also set as {join_path(path, 'metrics')}; set one "
                           "(http is another name for metrics)")
-    return {**out, "metrics": _value(GatewayListenConfig, "metrics", value, alias_path, None)}
+    return {**out, "metrics": field_value(GatewayListenConfig, "metrics", value, alias_path, None)}
 
 
 GatewayListenConfig.ALIASES = MappingProxyType({"http": _http_alias})
@@ -142,11 +142,11 @@ class GatewayGrpcConfig:
             settable from the environment.
     """
 
-    max_recv_msg_bytes: int = _key(256 * _MIB, low=1)
-    max_send_msg_bytes: int = _key(256 * _MIB, low=1)
-    max_concurrent_requests_per_worker: int = _key(64, low=0)
-    client_shm_peers: tuple[IPNetwork, ...] = _key(
-        tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=_parse_networks, env=False,
+    max_recv_msg_bytes: int = config_key(256 * _MIB, low=1)
+    max_send_msg_bytes: int = config_key(256 * _MIB, low=1)
+    max_concurrent_requests_per_worker: int = config_key(64, low=0)
+    client_shm_peers: tuple[IPNetwork, ...] = config_key(
+        tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=parse_networks, env=False,
         describe="a list of networks in CIDR notation")
 
 
@@ -165,9 +165,9 @@ class WorkerClientConfig:
             Default 5.
     """
 
-    request_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
-    max_concurrent_streams: int = _key(32, low=1, high=2**31 - 1)
-    connect_timeout_seconds: float = _key(5.0, low=0.0, low_open=True)
+    request_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
+    max_concurrent_streams: int = config_key(32, low=1, high=2**31 - 1)
+    connect_timeout_seconds: float = config_key(5.0, low=0.0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +180,8 @@ class GatewayLoggingConfig:
             Default ``text``.
     """
 
-    level: str = _key("info", choices=("debug", "info", "warning", "error"))
-    format: str = _key("text", choices=("text", "json"))
+    level: str = config_key("info", choices=("debug", "info", "warning", "error"))
+    format: str = config_key("text", choices=("text", "json"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +193,7 @@ class ModelReplicasConfig:
             the number of workers, or ``all`` (every worker). Required.
     """
 
-    replicas: int | str = _key(parse=_parse_replicas, describe=_REPLICAS, env=False)
+    replicas: int | str = config_key(parse=_parse_replicas, describe=_REPLICAS, env=False)
 
 
 # the keys that only lpt_packing reads; another mode refuses them
@@ -232,12 +232,12 @@ class SchedulingConfig:
     count.
     """
 
-    mode: str = _key("round_robin", choices=("round_robin", "least_outstanding", "lpt_packing"))
-    default_replicas: int | str = _key(1, parse=_parse_replicas, describe=_REPLICAS)
-    routing_fill_factor: float = _key(1.0, low=0.0, low_open=True)
-    routing_policy: str = _key("fill_rr", choices=("fill_rr", "fill_least"))
-    rebalance_compute_seconds: float = _key(30.0, low=0.0, low_open=True)
-    models: Mapping[str, ModelReplicasConfig] = _key(
+    mode: str = config_key("round_robin", choices=("round_robin", "least_outstanding", "lpt_packing"))
+    default_replicas: int | str = config_key(1, parse=_parse_replicas, describe=_REPLICAS)
+    routing_fill_factor: float = config_key(1.0, low=0.0, low_open=True)
+    routing_policy: str = config_key("fill_rr", choices=("fill_rr", "fill_least"))
+    rebalance_compute_seconds: float = config_key(30.0, low=0.0, low_open=True)
+    models: Mapping[str, ModelReplicasConfig] = config_key(
         factory=lambda: MappingProxyType({}), env=False)
 
     def replicas_for(self, model: str) -> int | str:
@@ -276,10 +276,10 @@ class GatewayConfig:
     logging: GatewayLoggingConfig = field(default_factory=GatewayLoggingConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     tracing: TracingConfig = field(default_factory=TracingConfig)
-    endpoints: tuple[str, ...] = _key(
+    endpoints: tuple[str, ...] = config_key(
         (), parse=_parse_endpoints, describe="a list of host:port addresses")
-    endpoint_refresh_seconds: float = _key(10.0, low=0.0, low_open=True)
-    metrics_endpoints: tuple[str, ...] = _key(
+    endpoint_refresh_seconds: float = config_key(10.0, low=0.0, low_open=True)
+    metrics_endpoints: tuple[str, ...] = config_key(
         (), parse=_parse_endpoints, describe="a list of host:port addresses")
 
 
@@ -300,7 +300,7 @@ def _env_table() -> dict[str, tuple[str, type, str]]:
     sections: list[tuple[str, type, tuple[str, ...] | None]] = [("", GatewayConfig, _TOP_FIELDS)]
     sections += [(name, cls, None) for name, cls in _SECTIONS.items()]
     for section, cls, only in sections:
-        for name, (_, rule, _) in _field_specs(cls).items():
+        for name, (_, rule, _) in field_specs(cls).items():
             if rule.env and (only is None or name in only):
                 prefix = f"{section.upper()}_" if section else ""
                 table[f"{GATEWAY_ENV_PREFIX}{prefix}{name.upper()}"] = (section, cls, name)
@@ -334,7 +334,7 @@ def _parse_environ(environ: Mapping[str, str], embedded: bool) -> _Overrides:
         if embedded and not section and name in _WORKER_ADDRESSES:
             raise ConfigError(f"{var}: a node's gateway fronts the node's own workers; "
                               f"{name} applies only to a standalone gateway")
-        hint, rule, _ = _field_specs(cls)[name]
+        hint, rule, _ = field_specs(cls)[name]
         text = environ[var]
         if name in _WORKER_ADDRESSES:
             # host:port addresses hold colons: the list is comma- or space-separated
@@ -342,8 +342,8 @@ def _parse_environ(environ: Mapping[str, str], embedded: bool) -> _Overrides:
         elif rule.parse is _parse_replicas:
             value = int(text) if text.strip().isdigit() else text.strip()
         else:
-            value = _from_text(hint, text)
-        values[section][name] = _convert(hint, rule, value, var, None)
+            value = from_env_text(hint, text)
+        values[section][name] = convert_value(hint, rule, value, var, None)
         origin[(section, name)] = var
     return _Overrides(values, origin)
 
@@ -351,9 +351,9 @@ def _parse_environ(environ: Mapping[str, str], embedded: bool) -> _Overrides:
 # --- parsing -------------------------------------------------------------------------------------
 
 def _scheduling(base: SchedulingConfig, raw: Any, path: str, env: _Overrides) -> SchedulingConfig:
-    written = dict(_parse_partial(SchedulingConfig, raw, path, None))
+    written = dict(parse_partial(SchedulingConfig, raw, path, None))
     models = written.pop("models", None)
-    scheduling = _merge(_merge(base, written), env.values["scheduling"])
+    scheduling = merge_partial(merge_partial(base, written), env.values["scheduling"])
     if models is not None:
         entries = {}
         for model, keys in models.items():
@@ -364,10 +364,10 @@ def _scheduling(base: SchedulingConfig, raw: Any, path: str, env: _Overrides) ->
         scheduling = dataclasses.replace(scheduling, models=MappingProxyType(entries))
         written["models"] = models
     if scheduling.mode != "lpt_packing":
-        mode_origin = env.origin.get(("scheduling", "mode"), _join(path, "mode"))
+        mode_origin = env.origin.get(("scheduling", "mode"), join_path(path, "mode"))
         for key in LPT_PACKING_ONLY:
             if key in written or key in env.values["scheduling"]:
-                where = env.origin.get(("scheduling", key), _join(path, key))
+                where = env.origin.get(("scheduling", key), join_path(path, key))
                 raise ConfigError(
                     f"{where}: applies only to mode lpt_packing ({mode_origin} is "
                     f"{scheduling.mode}; round_robin and least_outstanding route across the "
@@ -382,35 +382,35 @@ def _parse(data: Any, prefix: str, environ: Mapping[str, str] | None, embedded: 
     env = _parse_environ(environ or {}, embedded)
     where = prefix or "gateway file"
     if data is not None and not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {_show(data)}")
-    top = _mapping(data, where)
+        raise ConfigError(f"{where}: expected a mapping, got {show_value(data)}")
+    top = as_mapping(data, where)
     if embedded:
         for key in _WORKER_ADDRESSES:
             if key in top:
-                raise ConfigError(f"{_join(prefix, key)}: not a key of a node's gateway: block "
+                raise ConfigError(f"{join_path(prefix, key)}: not a key of a node's gateway: block "
                                   "(its endpoints are the node's workers); it applies only to a "
                                   "standalone gateway")
-    _reject_unknown(top, {*_SECTIONS, *_TOP_FIELDS} - (set(_WORKER_ADDRESSES) if embedded else set()),
-                    prefix)
+    reject_unknown(top, {*_SECTIONS, *_TOP_FIELDS} - (set(_WORKER_ADDRESSES) if embedded else set()),
+                   prefix)
     changes: dict[str, Any] = {}
     for section, cls in _SECTIONS.items():
-        path = _join(prefix, section)
+        path = join_path(prefix, section)
         if section == "scheduling":
             changes[section] = _scheduling(base.scheduling, top.get(section), path, env)
             continue
-        written = _parse_partial(cls, top.get(section), path, None)
-        changes[section] = _merge(_merge(getattr(base, section), written), env.values[section])
+        written = parse_partial(cls, top.get(section), path, None)
+        changes[section] = merge_partial(merge_partial(getattr(base, section), written), env.values[section])
     for key in _TOP_FIELDS:
         if key in top:
-            changes[key] = _value(GatewayConfig, key, top[key], _join(prefix, key), None)
+            changes[key] = field_value(GatewayConfig, key, top[key], join_path(prefix, key), None)
     changes.update(env.values[""])
-    check_tracing(changes["tracing"], _join(prefix, "tracing"))
-    listen = _mapping(top.get("listen"), _join(prefix, "listen"))
+    check_tracing(changes["tracing"], join_path(prefix, "tracing"))
+    listen = as_mapping(top.get("listen"), join_path(prefix, "listen"))
     origins = {}
     for key, alias in (("grpc", None), ("metrics", "http"), ("rest", None)):
         written_as = key if key in listen else alias if alias in listen else None
         origins[key] = env.origin.get(("listen", key)) or \
-            (_join(prefix, f"listen.{written_as}") if written_as else "")
+            (join_path(prefix, f"listen.{written_as}") if written_as else "")
     return dataclasses.replace(base, **changes), MappingProxyType(origins)
 
 
@@ -506,6 +506,6 @@ def embedded_gateway_config(node: NodeConfig, environ: Mapping[str, str] | None 
         used[port] = f"the gateway's {key} ({origin})"
     return dataclasses.replace(
         config,
-        endpoints=tuple(_join_address(_connect_host(w.grpc_host), w.grpc_port) for w in workers),
-        metrics_endpoints=tuple(_join_address(_connect_host(w.http_host), w.http_port)
+        endpoints=tuple(join_address(_connect_host(w.grpc_host), w.grpc_port) for w in workers),
+        metrics_endpoints=tuple(join_address(_connect_host(w.http_host), w.http_port)
                                 for w in workers))

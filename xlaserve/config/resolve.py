@@ -27,9 +27,9 @@ from typing import Any, get_origin
 
 import yaml
 
-from xlaserve.config.fields import (ConfigError, _convert, _field_specs, _is_int, _optional_inner,
-                                    _mapping, _merge, _parse_partial, _reject_unknown, _show,
-                                    _value)
+from xlaserve.config.fields import (ConfigError, convert_value, field_specs, is_int, optional_inner,
+                                    as_mapping, merge_partial, parse_partial, reject_unknown, show_value,
+                                    field_value)
 from xlaserve.config.schema import (MAX_PORT, EndpointsConfig, ListenConfig, LoggingConfig,
                                     NodeConfig, RuntimeConfig, SchedulerConfig, SupervisorConfig,
                                     TracingConfig, WorkerConfig, WorkerEntry, check_tracing,
@@ -60,7 +60,7 @@ def _env_table() -> dict[str, tuple[str, type, str]]:
     sections += [(name, cls, None) for name, cls in _NODE_BLOCKS.items()]
     sections += [(name, cls, None) for name, cls in _BLOCKS.items()]
     for section, cls, only in sections:
-        for name, (_, rule, _) in _field_specs(cls).items():
+        for name, (_, rule, _) in field_specs(cls).items():
             if rule.env and (only is None or name in only):
                 prefix = "" if section == "node" else f"{section.upper()}_"
                 table[f"{ENV_PREFIX}{prefix}{name.upper()}"] = (section, cls, name)
@@ -72,11 +72,11 @@ def environment_variables() -> list[str]:
     return sorted([*_env_table(), f"{ENV_PREFIX}MODEL_DIRS"])
 
 
-def _from_text(hint: Any, text: str) -> Any:
+def from_env_text(hint: Any, text: str) -> Any:
     """An environment variable's text as the YAML value it stands for (validated afterwards)."""
-    inner = _optional_inner(hint)
+    inner = optional_inner(hint)
     if inner is not None:
-        return None if text.strip().lower() in ("", "null", "none") else _from_text(inner, text)
+        return None if text.strip().lower() in ("", "null", "none") else from_env_text(inner, text)
     if hint is bool:
         lowered = text.strip().lower()
         return True if lowered in _TRUE else False if lowered in _FALSE else text
@@ -115,12 +115,12 @@ def _parse_environ(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
             raise ConfigError(
                 f"{var}: unknown variable (known: {', '.join(environment_variables())})")
         section, cls, name = table[var]
-        hint, rule, _ = _field_specs(cls)[name]
-        value = _from_text(hint, text)
+        hint, rule, _ = field_specs(cls)[name]
+        value = from_env_text(hint, text)
         if hint is bool and not isinstance(value, bool):
             raise ConfigError(
                 f"{var}: expected one of true, false, 1, 0, yes, no, got {text!r}")
-        out[section][name] = _convert(hint, rule, value, var, None)
+        out[section][name] = convert_value(hint, rule, value, var, None)
     return out
 
 
@@ -210,25 +210,25 @@ def parse_node_config(data: Any, base_dir: str | Path,
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ConfigError(f"node file: expected a mapping at the top level, got {_show(data)}")
-    top = _mapping(data, "node file")
-    _reject_unknown(top, _TOP_KEYS, "")
+        raise ConfigError(f"node file: expected a mapping at the top level, got {show_value(data)}")
+    top = as_mapping(data, "node file")
+    reject_unknown(top, _TOP_KEYS, "")
     node_fields: dict[str, Any] = {
-        key: _value(NodeConfig, key, top[key], key, base_dir)
+        key: field_value(NodeConfig, key, top[key], key, base_dir)
         for key in ("model_repo", "base_port", "metrics_base_port", "gpus") if key in top}
 
-    global_block = _mapping(top.get("global"), "global")
-    _reject_unknown(global_block, _GLOBAL_KEYS, "global")
+    global_block = as_mapping(top.get("global"), "global")
+    reject_unknown(global_block, _GLOBAL_KEYS, "global")
     for key in _GLOBAL_SCALARS:
         if key in global_block:
-            node_fields[key] = _value(NodeConfig, key, global_block[key], f"global.{key}",
-                                      base_dir)
+            node_fields[key] = field_value(NodeConfig, key, global_block[key], f"global.{key}",
+                                           base_dir)
     for section, cls in _BLOCKS.items():
-        written = _parse_partial(cls, global_block.get(section), f"global.{section}", base_dir)
-        node_fields[section] = _merge(_merge(cls(), written), env[section])
+        written = parse_partial(cls, global_block.get(section), f"global.{section}", base_dir)
+        node_fields[section] = merge_partial(merge_partial(cls(), written), env[section])
     for section, cls in _NODE_BLOCKS.items():
-        written = _parse_partial(cls, top.get(section), section, base_dir)
-        node_fields[section] = _merge(_merge(cls(), written), env[section])
+        written = parse_partial(cls, top.get(section), section, base_dir)
+        node_fields[section] = merge_partial(merge_partial(cls(), written), env[section])
     _check_supervisor(node_fields["supervisor"])
     check_tracing(node_fields["tracing"])
     node_fields.update(env["node"])
@@ -242,7 +242,7 @@ def parse_node_config(data: Any, base_dir: str | Path,
     gpus = node_fields.get("gpus", "auto")
     node_fields["models"] = _parse_pins(top.get("models"), node_fields.get("workers"), gpus)
     if top.get("gateway") is not None:
-        node_fields["gateway"] = MappingProxyType(dict(_mapping(top["gateway"], "gateway")))
+        node_fields["gateway"] = MappingProxyType(dict(as_mapping(top["gateway"], "gateway")))
     node_fields["env_overrides"] = MappingProxyType(
         {section: MappingProxyType(values) for section, values in env.items()})
     node = NodeConfig(**node_fields)
@@ -271,21 +271,21 @@ def _check_supervisor(supervisor: SupervisorConfig) -> None:
 def _parse_workers(raw: Any, base_dir: Path) -> tuple[WorkerEntry, ...]:
     if not isinstance(raw, list) or not raw:
         raise ConfigError(f"workers: expected a non-empty list of worker entries, got "
-                          f"{_show(raw)}")
+                          f"{show_value(raw)}")
     entries: list[WorkerEntry] = []
     seen: dict[str, int] = {}
     for index, item in enumerate(raw):
         path = f"workers[{index}]"
-        item = _mapping(item, path)
-        _reject_unknown(item, set(_field_specs(WorkerEntry)), path)
+        item = as_mapping(item, path)
+        reject_unknown(item, set(field_specs(WorkerEntry)), path)
         values: dict[str, Any] = {}
         for key, value in item.items():
             cls = _BLOCKS.get(key)
             if cls is not None:
-                values[key] = _parse_partial(cls, value, f"{path}.{key}", base_dir)
+                values[key] = parse_partial(cls, value, f"{path}.{key}", base_dir)
             else:
-                values[key] = _value(WorkerEntry, key, value, f"{path}.{key}", base_dir)
-        for key, (_, _, required) in _field_specs(WorkerEntry).items():
+                values[key] = field_value(WorkerEntry, key, value, f"{path}.{key}", base_dir)
+        for key, (_, _, required) in field_specs(WorkerEntry).items():
             if required and key not in values:
                 raise ConfigError(f"{path}.{key}: missing")
         name = values["name"]
@@ -312,10 +312,10 @@ def _implicit_count(gpus: str | int | tuple[int, ...]) -> int | None:
 def _parse_pins(raw: Any, workers: tuple[WorkerEntry, ...] | None,
                 gpus: str | int | tuple[int, ...]) -> Mapping[str, tuple[str, ...]]:
     pins = {}
-    for model, listed in _mapping(raw, "models").items():
+    for model, listed in as_mapping(raw, "models").items():
         path = f"models.{model}"
         if not isinstance(listed, list) or not all(isinstance(w, str) for w in listed):
-            raise ConfigError(f"{path}: expected a list of worker names, got {_show(listed)}")
+            raise ConfigError(f"{path}: expected a list of worker names, got {show_value(listed)}")
         for position, worker in enumerate(listed):
             problem = _unknown_worker(worker, workers, _implicit_count(gpus))
             if problem:
@@ -350,8 +350,8 @@ def _worker_entries(node: NodeConfig, worker_count: int | None) -> tuple[WorkerE
                 f"{worker_count} were asked for; an explicit workers: list fixes the count")
         return node.workers
     count = worker_count if worker_count is not None else _implicit_count(node.gpus) or 1
-    if not _is_int(count) or count < 1:
-        raise ConfigError(f"worker count: expected a positive integer, got {_show(count)}")
+    if not is_int(count) or count < 1:
+        raise ConfigError(f"worker count: expected a positive integer, got {show_value(count)}")
     return tuple(WorkerEntry(f"worker{i}") for i in range(count))
 
 
@@ -362,8 +362,8 @@ def worker_count(node: NodeConfig) -> int:
 
 
 def _endpoints_for(node: NodeConfig, entry: WorkerEntry) -> EndpointsConfig:
-    return _merge(_merge(node.endpoints, entry.endpoints),
-                  node.env_overrides.get("endpoints", {}))
+    return merge_partial(merge_partial(node.endpoints, entry.endpoints),
+                         node.env_overrides.get("endpoints", {}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,10 +462,10 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
         if which not in names:
             raise ConfigError(f"worker {which!r}: no such worker (workers: {', '.join(names)})")
         index = names.index(which)
-    elif _is_int(which) and 0 <= which < len(entries):
+    elif is_int(which) and 0 <= which < len(entries):
         index = which
     else:
-        raise ConfigError(f"worker {_show(which)}: no such worker (the node has "
+        raise ConfigError(f"worker {show_value(which)}: no such worker (the node has "
                           f"{len(entries)} worker{'s' if len(entries) != 1 else ''})")
     if not node.workers_explicit:
         for model, pinned in node.models.items():
@@ -477,11 +477,11 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
 
     entry = entries[index]
     env = node.env_overrides
-    scheduler = _merge(node.scheduler, entry.scheduler)
+    scheduler = merge_partial(node.scheduler, entry.scheduler)
     pinned_here = {model: {"residency": "device"}
                    for model, workers in node.models.items() if entry.name in workers}
-    scheduler = _merge(_merge(scheduler, {"models": pinned_here} if pinned_here else {}),
-                       env.get("scheduler", {}))
+    scheduler = merge_partial(merge_partial(scheduler, {"models": pinned_here} if pinned_here else {}),
+                              env.get("scheduler", {}))
     models_include = node.models_include
     if entry.models_include is not None and "models_include" not in env.get("node", {}):
         models_include = entry.models_include
@@ -498,7 +498,7 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
         model_control_mode=node.model_control_mode,
         model_poll_seconds=node.model_poll_seconds,
         models_include=models_include,
-        runtime=_merge(_merge(node.runtime, entry.runtime), env.get("runtime", {})),
+        runtime=merge_partial(merge_partial(node.runtime, entry.runtime), env.get("runtime", {})),
         scheduler=scheduler,
         endpoints=_endpoints_for(node, entry),
         gpu=gpu,

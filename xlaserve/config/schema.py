@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from xlaserve.config.access import (GROUPS, LOOPBACK_NETWORKS, IPNetwork, header_name_problem,
                                     header_value_problem, parse_network)
-from xlaserve.config.fields import ConfigError, _Invalid, _join, _key, _show
+from xlaserve.config.fields import ConfigError, InvalidValue, join_path, config_key, show_value
 from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, DEFAULT_POLICY, POLICIES
 
 MAX_PORT = 65535
@@ -30,7 +30,7 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 def _parse_name(value: Any) -> str:
     if isinstance(value, str) and _NAME.match(value):
         return value
-    raise _Invalid
+    raise InvalidValue
 
 
 def split_address(text: str) -> tuple[str, int]:
@@ -43,17 +43,17 @@ def split_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _join_address(host: str, port: int) -> str:
+def join_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _parse_address(value: Any) -> str:
+def parse_listen_address(value: Any) -> str:
     if not isinstance(value, str):
-        raise _Invalid
+        raise InvalidValue
     try:
         split_address(value)
     except ValueError:
-        raise _Invalid from None
+        raise InvalidValue from None
     return value
 
 
@@ -67,7 +67,7 @@ def _parse_gpus(value: Any) -> str | int | tuple[int, ...]:
         if (all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in ordinals)
                 and len(set(ordinals)) == len(ordinals)):
             return ordinals
-    raise _Invalid
+    raise InvalidValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,60 +86,63 @@ _RESTRICTED_KEYS = ("groups", "header", "value")
 
 def _parse_restricted(value: Any) -> tuple[RestrictedApi, ...]:
     if not isinstance(value, (list, tuple)):
-        raise _Invalid
+        raise InvalidValue
     entries: list[RestrictedApi] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(value):
         where = f"[{i}]"
         if not isinstance(raw, Mapping):
-            raise _Invalid(f"expected a mapping with keys {', '.join(_RESTRICTED_KEYS)}, got {_show(raw)}", where)
+            raise InvalidValue(f"expected a mapping with keys {', '.join(_RESTRICTED_KEYS)}, "
+                               f"got {show_value(raw)}", where)
         for key in raw:
             if key not in _RESTRICTED_KEYS:
-                raise _Invalid(f"unknown key (known: {', '.join(_RESTRICTED_KEYS)})", f"{where}.{key}")
+                raise InvalidValue(f"unknown key (known: {', '.join(_RESTRICTED_KEYS)})", f"{where}.{key}")
         for key in _RESTRICTED_KEYS:
             if key not in raw:
-                raise _Invalid(f"required (an entry sets {', '.join(_RESTRICTED_KEYS)})", f"{where}.{key}")
+                raise InvalidValue(f"required (an entry sets {', '.join(_RESTRICTED_KEYS)})", f"{where}.{key}")
         groups = raw["groups"]
         if not isinstance(groups, (list, tuple)) or not groups:
-            raise _Invalid(f"expected a non-empty list of API groups ({', '.join(GROUPS)}), got {_show(groups)}",
+            raise InvalidValue(f"expected a non-empty list of API groups ({', '.join(GROUPS)}), "
+                               f"got {show_value(groups)}",
                            f"{where}.groups")
         for group in groups:
             if group not in GROUPS:
-                raise _Invalid(f"unknown API group {_show(group)} (valid: {', '.join(GROUPS)})", f"{where}.groups")
+                raise InvalidValue(f"unknown API group {show_value(group)} (valid: {', '.join(GROUPS)})",
+                                   f"{where}.groups")
             if group in seen:
                 also = "earlier in this entry" if seen[group] == i else f"also in entry [{seen[group]}]"
-                raise _Invalid(f"API group '{group}' is restricted twice ({also}); a group has one header",
-                               f"{where}.groups")
+                raise InvalidValue(f"API group '{group}' is restricted twice ({also}); a group has one header",
+                                   f"{where}.groups")
             seen[group] = i
         header = raw["header"]
         if not isinstance(header, str):
-            raise _Invalid(f"expected a header name (a string), got {_show(header)}", f"{where}.header")
+            raise InvalidValue(f"expected a header name (a string), got {show_value(header)}", f"{where}.header")
         problem = header_name_problem(header)
         if problem:
-            raise _Invalid(problem, f"{where}.header")
+            raise InvalidValue(problem, f"{where}.header")
         secret = raw["value"]
         if not isinstance(secret, str):
             # the value itself is not shown: it is meant to be a secret
-            raise _Invalid("expected a string (quote it if YAML reads it as a number or boolean)", f"{where}.value")
+            raise InvalidValue("expected a string (quote it if YAML reads it as a number or boolean)", f"{where}.value")
         problem = header_value_problem(secret)
         if problem:
-            raise _Invalid(problem, f"{where}.value")
+            raise InvalidValue(problem, f"{where}.value")
         entries.append(RestrictedApi(tuple(groups), header, secret))
     return tuple(entries)
 
 
-def _parse_networks(value: Any) -> tuple[IPNetwork, ...]:
+def parse_networks(value: Any) -> tuple[IPNetwork, ...]:
     if not isinstance(value, (list, tuple)):
-        raise _Invalid
+        raise InvalidValue
     networks = []
     for i, text in enumerate(value):
         if not isinstance(text, str):
-            raise _Invalid(f"expected a network in CIDR notation such as '127.0.0.0/8', got {_show(text)}",
-                           f"[{i}]")
+            raise InvalidValue(f"expected a network in CIDR notation such as '127.0.0.0/8', got {show_value(text)}",
+                               f"[{i}]")
         try:
             networks.append(parse_network(text))
         except ValueError as exc:
-            raise _Invalid(str(exc), f"[{i}]") from None
+            raise InvalidValue(str(exc), f"[{i}]") from None
     return tuple(networks)
 
 
@@ -188,17 +191,17 @@ class RuntimeConfig:
             a path without it gets ``.<worker>`` before its suffix. Default null: no trace.
     """
 
-    backend: str = _key("cpu", choices=("cpu", "cuda"))
-    mem_fraction: float = _key(0.9, low=0.0, low_open=True, high=1.0)
-    preallocate: bool = _key(True)
-    allow_cpu_fallback: bool = _key(False)
-    weight_cache_fraction: float = _key(1.0, low=0.0, high=1.0)
-    weight_cache_wiggle_fraction: float = _key(0.1, low=0.0, high=1.0, high_open=True)
-    device_memory_bytes: int = _key(0, low=0)
-    weight_eviction: str = _key(DEFAULT_POLICY, choices=POLICIES)
-    weight_prefetch: str = _key("auto", choices=("auto", "on", "off"))
-    weight_miss_overhead_seconds: float = _key(DEFAULT_MISS_OVERHEAD, low=0.0)
-    weight_trace: Path | None = _key(None)
+    backend: str = config_key("cpu", choices=("cpu", "cuda"))
+    mem_fraction: float = config_key(0.9, low=0.0, low_open=True, high=1.0)
+    preallocate: bool = config_key(True)
+    allow_cpu_fallback: bool = config_key(False)
+    weight_cache_fraction: float = config_key(1.0, low=0.0, high=1.0)
+    weight_cache_wiggle_fraction: float = config_key(0.1, low=0.0, high=1.0, high_open=True)
+    device_memory_bytes: int = config_key(0, low=0)
+    weight_eviction: str = config_key(DEFAULT_POLICY, choices=POLICIES)
+    weight_prefetch: str = config_key("auto", choices=("auto", "on", "off"))
+    weight_miss_overhead_seconds: float = config_key(DEFAULT_MISS_OVERHEAD, low=0.0)
+    weight_trace: Path | None = config_key(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,19 +229,19 @@ class ModelSchedConfig:
     # ``pin_to_gpu: true`` is accepted as an alias of ``residency: device``
     ALIASES: ClassVar[Mapping[str, Callable[..., Mapping[str, Any]]]]
 
-    weight: float = _key(1.0, low=0.0, low_open=True)
-    residency: str = _key("system", choices=("device", "system", "unpinned"))
-    max_batch_size: int | None = _key(None, low=1)
-    batch_delay_seconds: float = _key(0.0, low=0.0)
-    batch_target_rows: int | None = _key(None, low=1)
+    weight: float = config_key(1.0, low=0.0, low_open=True)
+    residency: str = config_key("system", choices=("device", "system", "unpinned"))
+    max_batch_size: int | None = config_key(None, low=1)
+    batch_delay_seconds: float = config_key(0.0, low=0.0)
+    batch_target_rows: int | None = config_key(None, low=1)
 
 
 def _pin_to_gpu(pin: Any, out: Mapping[str, Any], pin_path: str, path: str) -> Mapping[str, Any]:
     if not isinstance(pin, bool):
-        raise ConfigError(f"{pin_path}: expected true or false, got {_show(pin)}")
+        raise ConfigError(f"{pin_path}: expected true or false, got {show_value(pin)}")
     if "residency" in out and (out["residency"] == "device") != pin:
         raise ConfigError(
-            f"{pin_path}: contradicts {_join(path, 'residency')}: {out['residency']}; "
+            f"{pin_path}: contradicts {join_path(path, 'residency')}: {out['residency']}; "
             "set only residency")
     return {**out, "residency": "device"} if pin else out
 
@@ -271,14 +274,14 @@ class SchedulerConfig:
             empty: every model runs with the defaults.
     """
 
-    discipline: str = _key("fair", choices=("fair", "fifo", "edf"))
-    ema_halflife_seconds: float = _key(30.0, low=0.0, low_open=True)
-    max_queue_depth: int = _key(1024, low=1)
-    dispatch_timeout_seconds: float = _key(30.0, low=0.0, low_open=True)
-    compaction_interval: int = _key(0, low=0)
-    cold_defer_dispatches: int = _key(0, low=0)
-    models: Mapping[str, ModelSchedConfig] = _key(factory=lambda: MappingProxyType({}),
-                                                  env=False)
+    discipline: str = config_key("fair", choices=("fair", "fifo", "edf"))
+    ema_halflife_seconds: float = config_key(30.0, low=0.0, low_open=True)
+    max_queue_depth: int = config_key(1024, low=1)
+    dispatch_timeout_seconds: float = config_key(30.0, low=0.0, low_open=True)
+    compaction_interval: int = config_key(0, low=0)
+    cold_defer_dispatches: int = config_key(0, low=0)
+    models: Mapping[str, ModelSchedConfig] = config_key(factory=lambda: MappingProxyType({}),
+                                                        env=False)
 
     def for_model(self, name: str) -> ModelSchedConfig:
         """The model's override, or the defaults when it has none."""
@@ -301,9 +304,9 @@ class TlsConfig:
             handshake (mutual TLS). Default null: clients are not asked for a certificate.
     """
 
-    cert_file: Path = _key()
-    key_file: Path = _key()
-    client_ca_file: Path | None = _key(None)
+    cert_file: Path = config_key()
+    key_file: Path = config_key()
+    client_ca_file: Path | None = config_key(None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,44 +422,44 @@ class EndpointsConfig:
             is closed. Default 60.
     """
 
-    host: str = _key("0.0.0.0")
-    port: int | None = _key(None, **_PORT)
-    max_concurrent_requests: int = _key(0, low=0)
-    allow_client_shm: bool = _key(False)
-    max_recv_msg_bytes: int = _key(256 * _MIB, low=1)
-    max_send_msg_bytes: int = _key(256 * _MIB, low=1)
-    max_connection_buffer_bytes: int = _key(1024 * _MIB, low=1)
-    max_held_request_bytes: int = _key(2048 * _MIB, low=1)
-    max_undecoded_request_bytes: int = _key(2048 * _MIB, low=1)
-    max_connections: int = _key(1024, low=1)
-    max_concurrent_streams: int = _key(128, low=1, high=2**31 - 1)
-    max_header_list_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
-    max_header_fields: int = _key(100, low=16, high=2**31 - 1)
-    max_header_block_bytes: int = _key(64 * 1024, low=1024, high=2**31 - 1)
-    max_continuation_frames: int = _key(8, low=0)
-    max_settings_entries: int = _key(32, low=6)
-    max_queued_control_frames: int = _key(10000, low=1)
-    glitch_burst: int = _key(1000, low=1)
-    glitches_per_second: float = _key(33.0, low=0.0)
-    handshake_timeout_seconds: float = _key(5.0, low=0.0, low_open=True)
-    idle_timeout_seconds: float = _key(300.0, low=0.0)
-    keepalive_interval_seconds: float = _key(60.0, low=0.0)
-    keepalive_timeout_seconds: float = _key(20.0, low=0.0, low_open=True)
-    max_queued_reply_bytes: int = _key(4 * _MIB, low=64 * 1024)
-    write_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
-    restricted: tuple[RestrictedApi, ...] = _key(
+    host: str = config_key("0.0.0.0")
+    port: int | None = config_key(None, **_PORT)
+    max_concurrent_requests: int = config_key(0, low=0)
+    allow_client_shm: bool = config_key(False)
+    max_recv_msg_bytes: int = config_key(256 * _MIB, low=1)
+    max_send_msg_bytes: int = config_key(256 * _MIB, low=1)
+    max_connection_buffer_bytes: int = config_key(1024 * _MIB, low=1)
+    max_held_request_bytes: int = config_key(2048 * _MIB, low=1)
+    max_undecoded_request_bytes: int = config_key(2048 * _MIB, low=1)
+    max_connections: int = config_key(1024, low=1)
+    max_concurrent_streams: int = config_key(128, low=1, high=2**31 - 1)
+    max_header_list_bytes: int = config_key(64 * 1024, low=1024, high=2**31 - 1)
+    max_header_fields: int = config_key(100, low=16, high=2**31 - 1)
+    max_header_block_bytes: int = config_key(64 * 1024, low=1024, high=2**31 - 1)
+    max_continuation_frames: int = config_key(8, low=0)
+    max_settings_entries: int = config_key(32, low=6)
+    max_queued_control_frames: int = config_key(10000, low=1)
+    glitch_burst: int = config_key(1000, low=1)
+    glitches_per_second: float = config_key(33.0, low=0.0)
+    handshake_timeout_seconds: float = config_key(5.0, low=0.0, low_open=True)
+    idle_timeout_seconds: float = config_key(300.0, low=0.0)
+    keepalive_interval_seconds: float = config_key(60.0, low=0.0)
+    keepalive_timeout_seconds: float = config_key(20.0, low=0.0, low_open=True)
+    max_queued_reply_bytes: int = config_key(4 * _MIB, low=64 * 1024)
+    write_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
+    restricted: tuple[RestrictedApi, ...] = config_key(
         (), parse=_parse_restricted, env=False, describe="a list of {groups, header, value} entries")
-    client_shm_peers: tuple[IPNetwork, ...] = _key(
-        tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=_parse_networks, env=False,
+    client_shm_peers: tuple[IPNetwork, ...] = config_key(
+        tuple(parse_network(n) for n in LOOPBACK_NETWORKS), parse=parse_networks, env=False,
         describe="a list of networks in CIDR notation")
-    tls: TlsConfig | None = _key(None, env=False)
-    max_connection_inflate_bytes: int = _key(16 * _MIB, low=1)
-    max_inflate_bytes: int = _key(256 * _MIB, low=1)
-    rest_max_header_bytes: int = _key(16 * 1024, low=1024)
-    rest_max_headers: int = _key(100, low=1)
-    rest_header_timeout_seconds: float = _key(10.0, low=0.0, low_open=True)
-    rest_body_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
-    rest_idle_timeout_seconds: float = _key(60.0, low=0.0, low_open=True)
+    tls: TlsConfig | None = config_key(None, env=False)
+    max_connection_inflate_bytes: int = config_key(16 * _MIB, low=1)
+    max_inflate_bytes: int = config_key(256 * _MIB, low=1)
+    rest_max_header_bytes: int = config_key(16 * 1024, low=1024)
+    rest_max_headers: int = config_key(100, low=1)
+    rest_header_timeout_seconds: float = config_key(10.0, low=0.0, low_open=True)
+    rest_body_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
+    rest_idle_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,9 +477,9 @@ class ListenConfig:
             extensions; Triton's port is 8000). Default null: not served.
     """
 
-    grpc: str = _key("0.0.0.0:8001", parse=_parse_address, describe="a host:port address")
-    http: str = _key("0.0.0.0:8002", parse=_parse_address, describe="a host:port address")
-    rest: str | None = _key(None, parse=_parse_address, describe="a host:port address")
+    grpc: str = config_key("0.0.0.0:8001", parse=parse_listen_address, describe="a host:port address")
+    http: str = config_key("0.0.0.0:8002", parse=parse_listen_address, describe="a host:port address")
+    rest: str | None = config_key(None, parse=parse_listen_address, describe="a host:port address")
 
 
 @dataclass(frozen=True, slots=True)
@@ -504,11 +507,11 @@ class SupervisorConfig:
             long the workers have between SIGTERM and SIGKILL, >= 0 each. Default 30.
     """
 
-    restart_backoff_initial_seconds: float = _key(0.5, low=0.0)
-    restart_backoff_max_seconds: float = _key(30.0, low=0.0)
-    max_restarts: int = _key(5, low=0)
-    restart_window_seconds: float = _key(60.0, low=0.0, low_open=True)
-    stop_timeout_seconds: float = _key(30.0, low=0.0)
+    restart_backoff_initial_seconds: float = config_key(0.5, low=0.0)
+    restart_backoff_max_seconds: float = config_key(30.0, low=0.0)
+    max_restarts: int = config_key(5, low=0)
+    restart_window_seconds: float = config_key(60.0, low=0.0, low_open=True)
+    stop_timeout_seconds: float = config_key(30.0, low=0.0)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -528,8 +531,8 @@ class LoggingConfig:
             over it.
     """
 
-    level: str = _key("info", choices=LOG_LEVELS)
-    format: str = _key("text", choices=("text", "json"))
+    level: str = config_key("info", choices=LOG_LEVELS)
+    format: str = config_key("text", choices=("text", "json"))
 
 
 TRACING_EXPORTERS = ("otlp", "file")
@@ -538,7 +541,7 @@ TRACING_EXPORTERS = ("otlp", "file")
 def _parse_otlp_endpoint(value: Any) -> str:
     if isinstance(value, str) and re.match(r"https?://[^/\s]+", value) and not any(c.isspace() for c in value):
         return value
-    raise _Invalid
+    raise InvalidValue
 
 
 @dataclass(frozen=True, slots=True)
@@ -569,16 +572,16 @@ class TracingConfig:
         export_interval_seconds: how often queued spans are exported, > 0. Default 1.
     """
 
-    enabled: bool = _key(False)
-    sampling_ratio: float = _key(1.0, low=0.0, high=1.0)
-    service_name: str = _key("xlaserve")
-    exporter: str = _key("otlp", choices=TRACING_EXPORTERS)
-    otlp_endpoint: str = _key("http://localhost:4318/v1/traces", parse=_parse_otlp_endpoint,
-                              describe="an http:// or https:// URL")
-    otlp_timeout_seconds: float = _key(10.0, low=0.0, low_open=True)
-    file: Path | None = _key(None)
-    max_queued_spans: int = _key(2048, low=1)
-    export_interval_seconds: float = _key(1.0, low=0.0, low_open=True)
+    enabled: bool = config_key(False)
+    sampling_ratio: float = config_key(1.0, low=0.0, high=1.0)
+    service_name: str = config_key("xlaserve")
+    exporter: str = config_key("otlp", choices=TRACING_EXPORTERS)
+    otlp_endpoint: str = config_key("http://localhost:4318/v1/traces", parse=_parse_otlp_endpoint,
+                                    describe="an http:// or https:// URL")
+    otlp_timeout_seconds: float = config_key(10.0, low=0.0, low_open=True)
+    file: Path | None = config_key(None)
+    max_queued_spans: int = config_key(2048, low=1)
+    export_interval_seconds: float = config_key(1.0, low=0.0, low_open=True)
 
 
 def check_tracing(tracing: TracingConfig, path: str = "tracing") -> None:
@@ -608,14 +611,14 @@ class WorkerEntry:
             (the default) keeps the global one.
     """
 
-    name: str = _key(parse=_parse_name,
-                     describe="a name of letters, digits, '_', '.' and '-'")
-    port: int | None = _key(None, **_PORT)
-    gpu: int | None = _key(None, low=0)
-    runtime: Mapping[str, Any] = _key(factory=lambda: MappingProxyType({}))
-    scheduler: Mapping[str, Any] = _key(factory=lambda: MappingProxyType({}))
-    endpoints: Mapping[str, Any] = _key(factory=lambda: MappingProxyType({}))
-    models_include: tuple[str, ...] | None = _key(None)
+    name: str = config_key(parse=_parse_name,
+                           describe="a name of letters, digits, '_', '.' and '-'")
+    port: int | None = config_key(None, **_PORT)
+    gpu: int | None = config_key(None, low=0)
+    runtime: Mapping[str, Any] = config_key(factory=lambda: MappingProxyType({}))
+    scheduler: Mapping[str, Any] = config_key(factory=lambda: MappingProxyType({}))
+    endpoints: Mapping[str, Any] = config_key(factory=lambda: MappingProxyType({}))
+    models_include: tuple[str, ...] | None = config_key(None)
 
 
 def _default_cache_dir() -> Path:
@@ -672,15 +675,15 @@ class NodeConfig:
     """
 
     model_repo: Path
-    base_port: int = _key(9001, **_BASE_PORT)
-    metrics_base_port: int = _key(9101, **_BASE_PORT)
-    gpus: str | int | tuple[int, ...] = _key(
+    base_port: int = config_key(9001, **_BASE_PORT)
+    metrics_base_port: int = config_key(9101, **_BASE_PORT)
+    gpus: str | int | tuple[int, ...] = config_key(
         "auto", parse=_parse_gpus, env=False,
         describe="'auto', a positive integer or a list of distinct device ordinals")
     cache_dir: Path | None = field(default_factory=_default_cache_dir)
-    model_control_mode: str = _key("dynamic", choices=("dynamic", "static", "explicit"))
-    model_poll_seconds: float = _key(15.0, low=0.0, low_open=True)
-    models_include: tuple[str, ...] = _key(())
+    model_control_mode: str = config_key("dynamic", choices=("dynamic", "static", "explicit"))
+    model_poll_seconds: float = config_key(15.0, low=0.0, low_open=True)
+    models_include: tuple[str, ...] = config_key(())
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     endpoints: EndpointsConfig = field(default_factory=EndpointsConfig)
@@ -728,4 +731,4 @@ class WorkerConfig:
 
     @property
     def grpc_address(self) -> str:
-        return _join_address(self.grpc_host, self.grpc_port)
+        return join_address(self.grpc_host, self.grpc_port)
