@@ -9,10 +9,13 @@ objects and calls the exporter's ``export``; the ``file`` exporter writes its JS
 straight from the walk instead. An exporter that fails or raises loses that batch, with one log
 line a minute.
 
-Building SDK spans is most of what tracing costs, so it takes the short way where the installed
-SDK allows it (:func:`fast_spans_match`, checked at import): a ``ReadableSpan`` subclass that
-holds what all spans of the process share (:func:`span_class`) and ``SpanContext`` tuples made
-with ``tuple.__new__``. Their public properties are the SDK constructors' (a test compares them).
+Building SDK spans is the export's cost, so it takes the short way where the installed SDK
+allows it (:func:`fast_spans_match`, checked at import): a request's root and stage spans are
+made in one pass over its record (:func:`build_spans`), each stage span an instance of a
+``ReadableSpan`` subclass that holds what all spans of that stage share (:func:`span_classes`),
+made with ``object.__new__``, and ``SpanContext`` tuples made with ``tuple.__new__``; the
+spans of a request with hooks or meta sub-calls are walked through :func:`span_class`'s
+constructor. Their public properties are the SDK constructors' (tests compare them).
 """
 from __future__ import annotations
 
