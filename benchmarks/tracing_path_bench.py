@@ -5,7 +5,7 @@ the KServe service's request path called directly with decoded ``ModelInferReque
 the CPU of every thread of the process (the export thread's included), which another tenant's
 load disturbs far less than a throughput measured through sockets (benchmarks/tracing_bench.py).
 
-    python -m benchmarks.tracing_path_bench [--variants off,memory,null,file] [--rounds 20]
+    python -m benchmarks.tracing_path_bench [--variants off,memory,null,file,records] [--rounds 20]
         [--requests 2400] [--ratio 1.0]
 
 The variants, each its own set of actors, all started in this one process:
@@ -15,7 +15,10 @@ The variants, each its own set of actors, all started in this one process:
   OpenTelemetry SDK ``ReadableSpan`` objects and handed to the SDK's ``InMemorySpanExporter``
   (which keeps them: emptied after each window): an in-process exporter;
 - ``null``: as ``memory``, into an exporter that counts the spans it receives and keeps none;
-- ``file``: as ``memory``, with ``exporter: file`` writing JSON lines to a temporary file.
+- ``file``: as ``memory``, with ``exporter: file`` writing JSON lines to a temporary file;
+- ``records``: as ``memory``, but the export takes the finished records and drops them, building
+  no spans: what tracing costs the request path alone (``off / records``); what building and
+  exporting the spans adds is the rest (not in the default set).
 
 The machine is shared and its load drifts, so the variants take turns in short windows: in each
 round every variant serves ``--requests`` requests, the order reversed every other round (one
@@ -90,7 +93,7 @@ def _exporter(variant: str):
     if variant == "memory":
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
         return InMemorySpanExporter()
-    if variant == "null":
+    if variant in ("null", "records"):
         return _CountingExporter()
     return None
 
@@ -148,6 +151,8 @@ async def start_variant(nursery: trio.Nursery, repo: Path, name: str, ratio: flo
     await actors.table.startup_done.wait()
     port = worker_port(actors, Bridge(trio.lowlevel.current_trio_token()), draining=trio.Event(), shared_memory=None)
     tracing = getattr(actors, "tracing", None)
+    if name == "records":       # the export thread (and a window's flush) only takes and drops the records
+        tracing._exporter.flush = tracing.take
     extra = (tracing,) if hasattr(actors, "tracing") else ()       # the checkout before tracing
     return Variant(name, KServeService(port, config.endpoints, *extra), tracing, exporter)
 
@@ -175,15 +180,16 @@ async def measure(repo: Path, names: list[str], rounds: int, requests: int, rati
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="off,memory,null,file", help="which of off, memory, null, file to run")
+    p.add_argument("--variants", default="off,memory,null,file",
+                   help="which of off, memory, null, file, records to run")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--requests", type=int, default=2_400, help="requests a variant serves in a round")
     p.add_argument("--ratio", type=float, default=1.0, help="tracing.sampling_ratio of the traced variants")
     args = p.parse_args()
     names = args.variants.split(",")
-    unknown = set(names) - {"off", "memory", "null", "file"}
+    unknown = set(names) - {"off", "memory", "null", "file", "records"}
     if unknown or len(set(names)) != len(names):
-        p.error(f"variants {names}: expected each of off, memory, null or file at most once")
+        p.error(f"variants {names}: expected each of off, memory, null, file or records at most once")
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "models"
         repo.mkdir()

@@ -298,6 +298,75 @@ def test_the_export_makes_its_spans_as_the_sdks_public_constructors_do():
     tracing.close()
 
 
+def _shapes(tracing: Tracing) -> list:
+    """Finished traces of every shape the export knows, each flushed by the caller."""
+    t0 = time.perf_counter_ns()
+    shared = _execution(t0 + 100, t0 + 200, t0 + 500)
+    traces = []
+    plain = tracing.start("xlaserve.infer", {}, t0, {"xlaserve.request_id": "plain"})
+    plain.admitted(3)
+    plain.enqueued_ns = t0 + 50
+    plain.execution = shared
+    traces.append(plain)
+    parented = tracing.start("xlaserve.infer", {"traceparent": GOOD}, t0 + 1, {"xlaserve.model": "m"})
+    parented.admitted(1)
+    parented.execution = shared                 # not enqueued: its queue span starts at the dispatch
+    parented.traceparent()                      # its id made while it ran, passed on to a callee
+    traces.append(parented)
+    failed = tracing.start("xlaserve.infer", {}, t0 + 2)
+    failed.admitted(2)
+    failed.enqueued_ns = t0 + 3
+    failed.execution = _execution(t0 + 10, t0 + 20, t0 + 40, "INTERNAL: execution at batch size 4 failed")
+    traces.append(failed)
+    no_weights = tracing.start("xlaserve.infer", {}, t0 + 3)
+    no_weights.enqueued_ns = t0 + 4
+    no_weights.execution = _execution(t0 + 10, 0, t0 + 30, "UNAVAILABLE: no room for the weights")
+    traces.append(no_weights)
+    traces.append(tracing.start("xlaserve.infer", {}, t0 + 4))      # refused before admission
+    hooked = tracing.start("xlaserve.infer", {}, t0 + 5)
+    hooked.admitted(1)
+    hooked.record("xlaserve.preprocess", t0 + 6, t0 + 7, None, "INTERNAL: the hook raised")
+    call = hooked.child("xlaserve.meta.call", {"xlaserve.model": "a"})
+    call.enqueued_ns = t0 + 8
+    call.execution = shared
+    call.finish()
+    traces.append(hooked)
+    errors = ("UNAVAILABLE: the batch failed", "UNAVAILABLE: no room for the weights", "UNAVAILABLE: refused",
+              None, "INTERNAL: the hook raised")
+    for trace, error in zip(traces, (None,) + errors):
+        trace.finish(error, {"rpc.grpc.status_code": 0 if error is None else 14})
+    return traces
+
+
+def test_the_one_pass_export_makes_the_spans_the_walk_makes_with_the_public_constructors(monkeypatch):
+    # build_spans (the request's common spans in one pass, stage classes, tuple-made contexts)
+    # against walk + public_span: the same spans in the same order, ids drawn alike, every public
+    # property equal; traces with hooks or meta sub-calls go through the walk in both
+    from xlaserve.tracing import export as module
+    tracing, export = _export(InMemorySpanExporter())
+    traces = _shapes(tracing)
+    assert tracing.take() == traces
+    faces = []
+    for fast in (True, False):
+        monkeypatch.setattr(module, "FAST_SPANS", fast)
+        random.seed(31)
+        spans = export.spans(traces)
+        assert len(spans) == sum(t.span_count() for t in traces) == 5 + 5 + 5 + 3 + 1 + 7
+        faces.append([module._public_face(span) for span in spans])
+        if fast:
+            assert {type(span).__name__ for span in spans} >= {"QueueSpan", "WeightsSpan", "ExecuteSpan"}
+        else:
+            assert {type(span) for span in spans} == {module.ReadableSpan}
+    tracing.close()
+    assert faces[0] == faces[1]
+    fast_spans = faces[0]
+    assert [face[0] for face in fast_spans[:5]] == ["xlaserve.infer", "xlaserve.admission", "xlaserve.queue",
+                                                     "xlaserve.weights", "xlaserve.execute"]
+    assert fast_spans[5][4].span_id == int(SPAN, 16) and fast_spans[5][4].is_remote     # the caller's span
+    assert fast_spans[14][0] == "xlaserve.execute" and fast_spans[14][10] is StatusCode.ERROR
+    assert fast_spans[17][0] == "xlaserve.weights" and fast_spans[17][10] is StatusCode.ERROR
+
+
 def test_traces_past_the_queue_limit_are_dropped_and_counted():
     memory = InMemorySpanExporter()
     tracing, export = _export(memory, max_queued_spans=3)

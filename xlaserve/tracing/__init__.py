@@ -76,8 +76,11 @@ def parse_traceparent(headers: Mapping[str, Any]) -> TraceParent | None:
     invalid; version ``00`` has exactly four fields; a later version may carry more after a
     ``-``, which is ignored."""
     value = headers.get(TRACEPARENT)
-    if value is None:
-        return None
+    return None if value is None else _parse_traceparent(value)
+
+
+def _parse_traceparent(value: Any) -> TraceParent | None:
+    """:func:`parse_traceparent` of a header's value."""
     if isinstance(value, (bytes, bytearray)):
         try:
             value = value.decode("ascii")
@@ -248,7 +251,8 @@ class Tracing:
               kind: int = SERVER) -> RequestTrace | None:
         """A request's trace, continuing the ``traceparent`` of ``headers`` when it has a valid
         one; None when sampling leaves the request untraced."""
-        parent = parse_traceparent(headers) if headers else None
+        value = headers.get(TRACEPARENT) if headers else None       # most requests have none
+        parent = None if value is None else _parse_traceparent(value)
         if parent is None:
             trace_id = random.getrandbits(128) or 1
             if trace_id & _TRACE_ID_LIMIT >= self._threshold:      # sampled(trace_id, None, ratio)
@@ -267,7 +271,11 @@ class Tracing:
         return format_traceparent(_new_id(128), _new_id(64), False)
 
     def _queue(self, trace: RequestTrace) -> None:
-        n = trace.span_count()
+        if trace.spans is None:         # most requests: span_count() without its calls
+            execution = trace.execution
+            n = (2 if trace.admitted_ns else 1) + (0 if execution is None else 3 if execution.weights_ns else 2)
+        else:
+            n = trace.span_count()
         with self._lock:
             if self._queued_spans + n > self._max_spans:
                 self.dropped_spans += n

@@ -9,10 +9,13 @@ objects and calls the exporter's ``export``; the ``file`` exporter writes its JS
 straight from the walk instead. An exporter that fails or raises loses that batch, with one log
 line a minute.
 
-Building SDK spans is most of what tracing costs, so it takes the short way where the installed
-SDK allows it (:func:`fast_spans_match`, checked at import): a ``ReadableSpan`` subclass that
-holds what all spans of the process share (:func:`span_class`) and ``SpanContext`` tuples made
-with ``tuple.__new__``. Their public properties are the SDK constructors' (a test compares them).
+Building SDK spans is the export's cost, so it takes the short way where the installed SDK
+allows it (:func:`fast_spans_match`, checked at import): a request's root and stage spans are
+made in one pass over its record (:func:`build_spans`), each stage span an instance of a
+``ReadableSpan`` subclass that holds what all spans of that stage share (:func:`span_classes`),
+made with ``object.__new__``, and ``SpanContext`` tuples made with ``tuple.__new__``; the
+spans of a request with hooks or meta sub-calls are walked through :func:`span_class`'s
+constructor. Their public properties are the SDK constructors' (tests compare them).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import random
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -114,6 +118,86 @@ def span_class(resource: Resource) -> type[ReadableSpan]:
     return Span
 
 
+def span_classes(resource: Resource) -> tuple[type[ReadableSpan], ...]:
+    """``(Span, Admission, Queue, Weights, Execute)``: :func:`span_class` and, for each stage
+    every request has, a subclass whose class also holds the stage's name, kind and status (OK):
+    :func:`build_spans` makes such a span with ``object.__new__`` and sets its context, parent,
+    attributes and times only (its status too when it failed), no constructor called."""
+    span = span_class(resource)
+
+    def stage(name: str) -> type[ReadableSpan]:
+        return type(f"{name.rpartition('.')[2].capitalize()}Span", (span,),
+                    {"_name": name, "_kind": SpanKind.INTERNAL, "_status": _OK, "__slots__": ()})
+    return (span, stage("xlaserve.admission"), stage("xlaserve.queue"), stage("xlaserve.weights"),
+            stage("xlaserve.execute"))
+
+
+def build_spans(traces, classes: tuple[type[ReadableSpan], ...], epoch: int, append, other) -> None:
+    """Append the SDK spans of finished root ``traces`` (see :func:`walk`) to a list (``append``),
+    parents first, in :func:`walk`'s order and with its ids drawn in the same order: the same
+    spans that :func:`walk` with :func:`public_span` makes (a test compares them, field by field),
+    several times cheaper. A request's root, admission, queue, weights and execute spans are made
+    here, in one pass and without a call a span: ``classes`` from :func:`span_classes`, each
+    ``SpanContext`` (a tuple) with ``tuple.__new__``. A trace with spans of other kinds (a hook,
+    a meta model's ``run`` or sub-calls) is handed to ``other`` instead, whole."""
+    span_of, admission_of, queue_of, weights_of, execute_of = classes
+    new, make, bits = tuple.__new__, object.__new__, random.getrandbits
+    sampled, state, ok, kinds, error_status = _SAMPLED, DEFAULT_TRACE_STATE, _OK, _KINDS, StatusCode.ERROR
+    for trace in traces:
+        if trace.spans is not None:
+            other(trace)
+            continue
+        trace_id = trace.trace_id
+        start = trace.start_ns + epoch
+        me = new(SpanContext, (trace_id, trace.span_id or bits(64) or 1, False, sampled, state, True))
+        span = make(span_of)
+        span._name = trace.name
+        span._context = me
+        span._parent = SpanContext(trace_id, trace.parent_id, True, sampled) if trace.parent_id else None
+        span._attributes = trace.attributes
+        span._kind = kinds[trace.kind]
+        span._status = ok if trace.error is None else Status(error_status, trace.error)
+        span._start_time = start
+        span._end_time = trace.end_ns + epoch
+        append(span)
+        if trace.admitted_ns:
+            span = make(admission_of)
+            span._context = new(SpanContext, (trace_id, bits(64) or 1, False, sampled, state, True))
+            span._parent = me
+            span._attributes = _rows(trace.rows)
+            span._start_time = start
+            span._end_time = trace.admitted_ns + epoch
+            append(span)
+        execution = trace.execution
+        if execution is None:
+            continue
+        started = execution.started_ns + epoch
+        span = make(queue_of)
+        span._context = new(SpanContext, (trace_id, bits(64) or 1, False, sampled, state, True))
+        span._parent = me
+        span._attributes = execution.queue_attributes
+        span._start_time = (trace.enqueued_ns or execution.started_ns) + epoch
+        span._end_time = started
+        append(span)
+        span = make(weights_of)
+        span._context = new(SpanContext, (trace_id, bits(64) or 1, False, sampled, state, True))
+        span._parent = me
+        span._attributes = execution.weights_attributes
+        span._start_time = started
+        if execution.weights_ns:
+            span._end_time = loaded = execution.weights_ns + epoch
+            append(span)
+            span = make(execute_of)
+            span._context = new(SpanContext, (trace_id, bits(64) or 1, False, sampled, state, True))
+            span._parent = me
+            span._attributes = execution.execute_attributes
+            span._start_time = loaded
+        span._end_time = execution.done_ns + epoch
+        if execution.error is not None:
+            span._status = Status(error_status, execution.error)
+        append(span)
+
+
 def fast_context(trace_id: int, span_id: int) -> SpanContext:
     """A sampled, local ``SpanContext`` made with ``tuple.__new__`` (it is a tuple), skipping the
     constructor's defaults and range checks: the records' ids are valid. Half the cost."""
@@ -137,15 +221,36 @@ def _public_face(span: ReadableSpan) -> tuple:
 
 
 def fast_spans_match() -> bool:
-    """Whether :func:`span_class` and :func:`fast_context` make what :func:`public_span` makes
-    with the installed SDK, every public property alike; else (a later SDK changed either) the
-    export uses the public constructors."""
+    """Whether :func:`span_class`, :func:`fast_context` and :func:`build_spans` make what
+    :func:`public_span` makes with the installed SDK, every public property alike; else (a later
+    SDK changed either) the export uses the public constructors."""
     resource = Resource.create({"service.name": "probe"})
     try:
         for parent, kind, status in ((SpanContext(7 << 100, 8, True, _SAMPLED), SpanKind.SERVER,
                                       Status(StatusCode.ERROR, "e")), (None, SpanKind.INTERNAL, _OK)):
             fast = span_class(resource)("n", fast_context(7 << 100, 9 << 40), parent, {"a": 1}, kind, status, 11, 12)
             public = public_span("n", 7 << 100, 9 << 40, parent, resource, {"a": 1}, kind, status, 11, 12)
+            if _public_face(fast) != _public_face(public):
+                return False
+        # build_spans' stage classes, made without a constructor, against the spans they stand for
+        execution = SimpleNamespace(started_ns=30, weights_ns=40, done_ns=50, error="x", queue_attributes={"q": 1},
+                                    weights_attributes={"w": 2}, execute_attributes={"e": 3})
+        record = SimpleNamespace(spans=None, trace_id=7 << 100, span_id=5, parent_id=0, name="n", kind=1,
+                                 start_ns=10, end_ns=60, attributes={"a": 1}, error=None, admitted_ns=20, rows=4,
+                                 enqueued_ns=25, execution=execution)
+        made: list[ReadableSpan] = []
+        build_spans([record], span_classes(resource), 0, made.append, None)
+        root = SpanContext(7 << 100, 5, False, _SAMPLED)
+        expected = [("n", None, {"a": 1}, SpanKind.SERVER, _OK, 10, 60),
+                    ("xlaserve.admission", root, _rows(4), SpanKind.INTERNAL, _OK, 10, 20),
+                    ("xlaserve.queue", root, {"q": 1}, SpanKind.INTERNAL, _OK, 25, 30),
+                    ("xlaserve.weights", root, {"w": 2}, SpanKind.INTERNAL, _OK, 30, 40),
+                    ("xlaserve.execute", root, {"e": 3}, SpanKind.INTERNAL, Status(StatusCode.ERROR, "x"), 40, 50)]
+        if len(made) != len(expected):
+            return False
+        for fast, (name, parent, attributes, kind, status, start, end) in zip(made, expected):
+            public = public_span(name, 7 << 100, fast.context.span_id, parent, resource, attributes, kind, status,
+                                 start, end)
             if _public_face(fast) != _public_face(public):
                 return False
     except Exception:
@@ -258,7 +363,8 @@ class SpanExport:
         # perf_counter_ns -> Unix epoch ns, taken once: a request's stages keep their order
         self._epoch = time.time_ns() - time.perf_counter_ns()
         self._failed_at = -float("inf")
-        self._span_class = span_class(resource)
+        self._span_classes = span_classes(resource)
+        self._span_class = self._span_classes[0]
 
     @classmethod
     def from_config(cls, config, process: str, span_exporter: SpanExporter | None = None) -> "SpanExport":
@@ -331,16 +437,22 @@ class SpanExport:
                 append(make(name, me, parent, attributes, kinds[kind],
                             ok if error is None else Status(StatusCode.ERROR, error), start + epoch, end + epoch))
                 return me
-        else:
-            def span(name, span_id, parent, start, end, attributes, error, kind) -> SpanContext:
-                made = public_span(name, trace_id, span_id, parent, resource, attributes, kinds[kind],
-                                   ok if error is None else Status(StatusCode.ERROR, error), start + epoch,
-                                   end + epoch)
-                append(made)
-                return made.context
+
+            def other(trace) -> None:
+                nonlocal trace_id
+                trace_id = trace.trace_id
+                walk(trace, span, SpanContext(trace_id, trace.parent_id, True, _SAMPLED) if trace.parent_id else None)
+            build_spans(traces, self._span_classes, epoch, append, other)
+            return out
+
+        def public(name, span_id, parent, start, end, attributes, error, kind) -> SpanContext:
+            made = public_span(name, trace_id, span_id, parent, resource, attributes, kinds[kind],
+                               ok if error is None else Status(StatusCode.ERROR, error), start + epoch, end + epoch)
+            append(made)
+            return made.context
         for trace in traces:
             trace_id = trace.trace_id
-            walk(trace, span, SpanContext(trace_id, trace.parent_id, True, _SAMPLED) if trace.parent_id else None)
+            walk(trace, public, SpanContext(trace_id, trace.parent_id, True, _SAMPLED) if trace.parent_id else None)
         return out
 
     def close(self) -> None:
