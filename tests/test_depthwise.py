@@ -73,10 +73,14 @@ def _layer_norm_block(x, w):
     return ((y - mean) * lax.rsqrt(variance + 1e-6),)
 
 
+def _optimized(device: Device, module: bytes) -> str:
+    return device.compile(module).hlo_modules()[0].to_string()
+
+
 def _optimized_slices(device: Device, module: bytes) -> int:
     """How many slices XLA's optimized module has: the written-out sum's taps are slices, so
     this counts how many times the sum is computed."""
-    return device.compile(module).hlo_modules()[0].to_string().count(" slice(")
+    return _optimized(device, module).count(" slice(")
 
 
 @pytest.mark.parametrize("batch", [1, 4])
@@ -86,19 +90,23 @@ def test_a_depthwise_sum_with_several_consumers_is_computed_once(device, batch):
     module = _module(_layer_norm_block, x, w)
     once = rewrite_depthwise_convolutions(module)
     copied = rewrite_depthwise_convolutions(module, computed_once=False)
-    assert _text(once).count("#stablehlo.gather<") == 1 and "stablehlo.gather" not in _text(copied)
+    # one identity gather for the sum, one for the kernel in [7, 7, channels] order
+    assert _text(once).count("#stablehlo.gather<") == 2 and "stablehlo.gather" not in _text(copied)
     # XLA copies the plain sum into each consumer's fusion; the identity gather stops that
     slices_once, slices_copied = _optimized_slices(device, once), _optimized_slices(device, copied)
     assert 49 <= slices_once < 2 * 49 + 2 <= slices_copied
+    # and the taps' weights are read from the kernel made once in [7, 7, channels] order
+    assert "f32[7,7,8]" in _optimized(device, once) and "f32[7,7,8]" not in _optimized(device, copied)
     (before,) = device.execute(device.compile(module), [x, w])
     for rewritten in (once, copied):
         (after,) = device.execute(device.compile(rewritten), [x, w])
         np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
 
 
-def test_the_identity_gather_is_the_only_addition(device):
-    """The gather takes every index of the first dimension longer than 1, in order (the batch,
-    else the first spatial one, else the channels), so the result is the sum unchanged."""
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels-first", "channels-last"])
+def test_the_identity_gathers_change_nothing(device, channels_last):
+    """Each gather takes every index of the first dimension longer than 1, in order (the batch,
+    else the first spatial one, else the channels), so the result is bit for bit the sum's."""
     for x_shape in ((3, 4, 6, 6), (1, 4, 6, 6), (1, 4, 1, 1)):
         x = RNG.standard_normal(x_shape).astype(np.float32)
         w = RNG.standard_normal((4, 1, 3, 3)).astype(np.float32)
@@ -107,8 +115,11 @@ def test_the_identity_gather_is_the_only_addition(device):
             return (lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"),
                                              feature_group_count=4),)
         module = _module(fn, x, w)
-        once, copied = (rewrite_depthwise_convolutions(module, computed_once=flag) for flag in (True, False))
-        assert _text(once).count("#stablehlo.gather<") == 1 and "stablehlo.gather" not in _text(copied)
+        once, copied = (rewrite_depthwise_convolutions(module, channels_last, computed_once=flag)
+                        for flag in (True, False))
+        # the kernel is made tap-major only where the sum runs over channels-last vectors
+        assert _text(once).count("#stablehlo.gather<") == (2 if channels_last else 1)
+        assert "stablehlo.gather" not in _text(copied)
         (a,) = device.execute(device.compile(once), [x, w])
         (b,) = device.execute(device.compile(copied), [x, w])
         np.testing.assert_array_equal(a, b)
