@@ -2,7 +2,8 @@
 the rewrite xlaserve applies (:func:`xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`),
 against eager PyTorch on the same number of threads.
 
-    python -m benchmarks.dwconv_bench [--threads 2] [--rounds 5] [--calls 10] [--part layers,grouped,zoo,transformers]
+    python -m benchmarks.dwconv_bench [--threads 2] [--rounds 5] [--calls 10]
+        [--part layers,grouped,zoo,transformers,convnext]
 
 ``layers``: single depthwise convolutions (NCHW input, OIHW kernel, as torch-mlir writes them),
 each lowered with jax and compiled under each variant: the module as it is with xlaserve's
@@ -17,6 +18,12 @@ transformers' MobileNetV2Model and EfficientNet-B0 encoder (224x224) from config
 ``xlaserve export --torch`` at batch 1 and 8 and loaded as the server loads them (``rewritten``,
 today's default), or with the rewrite switched off (``as exported``), against the same model in
 eager PyTorch under ``torch.inference_mode``.
+``convnext`` (not in the default parts): ConvNeXt's block taken apart at the first stage of
+examples/torch_zoo.py's ``convnext`` (32 channels, 16x16): the 7x7 depthwise convolution alone,
+with the LayerNorm that reads it, the LayerNorm alone, the Linear-GELU-Linear MLP, GELU alone,
+the whole block, and the two zoo ConvNeXts whole, at batch 8 and 1, exported with ``xlaserve
+export --torch`` and loaded as the server loads them (``rewritten``) or with the depthwise sums
+as they were before they were made to be computed once (``before``), against eager PyTorch.
 
 Each measurement is the median over ``--rounds`` rounds of the median of ``--calls`` calls (after
 one warm-up call); within a round the sides alternate in the same process, so that a busy shared
@@ -219,6 +226,115 @@ def network(rounds: int, calls: int, rows: list, which: str) -> None:
                 _report(f"{title}, batch {batch}", _race(sides, rounds, calls), errors, rows)
 
 
+def _convnext_parts() -> dict:
+    """ConvNeXt's block taken apart, at its first stage's size in examples/torch_zoo.py (32
+    channels, 16x16): (torch module, input TensorSpec) by name."""
+    import torch
+    from torch import nn
+
+    from examples import torch_zoo
+    from xlaserve.export import TensorSpec
+
+    nchw = TensorSpec("x", "f32", "whcn", {"c": 32, "h": 16, "w": 16})
+    nhwc = TensorSpec("x", "f32", "cwhn", {"c": 32, "h": 16, "w": 16})
+    wide = TensorSpec("x", "f32", "cwhn", {"c": 128, "h": 16, "w": 16})
+
+    class Depthwise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(32, 32, 7, padding=3, groups=32)
+
+        def forward(self, x):
+            return self.conv(x)
+
+    class DepthwiseNorm(Depthwise):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(32, eps=1e-6)
+
+        def forward(self, x):
+            return self.norm(self.conv(x).permute(0, 2, 3, 1))
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(32, eps=1e-6)
+
+        def forward(self, x):
+            return self.norm(x.permute(0, 2, 3, 1))
+
+    class Mlp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+        def forward(self, x):
+            return self.down(nn.functional.gelu(self.up(x)))
+
+    class Gelu(nn.Module):
+        def forward(self, x):
+            return nn.functional.gelu(x)
+
+    def seeded(cls):
+        torch.manual_seed(0)
+        return cls().eval()
+    return {"depthwise 7x7": (seeded(Depthwise), nchw),
+            "depthwise 7x7 + LayerNorm": (seeded(DepthwiseNorm), nchw),
+            "LayerNorm over channels (NCHW permuted)": (seeded(Norm), nchw),
+            "Linear 32-128, GELU, Linear 128-32": (seeded(Mlp), nhwc),
+            "GELU (erf), 128 channels": (seeded(Gelu), wide),
+            "ConvNeXt block": (seeded(lambda: torch_zoo.ConvNeXtBlock(32)), nchw),
+            "convnext (whole, 64x64)": (torch_zoo.MODELS["convnext"][0](), torch_zoo.MODELS["convnext"][1][0]),
+            "hf_convnext (whole, 64x64)": (torch_zoo.MODELS["hf_convnext"][0](),
+                                           torch_zoo.MODELS["hf_convnext"][1][0])}
+
+
+def convnext(rounds: int, calls: int, rows: list, batches: tuple[int, ...] = (8, 1)) -> None:
+    """ConvNeXt's pieces, each exported with ``export --torch`` and loaded as the server loads
+    it (``rewritten``), or with the depthwise sums written out as they were before
+    (``before``: ``computed_once=False``, so XLA computes each sum again inside every fusion
+    that reads it, and reads the taps' weights strided), against eager PyTorch."""
+    import torch
+
+    from xlaserve import bundle as bundle_module
+    from xlaserve.export import export_torch
+    from xlaserve.runtime.executables import ExecutableTable
+    from xlaserve.runtime.pjrt import Device, rewrite_depthwise_convolutions
+
+    class Before(ExecutableTable):
+        def rewrite_depthwise(self, module: bytes) -> bytes:
+            return rewrite_depthwise_convolutions(module, computed_once=False)
+
+    device = Device("cpu")
+    rng = np.random.default_rng(5)
+    for title, (model, spec) in _convnext_parts().items():
+        with tempfile.TemporaryDirectory(prefix="convnext-") as tmp:
+            out = export_torch(Path(tmp) / "part", model, inputs=[spec], compiled_batch_sizes=list(batches),
+                               verify=False).bundle
+            loaded = {"rewritten": bundle_module.load_bundle(out, 1, device),
+                      "before": bundle_module.load_bundle(out, 1, device, executables=Before(device))}
+            weights = {name: list(device.put_weights(list(m.weights.read()))) if m.weights is not None else []
+                       for name, m in loaded.items()}
+            for batch in batches:
+                x = rng.standard_normal(spec.row_major(batch)).astype(np.float32)
+                tx = torch.from_numpy(x)
+                with torch.inference_mode():
+                    reference = model(tx)
+                    reference = (reference if isinstance(reference, torch.Tensor) else reference[0]).numpy()
+
+                def run_torch():
+                    with torch.inference_mode():
+                        model(tx)
+                sides = {"eager torch": run_torch}
+                errors = {}
+                for name, m in loaded.items():
+                    exe = m.modules[batch].executable
+                    args = [*weights[name], device._put(x)]
+                    errors[name] = float(np.abs(device.execute(exe, args)[0] - reference).max())
+                    sides[name] = (lambda exe=exe, args=args: device.execute(exe, args))
+                _report(f"{title}, batch {batch}", _race(sides, rounds, calls), errors, rows)
+
+
 def grouped(rounds: int, calls: int, rows: list) -> None:
     """A ResNeXt bottleneck block (1x1 256->128, 3x3 in 32 groups, 1x1 128->256, residual) at
     28x28: grouped convolutions the depthwise rewrite leaves, compiled with each compile option
@@ -300,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     for which in ("zoo", "transformers"):
         if which in parts:
             network(args.rounds, args.calls, rows, which)
+    if "convnext" in parts:
+        convnext(args.rounds, args.calls, rows)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     for case in cases:
         print(f"\n{case}\n\n| variant | ms | × eager | max abs error |\n|---|---|---|---|")

@@ -61,6 +61,77 @@ def test_rewritten_depthwise_convolution_computes_the_same(device, case, channel
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * max(1.0, float(np.abs(before).max())))
 
 
+def _layer_norm_block(x, w):
+    """A depthwise 7x7 convolution read by a LayerNorm over the channels, as ConvNeXt's block
+    is (torch-mlir's NCHW to NHWC permute around it): the convolution's result has three
+    consumers, the mean, the variance and the normalization."""
+    y = lax.conv_general_dilated(x, w, (1, 1), [(3, 3), (3, 3)], dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                 feature_group_count=x.shape[1])
+    y = y.transpose(0, 2, 3, 1)
+    mean = y.mean(-1, keepdims=True)
+    variance = ((y - mean) ** 2).mean(-1, keepdims=True)
+    return ((y - mean) * lax.rsqrt(variance + 1e-6),)
+
+
+def _optimized(device: Device, module: bytes) -> str:
+    return device.compile(module).hlo_modules()[0].to_string()
+
+
+def _optimized_slices(device: Device, module: bytes) -> int:
+    """How many slices XLA's optimized module has: the written-out sum's taps are slices, so
+    this counts how many times the sum is computed."""
+    return _optimized(device, module).count(" slice(")
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_depthwise_sum_with_several_consumers_is_computed_once(device, batch):
+    x = RNG.standard_normal((batch, 8, 10, 10)).astype(np.float32)
+    w = RNG.standard_normal((8, 1, 7, 7)).astype(np.float32)
+    module = _module(_layer_norm_block, x, w)
+    once = rewrite_depthwise_convolutions(module)
+    copied = rewrite_depthwise_convolutions(module, computed_once=False)
+    # one identity gather for the sum, one for the kernel in [7, 7, channels] order
+    assert _text(once).count("#stablehlo.gather<") == 2 and "stablehlo.gather" not in _text(copied)
+    # XLA copies the plain sum into each consumer's fusion; the identity gather stops that
+    slices_once, slices_copied = _optimized_slices(device, once), _optimized_slices(device, copied)
+    assert 49 <= slices_once < 2 * 49 + 2 <= slices_copied
+    # and the taps' weights are read from the kernel made once in [7, 7, channels] order
+    assert "f32[7,7,8]" in _optimized(device, once) and "f32[7,7,8]" not in _optimized(device, copied)
+    (before,) = device.execute(device.compile(module), [x, w])
+    for rewritten in (once, copied):
+        (after,) = device.execute(device.compile(rewritten), [x, w])
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["channels-first", "channels-last"])
+def test_the_identity_gathers_change_nothing(device, channels_last):
+    """Each gather takes every index of the first dimension longer than 1, in order (the batch,
+    else the first spatial one, else the channels), so the result is bit for bit the sum's."""
+    for x_shape in ((3, 4, 6, 6), (1, 4, 6, 6), (1, 4, 1, 1)):
+        x = RNG.standard_normal(x_shape).astype(np.float32)
+        w = RNG.standard_normal((4, 1, 3, 3)).astype(np.float32)
+
+        def fn(x, w):
+            return (lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"),
+                                             feature_group_count=4),)
+        module = _module(fn, x, w)
+        once, copied = (rewrite_depthwise_convolutions(module, channels_last, computed_once=flag)
+                        for flag in (True, False))
+        # the kernel is made tap-major only where the sum runs over channels-last vectors
+        assert _text(once).count("#stablehlo.gather<") == (2 if channels_last else 1)
+        assert "stablehlo.gather" not in _text(copied)
+        (a,) = device.execute(device.compile(once), [x, w])
+        (b,) = device.execute(device.compile(copied), [x, w])
+        np.testing.assert_array_equal(a, b)
+
+
+def _text(module: bytes) -> str:
+    from jax._src.interpreters import mlir as jax_mlir_internal
+    from jax._src.lib.mlir import ir
+    with jax_mlir_internal.make_ir_context() as ctx:
+        return str(ir.Module.parse(module, context=ctx))
+
+
 def test_other_grouped_convolutions_and_modules_without_are_left_alone():
     x = RNG.standard_normal((1, 8, 6, 6)).astype(np.float32)
 
