@@ -208,14 +208,7 @@ def network(rounds: int, calls: int, rows: list, which: str) -> None:
             weights = {name: list(dev.put_weights(list(m.weights.read()))) for name, (dev, m) in loaded.items()}
             for batch in (1, 8):
                 x = rng.standard_normal(inputs[0].row_major(batch)).astype(np.float32)
-                tx = torch.from_numpy(x)
-                with torch.inference_mode():
-                    reference = model(tx)
-                    reference = (reference if isinstance(reference, torch.Tensor) else reference[0]).numpy()
-
-                def run_torch():
-                    with torch.inference_mode():
-                        model(tx)
+                reference, run_torch = _eager(torch, model, x)
                 sides = {"eager torch": run_torch}
                 errors = {}
                 for name, (dev, m) in loaded.items():
@@ -317,14 +310,7 @@ def convnext(rounds: int, calls: int, rows: list, batches: tuple[int, ...] = (8,
                        for name, m in loaded.items()}
             for batch in batches:
                 x = rng.standard_normal(spec.row_major(batch)).astype(np.float32)
-                tx = torch.from_numpy(x)
-                with torch.inference_mode():
-                    reference = model(tx)
-                    reference = (reference if isinstance(reference, torch.Tensor) else reference[0]).numpy()
-
-                def run_torch():
-                    with torch.inference_mode():
-                        model(tx)
+                reference, run_torch = _eager(torch, model, x)
                 sides = {"eager torch": run_torch}
                 errors = {}
                 for name, m in loaded.items():
@@ -392,6 +378,19 @@ def grouped(rounds: int, calls: int, rows: list) -> None:
               flush=True)
         _report(case, _race(sides, rounds, calls), errors, rows)
 
+
+
+def _eager(torch, model, x: np.ndarray):
+    """Eager PyTorch's first output for ``x`` (as NumPy) and a call that runs the model again."""
+    tx = torch.from_numpy(x)
+    with torch.inference_mode():
+        out = model(tx)
+        reference = (out if isinstance(out, torch.Tensor) else out[0]).numpy()
+
+    def run_torch():
+        with torch.inference_mode():
+            model(tx)
+    return reference, run_torch
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
