@@ -184,6 +184,7 @@ class H2Connection:
         self._checked: tuple | None = None          # the last request field tuple found well-formed
         # timers (tick)
         self._phase = 0                             # 0: handshake, 1: running, 2: done
+        self.idle_expired = False                   # tick() went away for idle_timeout_seconds
         self._started_at: float | None = None
         self._ping_at: float | None = None
         self._reads_at_ping = 0
@@ -333,6 +334,7 @@ class H2Connection:
                 self._idle_since, self._idle_count = now, self.streams_opened
             elif now - self._idle_since >= idle:
                 self._phase = 2
+                self.idle_expired = True
                 self.go_away()
                 return math.inf
             wake = min(wake, self._idle_since + idle)
