@@ -25,7 +25,7 @@ Bytes out: everything to send is appended to ``out`` (a bytearray), and the hand
 ``stopped = True`` drops all later output (a connection that is closing).
 
 Handler (any object; :class:`Handler` has no-op defaults), called from inside ``receive`` and the
-sending methods:
+sending methods (``end_stream`` is truthy when the frame carried END_STREAM):
 
 - ``stream_opened(sid, headers, end_stream)`` (server mode): a request's header block, already
   checked (stream id order, ``max_concurrent_streams``, malformed fields). The handler registers
@@ -104,7 +104,9 @@ _END = ("end",)         # a pending item: END_STREAM on the DATA before it; trai
 
 class Stream:
     """One stream's HTTP/2 state; the layer above subclasses it (adding its own slots) so that
-    a request is one object. ``pending``: DATA (and the end) waiting for window."""
+    a request is one object (a subclass's ``__init__`` may set these five itself instead of
+    calling this one: one call less per request). ``pending``: DATA (and the end) waiting for
+    window."""
 
     __slots__ = ("id", "state", "send_window", "pending", "unacked")
 
@@ -120,9 +122,9 @@ class Handler:
     """The calls an :class:`H2Connection` makes (see the module docstring); all do nothing."""
 
     def output_ready(self) -> None: pass
-    def stream_opened(self, sid: int, headers: tuple, end_stream: bool) -> None: pass
-    def headers_received(self, stream: Stream, headers: tuple, end_stream: bool) -> None: pass
-    def data_received(self, stream: Stream, data, end_stream: bool) -> None: pass
+    def stream_opened(self, sid: int, headers: tuple, end_stream: int) -> None: pass
+    def headers_received(self, stream: Stream, headers: tuple, end_stream: int) -> None: pass
+    def data_received(self, stream: Stream, data, end_stream: int) -> None: pass
     def stream_reset(self, stream: Stream, code: int, remote: bool) -> None: pass
     def stream_closed(self, stream: Stream) -> None: pass
     def stream_drained(self, stream: Stream) -> None: pass
@@ -163,6 +165,8 @@ class H2Connection:
         self.peer_max_streams = MAX_WINDOW
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0                       # connection-level bytes received, not yet returned
+        self._conn_half = conn_window // 2          # returned (WINDOW_UPDATE) once this much arrived...
+        self._stream_half = stream_window // 2      # ...on the connection, on a stream
         self.blocked: dict[int, Stream] = {}        # streams with output waiting for window
         self.waiting_bytes = 0                      # DATA bytes waiting for window, all streams
         self.out = bytearray()
@@ -611,7 +615,7 @@ class H2Connection:
                     return
             if end_stream:
                 stream.state |= HALF_CLOSED_REMOTE
-            self._headers_received(stream, headers, bool(end_stream))
+            self._headers_received(stream, headers, end_stream)
             if stream.state == _BOTH:
                 self._close(stream)
             return
@@ -648,14 +652,14 @@ class H2Connection:
                 self.refuse(sid, PROTOCOL_ERROR)
                 return
             self._checked = headers
-        self._stream_opened(sid, headers, bool(end_stream))
+        self._stream_opened(sid, headers, end_stream)
 
     def _on_data(self, flags: int, sid: int, payload) -> None:
         if sid == 0:
             raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
         length = len(payload)
         self.recv_unacked += length
-        if self.recv_unacked >= self.conn_window // 2:
+        if self.recv_unacked >= self._conn_half:
             self.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
             self.recv_unacked = 0
         stream = self.streams.get(sid)
@@ -682,7 +686,7 @@ class H2Connection:
             if not length:
                 self.glitch("an empty DATA frame")
             stream.unacked += length
-            if stream.unacked >= self.stream_window // 2:
+            if stream.unacked >= self._stream_half:
                 self.write(frame(WINDOW_UPDATE, 0, sid, U32.pack(stream.unacked)))
                 stream.unacked = 0
 
@@ -790,8 +794,22 @@ class H2Connection:
         they end this side."""
         stream.send_window -= flow
         self.send_window -= flow
-        self.write(frames)
-        if end_stream:
+        if not self.stopped:            # (write, inlined: the server's reply to every unary call)
+            self.out += frames
+            self._output_ready()
+        if not end_stream:
+            return
+        if stream.state == HALF_CLOSED_REMOTE:
+            # a reply to a whole request (the common case), closed here without more calls
+            stream.state = CLOSED
+            sid = stream.id
+            del self.streams[sid]
+            if self.blocked:
+                self.blocked.pop(sid, None)
+            self._stream_closed(stream)
+            if self.going_away and not self.streams:
+                self._quiet()
+        else:
             self._ended(stream)
 
     def reset(self, stream: Stream, code: int) -> None:
