@@ -618,6 +618,24 @@ def test_keepalive_ping_and_its_timeout():
     assert b"endpoints.keepalive_timeout_seconds" in goaway(exc, h2)[2]
 
 
+def test_a_write_that_makes_no_progress():
+    limits = H2Limits(handshake_timeout_seconds=1, keepalive_interval_seconds=0, idle_timeout_seconds=0,
+                      write_timeout_seconds=60)
+    h2, _, clock = server(limits)
+    assert h2.tick() == 101.0                               # the handshake's end
+    clock.now = 101.0
+    assert h2.tick() == float("inf")                        # nothing being written: no clock
+    assert h2.tick(writing_since=101.0) == 161.0
+    clock.now = 160.9
+    assert h2.tick(writing_since=101.0) == 161.0
+    assert h2.tick(writing_since=150.0) == 210.0            # progress: the clock starts again
+    clock.now = 161.0
+    with pytest.raises(ConnectionError_) as exc:
+        h2.tick(writing_since=101.0)
+    _, code, debug = goaway(exc, h2)
+    assert code == ENHANCE_YOUR_CALM and b"endpoints.write_timeout_seconds" in debug
+
+
 def test_idle_connections_go_away():
     limits = H2Limits(handshake_timeout_seconds=1, keepalive_interval_seconds=0, idle_timeout_seconds=300)
     h2, handler, clock = server(limits)

@@ -64,7 +64,7 @@ from xlaserve.frontend.guard import LineLimiter, serve_guarded
 from xlaserve.http2.connection import HALF_CLOSED_REMOTE, OPEN, H2Connection, Handler, Stream
 from xlaserve.http2.frames import (
     DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, ERROR_NAMES, FRAME_HEADER, GOAWAY, HEADERS, PREFACE,
-    PROTOCOL_ERROR, SETTINGS, U32, ConnectionError_, H2Limits, calm, frame,
+    PROTOCOL_ERROR, SETTINGS, U32, ConnectionError_, H2Limits, frame,
 )
 from xlaserve.frontend.sockread import read_when_ready
 from xlaserve.frontend.statuses import status_of
@@ -459,9 +459,9 @@ class Connection(Handler):
         self.out_ready.set()
 
     async def _watch(self) -> None:
-        """The connection's clocks: the engine's (handshake, keep-alive, idle: ``H2Connection.tick``),
-        the writer's progress and the read buffer's pages. Each ends the connection when it runs
-        out (``closing``, then the reader is stopped)."""
+        """The connection's clocks: the engine's (handshake, keep-alive, idle and the writer's
+        progress: ``H2Connection.tick``) and the read buffer's pages. A clock that runs out ends
+        the connection (``closing``, then the reader is stopped)."""
         h2 = self.h2
         write = self.limits.write_timeout_seconds
         with self.watch_scope:
@@ -471,15 +471,17 @@ class Connection(Handler):
                 while True:
                     now = trio.current_time()
                     # keep-alive not while the reader waits on the writer, or on the server's
-                    # undecoded bound: the client's answer would not be read
-                    wake = h2.tick(now, self.writable is None and not self.paused)
+                    # undecoded bound: the client's answer would not be read. A writer stuck past
+                    # write_timeout_seconds stays in its send until the close's short flush ends it.
+                    wake = h2.tick(now, self.writable is None and not self.paused,
+                                   self.write_progress_at if self.sending else None)
                     if h2.idle_expired:
                         log.debug("closing a gRPC connection idle for %g s (endpoints.idle_timeout_seconds)",
                                   self.limits.idle_timeout_seconds)
                         return
                     if h2.out:
                         self.flush()                        # a keep-alive PING
-                    # how often the writer's progress and the read buffer are looked at
+                    # how often a write that began since, and the read buffer, are looked at
                     wake = min(wake, now + min(write / 2, READ_BUFFER_LOOK_SECONDS))
                     if h2.reads != released_at_reads:
                         quiet_at = h2.received_at + READ_BUFFER_RELEASE_SECONDS
@@ -488,10 +490,6 @@ class Connection(Handler):
                             release_pages(self.read_buffer, self.read_end)
                         else:
                             wake = min(wake, quiet_at)
-                    if self.sending and now - self.write_progress_at >= write:
-                        # the writer stays stuck in its send until the close's short flush ends it
-                        raise calm(f"a write to the client made no progress for {write:g} s (it does not read)",
-                                   "write_timeout_seconds", f"{write:g} s")
                     await trio.sleep_until(wake)
             except ConnectionError_ as exc:
                 self._end(exc)

@@ -57,8 +57,8 @@ whose peer has not ended its own closes it in server mode with RST_STREAM NO_ERR
 need not be sent on: RFC 9113 8.1); in client mode the stream waits half-closed for the response.
 
 Clock: ``clock`` (injected; the Trio driver passes ``trio.current_time``) times the glitch bucket
-and the read that ``note_read()`` records. ``tick(now)`` runs the handshake, keep-alive and idle
-timers: it raises ConnectionError_ when the handshake or a keep-alive PING ran out, writes a PING
+and the read that ``note_read()`` records. ``tick(now)`` runs the handshake, keep-alive, idle and
+write-progress timers: it raises ConnectionError_ when the handshake or a keep-alive PING ran out, writes a PING
 when one is due, goes away (GOAWAY NO_ERROR) when idle, and returns when it wants to be called
 next. Its first call starts the handshake clock. Tests drive all of it with a fake clock and
 bytes, with no socket and no sleep.
@@ -290,13 +290,16 @@ class H2Connection:
     def ping(self, payload: bytes = KEEPALIVE_PING) -> None:
         self.write(frame(PING, 0, 0, payload))
 
-    def tick(self, now: float | None = None, reading: bool = True) -> float:
+    def tick(self, now: float | None = None, reading: bool = True, writing_since: float | None = None) -> float:
         """Run the connection's clocks at ``now`` (default: the clock): the handshake (the peer's
         SETTINGS within ``handshake_timeout_seconds`` of the first tick), keep-alive (a PING once
         nothing was read for ``keepalive_interval_seconds``, the connection closed when nothing
         follows within ``keepalive_timeout_seconds``; not while ``reading`` is False: the answer
-        would not be read) and idle (no stream for ``idle_timeout_seconds``: :meth:`go_away`).
-        Raises ConnectionError_ for a clock that ran out; returns when to tick next (inf: never)."""
+        would not be read), the driver's write (``writing_since``: when the write it is stuck in
+        last made progress, None when it is not writing; a peer that does not read is cut off after
+        ``write_timeout_seconds``) and idle (no stream for ``idle_timeout_seconds``:
+        :meth:`go_away`). Raises ConnectionError_ for a clock that ran out; returns when to tick
+        next (inf: never)."""
         if now is None:
             now = self.clock()
         limits = self.limits
@@ -315,6 +318,12 @@ class H2Connection:
         elif self._phase == 2:
             return math.inf
         wake = math.inf
+        if writing_since is not None:
+            write = limits.write_timeout_seconds
+            if now - writing_since >= write:
+                raise calm(f"a write to the {self.peer_name} made no progress for {write:g} s (it does not read)",
+                           "write_timeout_seconds", f"{write:g} s")
+            wake = writing_since + write
         interval, answer = limits.keepalive_interval_seconds, limits.keepalive_timeout_seconds
         if interval > 0 and reading:
             if self._ping_at is not None and self.reads != self._reads_at_ping:
@@ -324,14 +333,14 @@ class H2Connection:
                 if now >= due:
                     self._ping_at, self._reads_at_ping = now, self.reads
                     self.ping()
-                    wake = now + answer
+                    wake = min(wake, now + answer)
                 else:
-                    wake = due
+                    wake = min(wake, due)
             elif now >= self._ping_at + answer:
                 raise calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
                            "keepalive_timeout_seconds", f"{answer:g} s")
             else:
-                wake = self._ping_at + answer
+                wake = min(wake, self._ping_at + answer)
         idle = limits.idle_timeout_seconds
         if idle > 0:
             if self.streams or self.zombies or self.streams_opened != self._idle_count:
