@@ -3,7 +3,12 @@
 Why not grpclib: per request, grpclib's HTTP/2 stack (h2, hpack, its stream objects, one asyncio
 task each) and the asyncio <-> Trio guest-run hand-offs cost about two thirds of the worker's
 CPU; see "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md for the numbers. This module
-does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
+does only what gRPC needs, with the gRPC clients' usual traffic on a short path.
+
+HTTP/2 itself (frames, SETTINGS, stream states, header blocks, flow control, every limit and
+clock of :class:`H2Limits`) is the sans-IO engine :class:`xlaserve.http2.connection.H2Connection`
+in server mode; a :class:`Connection` here is its Trio driver (sockets, tasks, buffers, write
+batches, TLS) and, as the engine's handler, the gRPC call lifecycle on top of it.
 
 - A connection is three Trio tasks: a reader that parses frames as they arrive (in turns, so that
   one busy connection cannot hold the others back), a writer that sends whatever accumulated since
@@ -17,7 +22,7 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
   ``send_message``, ``deadline``, ``metadata``; a :class:`grpclib.exceptions.GRPCError` it
   raises becomes the call's status. Services are grpclib-generated bases, routed through their
   ``__mapping__``.
-- Header blocks are decoded by :mod:`xlaserve.frontend.hpack` (which caches the repeated blocks
+- Header blocks are decoded by :mod:`xlaserve.http2.hpack` (which caches the repeated blocks
   gRPC clients send); responses use fixed, stateless header encodings.
 - Flow control both ways: the peer's windows and frame size are honoured (a reply larger than
   the window waits for WINDOW_UPDATE); our receive windows are replenished as data is consumed.
@@ -30,7 +35,7 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
 
 The gRPC layer above HTTP/2 (reading a request head and refusing what cannot be served, cutting a
 body into messages, decompression, reply framing and trailers) is the sans-IO module
-:mod:`xlaserve.frontend.grpc_protocol`; this module is HTTP/2 and the Trio driver around it.
+:mod:`xlaserve.frontend.grpc_protocol`; the HTTP/2 below it is :mod:`xlaserve.http2`.
 
 - TLS (``GrpcServer.serve(ssl_context=...)``): a connection's stream is a ``trio.SSLStream``
   whose handshake (bounded in time, ALPN ``h2`` required) is :mod:`xlaserve.frontend.tls`'s. The
