@@ -803,3 +803,14 @@ def test_client_end_stream_alone_behind_waiting_data():
     h2.feed(frame(WINDOW_UPDATE, 0, 1, u32(10)))
     assert frames_of(h2.data_to_send()) == [(DATA, 0, 1, b"efgh"), (DATA, END_STREAM, 1, b"")]
     assert stream.state == HALF_CLOSED_LOCAL
+
+
+def test_the_engine_imports_no_io_and_nothing_of_the_server():
+    """Sans-IO in fact: importing the engine loads no Trio, no socket layer of xlaserve."""
+    import subprocess
+    import sys
+    code = ("import sys, xlaserve.http2.connection; "
+            "bad = sorted(m for m in sys.modules if m in ('trio', 'socket', 'ssl') or m.startswith("
+            "('xlaserve.frontend', 'xlaserve.gateway', 'xlaserve.worker'))); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
