@@ -210,16 +210,16 @@ def test_an_unexpected_accept_error_is_retried_not_fatal(faulty, caplog):
 def test_a_bug_in_a_connection_is_logged_once_with_its_traceback(make_server, caplog, monkeypatch):
     """An exception no peer should be able to cause (a bug in the reader) closes that
     connection only: its traceback is logged the first time, later ones are one line."""
-    import xlaserve.frontend.grpc_server as grpc_server_module
+    from xlaserve.http2.connection import H2Connection
 
     server = make_server()
-    original = grpc_server_module.Connection._on_settings
+    original = H2Connection._on_settings
 
     def broken(self, flags, sid, payload):
         if payload == b"\x00\x63\x00\x00\x00\x01":     # an unknown setting 0x63 marks the victims
             raise ZeroDivisionError("a bug")
         return original(self, flags, sid, payload)
-    monkeypatch.setattr(grpc_server_module.Connection, "_on_settings", broken)
+    monkeypatch.setattr(H2Connection, "_on_settings", broken)
     with caplog.at_level(logging.ERROR, logger="xlaserve.grpc"):
         for _ in range(3):
             victim = server.connect({0x63: 1})
@@ -278,7 +278,7 @@ def rss_bytes(pid: int) -> int:
 def idle_connections(port: int, count: int) -> list[socket.socket]:
     """``count`` connections that send the preface and SETTINGS and then nothing; returned once
     the server has answered each (so each has been set up)."""
-    from xlaserve.frontend.grpc_server import PREFACE
+    from xlaserve.http2.frames import PREFACE
     socks = []
     for _ in range(count):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -331,7 +331,8 @@ def test_a_quiet_connection_gives_its_read_buffer_back():
     and holds those bytes. Once it has been quiet for READ_BUFFER_RELEASE_SECONDS (mock clock)
     the pages past its unread bytes are given back: they read as zeros."""
     from tests.test_h2_limits import connect, on_mock_clock
-    from xlaserve.frontend.grpc_server import PING, READ_BUFFER_LOOK_SECONDS, READ_BUFFER_RELEASE_SECONDS, frame
+    from xlaserve.http2.frames import PING, frame
+    from xlaserve.frontend.grpc_server import READ_BUFFER_LOOK_SECONDS, READ_BUFFER_RELEASE_SECONDS
 
     async def body(port, server):
         raw = await connect(port)
