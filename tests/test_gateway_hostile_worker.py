@@ -9,24 +9,33 @@ and what the gateway holds stays bounded however much the worker sends.
 Timed cases run on Trio's autojump clock: a 60 s timeout passes at once, no test sleeps."""
 from __future__ import annotations
 
-import math
+import functools
 import struct
 import tracemalloc
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
+import tritonclient.grpc as grpcclient
 from grpclib.const import Status
+from tritonclient.utils import InferenceServerException
 
 from tests.h2attacks import error_name, header_frames, settings_frame
+from tests.test_gateway_e2e import GatewayThread
+from tests.test_gateway_e2e import config as gateway_config
+from tests.trio_thread import TrioServerThread
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.frontend.grpc_protocol import RESPONSE_HEADERS, framed, trailers
 from xlaserve.frontend.grpc_server import (
     ACK, CANCEL, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, INTERNAL_ERROR, PING, PREFACE,
     RST_STREAM, SETTINGS, WINDOW_UPDATE, frame,
 )
 from xlaserve.frontend.hpack import Decoder, encode
+from xlaserve.gateway.run import Gateway, WorkerAddress
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
 
 PATH = "/test.Echo/Unary"
@@ -55,6 +64,7 @@ class WorkerConn:
     decoder: Decoder = field(default_factory=lambda: Decoder(max_header_list_size=1 << 20))
     _paths: dict[int, str] = field(default_factory=dict)
     _bodies: dict[int, bytearray] = field(default_factory=dict)
+    _sending: trio.Lock = field(default_factory=trio.Lock)       # a script's tasks take turns to send
 
     async def read_frame(self) -> tuple[int, int, int, bytes] | None:
         """The gateway's next frame (type, flags, stream id, payload); None once it closed."""
@@ -107,7 +117,8 @@ class WorkerConn:
         return None
 
     async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
+        async with self._sending:
+            await self.stream.send_all(data)
 
     async def reply(self, sid: int, message: bytes, status: Status = Status.OK, text: str | None = None) -> None:
         await self.send(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS) + frame(DATA, 0, sid, framed(message))
@@ -298,3 +309,352 @@ async def _trickle() -> None:
         # the same connection goes on serving
         reply = await upstream.request(PATH, b"quick")
         assert isinstance(reply, Reply) and reply.messages() == [b"echo:quick"] and upstream.connects == 1
+
+
+# ---- protocol violations and floods: the connection is closed with GOAWAY ------------------------
+async def _attacked(attack, code: int, words: tuple[str, ...], *, reads: bool = True, calls: int = 2,
+                    measure: bool = False, **options) -> list:
+    """Two calls in flight on a connection whose worker then runs ``attack(conn, requests)``
+    (reading the gateway's frames meanwhile unless ``reads`` is False). Checks: every call still
+    in flight fails UNAVAILABLE with a message holding one of ``words``; the gateway sent GOAWAY
+    with ``code`` and closed the connection; another worker was served meanwhile; the gateway
+    connects again and is served; with ``measure``, what the process allocated at its peak stayed
+    under HOLD_BOUND. Returns the calls' outcomes."""
+    async def attacker(conn: WorkerConn) -> None:
+        await conn.handshake()
+        requests = [await conn.request() for _ in range(calls)]
+        if not reads:
+            await attack(conn, requests)
+            await conn.closed()
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attack, conn, requests)
+            await conn.closed()
+            nursery.cancel_scope.cancel()
+
+    outcomes: list = [None] * calls
+    async with bystander(), upstream_to(attacker, well_behaved, **options) as (upstream, conns):
+        if measure:
+            tracemalloc.start()
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(calls):
+                    async def one(i=i) -> None:
+                        outcomes[i] = await upstream.request(PATH, b"victim %d" % i)
+                    nursery.start_soon(one)
+                    await trio.sleep(0)
+            with trio.fail_after(120):
+                while not conns[0].eof:
+                    await trio.sleep(0.01)
+            if measure:
+                peak = tracemalloc.get_traced_memory()[1]
+                assert peak < HOLD_BOUND, f"{peak} bytes allocated at the peak"
+        finally:
+            if measure:
+                tracemalloc.stop()
+        goaway = conns[0].goaway
+        assert goaway is not None and error_name(goaway[1]) == error_name(code), goaway
+        failed = [o for o in outcomes if isinstance(o, UpstreamError)]
+        assert failed, outcomes
+        for outcome in failed:
+            assert outcome.status is Status.UNAVAILABLE, outcome.message
+            assert any(w.lower() in outcome.message.lower() for w in words), (words, outcome.message)
+        assert any(w.lower() in upstream.last_error.lower() for w in words) or upstream.up
+        await served_again(upstream)
+    return outcomes
+
+
+def _u32(value: int) -> bytes:
+    return struct.pack(">I", value)
+
+
+def _repeat(one: bytes, count: int, chunk: int = 1 << 20) -> list[bytes]:
+    """``count`` copies of ``one`` as a few sends of about ``chunk`` bytes (one object reused)."""
+    per = max(1, chunk // len(one))
+    block = one * per
+    out = [block] * (count // per)
+    if count % per:
+        out.append(one * (count % per))
+    return out
+
+
+async def _send_all(conn: WorkerConn, parts: list[bytes]) -> None:
+    for part in parts:
+        await conn.send(part)
+
+
+def _settings_flood(conn, requests):
+    return _send_all(conn, _repeat(frame(SETTINGS, 0, 0), 200_000))
+
+
+def _ping_flood(conn, requests):
+    return _send_all(conn, _repeat(frame(PING, 0, 0, b"12345678"), 1_500_000))
+
+
+def _rst_flood(conn, requests):
+    # the first call is reset, then its (closed) stream again and again
+    return _send_all(conn, _repeat(frame(RST_STREAM, 0, requests[0].sid, _u32(CANCEL)), 200_000))
+
+
+async def _empty_data_flood(conn, requests):
+    await conn.send(frame(HEADERS, END_HEADERS, requests[0].sid, RESPONSE_HEADERS))
+    await _send_all(conn, _repeat(frame(DATA, 0, requests[0].sid), 200_000))
+
+
+async def _oversized_frame(conn, requests):
+    allowed = conn.settings.get(5, 16384)               # the gateway's SETTINGS_MAX_FRAME_SIZE
+    await conn.send(frame(HEADERS, END_HEADERS, requests[0].sid, RESPONSE_HEADERS)
+                    + struct.pack(">IBI", (allowed + 1) << 8 | DATA, 0, requests[0].sid))
+    await _send_all(conn, _repeat(b"x" * 1024, allowed // 1024 + 1))
+
+
+async def _header_list_bomb(conn, requests):
+    # one 4000-byte field put in the worker's dynamic table, then named 2000 times by its index:
+    # a 4 KB block that decodes to an 8 MB header list
+    insert = b"\x40" + bytes([len(b"x-big")]) + b"x-big" + b"\x7f" + _hpack_len(4000) + b"v" * 4000
+    block = encode([(":status", "200")]) + insert + b"\xbe" * 2000        # 0xbe: index 62, the newest entry
+    await conn.send(header_frames(requests[0].sid, block, conn.settings.get(5, 16384)))
+
+
+def _hpack_len(value: int) -> bytes:
+    """The bytes after a 7-bit prefix of 127 that encode ``value`` (RFC 7541 5.1)."""
+    value -= 127
+    out = bytearray()
+    while value >= 128:
+        out.append(value % 128 | 128)
+        value //= 128
+    out.append(value)
+    return bytes(out)
+
+
+async def _endless_continuation(conn, requests):
+    await conn.send(frame(HEADERS, 0, requests[0].sid, RESPONSE_HEADERS))
+    await _send_all(conn, _repeat(frame(CONTINUATION, 0, requests[0].sid, b"\x00" * 1024), 60_000))
+
+
+def _window_update(sid_of, increment):
+    async def attack(conn, requests):
+        await conn.send(frame(WINDOW_UPDATE, 0, sid_of(requests), _u32(increment)))
+    return attack
+
+
+def _settings(payload: bytes):
+    async def attack(conn, requests):
+        await conn.send(frame(SETTINGS, 0, 0, payload))
+    return attack
+
+
+async def _push_promise(conn, requests):
+    block = encode([(":method", "GET"), (":scheme", "http"), (":path", "/pushed"), (":authority", "x")])
+    await conn.send(frame(5, END_HEADERS, requests[0].sid, _u32(2) + block))
+
+
+async def _data_on_idle_stream(conn, requests):
+    await conn.send(frame(DATA, 0, requests[-1].sid + 2, framed(b"for nobody")))
+
+
+async def _headers_on_idle_stream(conn, requests):
+    await conn.send(frame(HEADERS, END_HEADERS, requests[-1].sid + 2, RESPONSE_HEADERS))
+
+
+async def _headers_on_even_stream(conn, requests):
+    await conn.send(frame(HEADERS, END_HEADERS, 2, RESPONSE_HEADERS))
+
+
+CONNECTION_ATTACKS = {
+    # name: (attack, GOAWAY code, words one of which the calls' error holds, keyword arguments)
+    "settings flood": (_settings_flood, 0xB, ("SETTINGS",), {"measure": True}),
+    "ping flood, acks never read": (_ping_flood, 0xB, ("PING",), {"reads": False, "measure": True}),
+    "rst_stream flood": (_rst_flood, 0xB, ("RST_STREAM", "reset"), {"measure": True}),
+    "empty data flood": (_empty_data_flood, 0xB, ("empty DATA",), {"measure": True}),
+    "oversized frame": (_oversized_frame, 0x6, ("frame of",), {"measure": True}),
+    "header list bomb": (_header_list_bomb, 0xB, ("header list", "header block"), {"measure": True}),
+    "endless continuation": (_endless_continuation, 0xB, ("CONTINUATION", "header block"), {"measure": True}),
+    "window_update 0 on the connection": (_window_update(lambda r: 0, 0), 0x1, ("WINDOW_UPDATE",), {}),
+    "window_update past 2^31-1 on the connection": (_window_update(lambda r: 0, 2**31 - 1), 0x3, ("window",), {}),
+    "settings initial window past 2^31-1": (_settings(struct.pack(">HI", 4, 2**31)), 0x3,
+                                            ("INITIAL_WINDOW_SIZE",), {}),
+    "settings max frame below 16384": (_settings(struct.pack(">HI", 5, 16383)), 0x1, ("MAX_FRAME_SIZE",), {}),
+    "settings max frame past 2^24-1": (_settings(struct.pack(">HI", 5, 2**24)), 0x1, ("MAX_FRAME_SIZE",), {}),
+    "settings enable push from a server": (_settings(struct.pack(">HI", 2, 1)), 0x1, ("ENABLE_PUSH",), {}),
+    "settings length not a multiple of 6": (_settings(b"\x00\x04\x00\x01\x00"), 0x6, ("multiple of 6",), {}),
+    "push_promise": (_push_promise, 0x1, ("PUSH_PROMISE",), {}),
+    "data on a stream never opened": (_data_on_idle_stream, 0x1, ("idle stream", "never opened"), {}),
+    "headers on a stream never opened": (_headers_on_idle_stream, 0x1, ("idle stream", "never opened"), {}),
+    "headers on an even stream": (_headers_on_even_stream, 0x1, ("stream 2",), {}),
+}
+
+
+# ---- stream errors: that call fails, the connection goes on --------------------------------------
+async def _stream_attacked(attack, words: tuple[str, ...], *, status: Status = Status.UNAVAILABLE,
+                           reset: int | None = None, measure: bool = False, **options) -> UpstreamError:
+    """One call whose worker answers it with ``attack(conn, request)`` (reading the gateway's frames
+    meanwhile) and then behaves. Checks: the call fails with ``status`` and a message holding one of
+    ``words``; its stream was reset with ``reset`` (when given); the same connection serves the next
+    call; with ``measure``, what the process allocated at its peak stayed under HOLD_BOUND."""
+    async def attacker(conn: WorkerConn) -> None:
+        await conn.handshake()
+        request = await conn.request()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attack, conn, request)
+            await serve_echo(conn)
+            nursery.cancel_scope.cancel()
+
+    async with upstream_to(attacker, **options) as (upstream, conns):
+        if measure:
+            tracemalloc.start()
+        try:
+            outcome = await upstream.request(PATH, b"victim")
+            if measure:
+                peak = tracemalloc.get_traced_memory()[1]
+                assert peak < HOLD_BOUND, f"{peak} bytes allocated at the peak"
+        finally:
+            if measure:
+                tracemalloc.stop()
+        assert isinstance(outcome, UpstreamError) and outcome.status is status, outcome
+        assert any(w.lower() in outcome.message.lower() for w in words), (words, outcome.message)
+        if reset is not None:
+            with trio.fail_after(5):
+                while 1 not in conns[0].resets:
+                    await trio.sleep(0.01)
+            assert error_name(conns[0].resets[1]) == error_name(reset)
+        reply = await upstream.request(PATH, b"next")
+        assert isinstance(reply, Reply) and reply.messages() == [b"echo:next"], reply
+        assert upstream.connects == 1 and len(conns) == 1 and not conns[0].eof
+    return outcome
+
+
+async def _stream_window_update(conn, request, increment):
+    await conn.send(frame(WINDOW_UPDATE, 0, request.sid, _u32(increment)))
+
+
+async def _oversized_reply(conn, request):
+    # a message announcing 64 MiB, sent in frames the gateway allows, for as long as it takes them
+    await conn.send(frame(HEADERS, END_HEADERS, request.sid, RESPONSE_HEADERS)
+                    + frame(DATA, 0, request.sid, struct.pack(">BI", 0, 64 << 20)))
+    chunk = frame(DATA, 0, request.sid, b"y" * 16384)
+    while request.sid not in conn.resets:
+        await conn.send(chunk * 16)
+
+
+async def _silent_worker() -> None:
+    async def silent(conn: WorkerConn) -> None:
+        await conn.closed()             # reads what the gateway sends, says nothing
+
+    async with fake_worker(silent, well_behaved) as (port, conns), trio.open_nursery() as nursery:
+        upstream = Upstream("w", "127.0.0.1", port)
+        nursery.start_soon(upstream.run)
+        with trio.fail_after(1):
+            while not conns:
+                await trio.sleep(0.01)
+        await trio.sleep(1)
+        assert not upstream.up and "SETTINGS" in upstream.last_error
+        outcome = await upstream.request(PATH, b"too early")
+        assert isinstance(outcome, UpstreamError) and outcome.status is Status.UNAVAILABLE and outcome.unprocessed
+        assert "SETTINGS" in outcome.message
+        with trio.fail_after(30):
+            while not conns[0].eof:
+                await trio.sleep(0.01)
+        assert "SETTINGS" in upstream.last_error and "handshake" in upstream.last_error
+        await served_again(upstream)
+        nursery.cancel_scope.cancel()
+
+
+# ---- the real gateway in front of hostile workers, called by the Triton client -------------------
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+WATCH_STATUS = "/xlaserve.control.WorkerControl/WatchStatus"
+
+
+def _infer_reply(worker: str) -> bytes:
+    reply = pb.ModelInferResponse(model_name="mlp", model_version="1", id=worker)
+    reply.outputs.add(name="output", datatype="FP32", shape=[1, 2])
+    reply.raw_output_contents.append(struct.pack("<2f", 1.0, 2.0))
+    return reply.SerializeToString()
+
+
+def _fake_worker_serving_mlp(name: str, on_infer):
+    """A fake worker's script: it reports model ``mlp`` READY on the gateway's status stream every
+    0.2 s and answers ModelInfer with ``on_infer(conn, request)`` (which returns False to stop
+    reading the connection)."""
+    status = cpb.ModelControlStatusResponse(worker=name, discipline="fifo",
+                                            models=[cpb.ModelControl(name="mlp", state="READY", version=1)])
+    status_frame = framed(status.SerializeToString())
+
+    async def script(conn: WorkerConn) -> None:
+        await conn.handshake()
+        async with trio.open_nursery() as nursery:
+            while (req := await conn.request()) is not None:
+                if req.path == WATCH_STATUS:
+                    async def report(sid=req.sid) -> None:
+                        await conn.send(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
+                        while True:
+                            await conn.send(frame(DATA, 0, sid, status_frame))
+                            await trio.sleep(0.2)
+                    nursery.start_soon(report)
+                elif req.path == MODEL_INFER:
+                    if await on_infer(conn, req) is False:
+                        break
+                else:
+                    await conn.send(frame(HEADERS, END_HEADERS | END_STREAM, req.sid,
+                                          trailers(Status.UNIMPLEMENTED, f"{req.path} is not faked")))
+            nursery.cancel_scope.cancel()
+    return script
+
+
+class GatewayOverFakes(GatewayThread):
+    """The real gateway (round robin) in a thread, in front of fake workers served by the same
+    Trio run: worker ``i`` runs ``scripts[i]`` on each connection."""
+
+    def __init__(self, *scripts) -> None:
+        self.scripts = scripts
+        self.connections: list[list[WorkerConn]] = [[] for _ in scripts]
+        TrioServerThread.__init__(self)
+        self.url = f"127.0.0.1:{self.port}"
+
+    async def _serve(self, nursery: trio.Nursery) -> int:
+        workers = []
+        for i, script in enumerate(self.scripts):
+            async def handler(stream: trio.SocketStream, script=script, conns=self.connections[i]) -> None:
+                conn = WorkerConn(stream)
+                conns.append(conn)
+                try:
+                    await script(conn)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            workers.append(WorkerAddress(f"worker{i}", "127.0.0.1", listeners[0].socket.getsockname()[1]))
+        self.gateway = Gateway(workers, gateway_config("round_robin"))
+        grpc_port, _ = await nursery.start(self.gateway.run)
+        return grpc_port
+
+
+async def _answer(conn: WorkerConn, req: Request) -> None:
+    await conn.reply(req.sid, _infer_reply("worker1"))
+
+
+def _mlp_inputs():
+    inputs = [grpcclient.InferInput("input", [1, 512], "FP32")]
+    inputs[0].set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
+    return inputs
+
+
+def test_through_the_gateway_a_worker_going_away_mid_call_has_its_unprocessed_calls_retried_on_another():
+    async def going_away(conn: WorkerConn, req: Request) -> bool:
+        # every ModelInfer is refused with GOAWAY naming the status stream (1) as the last processed
+        await conn.send(frame(GOAWAY, 0, 0, struct.pack(">II", 1, 0) + b"draining")
+                        + frame(HEADERS, END_HEADERS | END_STREAM, 1, trailers(Status.OK, None)))
+        return False
+
+    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", going_away),
+                               _fake_worker_serving_mlp("worker1", _answer))
+    try:
+        gateway.wait_ready(models=1)
+        client = grpcclient.InferenceServerClient(gateway.url)
+        for _ in range(4):
+            result = client.infer("mlp", _mlp_inputs())
+            assert result.get_response().id == "worker1"
+            assert result.as_numpy("output").tolist() == [[1.0, 2.0]]
+        assert trio.from_thread.run_sync(lambda: gateway.gateway.service.errors.get("retried", 0),
+                                         trio_token=gateway.token) >= 1
+    finally:
+        gateway.stop()
