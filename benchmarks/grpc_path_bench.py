@@ -22,7 +22,8 @@ import trio
 
 from benchmarks.transport_bench import echo_service
 from xlaserve._proto import grpc_service_pb2 as pb
-from xlaserve.frontend.grpc_server import DATA, END_HEADERS, END_STREAM, HEADERS, Connection, GrpcServer
+from xlaserve.http2.frames import DATA, END_HEADERS, END_STREAM, HEADERS
+from xlaserve.frontend.grpc_server import Connection, GrpcServer
 
 FIELDS = [(":method", "POST"), (":scheme", "http"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
           (":authority", "127.0.0.1:8001"), ("te", "trailers"), ("content-type", "application/grpc"),

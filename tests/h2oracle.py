@@ -41,7 +41,8 @@ import trio
 from grpclib.const import Cardinality, Handler
 
 from tests.trio_thread import TrioServerThread
-from xlaserve.frontend.grpc_server import OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, GrpcServer, H2Limits
+from xlaserve.http2.frames import H2Limits
+from xlaserve.frontend.grpc_server import OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, GrpcServer
 
 OUR_STREAMS = H2Limits().max_concurrent_streams
 OUR_HEADER_LIST = H2Limits().max_header_list_bytes

@@ -278,7 +278,7 @@ def rss_bytes(pid: int) -> int:
 def idle_connections(port: int, count: int) -> list[socket.socket]:
     """``count`` connections that send the preface and SETTINGS and then nothing; returned once
     the server has answered each (so each has been set up)."""
-    from xlaserve.frontend.grpc_server import PREFACE
+    from xlaserve.http2.frames import PREFACE
     socks = []
     for _ in range(count):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -331,7 +331,8 @@ def test_a_quiet_connection_gives_its_read_buffer_back():
     and holds those bytes. Once it has been quiet for READ_BUFFER_RELEASE_SECONDS (mock clock)
     the pages past its unread bytes are given back: they read as zeros."""
     from tests.test_h2_limits import connect, on_mock_clock
-    from xlaserve.frontend.grpc_server import PING, READ_BUFFER_LOOK_SECONDS, READ_BUFFER_RELEASE_SECONDS, frame
+    from xlaserve.http2.frames import PING, frame
+    from xlaserve.frontend.grpc_server import READ_BUFFER_LOOK_SECONDS, READ_BUFFER_RELEASE_SECONDS
 
     async def body(port, server):
         raw = await connect(port)

@@ -121,7 +121,7 @@ def test_the_worker_is_told_a_clients_deadline_never_the_gateways_request_timeou
     timeout. A client's deadline is forwarded as what is left of it."""
     from types import SimpleNamespace
 
-    from xlaserve.frontend.hpack import Decoder
+    from xlaserve.http2.hpack import Decoder
     from xlaserve.gateway.service import _time_left
     from xlaserve.gateway.upstream import Upstream
 

@@ -12,7 +12,8 @@ import trio.testing
 
 from tests.test_grpc_server import EchoService, Reply, pattern, request
 from xlaserve.frontend import grpc_server
-from xlaserve.frontend.grpc_server import DATA, SETTINGS, GrpcServer, frame, recv_into
+from xlaserve.http2.frames import DATA, END_HEADERS, HEADERS, PADDED, SETTINGS, frame
+from xlaserve.frontend.grpc_server import GrpcServer, recv_into
 from xlaserve.gateway.upstream import MAX_REPLY_FRAME, READ_SIZE, Upstream
 
 
@@ -165,7 +166,7 @@ async def _reader_bug() -> None:
         await stream.receive_some(4096)             # the gateway's preface and SETTINGS
         await stream.send_all(frame(SETTINGS, 0, 0))
         if len(connections) <= 2:
-            await stream.send_all(frame(grpc_server.HEADERS, grpc_server.PADDED | grpc_server.END_HEADERS, 1))
+            await stream.send_all(frame(HEADERS, PADDED | END_HEADERS, 1))
         await trio.sleep_forever()
 
     async with trio.open_nursery() as nursery:

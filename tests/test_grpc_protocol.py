@@ -15,7 +15,7 @@ from xlaserve.frontend.grpc_protocol import (
     Inflation, Refusal, begin_inflate, cut_messages, framed, inflate, message_end, parse_timeout, read_head,
     release_all, trailers,
 )
-from xlaserve.frontend.hpack import Decoder
+from xlaserve.http2.hpack import Decoder
 
 METHODS = {"/s.S/M": object()}
 SERVICES = ["a.A", "s.S"]

@@ -39,12 +39,14 @@ from grpclib.exceptions import GRPCError
 from tests.trio_thread import TrioServerThread
 import xlaserve.frontend.grpc_server as grpc_server_module
 from xlaserve._proto import grpc_service_pb2 as pb
-from xlaserve.frontend.grpc_server import (
+from xlaserve.http2.frames import (
     ACK, CANCEL, COMPRESSION_ERROR, CONTINUATION, DATA, END_HEADERS, END_STREAM, FLOW_CONTROL_ERROR,
-    FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, NO_ERROR,
-    OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, PADDED, PING, PREFACE, PRIORITY, PRIORITY_FLAG,
-    PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE,
-    Connection, GrpcServer, _OK_TRAILERS, frame,
+    FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, NO_ERROR, PADDED,
+    PING, PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS,
+    STREAM_CLOSED, WINDOW_UPDATE, frame,
+)
+from xlaserve.frontend.grpc_server import (
+    OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, Connection, GrpcServer, _OK_TRAILERS,
 )
 
 TIMEOUT = 5.0          # seconds any single wait may take before the test fails

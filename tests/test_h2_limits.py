@@ -23,11 +23,13 @@ from tests.test_grpc_server import (
     TIMEOUT, EchoService, FrameClient, GoAway, Reply, Request, ServerThread, grpc_body, request,
     request_headers, settings_payload,
 )
-from xlaserve.frontend.grpc_server import (
+from xlaserve.http2.frames import (
     ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
-    KEEPALIVE_PING, MAX_CONCURRENT_STREAMS, MAX_HEADER_LIST_SIZE, NO_ERROR, PING, PREFACE, PROTOCOL_ERROR,
-    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, GrpcServer, H2Limits, frame,
+    MAX_CONCURRENT_STREAMS, MAX_HEADER_LIST_SIZE, NO_ERROR, PING, PREFACE, PROTOCOL_ERROR, REFUSED_STREAM,
+    RST_STREAM, SETTINGS, WINDOW_UPDATE, H2Limits, frame,
 )
+from xlaserve.http2.connection import KEEPALIVE_PING
+from xlaserve.frontend.grpc_server import GrpcServer
 
 CANCEL = struct.pack(">I", 0x8)
 

@@ -9,8 +9,8 @@ import pytest
 from hpack.huffman import HuffmanEncoder
 from hpack.huffman_constants import REQUEST_CODES, REQUEST_CODES_LENGTH
 
-from xlaserve.frontend.hpack import STATIC_TABLE, Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields, encode
-from xlaserve.frontend import hpack as ours
+from xlaserve.http2.hpack import STATIC_TABLE, Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields, encode
+from xlaserve.http2 import hpack as ours
 
 ref_huffman = HuffmanEncoder(REQUEST_CODES, REQUEST_CODES_LENGTH)
 

@@ -33,8 +33,8 @@ from examples import reference
 from tests.conftest import ROOT, infer_input, serve, write_node
 from xlaserve.config import ConfigError, TlsConfig, parse_node_config, resolve_worker
 from xlaserve.errors import StartupError
-from xlaserve.frontend.grpc_server import (ACK, ENHANCE_YOUR_CALM, GOAWAY, PING, PREFACE, SETTINGS, GrpcServer,
-                                           frame)
+from xlaserve.http2.frames import ACK, ENHANCE_YOUR_CALM, GOAWAY, PING, PREFACE, SETTINGS, frame
+from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.frontend.tls import TLS_HANDSHAKE_SECONDS, server_context
 
 TIMEOUT = 30.0

@@ -24,7 +24,8 @@ from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.frontend.bridge import Bridge
 from xlaserve.frontend.control import WorkerControlService
 from xlaserve.frontend.access import AccessPolicy
-from xlaserve.frontend.grpc_server import GrpcServer, H2Limits
+from xlaserve.http2.frames import H2Limits
+from xlaserve.frontend.grpc_server import GrpcServer
 from xlaserve.frontend.http1 import Http1Server, HttpLimits
 from xlaserve.frontend.kserve import KServeService, connection_buffer_full, request_too_large, response_too_large
 from xlaserve.frontend.port import WorkerPort

@@ -24,7 +24,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.metadata import encode_grpc_message
 
-from xlaserve.frontend.hpack import encode
+from xlaserve.http2.hpack import encode
 
 MESSAGE_PREFIX = struct.Struct(">BI")     # a length-prefixed message: compressed flag, length
 ENCODINGS = ("identity", "gzip", "deflate")

@@ -64,33 +64,19 @@ from xlaserve.frontend.grpc_protocol import (
     InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, framed, read_head, release_all, trailers,
 )
 from xlaserve.frontend.guard import LineLimiter, serve_guarded
-from xlaserve.frontend.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
+from xlaserve.http2.frames import (
+    ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
+    ERROR_NAMES, FLOW_CONTROL_ERROR, FRAME_HEADER, FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
+    MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE, MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE,
+    PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS, STREAM_CLOSED, U32,
+    WINDOW_UPDATE, CONTINUATION, COMPRESSION_ERROR, ConnectionError_, H2Limits, calm, frame, malformed,
+)
+from xlaserve.http2.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
 from xlaserve.frontend.sockread import read_when_ready
 from xlaserve.frontend.statuses import status_of
 from xlaserve.frontend.tls import handshake as tls_handshake
 
 log = logging.getLogger("xlaserve.grpc")
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-# frame types and flags (RFC 9113 section 6)
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-
-# error codes (section 7)
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
-ENHANCE_YOUR_CALM = 0xB
-_ERROR_NAMES = {0x0: "NO_ERROR", 0x1: "PROTOCOL_ERROR", 0x2: "INTERNAL_ERROR", 0x3: "FLOW_CONTROL_ERROR",
-                0x6: "FRAME_SIZE_ERROR", 0x9: "COMPRESSION_ERROR", 0xB: "ENHANCE_YOUR_CALM"}
-
-# settings identifiers
-HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, \
-    MAX_HEADER_LIST_SIZE = range(1, 7)
-
-MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65535
-DEFAULT_FRAME = 16384
 
 # what we advertise (stream limits and header list size come from H2Limits)
 OUR_STREAM_WINDOW = 4 * 1024 * 1024
@@ -137,88 +123,12 @@ async def recv_into(raw: socket.socket, view: memoryview, turn: bool = True) -> 
     return await read_when_ready(raw, lambda: raw.recv_into(view), turn)
 
 
-@dataclass(frozen=True, slots=True)
-class H2Limits:
-    """What one client connection may do; the node file's ``endpoints:`` keys of the same names
-    (docs/node-config.md and docs/security.md say why each default). A connection that crosses
-    one gets GOAWAY (ENHANCE_YOUR_CALM unless the protocol names a code) naming the key, and is
-    closed; the others go on."""
-
-    max_concurrent_streams: int = 128       # advertised; a stream reset while its work is queued counts
-    max_header_list_bytes: int = 65536      # advertised; one decoded header block (RFC 9113 size)
-    max_header_fields: int = 100            # fields in one header block (Envoy's max_headers_count: 100)
-    max_header_block_bytes: int = 65536     # one encoded block: HEADERS + CONTINUATION payloads
-    max_continuation_frames: int = 8        # CONTINUATION frames in one header block (nghttp2: 8)
-    max_settings_entries: int = 32          # entries in one SETTINGS frame
-    max_queued_control_frames: int = 10000  # PING/SETTINGS acks and RST_STREAMs the client has not read
-    glitch_burst: int = 1000                # resets, refused streams and other waste, in a burst...
-    glitches_per_second: float = 33.0       # ...refilled at this rate
-    handshake_timeout_seconds: float = 5.0  # connect to the client's first SETTINGS frame
-    idle_timeout_seconds: float = 300.0     # no call open this long: GOAWAY NO_ERROR (0: never)
-    keepalive_interval_seconds: float = 60.0  # nothing received this long: PING (0: never)
-    keepalive_timeout_seconds: float = 20.0   # ...and no frame after it this long: closed
-    max_queued_reply_bytes: int = 4 * 1024 * 1024   # queued output past which the client is not read
-    write_timeout_seconds: float = 60.0     # a write that makes no progress this long: closed
-
-_FRAME_HEADER = struct.Struct(">IBI")     # length (24 bits) << 8 | type, flags, stream id
-_U32 = struct.Struct(">I")
+_FRAME_HEADER = FRAME_HEADER
+_U32 = U32
 # gRPC's framing and fixed header blocks (grpc_protocol), under the names the hot path uses
 _MESSAGE_PREFIX = MESSAGE_PREFIX
 _RESPONSE_HEADERS = RESPONSE_HEADERS
 _OK_TRAILERS = OK_TRAILERS
-
-
-# What makes a request's header fields malformed (RFC 9113 8.2, 8.3), as libnghttp2 reads it: names
-# of lowercase token characters; values of visible characters, spaces and tabs (RFC 9110 5.5), none
-# at either end; no connection-specific fields, ``te`` only as "trailers"; the request pseudo-headers
-# each at most once, before the others, well-formed (RFC 3986's scheme and authority characters, a
-# path of visible characters starting with "/"), :method, :scheme, :path and :authority (or host) all
-# present.
-_FIELD_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9a-z]+\Z")
-_VALUE_OCTETS = b"\t" + bytes(range(0x20, 0x7F)) + bytes(range(0x80, 0x100))   # what a value may hold...
-_EDGE = ("\t", " ")                                                             # ...but not at either end
-_PSEUDO_VALUE = {":method": re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z"),
-                 ":scheme": re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*\Z"),
-                 ":path": re.compile(r"/[\x21-\x7e\x80-\xff]*\Z"),
-                 ":authority": re.compile(r"[A-Za-z0-9\-._~%!$&'()*+,;=:@\[\]]+\Z")}
-_CONNECTION_SPECIFIC = frozenset(("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"))
-_REQUEST_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
-_REQUIRED_PSEUDO = _REQUEST_PSEUDO
-
-
-def malformed(headers: Iterable[tuple[str, str]], trailers: bool = False) -> str | None:
-    """Why these request header fields (or ``trailers``, which hold no pseudo-header) make the request
-    malformed (a stream error of type PROTOCOL_ERROR, RFC 9113 8.1.1), or None if they do not."""
-    pseudo: set[str] = set()
-    regular = False
-    for name, value in headers:
-        if name[:1] == ":":
-            if regular or trailers:
-                return f"pseudo-header {name} after a regular header field"
-            if name not in _REQUEST_PSEUDO or name in pseudo:
-                return f"{name} is not a request pseudo-header, or appears twice"
-            if not _PSEUDO_VALUE[name].match(value):
-                return f"{name} {value[:40]!r} is not well-formed"
-            pseudo.add(name)
-        else:
-            regular = True
-            if not _FIELD_NAME.match(name):
-                return f"header name {name[:40]!r} is not lowercase token characters"
-            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
-                return f"connection-specific header field {name}"
-            if name == "host":
-                pseudo.add(":authority")
-        # (bytes.translate deletes the allowed octets at C speed: a 48 KiB value in 20 us)
-        if value.encode("latin-1").translate(None, _VALUE_OCTETS) or value[:1] in _EDGE or value[-1:] in _EDGE:
-            return f"the value of {name} holds a control character, or whitespace at an end"
-    if not trailers and not _REQUIRED_PSEUDO <= pseudo:
-        return "a request needs :method, :scheme, :path and :authority (or host)"
-    return None
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return _FRAME_HEADER.pack(len(payload) << 8 | ftype, flags, stream_id) + payload
-
 
 
 def _read_buffer(size: int) -> mmap.mmap:
@@ -255,20 +165,6 @@ def room_to_read(buffer, view: memoryview, start: int, end: int, need: int, size
         view[:end - start] = bytes(view[start:end])
         return buffer, view, 0, end - start
     return buffer, view, start, end
-
-class ConnectionError_(Exception):
-    """A connection error (RFC 9113 5.4.1): answered with GOAWAY, then the connection closes."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def calm(what: str, key: str, limit) -> ConnectionError_:
-    """The connection error for a client past one of :class:`H2Limits`: ENHANCE_YOUR_CALM, with
-    a message naming the node-file key."""
-    return ConnectionError_(ENHANCE_YOUR_CALM, f"{what}; the limit is {limit} (endpoints.{key})")
-
 
 # methods that take a stream of requests (client streaming)
 _STREAMING_IN = frozenset(c for c in Cardinality if c.value.client_streaming)
@@ -1655,7 +1551,7 @@ class GrpcServer:
         """Log why a connection is being ended: at most one line a second, since a flood of
         offending connections is when it happens (the next line counts those not logged)."""
         self._closings.line(logging.INFO, "closing the gRPC connection from %s: GOAWAY %s: %s",
-                            conn.peer or "a client", _ERROR_NAMES.get(exc.code, exc.code), exc)
+                            conn.peer or "a client", ERROR_NAMES.get(exc.code, exc.code), exc)
 
     async def _refuse(self, stream: trio.SocketStream) -> None:
         """One connection too many: our preface (SETTINGS), then GOAWAY naming the limit, then

@@ -39,13 +39,14 @@ import trio
 from grpclib.const import Status
 
 from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX
-from xlaserve.frontend.grpc_server import (
-    ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY,
-    HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
-    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame, recv_into, room_to_read,
+from xlaserve.http2.frames import (
+    ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY, HEADERS,
+    INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
+    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame,
 )
+from xlaserve.frontend.grpc_server import recv_into, room_to_read
 from xlaserve.frontend.guard import LineLimiter, describe
-from xlaserve.frontend.hpack import Decoder, HPACKError, encode
+from xlaserve.http2.hpack import Decoder, HPACKError, encode
 
 log = logging.getLogger("xlaserve.gateway")
 
