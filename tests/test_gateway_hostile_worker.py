@@ -30,11 +30,11 @@ from tests.trio_thread import TrioServerThread
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.frontend.grpc_protocol import RESPONSE_HEADERS, framed, trailers
-from xlaserve.frontend.grpc_server import (
+from xlaserve.http2.frames import (
     ACK, CANCEL, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, INTERNAL_ERROR, PING, PREFACE,
     RST_STREAM, SETTINGS, WINDOW_UPDATE, frame,
 )
-from xlaserve.frontend.hpack import Decoder, encode
+from xlaserve.http2.hpack import Decoder, encode
 from xlaserve.gateway.run import Gateway, WorkerAddress
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError
 
