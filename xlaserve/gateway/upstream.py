@@ -252,8 +252,10 @@ class Upstream(Handler):
             if call.deadline < self._timer_at:
                 self._timer_wake.set()
         h2 = self._h2
-        if len(h2.streams) < self.max_streams and h2.can_open():
-            self._open(call)
+        streams = len(h2.streams)       # (h2.can_open(), inlined: one call less per request)
+        if streams < self.max_streams and streams < h2.peer_max_streams and not h2.going_away:
+            data, call.data = call.data, b""
+            h2.open_stream(call, block, data)
         else:
             self._queue.append(call)
         return call
@@ -408,9 +410,14 @@ class Upstream(Handler):
         self._h2.open_stream(call, call.block, data)
 
     def output_ready(self) -> None:
-        """The engine queued output: sent now, or when the read being handled is done."""
+        """The engine queued output: sent now (or when the server's write batch ends), or when
+        the read being handled is done."""
         if not self._reading:
-            self._kick()
+            server = self._server
+            if server is not None and server.holding:
+                server.hold(self)
+            else:
+                self.flush()
 
     def _kick(self) -> None:
         """Send what is queued: when the server's write batch ends if one is open, else now."""
@@ -591,7 +598,8 @@ class Upstream(Handler):
     def stream_closed(self, call: _Call) -> None:
         if not call.done:           # (the engine resets or ends a stream before closing it)
             self._finish(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} closed the stream"))
-        self._open_queued()
+        if self._queue:
+            self._open_queued()
 
     def goaway_received(self, last_stream_id: int, code: int, debug: bytes) -> None:
         self._goaway_last = last_stream_id
