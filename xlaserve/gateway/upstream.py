@@ -336,13 +336,14 @@ class Upstream(Handler):
         self._raw = socket.socket(fileno=stream.socket.fileno())
         h2 = self._reset_state()
         error: ConnectionError_ | None = None
+        read_scope = self._read_scope = trio.CancelScope()     # the writer and the clocks end the reader
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, stream)
                 nursery.start_soon(self._clock, h2)
                 h2.initiate()
                 try:
-                    with trio.CancelScope() as self._read_scope:
+                    with read_scope:
                         await self._read_loop(h2)
                 except ConnectionError_ as exc:
                     error = exc
@@ -373,7 +374,10 @@ class Upstream(Handler):
         h2.connection_error(error)
         h2.stopped = True
         with trio.move_on_after(CALM_FLUSH_SECONDS):
-            await stream.send_all(h2.take_output())
+            try:
+                await stream.send_all(h2.take_output())
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass                    # it is gone already: nothing more to tell it
 
     def _lost(self) -> None:
         """The connection ended: every call on it or waiting for it fails UNAVAILABLE."""
