@@ -197,7 +197,7 @@ async def bystander():
                     seen.answered += 1
                 else:
                     seen.failed.append(outcome)
-                await trio.sleep(0.01)
+                await trio.sleep(0.5)
         nursery.start_soon(calls)
         yield seen
         nursery.cancel_scope.cancel()
@@ -733,3 +733,44 @@ def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_cl
         assert broke[0].goaway is not None and error_name(broke[0].goaway[1]) == "PROTOCOL_ERROR"
     finally:
         gateway.stop()
+
+
+# ---- a worker that falls silent or stops reading ----------------------------------------------------
+def test_a_silent_worker_is_pinged_and_its_connection_closed_when_nothing_answers():
+    autojump(_silent_after_handshake)
+
+
+async def _silent_after_handshake() -> None:
+    async def mute(conn: WorkerConn) -> None:
+        await conn.handshake()
+        await conn.closed()         # reads (and so never answers the keep-alive PING)
+
+    async with upstream_to(mute, well_behaved) as (upstream, conns):
+        connected_at = trio.current_time()
+        with trio.fail_after(200):
+            while not conns[0].eof:
+                await trio.sleep(1)
+        # keep-alive: a PING after 60 s of silence, closed 20 s after it
+        assert trio.current_time() - connected_at == pytest.approx(80, abs=2)
+        assert conns[0].goaway is not None and "keep-alive PING" in conns[0].goaway[2]
+        await served_again(upstream)
+
+
+def test_a_worker_that_stops_reading_is_closed_when_a_write_makes_no_progress():
+    autojump(_not_reading)
+
+
+async def _not_reading() -> None:
+    async def deaf(conn: WorkerConn) -> None:
+        # windows as large as there are, so only the socket holds the gateway's request back
+        await conn.handshake((4, 2**31 - 1))
+        await conn.send(frame(WINDOW_UPDATE, 0, 0, _u32(2**31 - 1 - 65535)))
+        await trio.sleep_forever()
+
+    async with bystander(), upstream_to(deaf, well_behaved, request_timeout=600.0) as (upstream, conns):
+        started = trio.current_time()
+        outcome = await upstream.request(PATH, b"x" * (64 << 20))
+        assert isinstance(outcome, UpstreamError) and outcome.status is Status.UNAVAILABLE, outcome
+        assert "made no progress for 60 s" in outcome.message, outcome.message
+        assert trio.current_time() - started < 100
+        await served_again(upstream)

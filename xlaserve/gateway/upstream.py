@@ -254,8 +254,7 @@ class Upstream(Handler):
         h2 = self._h2
         streams = len(h2.streams)       # (h2.can_open(), inlined: one call less per request)
         if streams < self.max_streams and streams < h2.peer_max_streams and not h2.going_away:
-            data, call.data = call.data, b""
-            h2.open_stream(call, block, data)
+            self._open(call)
         else:
             self._queue.append(call)
         return call
@@ -411,6 +410,10 @@ class Upstream(Handler):
     # ---- sending ---------------------------------------------------------------------------
     def _open(self, call: _Call) -> None:
         data, call.data = call.data, b""
+        if len(data) > 65536:
+            # what waits for window is cut from a view, not copied over and over (a 64 MiB
+            # request in 16 KiB frames would copy its rest once per frame: 128 GiB)
+            data = memoryview(data)
         self._h2.open_stream(call, call.block, data)
 
     def output_ready(self) -> None:
