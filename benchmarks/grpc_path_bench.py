@@ -1,9 +1,9 @@
 """The server-side cost of one unary ModelInfer on the task-free path, in-process and without a
-client: HEADERS and DATA frames handed straight to a connection's frame handler, the reply left
-in its write queue. What it measures is ``grpc_server`` and ``grpc_protocol`` alone (header
-block to head, message cutting, the canned reply of ``transport_bench``), without the socket,
-the client or the run loop, so two versions of the layer compare within a few percent on a
-machine too busy for the transport benchmark to.
+client: HEADERS and DATA frames handed straight to a connection's HTTP/2 engine (its frame
+handler), the reply left in its write queue. What it measures is the engine (``xlaserve.http2``),
+``grpc_server`` and ``grpc_protocol`` alone (header block to head, message cutting, the canned
+reply of ``transport_bench``), without the socket, the client or the run loop, so two versions
+of the layer compare within a few percent on a machine too busy for the transport benchmark to.
 
     python -m benchmarks.grpc_path_bench [--requests 20000] [--repeats 5]
 
@@ -22,7 +22,7 @@ import trio
 
 from benchmarks.transport_bench import echo_service
 from xlaserve._proto import grpc_service_pb2 as pb
-from xlaserve.http2.frames import DATA, END_HEADERS, END_STREAM, HEADERS
+from xlaserve.http2.frames import DATA, END_HEADERS, END_STREAM, HEADERS, SETTINGS
 from xlaserve.frontend.grpc_server import Connection, GrpcServer
 
 FIELDS = [(":method", "POST"), (":scheme", "http"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
@@ -42,31 +42,34 @@ async def measure(requests: int, repeats: int) -> list[float]:
     server = GrpcServer([echo_service(fast=True)])
     ours, _theirs = socket.socketpair()
     conn = Connection(server, trio.SocketStream(trio.socket.from_stdlib_socket(ours)))
+    h2 = conn.h2
+    h2._frame(SETTINGS, 0, 0, b"")     # the client's first SETTINGS
     # a peer whose windows always have room: every reply is queued whole at once
-    conn.send_window = 1 << 60
-    conn.peer_initial_window = 1 << 30
-    conn.peer_max_frame = 1 << 20
+    h2.send_window = 1 << 60
+    h2.peer_initial_window = 1 << 30
+    h2.peer_max_frame = 1 << 20
     encoder = hpack.Encoder()
     first, block = encoder.encode(FIELDS), encoder.encode(FIELDS)      # the second is all indexed
     body = memoryview(request_body())
     timings = []
     async with trio.open_nursery() as nursery:
         conn.nursery = nursery
-        conn._frame(HEADERS, END_HEADERS, 1, first)
-        conn._frame(DATA, END_STREAM, 1, body)
+        handle = h2._frame
+        handle(HEADERS, END_HEADERS, 1, first)
+        handle(DATA, END_STREAM, 1, body)
         sid = 3
         for _ in range(repeats):
             started = time.perf_counter()
             for _ in range(requests):
-                conn._frame(HEADERS, END_HEADERS, sid, block)
-                conn._frame(DATA, END_STREAM, sid, body)
+                handle(HEADERS, END_HEADERS, sid, block)
+                handle(DATA, END_STREAM, sid, body)
                 sid += 2
-                if len(conn.out) > 1 << 20:
-                    conn.out.clear()
+                if len(h2.out) > 1 << 20:
+                    h2.take_output()
             timings.append((time.perf_counter() - started) / requests * 1e6)
             if conn.calls or not conn.out:
                 raise RuntimeError(f"{len(conn.calls)} calls left open: the requests were not answered")
-            conn.out.clear()
+            h2.take_output()
         nursery.cancel_scope.cancel()
     return timings
 

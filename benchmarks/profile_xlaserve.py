@@ -34,7 +34,7 @@ LAYERS = [
                                 "google/protobuf", "xlaserve/worker/inference.py")),
     ("bridge, Trio scheduling, sockets, threads", ("xlaserve/frontend/bridge.py", "trio/", "outcome/",
                                                    "threading.py", "selectors.py")),
-    ("HTTP/2 + gRPC (grpc_server, hpack)", ("xlaserve/frontend/grpc_server.py", "xlaserve/frontend/hpack.py")),
+    ("HTTP/2 + gRPC (grpc_server, http2)", ("xlaserve/frontend/grpc_server.py", "xlaserve/http2/")),
 ]
 
 

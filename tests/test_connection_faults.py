@@ -210,16 +210,16 @@ def test_an_unexpected_accept_error_is_retried_not_fatal(faulty, caplog):
 def test_a_bug_in_a_connection_is_logged_once_with_its_traceback(make_server, caplog, monkeypatch):
     """An exception no peer should be able to cause (a bug in the reader) closes that
     connection only: its traceback is logged the first time, later ones are one line."""
-    import xlaserve.frontend.grpc_server as grpc_server_module
+    from xlaserve.http2.connection import H2Connection
 
     server = make_server()
-    original = grpc_server_module.Connection._on_settings
+    original = H2Connection._on_settings
 
     def broken(self, flags, sid, payload):
         if payload == b"\x00\x63\x00\x00\x00\x01":     # an unknown setting 0x63 marks the victims
             raise ZeroDivisionError("a bug")
         return original(self, flags, sid, payload)
-    monkeypatch.setattr(grpc_server_module.Connection, "_on_settings", broken)
+    monkeypatch.setattr(H2Connection, "_on_settings", broken)
     with caplog.at_level(logging.ERROR, logger="xlaserve.grpc"):
         for _ in range(3):
             victim = server.connect({0x63: 1})

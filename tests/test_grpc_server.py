@@ -45,6 +45,7 @@ from xlaserve.http2.frames import (
     PING, PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS,
     STREAM_CLOSED, WINDOW_UPDATE, frame,
 )
+from xlaserve.http2.connection import H2Connection
 from xlaserve.frontend.grpc_server import (
     OUR_CONN_WINDOW, OUR_MAX_FRAME, OUR_STREAM_WINDOW, Connection, GrpcServer, _OK_TRAILERS,
 )
@@ -766,7 +767,7 @@ def test_a_bug_while_reading_costs_only_that_connection(server, monkeypatch):
 
     def broken(self, flags, sid, payload):
         raise RuntimeError("a bug")
-    monkeypatch.setattr(grpc_server.Connection, "_on_window_update", broken)
+    monkeypatch.setattr(H2Connection, "_on_window_update", broken)
     victim = server.connect()
     victim.send(frame(WINDOW_UPDATE, 0, 0, (1000).to_bytes(4, "big")))
     victim.expect_eof()

@@ -3,7 +3,12 @@
 Why not grpclib: per request, grpclib's HTTP/2 stack (h2, hpack, its stream objects, one asyncio
 task each) and the asyncio <-> Trio guest-run hand-offs cost about two thirds of the worker's
 CPU; see "Why xlaserve speaks HTTP/2 itself" in docs/architecture.md for the numbers. This module
-does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
+does only what gRPC needs, with the gRPC clients' usual traffic on a short path.
+
+HTTP/2 itself (frames, SETTINGS, stream states, header blocks, flow control, every limit and
+clock of :class:`H2Limits`) is the sans-IO engine :class:`xlaserve.http2.connection.H2Connection`
+in server mode; a :class:`Connection` here is its Trio driver (sockets, tasks, buffers, write
+batches, TLS) and, as the engine's handler, the gRPC call lifecycle on top of it.
 
 - A connection is three Trio tasks: a reader that parses frames as they arrive (in turns, so that
   one busy connection cannot hold the others back), a writer that sends whatever accumulated since
@@ -17,7 +22,7 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
   ``send_message``, ``deadline``, ``metadata``; a :class:`grpclib.exceptions.GRPCError` it
   raises becomes the call's status. Services are grpclib-generated bases, routed through their
   ``__mapping__``.
-- Header blocks are decoded by :mod:`xlaserve.frontend.hpack` (which caches the repeated blocks
+- Header blocks are decoded by :mod:`xlaserve.http2.hpack` (which caches the repeated blocks
   gRPC clients send); responses use fixed, stateless header encodings.
 - Flow control both ways: the peer's windows and frame size are honoured (a reply larger than
   the window waits for WINDOW_UPDATE); our receive windows are replenished as data is consumed.
@@ -30,7 +35,7 @@ does only what gRPC needs, with the gRPC clients' usual traffic on a short path:
 
 The gRPC layer above HTTP/2 (reading a request head and refusing what cannot be served, cutting a
 body into messages, decompression, reply framing and trailers) is the sans-IO module
-:mod:`xlaserve.frontend.grpc_protocol`; this module is HTTP/2 and the Trio driver around it.
+:mod:`xlaserve.frontend.grpc_protocol`; the HTTP/2 below it is :mod:`xlaserve.http2`.
 
 - TLS (``GrpcServer.serve(ssl_context=...)``): a connection's stream is a ``trio.SSLStream``
   whose handshake (bounded in time, ALPN ``h2`` required) is :mod:`xlaserve.frontend.tls`'s. The
@@ -43,13 +48,10 @@ from __future__ import annotations
 
 import logging
 import mmap
-import re
 import socket
 import ssl
-import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
 
@@ -64,14 +66,11 @@ from xlaserve.frontend.grpc_protocol import (
     InflateBudget, InflatedMessage, Inflation, Refusal, cut_messages, framed, read_head, release_all, trailers,
 )
 from xlaserve.frontend.guard import LineLimiter, serve_guarded
+from xlaserve.http2.connection import HALF_CLOSED_REMOTE, OPEN, H2Connection, Handler, Stream
 from xlaserve.http2.frames import (
-    ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM,
-    ERROR_NAMES, FLOW_CONTROL_ERROR, FRAME_HEADER, FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
-    MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE, MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE,
-    PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTINGS, STREAM_CLOSED, U32,
-    WINDOW_UPDATE, CONTINUATION, COMPRESSION_ERROR, ConnectionError_, H2Limits, calm, frame, malformed,
+    DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, ERROR_NAMES, FRAME_HEADER, GOAWAY, HEADERS, PREFACE,
+    PROTOCOL_ERROR, SETTINGS, U32, ConnectionError_, H2Limits, frame,
 )
-from xlaserve.http2.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
 from xlaserve.frontend.sockread import read_when_ready
 from xlaserve.frontend.statuses import status_of
 from xlaserve.frontend.tls import handshake as tls_handshake
@@ -98,8 +97,8 @@ WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chu
 #: (docs/benchmarks.md, The gateway: mlp at c=32 through the gateway 0.76x -> 0.80x of direct,
 #: and direct itself 3-8% faster).
 MAX_HOLD_SECONDS = 200e-6
-WORK_PER_TURN = 128                        # frames (+1 per 64 KiB of DATA, per 256 B of others) per turn...
-STARTS_PER_TURN = 32 # ...and requests it hands on (decoding them is the cost)
+# a reader's turn: the engine's WORK_PER_TURN frames (+1 per 64 KiB of DATA, per 256 B of others)...
+STARTS_PER_TURN = 32                       # ...and at most this many requests handed on (decoding them is the cost)
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
@@ -115,7 +114,6 @@ _TCP_GONE = frozenset((7, 8, 9))           # TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST
 DEFAULT_MAX_CONNECTION_INFLATE = 16 * 1024 * 1024   # endpoints.max_connection_inflate_bytes
 DEFAULT_MAX_INFLATE = 256 * 1024 * 1024             # endpoints.max_inflate_bytes
 INFLATE_THREADS = 2
-KEEPALIVE_PING = b"xlkeepal"
 
 
 async def recv_into(raw: socket.socket, view: memoryview, turn: bool = True) -> int:
@@ -186,31 +184,33 @@ class FramedReply:
         return bytes(self.message)
 
 
-class Call:
-    """One gRPC call on one HTTP/2 stream; what a handler receives as its ``stream``."""
+class Call(Stream):
+    """One gRPC call on one HTTP/2 stream (the engine's :class:`~xlaserve.http2.connection.Stream`,
+    so a request is one object); what a handler receives as its ``stream``."""
 
-    __slots__ = ("conn", "id", "method", "metadata", "deadline", "encoding", "body", "messages",
-                 "remote_closed", "started", "headers_sent", "finished", "reset", "send_window", "pending",
-                 "unacked", "arrived", "scope", "drained", "fast", "on_cancel", "zombie", "streaming_in")
+    __slots__ = ("conn", "method", "metadata", "deadline", "encoding", "body", "messages", "started",
+                 "headers_sent", "finished", "reset", "arrived", "scope", "drained", "fast", "on_cancel", "zombie",
+                 "streaming_in")
 
     def __init__(self, conn: "Connection", stream_id: int, method, metadata: dict[str, str],
                  deadline: Deadline | None, encoding: str) -> None:
-        self.conn = conn
+        # the engine's Stream fields, set here (one call less per request)
         self.id = stream_id
+        self.state = OPEN
+        self.send_window = 0
+        self.pending: deque = deque()
+        self.unacked = 0
+        self.conn = conn
         self.method = method            # grpclib.const.Handler
         self.metadata = metadata
         self.deadline = deadline
         self.encoding = encoding
         self.body = bytearray()         # request bytes not yet cut into messages
         self.messages: deque = deque()  # request payloads not yet parsed (bytes, views, InflatedMessage)
-        self.remote_closed = False
         self.started = False
         self.headers_sent = False
         self.finished = False           # trailers queued; nothing more may be sent
-        self.reset = False              # the client reset the stream
-        self.send_window = conn.peer_initial_window
-        self.pending: deque = deque()   # flow-controlled output waiting for window: bytes or trailers
-        self.unacked = 0                # received bytes not yet returned by WINDOW_UPDATE
+        self.reset = False              # the stream was reset
         self.arrived: trio.Event | None = None
         self.drained: trio.Event | None = None
         self.scope: trio.CancelScope | None = None
@@ -229,19 +229,21 @@ class Call:
         """The client's IP address (``ipaddress`` object; None if not IP), from its connection."""
         return self.conn.peer
 
+    @property
+    def remote_closed(self) -> bool:
+        """The client has sent all of its request (END_STREAM)."""
+        return bool(self.state & HALF_CLOSED_REMOTE)
+
     def cancel(self) -> None:
         """The stream is reset: nothing more is sent, and a handler still running is cancelled."""
         was_finished = self.finished
         self.reset = self.finished = True
-        if self.pending:
-            self.conn.waiting_bytes -= sum(len(item) for item in self.pending if not isinstance(item, tuple))
-            self.pending.clear()
         if self.scope is not None:
             self.scope.cancel()
         on_cancel, self.on_cancel = self.on_cancel, None
         if on_cancel is not None and not was_finished:
             self.zombie = True
-            self.conn.zombies += 1
+            self.conn.h2.zombies += 1
             try:
                 on_cancel()
             except Exception:   # a bug in the layer above must not take the connection down
@@ -254,7 +256,7 @@ class Call:
         if self.finished:
             if self.zombie:     # the work of a reset call is over: its stream slot is free
                 self.zombie = False
-                self.conn.zombies -= 1
+                self.conn.h2.zombies -= 1
             return
         if isinstance(outcome, BaseException):
             self.conn._finish(self, *status_of(outcome))
@@ -283,7 +285,7 @@ class Call:
     async def recv_message(self) -> Any:
         """The next request message, or None once the client has sent them all."""
         while not self.messages:
-            if self.remote_closed and self.id not in self.conn.inflating:   # else a message is on its way
+            if self.state & HALF_CLOSED_REMOTE and self.id not in self.conn.inflating:   # else one is on its way
                 return None
             self.arrived = trio.Event()
             await self.arrived.wait()
@@ -296,7 +298,10 @@ class Call:
             await self.drained.wait()
 
 
-class Connection:
+class Connection(Handler):
+    """One client connection: the Trio driver of its HTTP/2 engine (``h2``, server mode; this
+    object is the engine's handler) and the gRPC calls on top of it."""
+
     def __init__(self, server: "GrpcServer", stream: trio.SocketStream | trio.SSLStream, *,
                  tls: bool = False) -> None:
         self.server = server
@@ -305,15 +310,11 @@ class Connection:
         self.tls = tls          # stream is a trio.SSLStream: no raw-socket fast paths
         tcp = stream.transport_stream.socket if tls else stream.socket
         self.peer = peer_address(tcp.getpeername())   # for endpoints.client_shm_peers
-        self.decoder = Decoder(max_header_list_size=limits.max_header_list_bytes,
-                               max_header_fields=limits.max_header_fields)
-        self.calls: dict[int, Call] = {}
-        self.zombies = 0                            # reset calls whose work is not over (Call.zombie)
-        self.last_stream = 0
-        self.peer_initial_window = DEFAULT_WINDOW
-        self.peer_max_frame = DEFAULT_FRAME
-        self.send_window = DEFAULT_WINDOW
-        self.recv_unacked = 0
+        self.out_ready = trio.Event()
+        self.h2 = H2Connection(self, limits=limits, clock=trio.current_time, stream_window=OUR_STREAM_WINDOW,
+                               conn_window=OUR_CONN_WINDOW, max_frame=OUR_MAX_FRAME)
+        #: the open calls by stream id (the engine's streams: one dict)
+        self.calls: dict[int, Call] = self.h2.streams
         # Request bytes held for calls (unfinished messages, messages a handler has not read)
         # are at most held_bound; the exact sum is taken only when the bound passes held_check,
         # the bytes the server has reserved for this connection (max_undecoded_request_bytes).
@@ -321,34 +322,20 @@ class Connection:
         self.held_check = 0
         self.paused = False                         # not read: the server holds too many undecoded bytes
         self.resumed: trio.Event | None = None
-        self.out = bytearray()
-        self.out_ready = trio.Event()
         self.sending = False                        # the writer task is inside send_all
         self.in_flight = 0                          # bytes the writer task has yet to hand the socket
-        self.waiting_bytes = 0                      # reply bytes waiting for flow-control window
         self.write_progress_at = 0.0                # when the writer's current chunk began
-        self.control_queued = 0                     # control replies in ``out`` (not yet sent)
         self.writable: trio.Event | None = None     # the reader waits on it while too much is queued
         self.raw: socket.socket | None = None       # set last (below)
-        self.going_away = False
         self.stopping = False                       # no more output is queued once set
         self.read_scope = trio.CancelScope()
         self.watch_scope = trio.CancelScope()
         self.closing: ConnectionError_ | None = None   # why the watchdog ended the connection
-        self.blocked: dict[int, Call] = {}          # calls with output waiting for window
         # during a reader's turn, the task-free calls to start when it ends (None between turns)
         self.starting: list[Call] | None = None
-        # a header block in progress: stream id, its HEADERS flags, the block, CONTINUATIONs so far
-        self.continuation: tuple[int, int, bytearray, int] | None = None
         self.nursery: trio.Nursery | None = None
-        self.settled = False                        # the client's first SETTINGS frame arrived
-        self.received_at = trio.current_time()      # the last read (keep-alive)
-        self.reads = 0
         self.read_buffer = None                     # the reader's buffer (mmap), once it has one
         self.read_end = 0                           # ...and where its unread bytes end
-        self.calls_opened = 0                       # (idle timeout)
-        self.glitch_tokens = float(limits.glitch_burst)
-        self.glitch_at = self.received_at
         #: decompressed request bytes this connection holds (messages not yet parsed)
         self.inflate = InflateBudget(server.max_connection_inflate_bytes, CONNECTION_INFLATE_KEY, server.inflate)
         #: calls whose next message is being inflated in a worker thread, by stream id
@@ -362,6 +349,19 @@ class Connection:
         # set. None over TLS, where bytes reach the socket only through the SSLStream. Made last:
         # nothing after it can raise, so it is never left undetached (closing the descriptor twice).
         self.raw = None if tls else socket.socket(fileno=tcp.fileno())
+
+    @property
+    def out(self) -> bytearray:
+        """The bytes queued to send (the engine's)."""
+        return self.h2.out
+
+    @property
+    def reads(self) -> int:
+        return self.h2.reads
+
+    def _stop(self) -> None:
+        """No more output is queued from here on."""
+        self.stopping = self.h2.stopped = True
 
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -385,19 +385,18 @@ class Connection:
                     # The client broke a rule or a limit: say which, and do not wait long for it to read.
                     exc = self.closing
                     self.server.log_closing(self, exc)
-                    self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(exc.code)
-                                      + str(exc).encode()[:256]))
+                    self.h2.connection_error(exc)
                     flush = CALM_FLUSH_SECONDS
                 # The peer is gone, misbehaved, or a graceful close found no call open: cancel
                 # what is left, let the writer send what is queued (bounded), then close.
                 for call in list(self.calls.values()):
                     call.cancel()
                 self.calls.clear()
-                self.stopping = True
+                self._stop()
                 self.out_ready.set()
                 nursery.cancel_scope.deadline = trio.current_time() + flush
         finally:
-            self.stopping = True
+            self._stop()
             self.server.forget_reservation(self)
             self.inflate.close()
             if self.raw is not None:
@@ -407,15 +406,15 @@ class Connection:
 
     async def _write_loop(self) -> None:
         sock = self.sock
+        h2 = self.h2
         while True:
-            if not self.out:
+            if not h2.out:
                 if self.stopping:
                     return
                 self.out_ready = trio.Event()
                 await self.out_ready.wait()
                 continue
-            data, self.out = self.out, bytearray()
-            self.control_queued = 0
+            data = h2.take_output()
             self.sending = True
             self.in_flight = len(data)
             try:
@@ -430,7 +429,7 @@ class Connection:
                         await sock.send_all(chunk)
                         self.in_flight -= len(chunk)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                self.stopping = True
+                self._stop()
                 self.read_scope.cancel()
                 return
             finally:
@@ -440,127 +439,65 @@ class Connection:
 
     def _maybe_writable(self) -> None:
         """Wake the reader waiting for queued output to go out (``max_queued_reply_bytes``)."""
-        if self.writable is not None and len(self.out) + self.in_flight <= self.limits.max_queued_reply_bytes // 2:
+        if self.writable is not None and len(self.h2.out) + self.in_flight <= self.limits.max_queued_reply_bytes // 2:
             self.writable.set()
             self.writable = None
-
-    def _write(self, data: bytes) -> None:
-        if self.stopping:
-            return
-        self.out += data
-        server = self.server
-        if server.holding:
-            server.hold(self)               # sent when the write batch ends (or sooner)
-        else:
-            self.out_ready.set()
-
-    def _control(self, data: bytes) -> None:
-        """Queue a control reply the client's frame asked for (reader only): PING and SETTINGS
-        acks, RST_STREAM. A client that sends such frames and never reads is cut off."""
-        self.control_queued += 1
-        if self.control_queued > self.limits.max_queued_control_frames:
-            raise calm(f"more than {self.limits.max_queued_control_frames} control frames (PING and SETTINGS "
-                       "acknowledgements, RST_STREAM) are queued for a client that does not read them",
-                       "max_queued_control_frames", self.limits.max_queued_control_frames)
-        self._write(data)
-
-    def _glitch(self, what: str) -> None:
-        """Count one wasted piece of work the client caused (a reset stream, a refused stream, an
-        empty frame, ...) against a token bucket: a burst of ``glitch_burst``,
-        refilled at ``glitches_per_second``. Emptying it ends the connection (rapid reset and kin)."""
-        limits = self.limits
-        now = trio.current_time()
-        tokens = min(float(limits.glitch_burst),
-                     self.glitch_tokens + (now - self.glitch_at) * limits.glitches_per_second) - 1.0
-        self.glitch_at = now
-        self.glitch_tokens = tokens
-        if tokens < 0:
-            raise ConnectionError_(ENHANCE_YOUR_CALM, (
-                f"too many stream resets, refused streams and wasted frames (the last: {what}); the limit is a "
-                f"burst of {limits.glitch_burst} refilled at {limits.glitches_per_second:g}/s "
-                "(endpoints.glitch_burst, endpoints.glitches_per_second)"))
 
     def flush(self) -> None:
         """Send what is queued now, with one non-blocking send; whatever the socket does not
         take (or anything queued while the writer task is mid-send) is left to the writer."""
-        if not self.out:
+        out = self.h2.out
+        if not out:
             return
         if not (self.sending or self.stopping or self.tls):
             try:
-                sent = self.raw.send(self.out)
+                sent = self.raw.send(out)
             except OSError:             # would block, or a broken socket: the writer finds out
                 sent = 0
-            if sent == len(self.out):
-                self.out.clear()
-                self.control_queued = 0
+            if sent == len(out):
+                out.clear()
+                self.h2.control_queued = 0
                 if self.writable is not None:
                     self._maybe_writable()
                 return
-            del self.out[:sent]
+            del out[:sent]
         self.out_ready.set()
 
     async def _watch(self) -> None:
-        """The connection's clocks: the handshake, the writer's progress, keep-alive, idle. Each
-        ends the connection when it runs out (``closing``, then the reader is stopped)."""
-        limits = self.limits
+        """The connection's clocks: the engine's (handshake, keep-alive, idle and the writer's
+        progress: ``H2Connection.tick``) and the read buffer's pages. A clock that runs out ends
+        the connection (``closing``, then the reader is stopped)."""
+        h2 = self.h2
+        write = self.limits.write_timeout_seconds
         with self.watch_scope:
-            await trio.sleep(limits.handshake_timeout_seconds)
-            if not self.settled:
-                self._end(calm(f"the client sent no connection preface and SETTINGS frame within "
-                               f"{limits.handshake_timeout_seconds:g} s of connecting", "handshake_timeout_seconds",
-                               f"{limits.handshake_timeout_seconds:g} s"))
-                return
-            interval, answer = limits.keepalive_interval_seconds, limits.keepalive_timeout_seconds
-            idle, write = limits.idle_timeout_seconds, limits.write_timeout_seconds
-            ping_at: float | None = None
-            reads_at_ping = 0
-            idle_since, idle_count = trio.current_time(), -1
-            released_at_reads = -1
-            while True:
-                now = trio.current_time()
-                # how often the writer's progress and the read buffer are looked at
-                wake = now + min(write / 2, READ_BUFFER_LOOK_SECONDS)
-                if self.reads != released_at_reads:
-                    quiet_at = self.received_at + READ_BUFFER_RELEASE_SECONDS
-                    if now >= quiet_at:
-                        released_at_reads = self.reads
-                        release_pages(self.read_buffer, self.read_end)
-                    else:
-                        wake = min(wake, quiet_at)
-                if self.sending and now - self.write_progress_at >= write:
-                    # the writer stays stuck in its send until the close's short flush ends it
-                    self._end(calm(f"a write to the client made no progress for {write:g} s (it does not read)",
-                                   "write_timeout_seconds", f"{write:g} s"))
-                    return
-                if interval > 0 and self.writable is None and not self.paused:
-                    # (not while the reader waits on the writer, or on the server's undecoded bound:
-                    # the client's answer would not be read)
-                    if ping_at is not None and self.reads != reads_at_ping:
-                        ping_at = None                          # something arrived: the client is there
-                    if ping_at is None:
-                        due = self.received_at + interval
-                        if now >= due:
-                            ping_at, reads_at_ping = now, self.reads
-                            self._write(frame(PING, 0, 0, KEEPALIVE_PING))
-                            self.flush()
-                            wake = min(wake, now + answer)
+            try:
+                await trio.sleep_until(h2.tick())          # the handshake
+                released_at_reads = -1
+                while True:
+                    now = trio.current_time()
+                    # keep-alive not while the reader waits on the writer, or on the server's
+                    # undecoded bound: the client's answer would not be read. A writer stuck past
+                    # write_timeout_seconds stays in its send until the close's short flush ends it.
+                    wake = h2.tick(now, self.writable is None and not self.paused,
+                                   self.write_progress_at if self.sending else None)
+                    if h2.idle_expired:
+                        log.debug("closing a gRPC connection idle for %g s (endpoints.idle_timeout_seconds)",
+                                  self.limits.idle_timeout_seconds)
+                        return
+                    if h2.out:
+                        self.flush()                        # a keep-alive PING
+                    # how often a write that began since, and the read buffer, are looked at
+                    wake = min(wake, now + min(write / 2, READ_BUFFER_LOOK_SECONDS))
+                    if h2.reads != released_at_reads:
+                        quiet_at = h2.received_at + READ_BUFFER_RELEASE_SECONDS
+                        if now >= quiet_at:
+                            released_at_reads = h2.reads
+                            release_pages(self.read_buffer, self.read_end)
                         else:
-                            wake = min(wake, due)
-                    elif now >= ping_at + answer:
-                        self._end(calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
-                                       "keepalive_timeout_seconds", f"{answer:g} s"))
-                        return
-                    else:
-                        wake = min(wake, ping_at + answer)
-                if idle > 0:
-                    if self.calls or self.zombies or self.calls_opened != idle_count:
-                        idle_since, idle_count = now, self.calls_opened
-                    elif now - idle_since >= idle:
-                        log.debug("closing a gRPC connection idle for %g s (endpoints.idle_timeout_seconds)", idle)
-                        self.go_away()
-                        return
-                    wake = min(wake, idle_since + idle)
-                await trio.sleep_until(wake)
+                            wake = min(wake, quiet_at)
+                    await trio.sleep_until(wake)
+            except ConnectionError_ as exc:
+                self._end(exc)
 
     def _end(self, exc: ConnectionError_) -> None:
         """End the connection from outside the reader: GOAWAY with ``exc``, then close."""
@@ -576,23 +513,14 @@ class Connection:
             if not chunk:
                 return
             buf += chunk
-        if buf[:len(PREFACE)] != PREFACE:
-            raise ConnectionError_(PROTOCOL_ERROR, "the client did not open with the HTTP/2 connection preface "
-                                                   "(xlaserve serves gRPC over HTTP/2 with prior knowledge)")
-        del buf[:len(PREFACE)]
-        limits = self.limits
-        self._write(frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in (
-            (MAX_CONCURRENT_STREAMS, limits.max_concurrent_streams), (INITIAL_WINDOW_SIZE, OUR_STREAM_WINDOW),
-            (MAX_FRAME_SIZE, OUR_MAX_FRAME), (MAX_HEADER_LIST_SIZE, limits.max_header_list_bytes))))
-                    + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_CONN_WINDOW - DEFAULT_WINDOW)))
         # One buffer per connection, filled with recv_into: no allocation per read. It starts at
         # 64 KiB and doubles when a frame does not fit or a read fills it (up to READ_BUFFER_MAX).
         # It is an anonymous mapping (_read_buffer): what it costs is the pages reads have used,
         # and the watchdog gives those back once the connection has been quiet for
         # READ_BUFFER_RELEASE_SECONDS (release_pages, past read_end: never the bytes not yet
         # handled). Reallocating it smaller between bursts instead cost img_mean 8% at c=8.
-        # DATA payloads are handed on as views into it (copied once, into their call's body);
-        # other frames as bytes.
+        # The engine hands DATA payloads on as views into it (copied once, into their call's
+        # body); other frames as bytes. The preface is checked by the engine.
         size = max(READ_BUFFER_START, len(buf))
         buffer = self.read_buffer = _read_buffer(size)
         view = memoryview(buffer)
@@ -601,51 +529,27 @@ class Connection:
         filled = False                      # the last read filled the buffer
         tls_read = self._tls_recv_into if self.tls else None
         raw = self.raw
+        h2 = self.h2
+        receive = h2.receive
+        note_read = h2.note_read
         wait_readable = trio.lowlevel.wait_readable
         checkpoint = trio.lowlevel.checkpoint
-        unpack = _FRAME_HEADER.unpack_from
-        handle = self._frame
-        window_update = self._on_window_update
-        u32 = _U32.unpack_from
+        unpack = FRAME_HEADER.unpack_from
         batch = self.server.read_batch
-        queued_limit = limits.max_queued_reply_bytes
+        queued_limit = self.limits.max_queued_reply_bytes
         while True:
-            pos = start
-            work = WORK_PER_TURN
             starting = self.starting = []
             with batch():       # replies, acks and window updates of one read go out in one send
-                while end - pos >= 9:
-                    lt, flags, stream_id = unpack(buffer, pos)
-                    length = lt >> 8
-                    stop = pos + 9 + length
-                    if length > OUR_MAX_FRAME:
-                        raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes exceeds the "
-                                                                 f"{OUR_MAX_FRAME} this server advertised")
-                    if stop > end:
-                        break
-                    ftype = lt & 0xFF
-                    if ftype == DATA:
-                        handle(DATA, flags, stream_id & 0x7FFFFFFF, view[pos + 9:stop])
-                    elif ftype == WINDOW_UPDATE and length == 4 and self.settled and self.continuation is None:
-                        # a client sends one or two per reply: taken here, without the bytes
-                        window_update(stream_id & 0x7FFFFFFF, u32(buffer, pos + 9)[0] & 0x7FFFFFFF)
-                    else:
-                        handle(ftype, flags, stream_id & 0x7FFFFFFF, bytes(view[pos + 9:stop]))
-                    pos = stop
-                    work -= 1 + (length >> 16 if ftype == DATA else length >> 8)   # headers cost more to handle
-                    if work <= 0 or len(starting) >= STARTS_PER_TURN:
-                        work = 0
-                        break
+                start = receive(buffer, view, start, end)
                 self.starting = None
                 if starting:
                     self._start_fast(starting)
-            start = pos
-            if self.going_away and not self.calls:
+            if h2.going_away and not self.calls:
                 return
-            if work <= 0 and end - start >= 9:
+            if h2.spent and end - start >= 9:
                 # More frames are here already, but this connection has had its turn: let the
                 # other connections and the dispatch loop run before handling them.
-                await trio.lowlevel.checkpoint()
+                await checkpoint()
                 continue
             if start == end:
                 start = end = 0
@@ -656,7 +560,7 @@ class Connection:
             else:
                 need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
                 # grown when the frame does not fit or reads are filling the buffer (a frame is at
-                # most OUR_MAX_FRAME + 9: a longer one was refused above)
+                # most OUR_MAX_FRAME + 9: the engine refuses a longer one)
                 want = min(size * 2, READ_BUFFER_MAX) if filled and size < READ_BUFFER_MAX else size
                 buffer, view, start, end = room_to_read(buffer, view, start, end, need, max(want, need),
                                                         READ_BUFFER_START // 4)
@@ -670,7 +574,7 @@ class Connection:
                 # falls (GrpcServer.rebalance); flow control holds the client meanwhile.
                 self.resumed = trio.Event()
                 await self.resumed.wait()
-            if len(self.out) + self.in_flight > queued_limit:
+            if len(h2.out) + self.in_flight > queued_limit:
                 # The client is not reading what it asked for: stop reading its requests until
                 # the writer has handed half of it to the socket (back-pressure, not buffering).
                 self.writable = trio.Event()
@@ -700,8 +604,7 @@ class Connection:
             filled = end + n == size
             end += n
             self.read_end = end
-            self.reads += 1
-            self.received_at = trio.current_time()
+            note_read()
 
     async def _tls_recv_into(self, view: memoryview) -> int:
         """``recv_into`` for a TLS stream: decrypted bytes come as a new bytes object."""
@@ -709,237 +612,43 @@ class Connection:
         view[:len(data)] = data
         return len(data)
 
-    # ---- incoming frames -------------------------------------------------------------------
-    def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
-        if self.continuation is not None and ftype != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "a header block was interrupted by another frame")
-        if not self.settled and (ftype != SETTINGS or flags & ACK):
-            raise ConnectionError_(PROTOCOL_ERROR, "the first frame after the connection preface must be "
-                                                   "SETTINGS (RFC 9113 3.4)")
-        if ftype == DATA:
-            self._on_data(flags, sid, payload)
-        elif ftype == HEADERS:
-            self._on_headers(flags, sid, payload)
-        elif ftype == WINDOW_UPDATE:
-            if len(payload) != 4:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE is not 4 bytes")
-            self._on_window_update(sid, _U32.unpack(payload)[0] & 0x7FFFFFFF)
-        elif ftype == PING:
-            if len(payload) != 8:
-                raise ConnectionError_(FRAME_SIZE_ERROR, f"PING of {len(payload)} bytes; it is 8")
-            if sid != 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "PING on a stream")
-            if not flags & ACK:
-                self._control(frame(PING, ACK, 0, payload))
-        elif ftype == SETTINGS:
-            self._on_settings(flags, sid, payload)
-        elif ftype == RST_STREAM:
-            if len(payload) != 4:
-                raise ConnectionError_(FRAME_SIZE_ERROR, f"RST_STREAM of {len(payload)} bytes; it is 4")
-            if sid == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "RST_STREAM on stream 0")
-            if sid > self.last_stream or not sid & 1:     # even: a stream this server never opens
-                raise ConnectionError_(PROTOCOL_ERROR, f"RST_STREAM on idle stream {sid}")
-            self._glitch(f"RST_STREAM on stream {sid}")
-            call = self.calls.get(sid)
-            if call is not None:
-                call.cancel()
-                self._forget(call)
-        elif ftype == CONTINUATION:
-            if self.continuation is None or self.continuation[0] != sid:
-                raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without a header block in progress")
-            sid, first_flags, block, count = self.continuation
-            limits = self.limits
-            if count >= limits.max_continuation_frames:
-                raise calm(f"a header block spans more than {limits.max_continuation_frames} CONTINUATION frames",
-                           "max_continuation_frames", limits.max_continuation_frames)
-            self._check_block(len(block) + len(payload))
-            block.extend(payload)
-            if flags & END_HEADERS:
-                self.continuation = None
-                self._on_header_block(first_flags, sid, bytes(block))
-            else:
-                if not payload:
-                    self._glitch("an empty CONTINUATION frame")
-                self.continuation = (sid, first_flags, block, count + 1)
-        elif ftype == GOAWAY:
-            if len(payload) < 8:
-                raise ConnectionError_(FRAME_SIZE_ERROR, f"GOAWAY of {len(payload)} bytes; it is at least 8")
-            if sid != 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "GOAWAY on a stream")
-            self.going_away = True
-        elif ftype == PRIORITY:
-            if sid == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "PRIORITY on stream 0")
-            if len(payload) != 5:
-                raise ConnectionError_(FRAME_SIZE_ERROR, "PRIORITY frame is not 5 bytes")
-        elif ftype == PUSH_PROMISE:
-            if len(payload) < 4:
-                raise ConnectionError_(FRAME_SIZE_ERROR, f"PUSH_PROMISE of {len(payload)} bytes")
-            raise ConnectionError_(PROTOCOL_ERROR, "clients must not send PUSH_PROMISE")
-        # unknown frame types are ignored (section 4.1)
-
-    def _on_settings(self, flags: int, sid: int, payload: bytes) -> None:
-        # sizes first, then the stream: the order libnghttp2 checks them in
-        if flags & ACK and payload:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS ack with a payload")
-        if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "SETTINGS payload is not a multiple of 6 bytes")
-        if sid != 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
-        if flags & ACK:
-            return
-        entries = len(payload) // 6
-        limit = self.limits.max_settings_entries
-        if entries > limit:
-            raise calm(f"a SETTINGS frame of {entries} entries", "max_settings_entries", limit)
-        if self.settled:
-            self._glitch("a SETTINGS frame after the first")   # clients send one or two in all
-        self.settled = True
-        window = self.peer_initial_window
-        for i in range(0, len(payload), 6):
-            key, value = struct.unpack_from(">HI", payload, i)
-            if key == INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {value} is above 2^31-1")
-                window = value      # applied once below: the last value is the one that counts
-            elif key == MAX_FRAME_SIZE:
-                if not DEFAULT_FRAME <= value <= 2**24 - 1:
-                    raise ConnectionError_(PROTOCOL_ERROR, f"MAX_FRAME_SIZE {value} is outside 16384..2^24-1")
-                self.peer_max_frame = value
-            elif key == ENABLE_PUSH and value > 1:
-                raise ConnectionError_(PROTOCOL_ERROR, f"ENABLE_PUSH {value} is not 0 or 1")
-            # HEADER_TABLE_SIZE: our encoder never uses the dynamic table; the rest are advisory
-        delta = window - self.peer_initial_window
-        if delta:
-            self.peer_initial_window = window
-            for call in self.calls.values():
-                call.send_window += delta
-                if call.send_window > MAX_WINDOW:     # RFC 9113 6.9.2
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, f"INITIAL_WINDOW_SIZE {window} takes stream "
-                                                               f"{call.id}'s send window above 2^31-1")
-        self._control(frame(SETTINGS, ACK, 0))
-        self._flush_blocked()
-
-    def _on_window_update(self, sid: int, increment: int) -> None:
-        if sid == 0:
-            if increment == 0:
-                raise ConnectionError_(PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
-            self.send_window += increment
-            if self.send_window > MAX_WINDOW:
-                raise ConnectionError_(FLOW_CONTROL_ERROR, "the connection's send window exceeds 2^31-1")
-            if self.blocked:
-                self._flush_blocked()
-            return
-        call = self.calls.get(sid)
-        if call is None:
-            if sid > self.last_stream or not sid & 1:
-                raise ConnectionError_(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
-            return                  # a stream already answered (clients update those too)
-        if increment == 0:
-            self._reset(call, PROTOCOL_ERROR)
-            return
-        call.send_window += increment
-        if call.send_window > MAX_WINDOW:             # RFC 9113 6.9.1: a stream error
-            self._reset(call, FLOW_CONTROL_ERROR)
-            return
-        self._flush_blocked()
-
-    def _on_headers(self, flags: int, sid: int, payload: bytes) -> None:
-        if not sid & 1:     # checked on the frame, not once its header block ends
-            raise ConnectionError_(PROTOCOL_ERROR, f"client stream ids are odd; got {sid}")
-        start, stop = 0, len(payload)
-        if flags & PADDED:
-            pad = payload[0] if payload else 256
-            start, stop = 1, stop - pad
-        if flags & PRIORITY_FLAG:
-            # RFC 9113 5.3.1: a stream error, which libnghttp2 (and so this) makes a connection error,
-            # checked as it does: on a frame opening a stream, before its header block is decoded
-            if sid > self.last_stream and stop - start >= 4 and \
-                    _U32.unpack_from(payload, start)[0] & 0x7FFFFFFF == sid:
-                raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS making stream {sid} depend on itself")
-            start += 5
-        if stop < start:
-            raise ConnectionError_(PROTOCOL_ERROR, "HEADERS padding exceeds the frame")
-        block = payload[start:stop]
-        self._check_block(len(block))
-        if flags & END_HEADERS:
-            self._on_header_block(flags, sid, block)
+    # ---- the engine's handler: what the client's frames mean for calls ---------------------------
+    def output_ready(self) -> None:
+        server = self.server
+        if server.holding:
+            server.hold(self)               # sent when the write batch ends (or sooner)
         else:
-            self.continuation = (sid, flags, bytearray(block), 0)
+            self.out_ready.set()
 
-    def _check_block(self, size: int) -> None:
-        limit = self.limits.max_header_block_bytes
-        if size > limit:
-            raise calm(f"a header block of more than {limit} bytes", "max_header_block_bytes", f"{limit} bytes")
+    def quiet(self) -> None:
+        """Going away and no call is left: stop reading, which ends the connection."""
+        self.read_scope.cancel()
 
-    def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
-        try:
-            headers = self.decoder.decode(block)
-        except HeaderListTooLarge as exc:
-            raise calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
-        except TooManyHeaderFields as exc:
-            raise calm(str(exc), "max_header_fields", self.limits.max_header_fields) from None
-        except HPACKError as exc:
-            raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
-        call = self.calls.get(sid)
-        if call is not None:                                 # trailers from the client
-            if not flags & END_STREAM:
-                raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
-            if malformed(headers, trailers=True) is not None:
-                self._reset(call, PROTOCOL_ERROR)
-                return
-            self._end_of_request(call)
-            return
-        if sid <= self.last_stream:
-            if flags & END_STREAM:
-                return                    # trailers of a call we already answered and reset
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS opening stream {sid} after stream {self.last_stream}; "
-                                                   "stream ids must increase")
-        self.last_stream = sid
-        if self.going_away:
-            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
-            return
-        if len(self.calls) + self.zombies >= self.limits.max_concurrent_streams:
-            self._glitch(f"stream {sid} past max_concurrent_streams")
-            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
-            return
-        if self.waiting_bytes > self.limits.max_queued_reply_bytes:
-            # Replies wait for window the client does not grant: take no new work until they
-            # have gone (the client may retry a refused stream; reading goes on, so its
-            # WINDOW_UPDATEs still arrive).
-            self._control(frame(RST_STREAM, 0, sid, _U32.pack(REFUSED_STREAM)))
-            return
-        self.calls_opened += 1
-        self._new_call(flags, sid, headers)
-
-    def _new_call(self, flags: int, sid: int, headers: tuple[tuple[str, str], ...]) -> None:
+    def stream_opened(self, sid: int, headers: tuple[tuple[str, str], ...], end_stream: bool) -> None:
         if headers is self.last_fields:     # a repeated block decodes to the very same tuple
             head = self.last_head
         else:
-            problem = malformed(headers)
             server = self.server
-            head = None if problem is not None else read_head(headers, server.methods, server.service_names)
+            head = read_head(headers, server.methods, server.service_names)
             if head is None:
                 # a stream error; nothing of the call was registered, so a reset is all there is to do
-                self._glitch(f"a malformed request on stream {sid}: {problem or 'a field with an empty name'}")
-                self._control(frame(RST_STREAM, 0, sid, _U32.pack(PROTOCOL_ERROR)))
+                self.h2.glitch(f"a malformed request on stream {sid}: a field with an empty name")
+                self.h2.refuse(sid, PROTOCOL_ERROR)
                 return
             self.last_fields, self.last_head = headers, head
         path = head.path
-        method = self.server.methods.get(path)
+        server = self.server
+        method = server.methods.get(path)
         call = Call(self, sid, method, head.metadata, None, head.encoding)
-        call.fast = self.server.fast.get(path)
+        call.fast = server.fast.get(path)
         # a set lookup: the Cardinality enum's .value is a slow descriptor, once per request
-        call.streaming_in = path in self.server.client_streaming
-        self.calls[sid] = call
-        if flags & END_STREAM:
-            call.remote_closed = True
+        call.streaming_in = path in server.client_streaming
+        self.h2.accept(call, end_stream)
         verdict = head.verdict
         if type(verdict) is Refusal and (verdict.http_status != 200 or method is None):
             self._refuse(call, verdict)         # no gRPC call, or an unknown method
             return
-        rule = self.server.restricted.get(path)     # endpoints.restricted: before any handler runs
+        rule = server.restricted.get(path)     # endpoints.restricted: before any handler runs
         if rule is not None and (denial := rule.denial(head.metadata)) is not None:
             self._fail(call, Status.PERMISSION_DENIED, denial)
             return
@@ -948,48 +657,39 @@ class Connection:
                 self._refuse(call, verdict)
                 return
             call.deadline = Deadline.from_timeout(verdict)
-        if call.remote_closed:
+        if end_stream:
             self._end_of_request(call)      # no request message at all
         elif call.streaming_in:
             self._start(call)
 
-    def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
-        if sid == 0:
-            raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
-        length = len(payload)
-        self.recv_unacked += length
-        if self.recv_unacked >= OUR_CONN_WINDOW // 2:
-            self._write(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_unacked)))
-            self.recv_unacked = 0
-        call = self.calls.get(sid)
-        if call is None:
-            if sid > self.last_stream or not sid & 1:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
-            return                      # a stream we already answered or reset
-        if call.remote_closed:
-            self._reset(call, STREAM_CLOSED)
-            return
-        if flags & PADDED:
-            pad = payload[0] if payload else 256
-            if pad >= length:
-                raise ConnectionError_(PROTOCOL_ERROR, "DATA padding exceeds the frame")
-            payload = payload[1:length - pad]
+    def headers_received(self, call: Call, headers, end_stream: bool) -> None:
+        self._end_of_request(call)          # the client's trailers (the engine checked them)
+
+    def data_received(self, call: Call, payload, end_stream: bool) -> None:
         if not call.finished:
+            length = len(payload)
             self.held_bound += length
             if self.held_bound > self.held_check and not self._may_hold(call, length):
                 return
             call.body += payload
             self._cut_messages(call)
-        if flags & END_STREAM:
+        if end_stream:
             self._end_of_request(call)
-        else:
-            if not length:
-                self._glitch("an empty DATA frame")
-            call.unacked += length
-            if call.unacked >= OUR_STREAM_WINDOW // 2:
-                self._write(frame(WINDOW_UPDATE, 0, sid, _U32.pack(call.unacked)))
-                call.unacked = 0
 
+    def stream_reset(self, call: Call, code: int, remote: bool) -> None:
+        call.cancel()
+
+    def stream_closed(self, call: Call) -> None:
+        if call.messages and self.inflate.used:
+            release_all(call.messages)      # inflated messages no handler will parse
+        if call.drained is not None:
+            call.drained.set()
+
+    def stream_drained(self, call: Call) -> None:
+        if call.drained is not None:
+            call.drained.set()
+
+    # ---- request bytes ------------------------------------------------------------------------
     def held_exact(self) -> int:
         """The request bytes this connection's calls hold now (unfinished messages, messages not
         yet parsed); also makes it ``held_bound``."""
@@ -1077,10 +777,9 @@ class Connection:
             self._end_of_request(call)
 
     def _end_of_request(self, call: Call) -> None:
-        call.remote_closed = True
+        """The client sent all of ``call``'s request (the engine marked its stream)."""
         if call.finished:
-            self._forget(call)
-            return
+            return                      # answered already (its stream ends as its reply goes out)
         if self.inflating and call.id in self.inflating:
             return                      # ended by _inflate_in_thread once the message is inflated
         if call.body:
@@ -1103,6 +802,8 @@ class Connection:
             self.nursery.start_soon(self._run_call, call)
         elif self.starting is not None:
             self.starting.append(call)      # at the end of the reader's turn: _start_fast
+            if len(self.starting) >= STARTS_PER_TURN:
+                self.h2.spent = True        # (the turn ends after this frame)
         else:                               # outside a turn (a message inflated in a thread)
             self._start_fast((call,))
 
@@ -1139,30 +840,20 @@ class Connection:
         limit = self.server.max_send_bytes
         if len(data) > limit:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, self.server.too_large_response(len(data), limit))
-        message = framed(data)
         head = b""
         if not call.headers_sent:
             call.headers_sent = True
             head = frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS)
-        n = len(message)
-        if not call.pending and n <= call.send_window and n <= self.send_window and n <= self.peer_max_frame:
-            call.send_window -= n
-            self.send_window -= n
-            self._write(head + frame(DATA, 0, call.id, message))
-            return
-        if head:
-            self._write(head)
-        call.pending.append(message)
-        self.waiting_bytes += len(message)
-        self._flush_call(call)
+        self.h2.send_data(call, framed(data), head=head)
 
     def reply_unary(self, call: Call, data: bytes, framed: bytes | None = None) -> None:
         """The whole answer of a unary call: HEADERS, the message, OK trailers; one write when
         the windows allow (the common case). ``framed``, when given, is ``data`` with its
         length prefix already (a :class:`FramedReply`), sent as it is."""
         n = len(data) + 5
-        if (call.headers_sent or call.pending or n > call.send_window or n > self.send_window
-                or n > self.peer_max_frame or len(data) > self.server.max_send_bytes):
+        h2 = self.h2
+        if (call.headers_sent or call.pending or n > call.send_window or n > h2.send_window
+                or n > h2.peer_max_frame or len(data) > self.server.max_send_bytes):
             try:
                 self.send_message(call, data)
             except GRPCError as exc:
@@ -1171,20 +862,17 @@ class Connection:
             self._finish(call, Status.OK, None)
             return
         call.headers_sent = call.finished = True
-        call.send_window -= n
-        self.send_window -= n
         sid = call.id
         pack = _FRAME_HEADER.pack
-        self._write(b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
-                              pack(n << 8 | DATA, 0, sid),
-                              *((_MESSAGE_PREFIX.pack(0, len(data)), data) if framed is None else (framed,)),
-                              pack(len(_OK_TRAILERS) << 8 | HEADERS, END_HEADERS | END_STREAM, sid), _OK_TRAILERS)))
-        if not call.remote_closed:
-            self._write(frame(RST_STREAM, 0, sid, _U32.pack(NO_ERROR)))
-        self._forget(call)
+        h2.send_raw(call, b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
+                                    pack(n << 8 | DATA, 0, sid),
+                                    *((_MESSAGE_PREFIX.pack(0, len(data)), data) if framed is None else (framed,)),
+                                    pack(len(_OK_TRAILERS) << 8 | HEADERS, END_HEADERS | END_STREAM, sid),
+                                    _OK_TRAILERS)), n, True)
 
     def _finish(self, call: Call, status: Status, message: str | None) -> None:
-        """End the call: trailers (or a trailers-only response) with its status."""
+        """End the call: trailers (or a trailers-only response) with its status, after the
+        reply data still waiting for window."""
         if call.finished:
             return
         call.finished = True
@@ -1192,11 +880,7 @@ class Connection:
         if not call.headers_sent:
             call.headers_sent = True
             block = _RESPONSE_HEADERS + block
-        if call.pending:
-            call.pending.append(("trailers", block))
-            self._flush_call(call)
-        else:
-            self._send_trailers(call, block)
+        self.h2.send_end(call, block)
 
     def _fail(self, call: Call, status: Status, message: str) -> None:
         if call.scope is not None:
@@ -1209,83 +893,11 @@ class Connection:
             self._fail(call, refusal.status, refusal.message)
             return
         call.finished = call.headers_sent = True
-        self._send_trailers(call, refusal.block())
-
-    def _send_trailers(self, call: Call, block: bytes) -> None:
-        self._write(self._header_frames(call.id, block, END_STREAM))
-        if not call.remote_closed:   # answered early: the client need not send the rest
-            self._write(frame(RST_STREAM, 0, call.id, _U32.pack(NO_ERROR)))
-        self._forget(call)
-
-    def _header_frames(self, sid: int, block: bytes, flags: int) -> bytes:
-        size = self.peer_max_frame
-        if len(block) <= size:
-            return frame(HEADERS, flags | END_HEADERS, sid, block)
-        parts = [frame(HEADERS, flags, sid, block[:size])]
-        for i in range(size, len(block), size):
-            last = i + size >= len(block)
-            parts.append(frame(CONTINUATION, END_HEADERS if last else 0, sid, block[i:i + size]))
-        return b"".join(parts)
-
-    def _reset(self, call: Call, code: int) -> None:
-        self._control(frame(RST_STREAM, 0, call.id, _U32.pack(code)))
-        call.cancel()
-        self._forget(call)
-
-    def _forget(self, call: Call) -> None:
-        if call.messages and self.inflate.used:
-            release_all(call.messages)      # inflated messages no handler will parse
-        self.calls.pop(call.id, None)
-        self.blocked.pop(call.id, None)
-        if call.drained is not None:
-            call.drained.set()
-        self._maybe_idle()
-
-    def _maybe_idle(self) -> None:
-        """A closing connection with no call left stops reading, which ends it."""
-        if self.going_away and not self.calls:
-            self.read_scope.cancel()
-
-    def _flush_call(self, call: Call) -> None:
-        """Send as much of ``call``'s waiting output as the windows allow."""
-        pending = call.pending
-        while pending:
-            item = pending[0]
-            if isinstance(item, tuple):
-                pending.popleft()
-                self._send_trailers(call, item[1])
-                return
-            room = min(call.send_window, self.send_window, self.peer_max_frame)
-            if room <= 0:
-                self.blocked[call.id] = call
-                return
-            chunk = item[:room]
-            call.send_window -= len(chunk)
-            self.send_window -= len(chunk)
-            self.waiting_bytes -= len(chunk)
-            self._write(frame(DATA, 0, call.id, chunk))
-            if len(chunk) == len(item):
-                pending.popleft()
-            else:
-                pending[0] = item[len(chunk):]
-        self.blocked.pop(call.id, None)
-        if call.drained is not None:
-            call.drained.set()
-
-    def _flush_blocked(self) -> None:
-        if not self.blocked:
-            return
-        for call in list(self.blocked.values()):
-            if self.send_window <= 0:
-                return
-            self._flush_call(call)
+        self.h2.send_headers(call, refusal.block(), end_stream=True)
 
     def go_away(self) -> None:
         """Graceful close: refuse new streams, finish the open ones, then close."""
-        if not self.going_away:
-            self.going_away = True
-            self._write(frame(GOAWAY, 0, 0, _U32.pack(self.last_stream) + _U32.pack(NO_ERROR)))
-        self._maybe_idle()
+        self.h2.go_away()
 
 
 class _WriteBatch:

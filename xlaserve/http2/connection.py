@@ -25,7 +25,7 @@ Bytes out: everything to send is appended to ``out`` (a bytearray), and the hand
 ``stopped = True`` drops all later output (a connection that is closing).
 
 Handler (any object; :class:`Handler` has no-op defaults), called from inside ``receive`` and the
-sending methods:
+sending methods (``end_stream`` is truthy when the frame carried END_STREAM):
 
 - ``stream_opened(sid, headers, end_stream)`` (server mode): a request's header block, already
   checked (stream id order, ``max_concurrent_streams``, malformed fields). The handler registers
@@ -57,8 +57,8 @@ whose peer has not ended its own closes it in server mode with RST_STREAM NO_ERR
 need not be sent on: RFC 9113 8.1); in client mode the stream waits half-closed for the response.
 
 Clock: ``clock`` (injected; the Trio driver passes ``trio.current_time``) times the glitch bucket
-and the read that ``note_read()`` records. ``tick(now)`` runs the handshake, keep-alive and idle
-timers: it raises ConnectionError_ when the handshake or a keep-alive PING ran out, writes a PING
+and the read that ``note_read()`` records. ``tick(now)`` runs the handshake, keep-alive, idle and
+write-progress timers: it raises ConnectionError_ when the handshake or a keep-alive PING ran out, writes a PING
 when one is due, goes away (GOAWAY NO_ERROR) when idle, and returns when it wants to be called
 next. Its first call starts the handshake clock. Tests drive all of it with a fake clock and
 bytes, with no socket and no sleep.
@@ -104,7 +104,9 @@ _END = ("end",)         # a pending item: END_STREAM on the DATA before it; trai
 
 class Stream:
     """One stream's HTTP/2 state; the layer above subclasses it (adding its own slots) so that
-    a request is one object. ``pending``: DATA (and the end) waiting for window."""
+    a request is one object (a subclass's ``__init__`` may set these five itself instead of
+    calling this one: one call less per request). ``pending``: DATA (and the end) waiting for
+    window."""
 
     __slots__ = ("id", "state", "send_window", "pending", "unacked")
 
@@ -120,9 +122,9 @@ class Handler:
     """The calls an :class:`H2Connection` makes (see the module docstring); all do nothing."""
 
     def output_ready(self) -> None: pass
-    def stream_opened(self, sid: int, headers: tuple, end_stream: bool) -> None: pass
-    def headers_received(self, stream: Stream, headers: tuple, end_stream: bool) -> None: pass
-    def data_received(self, stream: Stream, data, end_stream: bool) -> None: pass
+    def stream_opened(self, sid: int, headers: tuple, end_stream: int) -> None: pass
+    def headers_received(self, stream: Stream, headers: tuple, end_stream: int) -> None: pass
+    def data_received(self, stream: Stream, data, end_stream: int) -> None: pass
     def stream_reset(self, stream: Stream, code: int, remote: bool) -> None: pass
     def stream_closed(self, stream: Stream) -> None: pass
     def stream_drained(self, stream: Stream) -> None: pass
@@ -163,6 +165,8 @@ class H2Connection:
         self.peer_max_streams = MAX_WINDOW
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0                       # connection-level bytes received, not yet returned
+        self._conn_half = conn_window // 2          # returned (WINDOW_UPDATE) once this much arrived...
+        self._stream_half = stream_window // 2      # ...on the connection, on a stream
         self.blocked: dict[int, Stream] = {}        # streams with output waiting for window
         self.waiting_bytes = 0                      # DATA bytes waiting for window, all streams
         self.out = bytearray()
@@ -184,6 +188,7 @@ class H2Connection:
         self._checked: tuple | None = None          # the last request field tuple found well-formed
         # timers (tick)
         self._phase = 0                             # 0: handshake, 1: running, 2: done
+        self.idle_expired = False                   # tick() went away for idle_timeout_seconds
         self._started_at: float | None = None
         self._ping_at: float | None = None
         self._reads_at_ping = 0
@@ -285,13 +290,16 @@ class H2Connection:
     def ping(self, payload: bytes = KEEPALIVE_PING) -> None:
         self.write(frame(PING, 0, 0, payload))
 
-    def tick(self, now: float | None = None, reading: bool = True) -> float:
+    def tick(self, now: float | None = None, reading: bool = True, writing_since: float | None = None) -> float:
         """Run the connection's clocks at ``now`` (default: the clock): the handshake (the peer's
         SETTINGS within ``handshake_timeout_seconds`` of the first tick), keep-alive (a PING once
         nothing was read for ``keepalive_interval_seconds``, the connection closed when nothing
         follows within ``keepalive_timeout_seconds``; not while ``reading`` is False: the answer
-        would not be read) and idle (no stream for ``idle_timeout_seconds``: :meth:`go_away`).
-        Raises ConnectionError_ for a clock that ran out; returns when to tick next (inf: never)."""
+        would not be read), the driver's write (``writing_since``: when the write it is stuck in
+        last made progress, None when it is not writing; a peer that does not read is cut off after
+        ``write_timeout_seconds``) and idle (no stream for ``idle_timeout_seconds``:
+        :meth:`go_away`). Raises ConnectionError_ for a clock that ran out; returns when to tick
+        next (inf: never)."""
         if now is None:
             now = self.clock()
         limits = self.limits
@@ -310,6 +318,12 @@ class H2Connection:
         elif self._phase == 2:
             return math.inf
         wake = math.inf
+        if writing_since is not None:
+            write = limits.write_timeout_seconds
+            if now - writing_since >= write:
+                raise calm(f"a write to the {self.peer_name} made no progress for {write:g} s (it does not read)",
+                           "write_timeout_seconds", f"{write:g} s")
+            wake = writing_since + write
         interval, answer = limits.keepalive_interval_seconds, limits.keepalive_timeout_seconds
         if interval > 0 and reading:
             if self._ping_at is not None and self.reads != self._reads_at_ping:
@@ -319,20 +333,21 @@ class H2Connection:
                 if now >= due:
                     self._ping_at, self._reads_at_ping = now, self.reads
                     self.ping()
-                    wake = now + answer
+                    wake = min(wake, now + answer)
                 else:
-                    wake = due
+                    wake = min(wake, due)
             elif now >= self._ping_at + answer:
                 raise calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
                            "keepalive_timeout_seconds", f"{answer:g} s")
             else:
-                wake = self._ping_at + answer
+                wake = min(wake, self._ping_at + answer)
         idle = limits.idle_timeout_seconds
         if idle > 0:
             if self.streams or self.zombies or self.streams_opened != self._idle_count:
                 self._idle_since, self._idle_count = now, self.streams_opened
             elif now - self._idle_since >= idle:
                 self._phase = 2
+                self.idle_expired = True
                 self.go_away()
                 return math.inf
             wake = min(wake, self._idle_since + idle)
@@ -610,7 +625,7 @@ class H2Connection:
                     return
             if end_stream:
                 stream.state |= HALF_CLOSED_REMOTE
-            self._headers_received(stream, headers, bool(end_stream))
+            self._headers_received(stream, headers, end_stream)
             if stream.state == _BOTH:
                 self._close(stream)
             return
@@ -647,14 +662,14 @@ class H2Connection:
                 self.refuse(sid, PROTOCOL_ERROR)
                 return
             self._checked = headers
-        self._stream_opened(sid, headers, bool(end_stream))
+        self._stream_opened(sid, headers, end_stream)
 
     def _on_data(self, flags: int, sid: int, payload) -> None:
         if sid == 0:
             raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
         length = len(payload)
         self.recv_unacked += length
-        if self.recv_unacked >= self.conn_window // 2:
+        if self.recv_unacked >= self._conn_half:
             self.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
             self.recv_unacked = 0
         stream = self.streams.get(sid)
@@ -681,7 +696,7 @@ class H2Connection:
             if not length:
                 self.glitch("an empty DATA frame")
             stream.unacked += length
-            if stream.unacked >= self.stream_window // 2:
+            if stream.unacked >= self._stream_half:
                 self.write(frame(WINDOW_UPDATE, 0, sid, U32.pack(stream.unacked)))
                 stream.unacked = 0
 
@@ -789,8 +804,22 @@ class H2Connection:
         they end this side."""
         stream.send_window -= flow
         self.send_window -= flow
-        self.write(frames)
-        if end_stream:
+        if not self.stopped:            # (write, inlined: the server's reply to every unary call)
+            self.out += frames
+            self._output_ready()
+        if not end_stream:
+            return
+        if stream.state == HALF_CLOSED_REMOTE:
+            # a reply to a whole request (the common case), closed here without more calls
+            stream.state = CLOSED
+            sid = stream.id
+            del self.streams[sid]
+            if self.blocked:
+                self.blocked.pop(sid, None)
+            self._stream_closed(stream)
+            if self.going_away and not self.streams:
+                self._quiet()
+        else:
             self._ended(stream)
 
     def reset(self, stream: Stream, code: int, why: str = "") -> None:
