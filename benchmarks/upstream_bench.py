@@ -48,7 +48,8 @@ def _handle_old(upstream, buffer: bytearray, view: memoryview) -> None:
         lt, flags, sid = unpack(buffer, pos)
         stop = pos + 9 + (lt >> 8)
         ftype = lt & 0xFF
-        upstream._frame(ftype, flags, sid & 0x7FFFFFFF, view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
+        payload = view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop])
+        upstream._frame(ftype, flags, sid & 0x7FFFFFFF, payload)
         pos = stop
     upstream._out.clear()
 
