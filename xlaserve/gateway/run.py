@@ -147,6 +147,7 @@ class Gateway:
                                                max_streams=client.max_concurrent_streams,
                                                request_timeout=client.request_timeout_seconds,
                                                connect_timeout=client.connect_timeout_seconds,
+                                               max_reply_bytes=self.config.grpc.max_send_msg_bytes,
                                                server=self.server)
         self.router.add_worker(worker.name)
         if self._nursery is not None:

@@ -2,28 +2,39 @@
 
 An :class:`Upstream` keeps a connection to a worker open (reconnecting with capped back-off when
 it is lost) and multiplexes calls on it, at most ``max_streams`` at once; more wait in a queue,
-in order. It speaks the same frames as the worker's server (:mod:`xlaserve.frontend.grpc_server`,
-whose constants and ``frame`` it uses) and encodes header blocks with the same stateless HPACK
-encoder, so a worker's decode cache answers every repeated block with one lookup.
+in order. HTTP/2 itself (frame dispatch, SETTINGS, header blocks and CONTINUATION, flow control
+both ways, RST_STREAM and GOAWAY, every limit) is the sans-IO engine
+:class:`xlaserve.http2.connection.H2Connection` in client mode, the one the server runs: a
+worker is held to the limits a client is (:data:`WORKER_LIMITS`; docs/security.md, "A worker
+that misbehaves"). This module is its Trio driver (reads, writes, clocks) and the gRPC calls on
+top. Header blocks are encoded with the server's stateless HPACK encoder, so a worker's decode
+cache answers every repeated block with one lookup.
 
 A call is started with :meth:`Upstream.start` and a callback, not a task: the gateway's fast
 ModelInfer path hands the request's bytes on from the client connection's reader, and the
 callback answers the client from this connection's reader. What a call can end with:
 
 - the worker's reply: :class:`Reply` (gRPC status, message, the response body's bytes);
-- :class:`UpstreamError` with UNAVAILABLE: the connection was lost or refused, or the worker
-  sent GOAWAY or RST_STREAM before answering (the call may or may not have run; it is not
-  retried, so nothing runs twice);
+- :class:`UpstreamError` with UNAVAILABLE: the connection was lost or refused, the worker sent
+  GOAWAY or RST_STREAM before answering (the call may or may not have run; it is not retried, so
+  nothing runs twice, unless the worker said it did not run it: ``unprocessed``), or the worker
+  broke HTTP/2 or one of its limits (the connection is closed with GOAWAY naming what it did; for
+  a stream error only that stream is reset). The message says which;
+- :class:`UpstreamError` with RESOURCE_EXHAUSTED: the reply grew past ``max_reply_bytes`` (it is
+  cut off: the stream is reset and nothing more of it is kept);
 - :class:`UpstreamError` with DEADLINE_EXCEEDED: no answer within the call's timeout (the
   stream is reset, so the worker drops the work if it has not started).
 
+The connection counts as up (calls are sent on it) once the worker's SETTINGS have arrived; a
+worker that sends none within the handshake timeout is closed and connected to again.
+
 Flow control: requests larger than the worker's window wait for its WINDOW_UPDATEs; replies are
-taken as they come (the gateway reads them at once), so this end advertises a large window and
-returns it as DATA is consumed.
+taken as they come (the gateway reads them at once), so this end advertises large windows and
+the engine returns them as DATA arrives. What a reply can make the gateway hold is bounded by
+``max_reply_bytes``, not by a window.
 """
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import logging
@@ -32,33 +43,40 @@ import socket
 import struct
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import ContextManager
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import ContextManager
 
 import trio
 from grpclib.const import Status
 
 from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX
-from xlaserve.http2.frames import (
-    ACK, CONTINUATION, DATA, DEFAULT_FRAME, DEFAULT_WINDOW, END_HEADERS, END_STREAM, ENABLE_PUSH, GOAWAY, HEADERS,
-    INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, PADDED, PING, PREFACE, PRIORITY_FLAG,
-    REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, CANCEL, frame,
-)
-from xlaserve.frontend.grpc_server import recv_into, room_to_read
+from xlaserve.frontend.grpc_server import CALM_FLUSH_SECONDS, WRITE_CHUNK, recv_into, room_to_read
 from xlaserve.frontend.guard import LineLimiter, describe
-from xlaserve.http2.hpack import Decoder, HPACKError, encode
+from xlaserve.http2.connection import CLOSED, HALF_CLOSED_LOCAL, OPEN, H2Connection, Handler, Stream
+from xlaserve.http2.frames import CANCEL, ERROR_NAMES, REFUSED_STREAM, ConnectionError_, H2Limits
+from xlaserve.http2.hpack import encode
 
 log = logging.getLogger("xlaserve.gateway")
 
-__all__ = ["Reply", "UpstreamError", "Upstream", "grpc_timeout", "status_named"]
+__all__ = ["Reply", "UpstreamError", "Upstream", "WORKER_LIMITS", "grpc_timeout", "status_named"]
 
 OUR_WINDOW = 2**30                  # replies are consumed at once: a large window, returned as used
 READ_SIZE = 256 * 1024              # the reply buffer at first (it grows for a longer frame)
 MAX_REPLY_FRAME = 1 << 20           # the longest frame this end takes (SETTINGS_MAX_FRAME_SIZE)
 TURN_EVERY = 16                     # reads from a worker between turns of the run loop, at most
-_U32 = struct.Struct(">I")
+DEFAULT_MAX_REPLY = 256 * 1024 * 1024   # the default of gateway.grpc.max_send_msg_bytes
+#: What a worker's connection may do: the server's defaults for a client (H2Limits), but no idle
+#: timeout (the gateway keeps its workers' connections open; the status stream keeps them busy).
+WORKER_LIMITS = H2Limits(idle_timeout_seconds=0.0)
 _FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, stream id
-_SETTING = struct.Struct(">HI")
+_PLAIN_HEAD = ((":status", "200"), ("content-type", "application/grpc"))
+_OK_TRAILERS = (("grpc-status", "0"),)
+
+
+def _code(code: int) -> str:
+    """An HTTP/2 error code, with its name when it has one."""
+    return f"{code} ({ERROR_NAMES[code]})" if code in ERROR_NAMES else str(code)
 
 
 @dataclass(slots=True)        # not frozen: made once per call, and a frozen init costs 3x
@@ -107,16 +125,22 @@ def grpc_timeout(seconds: float) -> str:
     return f"{ms}m" if ms < 10**8 else f"{math.ceil(seconds)}S"
 
 
-class _Call:
-    __slots__ = ("id", "block", "data", "sent", "on_done", "deadline", "status", "message", "body",
-                 "headers_seen", "done", "send_window", "on_message")
+class _Call(Stream):
+    """One call: its HTTP/2 stream (the engine's :class:`Stream`) and its gRPC state."""
+
+    __slots__ = ("block", "data", "on_done", "deadline", "status", "message", "body", "headers_seen", "done",
+                 "on_message")
 
     def __init__(self, block: bytes, data: bytes, on_done: Callable[[Reply | UpstreamError], None],
                  deadline: float, on_message: Callable[[bytes], None] | None) -> None:
+        # Stream's fields, set here (one call less per request)
         self.id = 0
+        self.state = OPEN
+        self.send_window = 0
+        self.pending = deque()
+        self.unacked = 0
         self.block = block
         self.data = data
-        self.sent = 0
         self.on_done = on_done
         self.on_message = on_message
         self.deadline = deadline
@@ -125,24 +149,26 @@ class _Call:
         self.body = bytearray()
         self.headers_seen = False
         self.done = False
-        self.send_window = 0
 
 
-class Upstream:
-    """A worker as the gateway's client of it. ``name`` names it in errors and metrics."""
+class Upstream(Handler):
+    """A worker as the gateway's client of it. ``name`` names it in errors and metrics.
+    ``max_reply_bytes``: the largest reply message taken from it (gateway.grpc.max_send_msg_bytes);
+    ``limits``: what its connection may do (:data:`WORKER_LIMITS`)."""
 
     def __init__(self, name: str, host: str, port: int, *, max_streams: int = 32,
                  request_timeout: float = 60.0, connect_timeout: float = 5.0,
-                 backoff_initial: float = 0.1, backoff_max: float = 5.0, server=None) -> None:
+                 backoff_initial: float = 0.1, backoff_max: float = 5.0, server=None,
+                 max_reply_bytes: int = DEFAULT_MAX_REPLY, limits: H2Limits = WORKER_LIMITS) -> None:
         self.name = name
         #: the gateway's GrpcServer: the client replies completed by one read from the worker
         #: are sent together when it ends (write_batch), and requests queued while the server
         #: handles a client's read go to the worker with one send when that read is done
         self._server = server
-        self._batch: Callable[[], ContextManager] = server.write_batch if server is not None \
-            else contextlib.nullcontext
+        self._batch: Callable[[], ContextManager] = server.write_batch if server is not None else nullcontext
         self._raw: socket.socket | None = None
         self._sending = False
+        self._send_since = 0.0
         self._blocks: dict[tuple, bytes] = {}      # header blocks by (path, timeout, metadata)
         self.host = host
         self.port = port
@@ -151,6 +177,9 @@ class Upstream:
         self.connect_timeout = connect_timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.max_reply_bytes = max_reply_bytes
+        self._max_body = max_reply_bytes + MESSAGE_PREFIX.size     # one message and its prefix
+        self.limits = limits
         self.connected = trio.Event()     # replaced when the connection is lost
         self.up = False
         self.last_error = "not connected yet"
@@ -159,28 +188,22 @@ class Upstream:
         self.connects = 0
         self._authority = f"{host}:{port}"
         self._stream: trio.SocketStream | None = None
-        self._out = bytearray()
+        self._h2: H2Connection | None = None
+        self._reading = False             # inside the engine's receive: output goes when it returns
+        self._read_scope: trio.CancelScope | None = None
+        self._closing: ConnectionError_ | None = None     # a clock ran out (handshake, keep-alive, write)
+        self._quiet = False               # GOAWAY received and no call left: the connection ends
+        self._goaway_last: int | None = None
+        self._plain_head: tuple | None = None     # the decoded reply head and OK trailers last seen
+        self._ok_trailers: tuple | None = None
         self._writer_wake = trio.Event()
-        self._calls: dict[int, _Call] = {}
         self._queue: deque[_Call] = deque()
-        self._blocked: deque[_Call] = deque()   # calls with data waiting for window
-        self._next_id = 1
-        self._peer_max_streams = 2**31 - 1
-        self._peer_window = DEFAULT_WINDOW       # the worker's initial stream window
-        self._peer_frame = DEFAULT_FRAME
-        self._conn_window = DEFAULT_WINDOW       # what we may send on the connection
-        self._consumed = 0                       # DATA received, not yet returned by WINDOW_UPDATE
-        self._decoder = Decoder(max_header_list_size=1 << 20)
-        self._header_sid = 0
-        self._header_parts: list[bytes] = []
-        self._header_flags = 0
         #: calls with the request timeout, in start (so deadline) order; ended ones leave the head
         self._in_order: deque[_Call] = deque()
         self._timers: list[tuple[float, int, _Call]] = []   # calls with a shorter timeout, a heap
         self._timer_at = math.inf               # when the timer task wakes next (unless woken)
         self._timer_seq = itertools.count()
         self._timer_wake = trio.Event()
-        self._goaway = False
         self._retry = trio.Event()
         self._faults = LineLimiter(log)     # one line a second for connections that fail
 
@@ -228,7 +251,9 @@ class Upstream:
                 heapq.heappush(self._timers, (call.deadline, next(self._timer_seq), call))
             if call.deadline < self._timer_at:
                 self._timer_wake.set()
-        if len(self._calls) < min(self.max_streams, self._peer_max_streams):
+        h2 = self._h2
+        streams = len(h2.streams)       # (h2.can_open(), inlined: one call less per request)
+        if streams < self.max_streams and streams < h2.peer_max_streams and not h2.going_away:
             self._open(call)
         else:
             self._queue.append(call)
@@ -287,9 +312,9 @@ class Upstream:
                 try:
                     await self._serve(stream)
                 except Exception as exc:
-                    # Whatever ends this connection (a worker that sends what this end cannot
-                    # parse, a bug) ends it alone: the calls on it fail UNAVAILABLE and the
-                    # connection is made again, never reaching the gateway's nursery.
+                    # Whatever else ends this connection (a bug) ends it alone: the calls on it
+                    # fail UNAVAILABLE and the connection is made again, never reaching the
+                    # gateway's nursery.
                     self.last_error = f"connection failed: {describe(exc)}"
                     self._faults.line(logging.ERROR, "gateway: the connection to worker %s at %s failed (%s); "
                                       "reconnecting", self.name, self._authority, describe(exc), exc=exc)
@@ -301,39 +326,57 @@ class Upstream:
 
     async def _serve(self, stream: trio.SocketStream) -> None:
         self._stream = stream
-        self._reset_state()
+        self._closing = None
+        self._quiet = False
+        self._goaway_last = None
+        self.connects += 1
+        self.last_error = "the worker has not sent its SETTINGS yet (the HTTP/2 handshake)"
         # the same descriptor as a plain socket, for a non-blocking send from the current task
         self._raw = socket.socket(fileno=stream.socket.fileno())
-        self._out += PREFACE + frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in (
-            (ENABLE_PUSH, 0), (INITIAL_WINDOW_SIZE, OUR_WINDOW), (MAX_FRAME_SIZE, MAX_REPLY_FRAME)))) \
-            + frame(WINDOW_UPDATE, 0, 0, _U32.pack(OUR_WINDOW - DEFAULT_WINDOW))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._writer)
-            self._writer_wake.set()
-            self.up = True
-            self.connects += 1
-            self.last_error = ""
-            self.connected.set()
-            log.info("gateway: connected to worker %s at %s", self.name, self._authority)
-            try:
-                with _lost_as(self):
-                    await self._read_loop()
-            finally:
+        h2 = self._reset_state()
+        error: ConnectionError_ | None = None
+        read_scope = self._read_scope = trio.CancelScope()     # the writer and the clocks end the reader
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._writer, stream)
+                nursery.start_soon(self._clock, h2)
+                h2.initiate()
+                try:
+                    with read_scope:
+                        await self._read_loop(h2)
+                except ConnectionError_ as exc:
+                    error = exc
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    if not self.last_error or not self._quiet:
+                        self.last_error = f"connection lost: {exc or type(exc).__name__}"
+                error = error or self._closing
                 nursery.cancel_scope.cancel()
-                raw, self._raw = self._raw, None
-                raw.detach()
+        finally:
+            raw, self._raw = self._raw, None
+            raw.detach()
+            self._read_scope = None
+        if error is not None:
+            await self._go_away(stream, h2, error)
 
-    def _reset_state(self) -> None:
-        self._next_id = 1
-        self._peer_max_streams = 2**31 - 1
-        self._peer_window = DEFAULT_WINDOW
-        self._peer_frame = DEFAULT_FRAME
-        self._conn_window = DEFAULT_WINDOW
-        self._consumed = 0
-        self._decoder = Decoder(max_header_list_size=1 << 20)
-        self._header_sid = 0
-        self._goaway = False
-        self._out = bytearray()
+    def _reset_state(self) -> H2Connection:
+        """A new connection's HTTP/2 state (the engine, client mode)."""
+        self._h2 = H2Connection(self, client=True, limits=self.limits, clock=trio.current_time,
+                                stream_window=OUR_WINDOW, conn_window=OUR_WINDOW, max_frame=MAX_REPLY_FRAME)
+        return self._h2
+
+    async def _go_away(self, stream: trio.SocketStream, h2: H2Connection, error: ConnectionError_) -> None:
+        """The worker broke HTTP/2 or a limit: GOAWAY naming what it did, sent for a short while."""
+        self.last_error = f"the gateway closed the connection with GOAWAY {_code(error.code)}: {error}"
+        self._faults.line(logging.WARNING, "gateway: worker %s at %s: %s", self.name, self._authority,
+                          self.last_error)
+        self._reading = True            # no flush from the engine's write: sent here
+        h2.connection_error(error)
+        h2.stopped = True
+        with trio.move_on_after(CALM_FLUSH_SECONDS):
+            try:
+                await stream.send_all(h2.take_output())
+            except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass                    # it is gone already: nothing more to tell it
 
     def _lost(self) -> None:
         """The connection ended: every call on it or waiting for it fails UNAVAILABLE."""
@@ -343,16 +386,17 @@ class Upstream:
             log.warning("gateway: lost worker %s at %s (%s)", self.name, self._authority, self.last_error)
         error = UpstreamError(Status.UNAVAILABLE, f"worker {self.name} ({self._authority}): {self.last_error}; "
                                                   "the request may or may not have run")
-        calls, queued = list(self._calls.values()), list(self._queue)
-        self._calls.clear()
+        h2, self._h2 = self._h2, None
+        calls = list(h2.streams.values()) if h2 is not None else []
+        queued = list(self._queue)
         self._queue.clear()
-        self._blocked.clear()
         for call in calls:
             self._finish(call, error)
         for call in queued:          # never sent
             self._finish(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} ({self._authority}): "
                                              f"{self.last_error}", unprocessed=True))
         self._stream = None
+        self._reading = False
 
     def reconnect_now(self) -> None:
         """Cut the back-off short: the worker is known to be up again (its supervisor says)."""
@@ -365,24 +409,22 @@ class Upstream:
 
     # ---- sending ---------------------------------------------------------------------------
     def _open(self, call: _Call) -> None:
-        sid = call.id = self._next_id
-        self._next_id += 2
-        window = call.send_window = self._peer_window
-        self._calls[sid] = call
-        data, block = call.data, call.block
-        n = len(data)
-        if 0 < n <= window and n <= self._conn_window and n <= self._peer_frame:
-            # the usual request: HEADERS and one DATA frame that ends the stream, in one append
-            call.sent = n
-            call.send_window -= n
-            self._conn_window -= n
-            pack = _FRAME_HEADER.pack
-            self._out += b"".join((pack(len(block) << 8 | HEADERS, END_HEADERS, sid), block,
-                                   pack(n << 8 | DATA, END_STREAM, sid), data))
-        else:
-            self._out += frame(HEADERS, END_HEADERS, sid, block)
-            self._send_data(call)
-        self._kick()
+        data, call.data = call.data, b""
+        if len(data) > 65536:
+            # what waits for window is cut from a view, not copied over and over (a 64 MiB
+            # request in 16 KiB frames would copy its rest once per frame: 128 GiB)
+            data = memoryview(data)
+        self._h2.open_stream(call, call.block, data)
+
+    def output_ready(self) -> None:
+        """The engine queued output: sent now (or when the server's write batch ends), or when
+        the read being handled is done."""
+        if not self._reading:
+            server = self._server
+            if server is not None and server.holding:
+                server.hold(self)
+            else:
+                self.flush()
 
     def _kick(self) -> None:
         """Send what is queued: when the server's write batch ends if one is open, else now."""
@@ -395,61 +437,66 @@ class Upstream:
     def flush(self) -> None:
         """One non-blocking send of what is queued; the writer task sends what the socket does
         not take (and everything while it is mid-send)."""
-        if not self._out:
+        h2 = self._h2
+        if h2 is None or not h2.out:
             return
+        out = h2.out
         if self._raw is not None and not self._sending:
             try:
-                sent = self._raw.send(self._out)
+                sent = self._raw.send(out)
             except OSError:          # would block, or broken: the writer (and reader) find out
                 sent = 0
-            if sent == len(self._out):
-                self._out.clear()
+            if sent == len(out):
+                h2.take_output()
                 return
-            del self._out[:sent]
+            del out[:sent]
         self._writer_wake.set()
 
-    def _send_data(self, call: _Call) -> None:
-        data = call.data
-        while call.sent < len(data):
-            room = min(call.send_window, self._conn_window, self._peer_frame, len(data) - call.sent)
-            if room <= 0:
-                if call not in self._blocked:
-                    self._blocked.append(call)
-                return
-            end = call.sent + room
-            last = end == len(data)
-            self._out += frame(DATA, END_STREAM if last else 0, call.id, data[call.sent:end])
-            call.sent = end
-            call.send_window -= room
-            self._conn_window -= room
-        if not data:
-            self._out += frame(DATA, END_STREAM, call.id)
-
-    async def _writer(self) -> None:
-        stream = self._stream
-        with _lost_as(self):
+    async def _writer(self, stream: trio.SocketStream) -> None:
+        h2 = self._h2
+        try:
             while True:
                 await self._writer_wake.wait()
                 self._writer_wake = trio.Event()
-                while self._out:
-                    chunk, self._out = bytes(self._out), bytearray()
+                while h2.out:
+                    data = memoryview(h2.take_output())
                     self._sending = True
                     try:
-                        await stream.send_all(chunk)
+                        # in chunks, so that the write clock sees progress, not size
+                        for i in range(0, len(data), WRITE_CHUNK):
+                            self._send_since = trio.current_time()
+                            await stream.send_all(data[i:i + WRITE_CHUNK])
                     finally:
                         self._sending = False
-        await stream.aclose()           # the reader sees it and ends the connection
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            if not self._quiet:
+                self.last_error = f"connection lost: {exc or type(exc).__name__}"
+            self._read_scope.cancel()
+
+    async def _clock(self, h2: H2Connection) -> None:
+        """The connection's clocks (the engine's): the handshake, keep-alive and the writer's
+        progress (``write_timeout_seconds``; looked at every half of it at least, as a write may
+        start after a tick). One that runs out ends the connection."""
+        half = self.limits.write_timeout_seconds / 2
+        try:
+            while True:
+                wake = h2.tick(writing_since=self._send_since if self._sending else None)
+                await trio.sleep_until(min(wake, trio.current_time() + half))
+        except ConnectionError_ as exc:
+            self._closing = exc
+            self._read_scope.cancel()
 
     # ---- receiving -------------------------------------------------------------------------
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, h2: H2Connection) -> None:
         # One buffer, filled with recv_into (no allocation per read), grown for a frame longer
-        # than it; DATA is handed on as views into it (copied once, into its call's body).
+        # than it; the engine hands DATA on as views into it (copied once, into its call's body).
         raw = self._raw
         buffer = bytearray(READ_SIZE)
         view = memoryview(buffer)
         start = end = reads = 0
         unpack = _FRAME_HEADER.unpack_from
-        handle = self._frame
+        receive = h2.receive
+        batch = self._batch
         while True:
             # replies go out from here, with no task in between: a read that did not wait
             # yields a turn only now and then (every TURN_EVERY), so other connections are served
@@ -458,114 +505,57 @@ class Upstream:
             if not n:
                 raise trio.BrokenResourceError("the worker closed the connection")
             end += n
-            pos = start
-            with self._batch():
-                while end - pos >= 9:
-                    lt, flags, sid = unpack(buffer, pos)
-                    stop = pos + 9 + (lt >> 8)
-                    if stop > end:
-                        break
-                    ftype = lt & 0xFF
-                    # DATA is copied once, into its call's body; other frames become bytes
-                    handle(ftype, flags, sid & 0x7FFFFFFF,
-                           view[pos + 9:stop] if ftype == DATA else bytes(view[pos + 9:stop]))
-                    pos = stop
-                if self._out:
-                    self._kick()
-            if self._goaway and not self._calls:
-                raise trio.BrokenResourceError("the worker sent GOAWAY (it is stopping)")
-            if pos == end:
+            h2.note_read()
+            while True:
+                self._reading = True
+                try:
+                    with batch():
+                        start = receive(buffer, view, start, end)
+                        if h2.out:
+                            self._kick()
+                finally:
+                    self._reading = False
+                if self._quiet:
+                    raise trio.BrokenResourceError(self.last_error)
+                if not h2.spent:
+                    break
+                await trio.lowlevel.checkpoint()     # a turn's worth handled: let the others run
+            if start == end:
                 start = end = 0
                 continue
-            start = pos
+            # (the engine refused a frame longer than MAX_REPLY_FRAME as soon as its header came)
             need = 9 + (unpack(buffer, start)[0] >> 8) if end - start >= 9 else 9
-            if need > MAX_REPLY_FRAME + 9:
-                raise ValueError(f"the worker sent a frame of {need - 9} bytes; this end allows {MAX_REPLY_FRAME}")
             # grown for a frame longer than the buffer; else room made at the end
             buffer, view, start, end = room_to_read(buffer, view, start, end, need, max(len(buffer), need), 4096)
 
-    def _frame(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
-        if ftype == DATA:
-            self._on_data(flags, sid, payload)
-        elif ftype == HEADERS:
-            if flags & PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            if flags & PRIORITY_FLAG:
-                payload = payload[5:]
-            self._header_sid, self._header_flags, self._header_parts = sid, flags, [payload]
-            if flags & END_HEADERS:
-                self._on_headers()
-        elif ftype == CONTINUATION:
-            self._header_parts.append(payload)
-            if flags & END_HEADERS:
-                self._on_headers()
-        elif ftype == SETTINGS:
-            if not flags & ACK:
-                self._on_settings(payload)
-                self._out += frame(SETTINGS, ACK, 0)
-        elif ftype == WINDOW_UPDATE:
-            increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
-            if sid == 0:
-                self._conn_window += increment
-                blocked, self._blocked = self._blocked, deque()
-                for call in blocked:
-                    if not call.done:
-                        self._send_data(call)
-            else:
-                call = self._calls.get(sid)
-                if call is not None:
-                    call.send_window += increment
-                    if call in self._blocked:
-                        self._blocked.remove(call)
-                        self._send_data(call)
-        elif ftype == PING:
-            if not flags & ACK:
-                self._out += frame(PING, ACK, 0, payload)
-        elif ftype == RST_STREAM:
-            call = self._calls.get(sid)
-            if call is not None:
-                code = _U32.unpack(payload)[0]
-                # REFUSED_STREAM: the worker did no work for it (RFC 9113 8.7)
-                self._end(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} reset the stream "
-                                                                  f"(HTTP/2 error code {code}) before answering",
-                                              unprocessed=code == REFUSED_STREAM))
-        elif ftype == GOAWAY:
-            last = _U32.unpack_from(payload, 0)[0] & 0x7FFFFFFF
-            self._goaway = True
-            self.last_error = "the worker sent GOAWAY (it is stopping)"
-            self.up = False        # no new calls here; those it will still answer finish
-            for call in [c for s, c in self._calls.items() if s > last]:
-                self._end(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} is stopping and refused "
-                                                                  "the request before running it", unprocessed=True))
-            queued, self._queue = self._queue, deque()
-            for call in queued:
-                self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
-
-    def _on_settings(self, payload: bytes) -> None:
-        for i in range(0, len(payload) - len(payload) % 6, 6):
-            key, value = _SETTING.unpack_from(payload, i)
-            if key == INITIAL_WINDOW_SIZE:
-                delta = value - self._peer_window
-                self._peer_window = value
-                for call in self._calls.values():
-                    call.send_window += delta
-            elif key == MAX_FRAME_SIZE:
-                self._peer_frame = value
-            elif key == MAX_CONCURRENT_STREAMS:
-                self._peer_max_streams = value
-        for call in list(self._blocked):
-            self._blocked.remove(call)
-            self._send_data(call)
+    # the engine's calls (Handler)
+    def settings_received(self) -> None:
+        h2 = self._h2
+        if not self.up and not h2.going_away:
+            self.up = True
+            self.last_error = ""
+            self.connected.set()
+            log.info("gateway: connected to worker %s at %s", self.name, self._authority)
         self._open_queued()
 
-    def _on_headers(self) -> None:
-        block = b"".join(self._header_parts)
-        self._header_parts = []
-        fields = self._decoder.decode(block)
-        call = self._calls.get(self._header_sid)
-        if call is None:
+    def headers_received(self, call: _Call, headers: tuple, end_stream: bool) -> None:
+        if call.done:
             return
-        for name, value in fields:
+        # A repeated block decodes to the very same tuple: the usual reply head (":status" 200)
+        # and OK trailers are known by identity, not read field by field.
+        if headers is self._plain_head:
+            call.headers_seen = True
+        elif headers is self._ok_trailers:
+            call.status = 0
+            call.headers_seen = True
+        else:
+            self._read_headers(call, headers)
+        if end_stream:
+            self._answered(call)
+
+    def _read_headers(self, call: _Call, headers: tuple) -> None:
+        status = call.status
+        for name, value in headers:
             if name == "grpc-status":
                 call.status = int(value) if value.isdigit() else Status.UNKNOWN.value
             elif name == "grpc-message":
@@ -574,28 +564,64 @@ class Upstream:
                 call.status = Status.UNAVAILABLE.value if value in ("502", "503", "504") else Status.UNKNOWN.value
                 call.message = f"worker {self.name} answered HTTP {value}"
         call.headers_seen = True
-        if self._header_flags & END_STREAM:
-            self._end(call, None)
+        if headers == _PLAIN_HEAD:
+            self._plain_head = headers
+        elif status is None and headers == _OK_TRAILERS:
+            self._ok_trailers = headers
 
-    def _on_data(self, flags: int, sid: int, payload: bytes) -> None:
-        if flags & PADDED:
-            payload = payload[1:len(payload) - payload[0]]
-        self._consumed += len(payload)
-        if self._consumed > OUR_WINDOW // 2:
-            self._out += frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._consumed))
-            self._consumed = 0
-        call = self._calls.get(sid)
-        if call is None:
+    def data_received(self, call: _Call, data, end_stream: bool) -> None:
+        if call.done:
             return
-        call.body += payload
+        body = call.body
+        if len(body) + len(data) > self._max_body:
+            self._give_up(call, UpstreamError(
+                Status.RESOURCE_EXHAUSTED, f"worker {self.name}'s reply is larger than {self.max_reply_bytes} bytes "
+                                           "(gateway.grpc.max_send_msg_bytes): it was cut off"))
+            return
+        body += data
         if call.on_message is not None:
-            # a stream's window is returned as its messages are taken (a unary reply never
-            # comes near the 1 GiB this end advertises)
-            if payload:
-                self._out += frame(WINDOW_UPDATE, 0, sid, _U32.pack(len(payload)))
             self._deliver(call)
-        if flags & END_STREAM:
-            self._end(call, None)
+        if end_stream:
+            self._answered(call)
+
+    def stream_reset(self, call: _Call, code: int, remote: bool) -> None:
+        if call.done:
+            return
+        if not remote:      # a stream error of the worker's: the engine reset the stream
+            error = UpstreamError(Status.UNAVAILABLE, f"worker {self.name} broke HTTP/2 on the call's stream "
+                                                      f"({self._h2.reset_why}); the gateway reset it with "
+                                                      f"{_code(code)}")
+        elif code == REFUSED_STREAM and self._goaway_last is not None and call.id > self._goaway_last:
+            error = UpstreamError(Status.UNAVAILABLE, f"worker {self.name} is stopping and refused the request "
+                                                      "before running it", unprocessed=True)
+        else:
+            # REFUSED_STREAM: the worker did no work for it (RFC 9113 8.7)
+            error = UpstreamError(Status.UNAVAILABLE, f"worker {self.name} reset the stream (HTTP/2 error code "
+                                                      f"{_code(code)}) before answering",
+                                  unprocessed=code == REFUSED_STREAM)
+        self._finish(call, error)
+
+    def stream_closed(self, call: _Call) -> None:
+        if not call.done:           # (the engine resets or ends a stream before closing it)
+            self._finish(call, UpstreamError(Status.UNAVAILABLE, f"worker {self.name} closed the stream"))
+        if self._queue:
+            self._open_queued()
+
+    def goaway_received(self, last_stream_id: int, code: int, debug: bytes) -> None:
+        self._goaway_last = last_stream_id
+        self.up = False        # no new calls here; those it will still answer finish
+        said = debug[:200].decode("utf-8", "replace")
+        self.last_error = (f"the worker sent GOAWAY (it is stopping; HTTP/2 error code {_code(code)}"
+                           f"{': ' + said if said else ''})")
+        queued, self._queue = self._queue, deque()
+        for call in queued:
+            self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
+
+    def quiet(self) -> None:
+        """Going away and no call left: the connection ends."""
+        self._quiet = True
+        if not self._reading and self._read_scope is not None:
+            self._read_scope.cancel()
 
     def _deliver(self, call: _Call) -> None:
         body = call.body
@@ -610,22 +636,30 @@ class Upstream:
             del body[:pos]
 
     # ---- ending calls ----------------------------------------------------------------------
-    def _end(self, call: _Call, error: UpstreamError | None) -> None:
-        """``call``'s stream is over (answered, reset, timed out): free its slot, answer it."""
-        if self._calls.get(call.id) is call:
-            del self._calls[call.id]
-        if call in self._blocked:
-            self._blocked.remove(call)
-        if error is None:
-            if call.status is None:
-                error = UpstreamError(Status.UNKNOWN if call.headers_seen else Status.UNAVAILABLE,
-                                      f"worker {self.name} ended the call without a grpc-status")
+    def _answered(self, call: _Call) -> None:
+        """The worker ended its side of ``call``'s stream: the call's outcome."""
+        error = None
+        if call.status is None:
+            error = UpstreamError(Status.UNKNOWN if call.headers_seen else Status.UNAVAILABLE,
+                                  f"worker {self.name} ended the call without a grpc-status")
         self._finish(call, error if error is not None else Reply(call.status, call.message, bytes(call.body)))
-        self._open_queued()
+        if call.state != CLOSED and not call.state & HALF_CLOSED_LOCAL:
+            self._reset(call)               # answered before the request was all sent: the rest is not
+
+    def _reset(self, call: _Call) -> None:
+        """Reset ``call``'s stream (CANCEL). A worker that does not read what this end sends
+        (RST_STREAMs included) is past ``max_queued_control_frames``: its connection ends."""
+        try:
+            self._h2.reset(call, CANCEL)
+        except ConnectionError_ as exc:
+            if self._closing is None:
+                self._closing = exc
+            if self._read_scope is not None:
+                self._read_scope.cancel()
 
     def _open_queued(self) -> None:
-        limit = min(self.max_streams, self._peer_max_streams)
-        while self._queue and len(self._calls) < limit and self.up:
+        h2 = self._h2
+        while self._queue and self.up and len(h2.streams) < self.max_streams and h2.can_open():
             call = self._queue.popleft()
             if not call.done:
                 self._open(call)
@@ -689,35 +723,15 @@ class Upstream:
     def _give_up(self, call: _Call, error: UpstreamError) -> None:
         """End ``call`` with ``error`` before the worker answered: its stream is reset (the
         worker drops the work if it has not run), or it leaves the queue."""
-        if self._calls.get(call.id) is call:
-            self._out += frame(RST_STREAM, 0, call.id, _U32.pack(CANCEL))
-            self._kick()
-            self._end(call, error)
+        h2 = self._h2
+        self._finish(call, error)
+        if h2 is not None and h2.streams.get(call.id) is call:
+            self._reset(call)
         else:
             try:
                 self._queue.remove(call)
             except ValueError:
                 pass
-            self._finish(call, error)
-
-
-class _lost_as:
-    """Within it, a broken or malformed connection is recorded as ``upstream.last_error`` and
-    ends the block quietly (the caller then ends the connection)."""
-
-    def __init__(self, upstream: Upstream) -> None:
-        self.upstream = upstream
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, (OSError, trio.BrokenResourceError, trio.ClosedResourceError,
-                                               HPACKError, ValueError, struct.error)):
-            return False
-        if not self.upstream.last_error:
-            self.upstream.last_error = f"connection lost: {exc or type(exc).__name__}"
-        return True
 
 
 def _percent_decode(value: str) -> str:

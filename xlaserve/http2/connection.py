@@ -412,6 +412,7 @@ class H2Connection:
         self._inbox = buf[pos:]
 
     _inbox = b""
+    reset_why = ""      # what the peer did wrong, while stream_reset runs for a stream error of ours
 
     def _frame(self, ftype: int, flags: int, sid: int, payload) -> None:
         if self.continuation is not None and ftype != CONTINUATION:
@@ -562,11 +563,11 @@ class H2Connection:
                 raise ConnectionError_(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {sid}")
             return                  # a stream already answered (peers update those too)
         if increment == 0:
-            self.reset(stream, PROTOCOL_ERROR)
+            self.reset(stream, PROTOCOL_ERROR, f"WINDOW_UPDATE of 0 on stream {sid}")
             return
         stream.send_window += increment
         if stream.send_window > MAX_WINDOW:             # RFC 9113 6.9.1: a stream error
-            self.reset(stream, FLOW_CONTROL_ERROR)
+            self.reset(stream, FLOW_CONTROL_ERROR, f"a WINDOW_UPDATE takes stream {sid}'s send window above 2^31-1")
             return
         self._flush_blocked()
 
@@ -614,7 +615,7 @@ class H2Connection:
         if stream is not None:
             if self.client:
                 if stream.state & HALF_CLOSED_REMOTE:
-                    self.reset(stream, STREAM_CLOSED)
+                    self.reset(stream, STREAM_CLOSED, f"HEADERS on stream {sid} after its END_STREAM")
                     return
             else:                                                  # trailers from the client
                 if not end_stream:
@@ -677,7 +678,7 @@ class H2Connection:
                 raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {sid}")
             return                      # a stream already answered or reset
         if stream.state & HALF_CLOSED_REMOTE:
-            self.reset(stream, STREAM_CLOSED)
+            self.reset(stream, STREAM_CLOSED, f"DATA on stream {sid} after its END_STREAM")
             return
         if flags & PADDED:
             pad = payload[0] if payload else 256
@@ -821,10 +822,12 @@ class H2Connection:
         else:
             self._ended(stream)
 
-    def reset(self, stream: Stream, code: int) -> None:
-        """Reset ``stream`` (RST_STREAM ``code``): ``stream_reset`` and ``stream_closed`` follow."""
+    def reset(self, stream: Stream, code: int, why: str = "") -> None:
+        """Reset ``stream`` (RST_STREAM ``code``): ``stream_reset`` and ``stream_closed`` follow.
+        ``why``: what the peer did, for a stream error (``reset_why`` holds it during ``stream_reset``)."""
         if stream.state == CLOSED:
             return
+        self.reset_why = why
         self._control(frame(RST_STREAM, 0, stream.id, U32.pack(code)))
         self._stream_reset(stream, code, False)
         self._close(stream)
