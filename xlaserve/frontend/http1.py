@@ -631,8 +631,8 @@ class Http1Server:
             head += b"content-type: %s\r\n" % _header_value(response.content_type)
         for name, value in response.headers:
             head += b"%s: %s\r\n" % (_header_name(name), _header_value(value))
-        if len(body) >= COMPRESS_MIN:
-            accepted = _accepted_encoding(request.headers.get("accept-encoding", ""))
+        if len(body) >= COMPRESS_MIN and (accepting := request.headers.get("accept-encoding")) is not None:
+            accepted = _accepted_encoding(accepting)
             if accepted is not None:
                 body = await self._compress(body, accepted)
                 head += b"content-encoding: %s\r\n" % accepted.encode()
@@ -725,10 +725,20 @@ def _status_line(status: int) -> bytes:
     return line
 
 
+_HEADER_NAMES: dict[str, bytes] = {}
+
+
 def _header_name(name: str) -> bytes:
-    if not _TOKEN.match(name):
-        raise ValueError(f"a response header name must be a token, got {name[:80]!r}")
-    return name.encode("ascii")
+    """A response header name, checked to be a token (the names seen are kept, up to 256: they
+    are the handlers' own few)."""
+    encoded = _HEADER_NAMES.get(name)
+    if encoded is None:
+        if not _TOKEN.match(name):
+            raise ValueError(f"a response header name must be a token, got {name[:80]!r}")
+        encoded = name.encode("ascii")
+        if len(_HEADER_NAMES) < 256:
+            _HEADER_NAMES[name] = encoded
+    return encoded
 
 
 def _header_value(value: str) -> bytes:
