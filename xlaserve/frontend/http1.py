@@ -179,7 +179,7 @@ class _Inbox:
     Entering and leaving a scope for each wait cost about 12 µs a request (two scopes); moving a
     deadline costs about 1.4 µs."""
 
-    __slots__ = ("stream", "raw", "conn", "limit", "waiting", "arrived", "fed", "handling", "pipelined", "ended",
+    __slots__ = ("stream", "raw", "conn", "limit", "waiting", "waiter", "fed", "handling", "pipelined", "ended",
                  "error", "_go", "scope", "phase", "shut", "got")
 
     def __init__(self, stream, conn: h11.Connection, limit: int, raw: socket.socket | None = None) -> None:
@@ -189,7 +189,8 @@ class _Inbox:
         self.conn = conn                #: the h11 connection of the request being read (replaced for each)
         self.limit = limit
         self.waiting = False
-        self.arrived = trio.Event()
+        #: the connection's task while it waits in :meth:`receive` (rescheduled by the reader)
+        self.waiter: trio.lowlevel.Task | None = None
         self.fed = 0                #: how many reads went to h11
         #: whether a request is in the handler (the peer leaving then cancels ``scope``)
         self.handling = False
@@ -226,13 +227,23 @@ class _Inbox:
                 self.fed += 1
                 if self.handling:
                     self.pipelined += len(data)
-                self.arrived.set()
+                self._arrived()
         except Exception as exc:        # raised to the connection's task when it next reads
             self.error = exc
         self.ended = True
         if self.handling:
             self.scope.cancel()
-        self.arrived.set()
+        self._arrived()
+
+    def _arrived(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    def _abort(self, _) -> trio.lowlevel.Abort:
+        self.waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def _wake(self) -> None:
         if self._go is not None:
@@ -244,11 +255,11 @@ class _Inbox:
         is raised). Called when h11 needs data, so nothing that came before is missed."""
         fed = self.fed
         if not self.ended:
-            self.arrived = trio.Event()
             self.waiting = True
             self._wake()
+            self.waiter = trio.lowlevel.current_task()
             try:
-                await self.arrived.wait()
+                await trio.lowlevel.wait_task_rescheduled(self._abort)
             finally:
                 self.waiting = False
         if self.fed != fed:
@@ -491,6 +502,10 @@ class Http1Server:
                     raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
                 if event is not h11.NEED_DATA:
                     break
+                if scope.deadline != deadline:
+                    # the head is not all here: its deadline runs while the rest comes (moved only
+                    # now, as a head that arrives whole in one read never waits under it)
+                    scope.deadline = deadline
             event = None
             more = await inbox.receive()
             if not more:
@@ -502,9 +517,7 @@ class Http1Server:
                 waiting = False
                 self._idle.discard(inbox)
                 inbox.phase = _HEAD
-                head_deadline = trio.current_time() + limits.header_timeout
-                if head_deadline < deadline:
-                    scope.deadline = deadline = head_deadline
+                deadline = min(deadline, trio.current_time() + limits.header_timeout)
         if isinstance(event, h11.ConnectionClosed):
             raise _Quiet()
         if not isinstance(event, h11.Request):
