@@ -434,7 +434,7 @@ class Http1Server:
                 if error is not None and not isinstance(error, (trio.BrokenResourceError,
                                                                 trio.ClosedResourceError, OSError)):
                     raise error
-        if refusal is not None and not inbox.shut:
+        if refusal is not None:
             await self._refuse(stream, refusal)
 
     async def _serve_in_turn(self, stream, peer, inbox: _Inbox, held: _Held) -> _Refusal | None:
