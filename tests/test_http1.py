@@ -331,6 +331,54 @@ def test_close_ends_idle_connections_at_once():
     run(test)
 
 
+def test_a_kept_alive_connections_next_head_has_the_header_timeout_from_its_first_byte():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(GET)
+        await read_response(client)
+        await trio.sleep(50)                # quiet, within the idle timeout
+        await client.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-slow: ")
+        start = trio.current_time()
+        reply = await read_all(client)
+        assert status_of(reply) == 408 and b"header_timeout" in reply
+        assert trio.current_time() - start == 10.0
+    run(test)
+
+
+def test_a_pipelined_request_whose_body_stalls_gets_408_at_the_body_timeout():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(GET + b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n01234")
+        assert (await read_response(client))[0] == 200
+        reply = await read_all(client)
+        assert status_of(reply) == 408 and b"5 bytes came" in reply
+        assert trio.current_time() == 30.0
+    run(test)
+
+
+def test_no_deadline_runs_while_the_handler_does_and_idle_counts_from_the_answer():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")     # 100 s: past every timeout
+        status, _, _ = await read_response(client)
+        assert status == 200 and trio.current_time() == 100.0
+        assert await read_all(client) == b""
+        assert trio.current_time() == 160.0      # idle_timeout after the answer
+    run(test)
+
+
+def test_close_while_a_request_is_in_the_handler_answers_it_then_closes():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+        await trio.sleep(1)
+        server.close()
+        reply = await read_all(client)
+        assert reply.startswith(b"HTTP/1.1 200 ") and b"connection: close" in reply
+        assert trio.current_time() == 100.0
+    run(test)
+
+
 def test_bodies_held_by_all_connections_are_bounded_and_given_back_once_answered():
     async def test(server, connect):
         slow = connect()                    # holds 900 bytes, its body unfinished

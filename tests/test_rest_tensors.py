@@ -11,6 +11,7 @@ import pytest
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.codec import deserialize_bytes, serialize_bytes
 from xlaserve.errors import InvalidArgument
+from xlaserve.frontend import rest_tensors
 from xlaserve.frontend.rest_tensors import infer_request, infer_response, mapping_json
 
 
@@ -114,6 +115,64 @@ def test_bytes_left_after_the_binary_tensors_are_an_error():
         infer_request(header + b"\0" * 8, len(header), "m", "")
     with pytest.raises(InvalidArgument, match="Inference-Header-Content-Length is 500"):
         infer_request(header, 500, "m", "")
+
+
+def _binary_header(**extra) -> bytes:
+    return json.dumps({**extra, "inputs": [
+        {"name": "a", "datatype": "FP32", "shape": [2], "parameters": {"binary_data_size": 8}},
+        {"name": "r", "datatype": "FP32", "shape": [4], "parameters": {"shared_memory_region": "reg",
+                                                                       "shared_memory_byte_size": 16}},
+        {"name": "c", "datatype": "INT8", "shape": [3], "parameters": {"binary_data_size": 3}}],
+        "outputs": [{"name": "y", "parameters": {"binary_data": True}}, {"name": "z"}]}).encode()
+
+
+def test_a_binary_header_seen_before_is_translated_from_the_cache_as_a_fresh_parse_would():
+    rest_tensors._HEADERS.clear()
+    header = _binary_header(parameters={"priority": 2})
+    first = infer_request(header + b"A" * 8 + b"bcd", len(header), "m", "1")
+    assert len(rest_tensors._HEADERS) == 1
+    first.request.raw_input_contents[0] = b"changed"        # the caller's message is its own
+    again = infer_request(header + b"E" * 8 + b"fgh", len(header), "m", "1")
+    rest_tensors._HEADERS.clear()
+    fresh = infer_request(header + b"E" * 8 + b"fgh", len(header), "m", "1")
+    assert again.request.SerializeToString() == fresh.request.SerializeToString()
+    assert list(again.request.raw_input_contents) == [b"E" * 8, b"fgh"]
+    assert again.binary == fresh.binary == frozenset({"y"}) and again.all_binary == fresh.all_binary is False
+    other_model = infer_request(header + b"E" * 8 + b"fgh", len(header), "n", "")
+    assert other_model.request.model_name == "n" and len(rest_tensors._HEADERS) == 2
+
+
+def test_a_cached_header_with_a_body_of_another_length_gets_the_fresh_parses_error():
+    rest_tensors._HEADERS.clear()
+    header = _binary_header()
+    infer_request(header + b"\0" * 11, len(header), "m", "")
+    with pytest.raises(InvalidArgument, match="2 bytes after the JSON header"):
+        infer_request(header + b"\0" * 13, len(header), "m", "")
+    with pytest.raises(InvalidArgument, match="binary_data_size 3 runs past the end of the body"):
+        infer_request(header + b"\0" * 9, len(header), "m", "")
+
+
+def test_headers_with_json_data_or_an_id_are_not_cached_and_the_cache_is_bounded():
+    rest_tensors._HEADERS.clear()
+    mixed = json.dumps({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1.5]},
+                                   {"name": "b", "datatype": "INT8", "shape": [1],
+                                    "parameters": {"binary_data_size": 1}}]}).encode()
+    infer_request(mixed + b"\1", len(mixed), "m", "")
+    with_id = _binary_header(id="r1")
+    assert infer_request(with_id + b"\0" * 11, len(with_id), "m", "").request.id == "r1"
+    infer_request(b'{"inputs":[{"name":"a","datatype":"FP32","shape":[1],"data":[1]}]}', None, "m", "")
+    assert rest_tensors._HEADERS == {}
+    for i in range(rest_tensors.HEADER_CACHE_ENTRIES + 5):
+        infer_request(_binary_header(parameters={"n": i}) + b"\0" * 11, len(_binary_header(parameters={"n": i})),
+                      "m", "")
+    assert len(rest_tensors._HEADERS) == rest_tensors.HEADER_CACHE_ENTRIES
+    assert (_binary_header(parameters={"n": 0}), "m", "") not in rest_tensors._HEADERS       # the oldest left
+    big = json.dumps({"parameters": {"pad": "x" * rest_tensors.HEADER_CACHE_BYTES},
+                      "inputs": [{"name": "b", "datatype": "INT8", "shape": [1],
+                                  "parameters": {"binary_data_size": 1}}]}).encode()
+    infer_request(big + b"\1", len(big), "m", "")
+    assert (big, "m", "") not in rest_tensors._HEADERS
+    rest_tensors._HEADERS.clear()
 
 
 def test_binary_data_output_asks_for_every_output_unless_one_says_otherwise():

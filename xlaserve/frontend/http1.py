@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import socket
 import ssl
@@ -150,6 +151,13 @@ class _Held:
         self.bytes = 0
 
 
+#: what a connection is doing, which says what its one cancel scope's expiry or cancellation
+#: means (:attr:`_Inbox.phase`): waiting for a request's first byte (closed without a word),
+#: reading its head (408), reading its body (408), in the handler (the peer left), or anything
+#: else (no deadline runs then)
+_IDLE, _HEAD, _BODY, _HANDLER, _OTHER = range(5)
+
+
 class _Inbox:
     """The one task that receives from a connection (:meth:`run`), for the connection's whole
     life: what arrives goes to h11, and the connection's task, which parses and answers, waits
@@ -162,10 +170,17 @@ class _Inbox:
     One reader for the whole connection costs a task switch per arrival; watching the peer from
     a task of its own for each request (a nursery, a receive that blocks, and its cancellation
     once answered) cost about a third of this layer's CPU time per request, measured with a
-    handler that answers at once (docs/benchmarks.md, *REST against Triton's HTTP endpoint*)."""
+    handler that answers at once (docs/benchmarks.md, *REST against Triton's HTTP endpoint*).
 
-    __slots__ = ("stream", "raw", "conn", "limit", "waiting", "arrived", "fed", "handling", "pipelined", "ended",
-                 "error", "_go")
+    The connection's task runs inside one cancel scope for the connection's whole life
+    (``scope``): its deadline is moved to each phase's (``phase``: the head's, the body's, none
+    while the handler runs or the answer is written), the reader cancels it when the peer leaves
+    during the handler, and :meth:`Http1Server.close` when the connection is idle (``shut``).
+    Entering and leaving a scope for each wait cost about 12 µs a request (two scopes); moving a
+    deadline costs about 1.4 µs."""
+
+    __slots__ = ("stream", "raw", "conn", "limit", "waiting", "waiter", "fed", "handling", "pipelined", "ended",
+                 "error", "_go", "scope", "phase", "shut", "got")
 
     def __init__(self, stream, conn: h11.Connection, limit: int, raw: socket.socket | None = None) -> None:
         self.stream = stream
@@ -174,39 +189,61 @@ class _Inbox:
         self.conn = conn                #: the h11 connection of the request being read (replaced for each)
         self.limit = limit
         self.waiting = False
-        self.arrived = trio.Event()
+        #: the connection's task while it waits in :meth:`receive` (rescheduled by the reader)
+        self.waiter: trio.lowlevel.Task | None = None
         self.fed = 0                #: how many reads went to h11
-        #: the cancel scope of the request in the handler (None between requests)
-        self.handling: trio.CancelScope | None = None
+        #: whether a request is in the handler (the peer leaving then cancels ``scope``)
+        self.handling = False
         self.pipelined = 0
         self.ended = False
         self.error: Exception | None = None
         self._go: trio.Event | None = None
+        self.scope = trio.CancelScope()
+        self.phase = _IDLE
+        self.shut = False           #: close() cancelled ``scope`` between requests
+        self.got = 0                #: the body bytes of the request being read (for the 408)
 
     def _wanted(self) -> bool:
-        return self.waiting or (self.handling is not None and self.pipelined <= self.limit)
+        return self.waiting or (self.handling and self.pipelined <= self.limit)
 
     async def run(self) -> None:
         try:
+            drained = False
             while True:
                 while not self._wanted():
                     self._go = trio.Event()
                     await self._go.wait()
                 raw = self.raw
-                data = await (self.stream.receive_some(RECEIVE_BYTES) if raw is None else _receive_raw(raw))
+                if raw is None:
+                    data = await self.stream.receive_some(RECEIVE_BYTES)
+                else:
+                    data = await _receive_raw(raw, drained)
                 if not data:
                     break
+                # a read shorter than asked for most likely emptied the socket: the next read
+                # waits for it to be readable first instead of failing once (EAGAIN) before
+                drained = len(data) < RECEIVE_BYTES
                 self.conn.receive_data(data)
                 self.fed += 1
-                if self.handling is not None:
+                if self.handling:
                     self.pipelined += len(data)
-                self.arrived.set()
+                self._arrived()
         except Exception as exc:        # raised to the connection's task when it next reads
             self.error = exc
         self.ended = True
-        if self.handling is not None:
-            self.handling.cancel()
-        self.arrived.set()
+        if self.handling:
+            self.scope.cancel()
+        self._arrived()
+
+    def _arrived(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+    def _abort(self, _) -> trio.lowlevel.Abort:
+        self.waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def _wake(self) -> None:
         if self._go is not None:
@@ -218,11 +255,11 @@ class _Inbox:
         is raised). Called when h11 needs data, so nothing that came before is missed."""
         fed = self.fed
         if not self.ended:
-            self.arrived = trio.Event()
             self.waiting = True
             self._wake()
+            self.waiter = trio.lowlevel.current_task()
             try:
-                await self.arrived.wait()
+                await trio.lowlevel.wait_task_rescheduled(self._abort)
             finally:
                 self.waiting = False
         if self.fed != fed:
@@ -231,14 +268,20 @@ class _Inbox:
             raise self.error
         return False
 
-    def watch(self, scope: trio.CancelScope) -> None:
-        """``scope`` (the handler's) is cancelled if the peer leaves before it is answered."""
-        self.handling = scope
+    def watch(self) -> None:
+        """The request goes to the handler: ``scope`` is cancelled if the peer leaves before it
+        is answered."""
+        self.handling = True
+        self.phase = _HANDLER
         self.pipelined = 0
         if self.ended:
-            scope.cancel()
+            self.scope.cancel()
         else:
             self._wake()
+
+    def unwatch(self) -> None:
+        self.handling = False
+        self.phase = _OTHER
 
 
 class Http1Server:
@@ -260,7 +303,7 @@ class Http1Server:
         self._bugs = LineLimiter(log)
         self._closing = False
         self._ssl_context: ssl.SSLContext | None = None
-        self._idle: set[trio.CancelScope] = set()
+        self._idle: set[_Inbox] = set()     #: connections between requests
         self._accepting: trio.CancelScope | None = None
         self._all_closed = trio.Event()
 
@@ -292,8 +335,9 @@ class Http1Server:
         self._closing = True
         if self._accepting is not None:
             self._accepting.cancel()
-        for scope in list(self._idle):
-            scope.cancel()
+        for inbox in list(self._idle):
+            inbox.shut = True
+            inbox.scope.cancel()
 
     async def wait_closed(self) -> None:
         await self._all_closed.wait()
@@ -358,69 +402,112 @@ class Http1Server:
         return h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
 
     async def _serve_requests(self, stream, peer, inbox: _Inbox) -> None:
-        """Requests in turn. Each is parsed by an h11 connection of its own, which takes over
-        what the previous one received past its request (a pipelined request), and answered by
-        :meth:`_respond`, which writes the response without h11 (h11 validating and framing our
-        own few headers cost about 50 µs a request, a sixth of this layer's CPU time)."""
-        first = True
+        """Requests in turn, inside the connection's one cancel scope (:class:`_Inbox`), whose
+        expiry or cancellation is answered here by what the connection was doing. Each request is
+        parsed by an h11 connection of its own, which takes over what the previous one received
+        past its request (a pipelined request), and answered by :meth:`_respond`, which writes
+        the response without h11 (h11 validating and framing our own few headers cost about
+        50 µs a request, a sixth of this layer's CPU time)."""
         held = _Held(self.bodies, self.limits)
+        scope = inbox.scope
+        refusal = None
+        try:
+            with scope:
+                refusal = await self._serve_in_turn(stream, peer, inbox, held)
+        finally:
+            held.release()
+            self._idle.discard(inbox)
+        if scope.cancelled_caught and not inbox.shut:
+            limits = self.limits
+            phase = inbox.phase
+            if phase == _HEAD:
+                refusal = _Refusal(408, f"the request's head did not arrive within {limits.header_timeout:g} s "
+                                        f"({limits.key('header_timeout')})")
+            elif phase == _BODY:
+                refusal = _Refusal(408, f"the request body did not arrive in full within {limits.body_timeout:g} "
+                                        f"s ({limits.key('body_timeout')}); {inbox.got} bytes came")
+            elif phase == _HANDLER:
+                # the peer left before its answer (the handler was cancelled: a client that goes
+                # away gets no work done for it); a reader's error that is not the peer's doing
+                # goes to the guard, which logs it
+                error = inbox.error
+                if error is not None and not isinstance(error, (trio.BrokenResourceError,
+                                                                trio.ClosedResourceError, OSError)):
+                    raise error
+        if refusal is not None:
+            await self._refuse(stream, refusal)
+
+    async def _serve_in_turn(self, stream, peer, inbox: _Inbox, held: _Held) -> _Refusal | None:
+        """Read, answer and write each request until the connection ends; a refusal to write
+        (after the connection's scope) is returned."""
+        first = True
+        pending = False         # whether h11 holds bytes of the next request (or the stream's end)
+        scope = inbox.scope
         while not self._closing:
             conn = inbox.conn
             try:
                 try:
-                    request = await self._read_request(conn, stream, peer, first, held, inbox)
+                    request = await self._read_request(conn, stream, peer, first, pending, held, inbox)
                 except _Quiet:
-                    return
+                    return None
                 except _Refusal as refusal:
-                    await self._refuse(conn, stream, refusal)
-                    return
+                    scope.deadline = math.inf
+                    inbox.phase = _OTHER
+                    return refusal
                 first = False
-                response = await self._answer_watching(request, inbox)
-                if response is None:
-                    return                  # the peer left before its answer: nothing to write
+                inbox.watch()
+                try:
+                    response = await self._answer(request)
+                finally:
+                    inbox.unwatch()
                 # the client's keep-alive as h11 read it: HTTP/1.0, or Connection: close, ends it
                 close = self._closing or conn.their_state is not h11.DONE
                 await self._respond(stream, request, response, close, inbox.raw)
             finally:
                 held.release()
             if close:
-                return
+                return None
             data, ended = conn.trailing_data
             inbox.conn = conn = self._parser()
             if data:
                 conn.receive_data(data)
             if ended:
                 conn.receive_data(b"")
+            pending = bool(data) or ended
+        return None
 
-    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, held: _Held,
+    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, pending: bool, held: _Held,
                             inbox: _Inbox) -> HttpRequest:
         limits = self.limits
+        scope = inbox.scope
         now = trio.current_time()
         # a new connection must send its first head within header_timeout; a kept-alive one may
         # be quiet for idle_timeout, then has header_timeout from the first byte of a request
-        waiting = not conn.trailing_data[0]        # no byte of this request yet
+        waiting = not pending        # no byte of this request yet
         deadline = now + (limits.header_timeout if first else limits.idle_timeout)
-        if not waiting:
+        if waiting:
+            inbox.phase = _IDLE
+            self._idle.add(inbox)      # close() ends a connection between requests at once
+        else:
             deadline = min(deadline, now + limits.header_timeout)
+            inbox.phase = _HEAD
+        scope.deadline = deadline
+        # with nothing received yet h11 can only say NEED_DATA: wait for bytes before asking it
+        event = h11.NEED_DATA if waiting else None
         while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
-            if event is not h11.NEED_DATA:
-                break
-            with trio.CancelScope(deadline=deadline) as scope:
-                if waiting:
-                    self._idle.add(scope)      # close() ends a connection between requests at once
+            if event is None:
                 try:
-                    more = await inbox.receive()
-                finally:
-                    self._idle.discard(scope)
-            if scope.cancelled_caught:
-                if waiting:
-                    raise _Quiet()
-                raise _Refusal(408, f"the request's head did not arrive within {limits.header_timeout:g} s "
-                                    f"({limits.key('header_timeout')})")
+                    event = conn.next_event()
+                except h11.RemoteProtocolError as exc:
+                    raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
+                if event is not h11.NEED_DATA:
+                    break
+                if scope.deadline != deadline:
+                    # the head is not all here: its deadline runs while the rest comes (moved only
+                    # now, as a head that arrives whole in one read never waits under it)
+                    scope.deadline = deadline
+            event = None
+            more = await inbox.receive()
             if not more:
                 conn.receive_data(b"")
                 if waiting:
@@ -428,6 +515,8 @@ class Http1Server:
                 continue
             if waiting:
                 waiting = False
+                self._idle.discard(inbox)
+                inbox.phase = _HEAD
                 deadline = min(deadline, trio.current_time() + limits.header_timeout)
         if isinstance(event, h11.ConnectionClosed):
             raise _Quiet()
@@ -458,18 +547,27 @@ class Http1Server:
         target = event.target.decode("latin-1")
         path, _, query = target.partition("?")
         body = await self._read_body(conn, stream, held, inbox)
-        encoding = headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("identity", ""):
+        scope.deadline = math.inf           # no deadline while inflating, in the handler, writing
+        inbox.phase = _OTHER
+        encoding = headers.get("content-encoding")
+        if encoding is not None and (encoding := encoding.strip().lower()) not in ("identity", ""):
             body = await self._inflate(body, encoding)
             held.take(len(body))            # the inflated body is held too, until answered
         return HttpRequest(event.method.decode("latin-1"), path, query, headers, body, peer)
 
     async def _read_body(self, conn: h11.Connection, stream, held: _Held, inbox: _Inbox) -> bytes:
+        """The body, within ``body_timeout`` from now: the connection's deadline is moved to it
+        only when the body is not all here yet (or the client waits for 100 Continue)."""
         limits = self.limits
         parts: list[bytes] = []
         size = 0
         deadline = trio.current_time() + limits.body_timeout
+        timed = False
         if conn.client_is_waiting_for_100_continue:
+            inbox.scope.deadline = deadline
+            inbox.phase = _BODY
+            inbox.got = 0
+            timed = True
             await self._send(stream, conn.send(h11.InformationalResponse(status_code=100, headers=[])))
         while True:
             try:
@@ -477,11 +575,12 @@ class Http1Server:
             except h11.RemoteProtocolError as exc:
                 raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
             if event is h11.NEED_DATA:
-                with trio.move_on_at(deadline) as scope:
-                    more = await inbox.receive()
-                if scope.cancelled_caught:
-                    raise _Refusal(408, f"the request body did not arrive in full within {limits.body_timeout:g} s "
-                                        f"({limits.key('body_timeout')}); {size} bytes came")
+                if not timed:
+                    inbox.scope.deadline = deadline
+                    inbox.phase = _BODY
+                    timed = True
+                inbox.got = size
+                more = await inbox.receive()
                 if not more:
                     conn.receive_data(b"")
                     if conn.their_state is not h11.DONE:
@@ -496,7 +595,7 @@ class Http1Server:
                 parts.append(event.data)
                 continue
             if isinstance(event, h11.EndOfMessage):
-                return b"".join(parts)
+                return parts[0] if len(parts) == 1 else b"".join(parts)
             raise _Quiet()
 
     async def _inflate(self, body: bytes, encoding: str) -> bytes:
@@ -528,26 +627,6 @@ class Http1Server:
                                 "uncompressed or through shared memory")
         return out
 
-    async def _answer_watching(self, request: HttpRequest, inbox: _Inbox) -> HttpResponse | None:
-        """The handler's response, while the connection is watched (by its :class:`_Inbox`): a
-        peer that closes it before the answer cancels the handler (which aborts the request: a
-        client that goes away gets no work done for it) and None is returned. Bytes that arrive
-        meanwhile (a pipelined request) are handed to h11 for the next cycle, up to
-        ``max_header_bytes``; past that the connection is not read until the answer is written."""
-        response = None
-        with trio.CancelScope() as scope:
-            inbox.watch(scope)
-            try:
-                response = await self._answer(request)
-            finally:
-                inbox.handling = None
-        if response is None and scope.cancelled_caught:
-            error = inbox.error
-            if error is not None and not isinstance(error, (trio.BrokenResourceError, trio.ClosedResourceError,
-                                                            OSError)):
-                raise error         # not a peer's doing: the guard logs it
-        return response
-
     async def _answer(self, request: HttpRequest) -> HttpResponse:
         try:
             return await self.handler(request)
@@ -565,8 +644,8 @@ class Http1Server:
             head += b"content-type: %s\r\n" % _header_value(response.content_type)
         for name, value in response.headers:
             head += b"%s: %s\r\n" % (_header_name(name), _header_value(value))
-        if len(body) >= COMPRESS_MIN:
-            accepted = _accepted_encoding(request.headers.get("accept-encoding", ""))
+        if len(body) >= COMPRESS_MIN and (accepting := request.headers.get("accept-encoding")) is not None:
+            accepted = _accepted_encoding(accepting)
             if accepted is not None:
                 body = await self._compress(body, accepted)
                 head += b"content-encoding: %s\r\n" % accepted.encode()
@@ -605,7 +684,7 @@ class Http1Server:
             raise trio.BrokenResourceError(f"a write made no progress for {self.limits.write_timeout:g} s "
                                            f"({self.limits.key('write_timeout')})")
 
-    async def _refuse(self, conn: h11.Connection, stream, refusal: _Refusal) -> None:
+    async def _refuse(self, stream, refusal: _Refusal) -> None:
         self._faults.line(logging.INFO, "%s port: closing a connection: %s", self.what, refusal.message)
         try:
             await self._send(stream, _raw_response(refusal.status, refusal.message))
@@ -613,10 +692,17 @@ class Http1Server:
             pass
 
 
-async def _receive_raw(raw: socket.socket) -> bytes:
-    """What the non-blocking ``raw`` socket has (:func:`read_when_ready`; b"" at its end). A
+async def _receive_raw(raw: socket.socket, wait_first: bool = False) -> bytes:
+    """What the non-blocking ``raw`` socket has (:func:`read_when_ready`; b"" at its end); with
+    ``wait_first`` (the last read emptied it) once it is readable, without trying first. A
     socket error is the peer's doing, raised as Trio's stream raises it (BrokenResourceError)."""
     try:
+        if wait_first:
+            await trio.lowlevel.wait_readable(raw)
+            try:
+                return raw.recv(RECEIVE_BYTES)
+            except BlockingIOError:
+                pass
         return await read_when_ready(raw, lambda: raw.recv(RECEIVE_BYTES))
     except OSError as exc:
         raise trio.BrokenResourceError(f"the read failed: {exc}") from exc
@@ -652,10 +738,20 @@ def _status_line(status: int) -> bytes:
     return line
 
 
+_HEADER_NAMES: dict[str, bytes] = {}
+
+
 def _header_name(name: str) -> bytes:
-    if not _TOKEN.match(name):
-        raise ValueError(f"a response header name must be a token, got {name[:80]!r}")
-    return name.encode("ascii")
+    """A response header name, checked to be a token (the names seen are kept, up to 256: they
+    are the handlers' own few)."""
+    encoded = _HEADER_NAMES.get(name)
+    if encoded is None:
+        if not _TOKEN.match(name):
+            raise ValueError(f"a response header name must be a token, got {name[:80]!r}")
+        encoded = name.encode("ascii")
+        if len(_HEADER_NAMES) < 256:
+            _HEADER_NAMES[name] = encoded
+    return encoded
 
 
 def _header_value(value: str) -> bytes:

@@ -46,7 +46,9 @@ _HTTP_ONLY = frozenset({"host", "connection", "keep-alive", "content-length", "c
 
 _MODEL = r"/v2/models/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?"
 _REGION = r"(?:/region/(?P<region>[^/]+))?"
+# inference first: it is nearly every request, and no other route's pattern matches its paths
 _ROUTES: list[tuple[str, re.Pattern, str]] = [(method, re.compile(pattern + r"\Z"), name) for method, pattern, name in (
+    ("POST", _MODEL + r"/infer", "infer"),
     ("GET", r"/v2/health/live", "live"),
     ("GET", r"/v2/health/ready", "ready"),
     ("GET", r"/v2", "server_metadata"),
@@ -54,7 +56,6 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [(method, re.compile(pattern + r"\Z
     ("GET", _MODEL + r"/ready", "model_ready"),
     ("GET", _MODEL + r"/config", "model_config"),
     ("GET", r"/v2/models(?:/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?)?/stats", "statistics"),
-    ("POST", _MODEL + r"/infer", "infer"),
     ("POST", r"/v2/repository/index", "index"),
     ("POST", r"/v2/repository/models/(?P<model>[^/]+)/load", "load"),
     ("POST", r"/v2/repository/models/(?P<model>[^/]+)/unload", "unload"),
@@ -93,9 +94,10 @@ class _Call:
     """What a service's task-free ModelInfer entry (``__fast_unary__``: the worker's and the
     gateway's ``infer_now``) needs of a call: the caller's metadata and address, ``on_cancel``
     (set by the service: how to abort the request if the client goes away), and ``complete``,
-    which keeps the one outcome."""
+    which keeps the one outcome and wakes the task waiting for it (``waiter``: parked by
+    :meth:`RestApi._call_fast` without an Event of its own)."""
 
-    __slots__ = ("metadata", "peer", "deadline", "on_cancel", "outcome", "done")
+    __slots__ = ("metadata", "peer", "deadline", "on_cancel", "outcome", "done", "waiter")
 
     def __init__(self, metadata: Mapping[str, str], peer) -> None:
         self.metadata = metadata
@@ -103,12 +105,17 @@ class _Call:
         self.deadline = None
         self.on_cancel = None
         self.outcome = None
-        self.done = trio.Event()
+        self.done = False
+        self.waiter: trio.lowlevel.Task | None = None
 
     def complete(self, outcome) -> None:
-        if not self.done.is_set():
+        if not self.done:
             self.outcome = outcome
-            self.done.set()
+            self.done = True
+            waiter = self.waiter
+            if waiter is not None:
+                self.waiter = None
+                trio.lowlevel.reschedule(waiter)
 
 
 def _json(doc: object, status: int = 200) -> HttpResponse:
@@ -186,12 +193,20 @@ class RestApi:
         leaves its queue if it is still queued."""
         call = _Call(metadata, peer)
         entry(call, message)            # a refusal before it is queued raises here
-        try:
-            await call.done.wait()
-        except trio.Cancelled:
-            if not call.done.is_set() and call.on_cancel is not None:
-                call.on_cancel()
-            raise
+        if call.done:
+            await trio.lowlevel.checkpoint()
+        else:
+            call.waiter = trio.lowlevel.current_task()
+
+            def abort(_) -> trio.lowlevel.Abort:
+                call.waiter = None
+                return trio.lowlevel.Abort.SUCCEEDED
+            try:
+                await trio.lowlevel.wait_task_rescheduled(abort)
+            except trio.Cancelled:
+                if not call.done and call.on_cancel is not None:
+                    call.on_cancel()
+                raise
         outcome = call.outcome
         if isinstance(outcome, BaseException):
             raise outcome

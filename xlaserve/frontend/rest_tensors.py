@@ -180,10 +180,56 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: object) 
     return np.ascontiguousarray(values, dtype=dtype.numpy).tobytes()
 
 
+#: binary-data inference headers already translated (:func:`infer_request`), by (header bytes,
+#: model, version): a client sends the same JSON header again and again while only its tensors'
+#: bytes change. At most HEADER_CACHE_ENTRIES (the oldest leaves first), each at most
+#: HEADER_CACHE_BYTES; only headers whose inputs all travel as binary data or in shared memory,
+#: and without an ``id`` (which a client may change with every request)
+HEADER_CACHE_ENTRIES = 256
+HEADER_CACHE_BYTES = 4096
+_HEADERS: dict[tuple[bytes, str, str], tuple[pb.ModelInferRequest, tuple[int, ...], int, frozenset[str], bool]] = {}
+
+
 def infer_request(body: bytes | memoryview, header_length: int | None, model: str, version: str) -> RestInfer:
     """The gRPC request for a REST inference body. ``header_length``: the value of
     ``Inference-Header-Content-Length`` (the JSON is then the first ``header_length`` bytes,
-    and the binary tensors follow in input order), or None when the whole body is JSON."""
+    and the binary tensors follow in input order), or None when the whole body is JSON.
+
+    A binary-data header seen before is not parsed again: its translation (the message without
+    its tensors' bytes; :data:`_HEADERS`) is copied and the binary tensors are cut from the body
+    by the sizes it gave (about 1.5 instead of 8 µs for the ``mlp`` request). A body whose length
+    does not fit those sizes is parsed afresh, which names what is wrong."""
+    key = None
+    if header_length is not None and 0 <= header_length <= HEADER_CACHE_BYTES and header_length <= len(body):
+        key = (bytes(body[:header_length]), model, version)
+        known = _HEADERS.get(key)
+        if known is not None:
+            template, sizes, total, binary, all_binary = known
+            if header_length + total == len(body):
+                request = pb.ModelInferRequest()
+                request.CopyFrom(template)
+                raw = request.raw_input_contents
+                view = memoryview(body)
+                offset = header_length
+                for size in sizes:
+                    raw.append(bytes(view[offset:offset + size]))
+                    offset += size
+                return RestInfer(request, binary, all_binary)
+    wanted, sizes = _infer_request(body, header_length, model, version)
+    if key is not None and sizes is not None and not wanted.request.id:
+        template = pb.ModelInferRequest()
+        template.CopyFrom(wanted.request)
+        del template.raw_input_contents[:]
+        if len(_HEADERS) >= HEADER_CACHE_ENTRIES:
+            del _HEADERS[next(iter(_HEADERS))]
+        _HEADERS[key] = (template, tuple(sizes), sum(sizes), wanted.binary, wanted.all_binary)
+    return wanted
+
+
+def _infer_request(body: bytes | memoryview, header_length: int | None, model: str,
+                   version: str) -> tuple[RestInfer, list[int] | None]:
+    """:func:`infer_request` parsed, and the binary tensors' sizes in order (None when an input
+    carries JSON ``data``: the translation then holds the data's bytes)."""
     view = memoryview(body)
     if header_length is None:
         header_length = len(view)
@@ -207,6 +253,7 @@ def infer_request(body: bytes | memoryview, header_length: int | None, model: st
         raise InvalidArgument("'inputs' must be a non-empty array of tensors")
     offset = header_length
     raw = request.raw_input_contents
+    sizes: list[int] | None = []
     for i, spec in enumerate(inputs):
         if not isinstance(spec, dict):
             raise InvalidArgument(f"inputs[{i}] must be a JSON object, got {_kind(spec)}")
@@ -236,11 +283,14 @@ def infer_request(body: bytes | memoryview, header_length: int | None, model: st
                 raise InvalidArgument(f"{where}: binary_data_size {size} runs past the end of the body "
                                       f"({len(view) - offset} binary bytes left)")
             raw.append(bytes(view[offset:offset + size]))
+            if sizes is not None:
+                sizes.append(size)
             offset += size
             continue
         if "data" not in spec:
             raise InvalidArgument(f"{where} has no 'data' (nor 'binary_data_size' nor a shared-memory region)")
         raw.append(json_tensor_bytes(name, datatype, shape, spec["data"]))
+        sizes = None
     if offset != len(view):
         raise InvalidArgument(f"the body has {len(view) - offset} bytes after the JSON header and the binary tensors "
                               "its binary_data_size parameters account for")
@@ -258,7 +308,7 @@ def infer_request(body: bytes | memoryview, header_length: int | None, model: st
             flag = out_params.get("binary_data") if isinstance(out_params, dict) else None
             if flag is True or (flag is None and all_binary):
                 binary.add(out.name)
-    return RestInfer(request, frozenset(binary), all_binary)
+    return RestInfer(request, frozenset(binary), all_binary), sizes
 
 
 def _json_values(name: str, datatype: str, shape: list[int], raw: bytes) -> list | np.ndarray:
