@@ -12,6 +12,7 @@ frames in order and writes in order, so whatever it was going to send before the
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import hashlib
 import logging
@@ -19,6 +20,8 @@ import re
 import socket
 import struct
 import threading
+import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from urllib.parse import unquote
@@ -951,6 +954,25 @@ def test_close_with_no_calls_closes_idle_connections(server):
     client.expect_eof()
     server.wait_closed()
 
+
+
+def test_a_closed_connection_frees_its_read_buffer_at_once(server):
+    """A connection and its engine refer to each other, so only a full garbage collection frees
+    them; the read buffer (up to READ_BUFFER_MAX) must not wait for it. With the collector off,
+    it is gone once the connection has ended."""
+    gc.disable()
+    try:
+        client = server.connect()
+        assert client.call(1, "/test.Echo/Unary", request("a")).status == 0
+        buffer = server.call(lambda: weakref.ref(next(iter(server.server._connections)).read_buffer))
+        assert buffer() is not None
+        client.close()
+        deadline = time.monotonic() + TIMEOUT
+        while server.call(lambda: len(server.server._connections)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert buffer() is None
+    finally:
+        gc.enable()
 
 # --- HTTP and gRPC errors --------------------------------------------------------------------
 

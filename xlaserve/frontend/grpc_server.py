@@ -399,6 +399,11 @@ class Connection(Handler):
             self._stop()
             self.server.forget_reservation(self)
             self.inflate.close()
+            # This object and its engine refer to each other (the engine's handler), so they
+            # are freed only by a full garbage collection, which may come much later: what
+            # they hold that is large goes now (the read buffer is up to READ_BUFFER_MAX).
+            self.read_buffer = None
+            self.h2.out = bytearray()
             if self.raw is not None:
                 self.raw.detach()
             with trio.CancelScope(shield=True):
