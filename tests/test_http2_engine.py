@@ -12,7 +12,7 @@ from xlaserve.http2.connection import (
     CLOSED, HALF_CLOSED_LOCAL, KEEPALIVE_PING, OPEN, H2Connection, Handler, Stream,
 )
 from xlaserve.http2.frames import (
-    ACK, CONTINUATION, DATA, ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR,
+    ACK, CANCEL, CONTINUATION, DATA, ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE,
     MAX_HEADER_LIST_SIZE, NO_ERROR, PADDED, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
     RST_STREAM, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE, COMPRESSION_ERROR, ConnectionError_, H2Limits, frame,
@@ -556,6 +556,62 @@ def test_receive_windows_are_replenished_as_data_arrives():
     h2.feed(frame(DATA, 0, 3, b"y" * 60) + frame(DATA, 0, 3, b"y" * 40))
     assert frames_of(h2.data_to_send()) == [(WINDOW_UPDATE, 0, 3, u32(60)), (WINDOW_UPDATE, 0, 0, u32(150))]
 
+
+
+def test_data_past_a_streams_receive_window_resets_that_stream():
+    h2, handler, _ = server(stream_window=100, conn_window=1000)
+    # until the client acknowledges our SETTINGS, it may use the protocol's 65,535
+    h2.feed(frame(HEADERS, END_HEADERS, 1, REQUEST) + frame(DATA, 0, 1, b"x" * 101))
+    assert [f[0] for f in frames_of(h2.data_to_send())] == [WINDOW_UPDATE]
+    h2.feed(frame(SETTINGS, ACK, 0))
+    h2.feed(frame(HEADERS, END_HEADERS, 3, REQUEST) + frame(DATA, 0, 3, b"y" * 49) + frame(DATA, 0, 3, b"y" * 51))
+    assert frames_of(h2.data_to_send()) == [(WINDOW_UPDATE, 0, 3, u32(100))]
+    handler.calls.clear()
+    h2.feed(frame(HEADERS, END_HEADERS, 5, REQUEST) + frame(DATA, 0, 5, b"z" * 49) + frame(DATA, 0, 5, b"z" * 52))
+    assert frames_of(h2.data_to_send()) == [(RST_STREAM, 0, 5, u32(FLOW_CONTROL_ERROR))]
+    assert ("reset", 5, FLOW_CONTROL_ERROR, False) in handler.calls and 5 not in h2.streams
+    assert [c for c in handler.named("data") if c[1] == 5] == [("data", 5, b"z" * 49, False)]
+    assert 1 in h2.streams and 3 in h2.streams          # the others go on
+
+
+def test_data_past_the_connections_receive_window_ends_the_connection():
+    h2, _, _ = server(max_frame=1 << 16, conn_window=65535)
+    h2.feed(frame(HEADERS, END_HEADERS, 1, REQUEST) + frame(HEADERS, END_HEADERS, 3, REQUEST))
+    h2.feed(frame(DATA, 0, 1, b"x" * 32766))               # under half the window: nothing returned yet
+    with pytest.raises(ConnectionError_) as exc:
+        h2.feed(frame(DATA, 0, 3, b"y" * 32770))
+    assert exc.value.code == FLOW_CONTROL_ERROR and "65535" in str(exc.value)
+
+
+def test_a_large_reply_waiting_for_window_is_cut_from_a_view_not_copied():
+    h2, _, _ = server(settings=[(INITIAL_WINDOW_SIZE, 1000)])
+    h2.feed(frame(HEADERS, END_HEADERS | END_STREAM, 1, REQUEST))
+    stream = h2.streams[1]
+    reply = bytes(range(256)) * 400
+    assert h2.send_data(stream, reply) is False
+    assert b"".join(f[3] for f in frames_of(h2.data_to_send()) if f[0] == DATA) == reply[:1000]
+    rest = stream.pending[0]
+    assert type(rest) is memoryview and rest.obj is reply and bytes(rest) == reply[1000:]
+    h2.feed(frame(WINDOW_UPDATE, 0, 1, u32(len(reply))) + frame(WINDOW_UPDATE, 0, 0, u32(len(reply))))
+    assert b"".join(f[3] for f in frames_of(h2.data_to_send()) if f[0] == DATA) == reply[1000:]
+
+
+def test_only_resets_the_peer_caused_count_as_queued_control_frames():
+    h2, _, _ = server(H2Limits(max_queued_control_frames=2))
+    for sid in (1, 3, 5):
+        h2.feed(frame(HEADERS, END_HEADERS, sid, REQUEST))
+    h2.take_output()
+    for sid in (1, 3, 5):                   # the layer above cancels its calls: never an error
+        h2.reset(h2.streams[sid], CANCEL)
+    assert [f[0] for f in frames_of(h2.data_to_send())] == [RST_STREAM] * 3
+    for sid in (7, 9, 11):
+        h2.feed(frame(HEADERS, END_HEADERS | END_STREAM, sid, REQUEST))
+    h2.take_output()
+    h2.feed(frame(DATA, 0, 7, b"late"))     # stream errors the client caused, and it does not read
+    h2.feed(frame(DATA, 0, 9, b"late"))
+    with pytest.raises(ConnectionError_) as exc:
+        h2.feed(frame(DATA, 0, 11, b"late"))
+    assert exc.value.code == ENHANCE_YOUR_CALM
 
 # ---- turns ------------------------------------------------------------------------------------
 

@@ -166,6 +166,11 @@ class H2Connection:
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0                       # connection-level bytes received, not yet returned
         self._conn_half = conn_window // 2          # returned (WINDOW_UPDATE) once this much arrived...
+        # What the peer may send before our WINDOW_UPDATEs return it: on the connection (the
+        # protocol's 65,535 until ours raises it), on a stream (65,535 until the peer acknowledges
+        # our INITIAL_WINDOW_SIZE, then that). DATA past either breaks flow control.
+        self._conn_bound = max(conn_window, DEFAULT_WINDOW)
+        self._stream_bound = max(stream_window, DEFAULT_WINDOW)
         self._stream_half = stream_window // 2      # ...on the connection, on a stream
         self.blocked: dict[int, Stream] = {}        # streams with output waiting for window
         self.waiting_bytes = 0                      # DATA bytes waiting for window, all streams
@@ -507,6 +512,7 @@ class H2Connection:
         if sid != 0:
             raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
+            self._stream_bound = self.stream_window
             self._settings_acked()
             return
         entries = len(payload) // 6
@@ -621,7 +627,7 @@ class H2Connection:
                 if not end_stream:
                     raise ConnectionError_(PROTOCOL_ERROR, f"second HEADERS on stream {sid} without END_STREAM")
                 if malformed(headers, trailers=True) is not None:
-                    self.reset(stream, PROTOCOL_ERROR)
+                    self.reset(stream, PROTOCOL_ERROR, f"malformed trailers on stream {sid}")
                     return
             if end_stream:
                 stream.state |= HALF_CLOSED_REMOTE
@@ -669,6 +675,10 @@ class H2Connection:
             raise ConnectionError_(PROTOCOL_ERROR, "DATA on stream 0")
         length = len(payload)
         self.recv_unacked += length
+        if self.recv_unacked > self._conn_bound:
+            raise ConnectionError_(FLOW_CONTROL_ERROR, (
+                f"DATA past the connection's flow-control window: {self.recv_unacked} bytes since the last "
+                f"WINDOW_UPDATE, the window is {self._conn_bound}"))
         if self.recv_unacked >= self._conn_half:
             self.write(frame(WINDOW_UPDATE, 0, 0, U32.pack(self.recv_unacked)))
             self.recv_unacked = 0
@@ -679,6 +689,11 @@ class H2Connection:
             return                      # a stream already answered or reset
         if stream.state & HALF_CLOSED_REMOTE:
             self.reset(stream, STREAM_CLOSED, f"DATA on stream {sid} after its END_STREAM")
+            return
+        if stream.unacked + length > self._stream_bound:
+            self.reset(stream, FLOW_CONTROL_ERROR, (
+                f"DATA past stream {sid}'s flow-control window: {stream.unacked + length} bytes since the "
+                f"last WINDOW_UPDATE, the window is {self._stream_bound}"))
             return
         if flags & PADDED:
             pad = payload[0] if payload else 256
@@ -772,6 +787,8 @@ class H2Connection:
             return True
         if head:
             self.write(head)
+        if n > 16384 and type(data) is bytes:
+            data = memoryview(data)     # the rest is cut from a view frame by frame, not copied each time
         stream.pending.append(data)
         self.waiting_bytes += n
         if end_stream:
@@ -824,11 +841,16 @@ class H2Connection:
 
     def reset(self, stream: Stream, code: int, why: str = "") -> None:
         """Reset ``stream`` (RST_STREAM ``code``): ``stream_reset`` and ``stream_closed`` follow.
-        ``why``: what the peer did, for a stream error (``reset_why`` holds it during ``stream_reset``)."""
+        ``why``: what the peer did, for a stream error (``reset_why`` holds it during ``stream_reset``);
+        such a reset is a control frame the peer caused (max_queued_control_frames). Without it the
+        reset is the layer above's (a cancelled call) and is not counted: it must not raise."""
         if stream.state == CLOSED:
             return
         self.reset_why = why
-        self._control(frame(RST_STREAM, 0, stream.id, U32.pack(code)))
+        if why:
+            self._control(frame(RST_STREAM, 0, stream.id, U32.pack(code)))
+        else:
+            self.write(frame(RST_STREAM, 0, stream.id, U32.pack(code)))
         self._stream_reset(stream, code, False)
         self._close(stream)
 
