@@ -613,6 +613,17 @@ def test_only_resets_the_peer_caused_count_as_queued_control_frames():
         h2.feed(frame(DATA, 0, 11, b"late"))
     assert exc.value.code == ENHANCE_YOUR_CALM
 
+
+def test_a_limits_message_names_where_it_is_set():
+    h2, _, _ = server(H2Limits(max_settings_entries=2))
+    with pytest.raises(ConnectionError_) as exc:
+        h2.feed(settings_frame([(ENABLE_PUSH, 0)] * 3))
+    assert "(endpoints.max_settings_entries)" in str(exc.value)
+    h2, _, _ = client(H2Limits(max_settings_entries=2), limit_names="a worker's fixed {}")
+    with pytest.raises(ConnectionError_) as exc:
+        h2.feed(settings_frame([(ENABLE_PUSH, 0)] * 3))
+    assert str(exc.value).endswith("the limit is 2 (a worker's fixed max_settings_entries)")
+
 # ---- turns ------------------------------------------------------------------------------------
 
 def test_a_turn_ends_after_its_work_or_when_the_handler_says():

@@ -69,6 +69,8 @@ DEFAULT_MAX_REPLY = 256 * 1024 * 1024   # the default of gateway.grpc.max_send_m
 #: What a worker's connection may do: the server's defaults for a client (H2Limits), but no idle
 #: timeout (the gateway keeps its workers' connections open; the status stream keeps them busy).
 WORKER_LIMITS = H2Limits(idle_timeout_seconds=0.0)
+#: how a limit's message names it: not a node-file key (the gateway's limits for a worker are fixed)
+WORKER_LIMIT_NAMES = "the gateway's fixed limit for a worker; endpoints.{} is a client's"
 _FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, stream id
 _PLAIN_HEAD = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
@@ -361,7 +363,8 @@ class Upstream(Handler):
     def _reset_state(self) -> H2Connection:
         """A new connection's HTTP/2 state (the engine, client mode)."""
         self._h2 = H2Connection(self, client=True, limits=self.limits, clock=trio.current_time,
-                                stream_window=OUR_WINDOW, conn_window=OUR_WINDOW, max_frame=MAX_REPLY_FRAME)
+                                stream_window=OUR_WINDOW, conn_window=OUR_WINDOW, max_frame=MAX_REPLY_FRAME,
+                                limit_names=WORKER_LIMIT_NAMES)
         return self._h2
 
     async def _go_away(self, stream: trio.SocketStream, h2: H2Connection, error: ConnectionError_) -> None:

@@ -74,8 +74,8 @@ from xlaserve.http2.frames import (
     ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_HEADER, FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
     MAX_CONCURRENT_STREAMS, MAX_FRAME_LIMIT, MAX_FRAME_SIZE, MAX_HEADER_LIST_SIZE, MAX_WINDOW, NO_ERROR, PADDED,
     PING, PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM, RST_STREAM, SETTING,
-    SETTINGS, STREAM_CLOSED, U32, WINDOW_UPDATE, COMPRESSION_ERROR, ConnectionError_, H2Limits, calm, frame,
-    malformed,
+    SETTINGS, SERVER_LIMIT_NAMES, STREAM_CLOSED, U32, WINDOW_UPDATE, COMPRESSION_ERROR, ConnectionError_, H2Limits,
+    calm, frame, malformed,
 )
 from xlaserve.http2.hpack import Decoder, HeaderListTooLarge, HPACKError, TooManyHeaderFields
 
@@ -140,8 +140,10 @@ class H2Connection:
 
     def __init__(self, handler, *, client: bool = False, limits: H2Limits = H2Limits(), clock=time.monotonic,
                  stream_window: int = DEFAULT_STREAM_WINDOW, conn_window: int = DEFAULT_CONN_WINDOW,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, limit_names: str = SERVER_LIMIT_NAMES) -> None:
         self.handler = handler
+        #: how a limit's message names where it is set ("endpoints.{}": a node-file key)
+        self.limit_names = limit_names
         self.client = client
         self.peer_name = "server" if client else "client"
         self.limits = limits
@@ -235,10 +237,13 @@ class H2Connection:
         A peer that sends such frames and never reads is cut off."""
         self.control_queued += 1
         if self.control_queued > self.limits.max_queued_control_frames:
-            raise calm(f"more than {self.limits.max_queued_control_frames} control frames (PING and SETTINGS "
+            raise self._calm(f"more than {self.limits.max_queued_control_frames} control frames (PING and SETTINGS "
                        f"acknowledgements, RST_STREAM) are queued for a {self.peer_name} that does not read them",
                        "max_queued_control_frames", self.limits.max_queued_control_frames)
         self.write(data)
+
+    def _calm(self, what: str, key: str, limit) -> ConnectionError_:
+        return calm(what, key, limit, self.limit_names)
 
     def glitch(self, what: str) -> None:
         """Count one wasted piece of work the peer caused (a reset stream, a refused stream, an
@@ -254,7 +259,7 @@ class H2Connection:
             raise ConnectionError_(ENHANCE_YOUR_CALM, (
                 f"too many stream resets, refused streams and wasted frames (the last: {what}); the limit is a "
                 f"burst of {limits.glitch_burst} refilled at {limits.glitches_per_second:g}/s "
-                "(endpoints.glitch_burst, endpoints.glitches_per_second)"))
+                f"({self.limit_names.format('glitch_burst')}, {self.limit_names.format('glitches_per_second')})"))
 
     # ---- the connection ---------------------------------------------------------------------
     def initiate(self) -> None:
@@ -315,7 +320,7 @@ class H2Connection:
             if now < due:
                 return due
             if not self.settled:
-                raise calm(f"the {self.peer_name} sent no connection preface and SETTINGS frame within "
+                raise self._calm(f"the {self.peer_name} sent no connection preface and SETTINGS frame within "
                            f"{limits.handshake_timeout_seconds:g} s of connecting", "handshake_timeout_seconds",
                            f"{limits.handshake_timeout_seconds:g} s")
             self._phase = 1
@@ -326,7 +331,7 @@ class H2Connection:
         if writing_since is not None:
             write = limits.write_timeout_seconds
             if now - writing_since >= write:
-                raise calm(f"a write to the {self.peer_name} made no progress for {write:g} s (it does not read)",
+                raise self._calm(f"a write to the {self.peer_name} made no progress for {write:g} s (it does not read)",
                            "write_timeout_seconds", f"{write:g} s")
             wake = writing_since + write
         interval, answer = limits.keepalive_interval_seconds, limits.keepalive_timeout_seconds
@@ -342,7 +347,7 @@ class H2Connection:
                 else:
                     wake = min(wake, due)
             elif now >= self._ping_at + answer:
-                raise calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
+                raise self._calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
                            "keepalive_timeout_seconds", f"{answer:g} s")
             else:
                 wake = min(wake, self._ping_at + answer)
@@ -462,7 +467,7 @@ class H2Connection:
             sid, first_flags, block, count = self.continuation
             limits = self.limits
             if count >= limits.max_continuation_frames:
-                raise calm(f"a header block spans more than {limits.max_continuation_frames} CONTINUATION frames",
+                raise self._calm(f"a header block spans more than {limits.max_continuation_frames} CONTINUATION frames",
                            "max_continuation_frames", limits.max_continuation_frames)
             self._check_block(len(block) + len(payload))
             block.extend(payload)
@@ -518,7 +523,7 @@ class H2Connection:
         entries = len(payload) // 6
         limit = self.limits.max_settings_entries
         if entries > limit:
-            raise calm(f"a SETTINGS frame of {entries} entries", "max_settings_entries", limit)
+            raise self._calm(f"a SETTINGS frame of {entries} entries", "max_settings_entries", limit)
         if self.settled:
             self.glitch("a SETTINGS frame after the first")   # peers send one or two in all
         self.settled = True
@@ -605,15 +610,15 @@ class H2Connection:
     def _check_block(self, size: int) -> None:
         limit = self.limits.max_header_block_bytes
         if size > limit:
-            raise calm(f"a header block of more than {limit} bytes", "max_header_block_bytes", f"{limit} bytes")
+            raise self._calm(f"a header block of more than {limit} bytes", "max_header_block_bytes", f"{limit} bytes")
 
     def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
         try:
             headers = self.decoder.decode(block)       # decoded even for a stream gone: HPACK's state
         except HeaderListTooLarge as exc:
-            raise calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
+            raise self._calm(str(exc), "max_header_list_bytes", f"{self.limits.max_header_list_bytes} bytes") from None
         except TooManyHeaderFields as exc:
-            raise calm(str(exc), "max_header_fields", self.limits.max_header_fields) from None
+            raise self._calm(str(exc), "max_header_fields", self.limits.max_header_fields) from None
         except HPACKError as exc:
             raise ConnectionError_(COMPRESSION_ERROR, f"bad header block: {exc}") from None
         end_stream = flags & END_STREAM

@@ -78,10 +78,14 @@ class ConnectionError_(Exception):
         self.code = code
 
 
-def calm(what: str, key: str, limit) -> ConnectionError_:
+SERVER_LIMIT_NAMES = "endpoints.{}"
+
+
+def calm(what: str, key: str, limit, names: str = SERVER_LIMIT_NAMES) -> ConnectionError_:
     """The connection error for a peer past one of :class:`H2Limits`: ENHANCE_YOUR_CALM, with
-    a message naming the node-file key."""
-    return ConnectionError_(ENHANCE_YOUR_CALM, f"{what}; the limit is {limit} (endpoints.{key})")
+    a message naming where the limit is set (``names``, formatted with the field's name: the
+    node-file key for a server's client)."""
+    return ConnectionError_(ENHANCE_YOUR_CALM, f"{what}; the limit is {limit} ({names.format(key)})")
 
 
 # What makes a request's header fields malformed (RFC 9113 8.2, 8.3), as libnghttp2 reads it: names
