@@ -162,11 +162,13 @@ def _hf_models():
             return self.encoder(self.embeddings(pixel_values)).last_hidden_state.mean((2, 3))
 
     def reinitialized(model):
-        # transformers draws conv weights from N(0, 0.02), under which activations shrink to
-        # denormals within a few blocks (slow on both sides); PyTorch's own init keeps them in range
+        # transformers draws conv weights and BatchNorm scales from N(0, 0.02), under which
+        # activations shrink to denormals within a few blocks (each BatchNorm multiplies by ~0.015:
+        # EfficientNet-B0's output was about 1e-18, and denormal arithmetic is slow on both
+        # sides); PyTorch's own init (scales of 1) keeps them in range
         torch.manual_seed(0)
         for module in model.modules():
-            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear)):
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Linear, torch.nn.modules.batchnorm._BatchNorm)):
                 module.reset_parameters()
         return calibrate(model, 224, batches=1, batch=4)
 
