@@ -185,7 +185,8 @@ def network(rounds: int, calls: int, rows: list, which: str) -> None:
     from examples import torch_zoo
     from xlaserve import bundle as bundle_module
     from xlaserve.export import TensorSpec, export_torch
-    from xlaserve.runtime.pjrt import Device
+    from xlaserve.runtime.executables import ExecutableTable
+    from xlaserve.runtime.pjrt import Device, rewrite_depthwise_convolutions
 
     if which == "zoo":
         factory, inputs = torch_zoo.MODELS["efficientnet"]
@@ -198,6 +199,10 @@ def network(rounds: int, calls: int, rows: list, which: str) -> None:
     class AsExported(Device):
         rewrites_depthwise = False
     plain_device = AsExported("cpu")
+
+    class DepthwiseOnly(ExecutableTable):
+        def rewrite_convolutions(self, module: bytes) -> bytes:
+            return rewrite_depthwise_convolutions(module)
     rng = np.random.default_rng(3)
     for title, model in models.items():
         with tempfile.TemporaryDirectory(prefix="dwconv-") as tmp:
@@ -206,6 +211,8 @@ def network(rounds: int, calls: int, rows: list, which: str) -> None:
                                verify=False).bundle
             print(json.dumps({"case": title, "export_seconds": round(time.perf_counter() - started, 1)}), flush=True)
             loaded = {"rewritten": (device, bundle_module.load_bundle(out, 1, device)),
+                      "depthwise only, NCHW between": (device, bundle_module.load_bundle(
+                          out, 1, device, executables=DepthwiseOnly(device))),
                       "as exported": (plain_device, bundle_module.load_bundle(out, 1, plain_device))}
             weights = {name: list(dev.put_weights(list(m.weights.read()))) for name, (dev, m) in loaded.items()}
             for batch in (1, 8):
@@ -297,7 +304,7 @@ def convnext(rounds: int, calls: int, rows: list, batches: tuple[int, ...] = (8,
     from xlaserve.runtime.pjrt import Device, rewrite_depthwise_convolutions
 
     class Before(ExecutableTable):
-        def rewrite_depthwise(self, module: bytes) -> bytes:
+        def rewrite_convolutions(self, module: bytes) -> bytes:
             return rewrite_depthwise_convolutions(module, computed_once=False)
 
     device = Device("cpu")

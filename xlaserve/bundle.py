@@ -531,7 +531,7 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
         validate_signature(manifest, file, size, sig, weights, f"{file.name}@b{size}" if dynamic else None)
     if device.rewrites_depthwise:
         # before the kernels are permuted: a written-out depthwise kernel is no convolution's
-        texts = {size: executables.rewrite_depthwise(text) for size, text in texts.items()}
+        texts = {size: executables.rewrite_convolutions(text) for size, text in texts.items()}
     if weights is not None and device.permutes_kernels:
         weights, texts = _permute_kernels(weights, texts, executables)
     modules: dict[int, CompiledModule] = {}

@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from xlaserve.runtime.pjrt import (CompiledMemory, Device, kernel_permutations, read_signature, relayout,
-                                   rewrite_depthwise_convolutions, specialize)
+from xlaserve.runtime.pjrt import (CompiledMemory, Device, channels_last_activations, kernel_permutations,
+                                   read_signature, relayout, rewrite_depthwise_convolutions, specialize)
 from xlaserve.runtime.signature import Signature, TensorType
 from xlaserve.runtime.tuning import compile_tuned
 
@@ -224,9 +224,11 @@ class ExecutableTable:
                 self._permutations.put(key, found)
         return dict(found)
 
-    def rewrite_depthwise(self, module: bytes) -> bytes:
-        """:func:`~xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`, once per distinct module."""
-        return self._derive(("depthwise", digest(module)), lambda: rewrite_depthwise_convolutions(module))
+    def rewrite_convolutions(self, module: bytes) -> bytes:
+        """:func:`~xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`, then
+        :func:`~xlaserve.runtime.pjrt.channels_last_activations`, once per distinct module."""
+        return self._derive(("convolutions", digest(module)),
+                            lambda: channels_last_activations(rewrite_depthwise_convolutions(module)))
 
     def relayout(self, module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         """:func:`~xlaserve.runtime.pjrt.relayout`, once per module and permutations."""

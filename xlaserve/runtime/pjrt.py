@@ -8,7 +8,8 @@ symbolic batch to one static size (:func:`specialize`: StableHLO shape refinemen
 its own shape-polymorphic modules), rewriting modules to take convolution kernels in the order
 the cpu wants them (:func:`kernel_permutations`, :func:`relayout`), merging common
 subexpressions of exported text (:func:`eliminate_common_subexpressions`), writing depthwise convolutions out as
-sums the cpu runs fast (:func:`rewrite_depthwise_convolutions`), replacing the
+sums the cpu runs fast (:func:`rewrite_depthwise_convolutions`) and keeping convolutions'
+activations channels-last between them (:func:`channels_last_activations`), replacing the
 ``dense_resource`` constants XLA refuses (:func:`dense_resources`, :func:`resolve_dense_resources`), compiling
 (``compile_and_load``, with :data:`COMPILE_OVERRIDES`),
 executing (``execute_sharded``), copying host arrays to the device (``batched_device_put``:
@@ -517,6 +518,149 @@ def has_convolutions(module: bytes) -> bool:
     with _context_lock, jax_mlir_internal.make_ir_context() as ctx:
         parsed = _parse(module, ctx)
         return any(op.operation.name == "stablehlo.convolution" for op in _operations(parsed.operation))
+
+
+# NCHW -> NHWC: a value ``v`` in channels-first order is held as ``transpose(v, _TO_LAST)``; its
+# dimension ``d`` is that one's ``_LAST_AT[d]``.
+_TO_LAST = (0, 2, 3, 1)
+_TO_FIRST = (0, 3, 1, 2)
+_LAST_AT = tuple(_TO_LAST.index(d) for d in range(4))
+_ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
+    "add subtract multiply divide maximum minimum power remainder atan2 and or xor negate exponential "
+    "exponential_minus_one log log_plus_one logistic rsqrt sqrt cbrt tanh abs sign floor ceil "
+    "round_nearest_even round_nearest_afz not convert compare select clamp sine cosine is_finite").split())
+_WINDOW_KEYS = ("edge_padding_low", "edge_padding_high", "interior_padding", "start_indices", "limit_indices",
+                "strides", "window_dimensions", "window_strides", "base_dilations", "window_dilations")
+
+
+def _static4(value) -> bool:
+    try:
+        vtype = ir.RankedTensorType(value.type)
+    except ValueError:              # not a ranked tensor (a token, a tuple)
+        return False
+    return vtype.rank == 4 and vtype.has_static_shape
+
+
+def _last_type(vtype):
+    vtype = ir.RankedTensorType(vtype)
+    return ir.RankedTensorType.get([vtype.get_dim_size(d) for d in _TO_LAST], vtype.element_type)
+
+
+def _channels_first_convolution(op) -> bool:
+    dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+    return (_static4(op.results[0]) and dims.input_feature_dimension == 1 and dims.output_feature_dimension == 1
+            and list(dims.input_spatial_dimensions) == [2, 3] and list(dims.output_spatial_dimensions) == [2, 3])
+
+
+def channels_last_activations(module: bytes) -> bytes:
+    """``module`` with its 2-D convolutions' activations kept channels-last between them: each
+    channels-first (NCHW) convolution of ``@main`` takes and gives NHWC, and the elementwise
+    ops, pads, slices, pooling windows and reductions that read its results run on the NHWC
+    values too; a transpose back to NCHW is left only where something else reads a value (the
+    results, reshapes, matrix products), and XLA drops those nobody reads. ``module`` itself
+    when it has no channels-first 2-D convolution; else StableHLO bytecode, deterministic.
+
+    Why: XLA's cpu convolutions work in NHWC, so an exported PyTorch model (NCHW) had a layout
+    change around every convolution, and XLA put each into the fusion of the elementwise ops
+    next to it (BatchNorm, SiLU, squeeze-and-excitation), which then read memory across the
+    channels' stride, element by element: transformers' EfficientNet-B0 at batch 1 ran 41 ms a
+    call against eager PyTorch's 21, and 14 ms once its activations stay NHWC
+    (benchmarks/dwconv_bench.py, docs/benchmarks.md). The values are the same; the order of
+    the arithmetic is not changed."""
+    with _context_lock, jax_mlir_internal.make_ir_context() as ctx, ir.Location.unknown(ctx):
+        parsed = _parse(module, ctx)
+        block = _main(parsed).regions[0].blocks[0]
+        ops = [view.operation for view in block.operations]
+        if not any(op.name == "stablehlo.convolution" and _channels_first_convolution(op) for op in ops):
+            return module
+        last: dict = {}         # a channels-first value -> the same value channels-last
+
+        def channels_last(value, before):
+            """``value`` channels-last, made before ``before``: its known form, a broadcast or a
+            splat constant made channels-last, else a transpose."""
+            if value in last:
+                return last[value]
+            owner = value.owner
+            with ir.InsertionPoint(before):
+                if isinstance(owner, (ir.OpView, ir.Operation)):
+                    producer = owner.operation
+                    if producer.name == "stablehlo.broadcast_in_dim":
+                        dims = ir.DenseI64ArrayAttr(producer.attributes["broadcast_dimensions"])
+                        return hlo.BroadcastInDimOp(_last_type(value.type), producer.operands[0],
+                                                    ir.DenseI64ArrayAttr.get([_LAST_AT[d] for d in dims])).result
+                    if producer.name == "stablehlo.constant":
+                        attr = ir.DenseElementsAttr(producer.attributes["value"])
+                        if attr.is_splat:
+                            return hlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+                                _last_type(value.type), attr.get_splat_value())).result
+                return hlo.TransposeOp(value, ir.DenseI64ArrayAttr.get(_TO_LAST)).result
+
+        def now_last(op) -> None:
+            """``op``'s result, given the channels-last type: a transpose back to channels-first
+            for the readers not converted (later converted ones read the result itself)."""
+            result = op.results[0]
+            result.set_type(_last_type(result.type))
+            with ir.InsertionPoint.after(op):
+                first = hlo.TransposeOp(result, ir.DenseI64ArrayAttr.get(_TO_FIRST))
+            result.replace_all_uses_except(first.result, first.operation)
+            last[first.result] = result
+
+        for op in ops:
+            name = op.name
+            if name == "stablehlo.transpose" and _static4(op.results[0]):
+                perm = tuple(ir.DenseI64ArrayAttr(op.attributes["permutation"]))
+                source = op.operands[0]
+                if source in last and tuple(_TO_FIRST[p] for p in perm) == (0, 1, 2, 3):
+                    op.results[0].replace_all_uses_with(last[source])     # back to channels-last
+                elif perm == _TO_FIRST and source not in last:
+                    last[op.results[0]] = source                          # channels-last already
+            elif name == "stablehlo.convolution":
+                if not _channels_first_convolution(op):
+                    continue
+                dims = hlo.ConvDimensionNumbers(op.attributes["dimension_numbers"])
+                op.operands[0] = channels_last(op.operands[0], op)
+                op.attributes["dimension_numbers"] = hlo.ConvDimensionNumbers.get(
+                    input_batch_dimension=_LAST_AT[dims.input_batch_dimension], input_feature_dimension=3,
+                    input_spatial_dimensions=[1, 2],
+                    kernel_input_feature_dimension=dims.kernel_input_feature_dimension,
+                    kernel_output_feature_dimension=dims.kernel_output_feature_dimension,
+                    kernel_spatial_dimensions=list(dims.kernel_spatial_dimensions),
+                    output_batch_dimension=_LAST_AT[dims.output_batch_dimension], output_feature_dimension=3,
+                    output_spatial_dimensions=[1, 2])
+                now_last(op)
+            elif name == "stablehlo.reduce":
+                # one input (and its init): over channels-last dims, when the dims kept stay in order
+                if len(op.operands) != 2 or op.operands[0] not in last:
+                    continue
+                reduced = list(ir.DenseI64ArrayAttr(op.attributes["dimensions"]))
+                kept = [d for d in range(4) if d not in reduced]
+                if sorted(kept, key=_LAST_AT.__getitem__) == kept:
+                    op.operands[0] = last[op.operands[0]]
+                    op.attributes["dimensions"] = ir.DenseI64ArrayAttr.get(sorted(_LAST_AT[d] for d in reduced))
+            elif len(op.results) != 1 or not _static4(op.results[0]):
+                continue
+            elif name in _ELEMENTWISE:
+                operands = list(op.operands)
+                if not any(value in last for value in operands):
+                    continue
+                for i, value in enumerate(operands):
+                    if _static4(value):
+                        op.operands[i] = channels_last(value, op)
+                now_last(op)
+            elif name in ("stablehlo.pad", "stablehlo.slice", "stablehlo.reduce_window"):
+                if op.operands[0] not in last or (name == "stablehlo.reduce_window" and len(op.operands) != 2):
+                    continue
+                op.operands[0] = last[op.operands[0]]
+                for key in _WINDOW_KEYS:
+                    if key in op.attributes:
+                        values = list(ir.DenseI64ArrayAttr(op.attributes[key]))
+                        op.attributes[key] = ir.DenseI64ArrayAttr.get([values[d] for d in _TO_LAST])
+                if "padding" in op.attributes:
+                    pads = np.asarray(ir.DenseIntElementsAttr(op.attributes["padding"])).reshape(4, 2)
+                    op.attributes["padding"] = ir.DenseIntElementsAttr.get(
+                        np.ascontiguousarray(pads[list(_TO_LAST)], dtype=np.int64))
+                now_last(op)
+        return bytes(jax_mlir_internal.module_to_bytecode(parsed))
 
 
 _RESOURCE_REF = re.compile(r'dense_resource<("(?:[^"\\]|\\.)*"|[^>]+)>')
