@@ -327,6 +327,10 @@ def relayout(module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         return bytes(jax_mlir_internal.module_to_bytecode(parsed))
 
 
+# Device._put's abstract values by (shape, dtype): a server sees a few shapes per compiled size
+_AVALS: dict = {}
+_AVALS_KEPT = 4096
+
 # A depthwise convolution with at most this many kernel taps (7x7) is rewritten by
 # :func:`rewrite_depthwise_convolutions`; larger kernels are left to XLA.
 DEPTHWISE_MAX_TAPS = 49
@@ -1167,9 +1171,15 @@ class Device:
     def _put(self, host: np.ndarray):
         """``host`` on the device, as ``jax.device_put`` would put it but without its Python
         layers (about 8 µs instead of 80 per array). The dtype is kept exactly (no x64
-        canonicalization): the executable was compiled for the manifest's dtypes."""
-        return _jax.batched_device_put(jax_core.ShapedArray(host.shape, host.dtype), self._sharding, [host],
-                                       [self._device], True, enable_x64=True)
+        canonicalization): the executable was compiled for the manifest's dtypes. The abstract
+        value is made once per shape and dtype (building one costs about as much as the put)."""
+        key = (host.shape, host.dtype)
+        aval = _AVALS.get(key)
+        if aval is None:
+            if len(_AVALS) >= _AVALS_KEPT:
+                _AVALS.clear()
+            aval = _AVALS[key] = jax_core.ShapedArray(host.shape, host.dtype)
+        return _jax.batched_device_put(aval, self._sharding, [host], [self._device], True, enable_x64=True)
 
     def defragment(self) -> bool:
         """Compact device memory where the backend can; False where there is nothing to do."""
