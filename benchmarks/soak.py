@@ -165,7 +165,7 @@ async def _drive(index: int, go: Go, clients, first_client, models, initial_weig
     import tritonclient.grpc.aio as aio
     from tritonclient.utils import InferenceServerException
 
-    from xlaserve.bench.loadgen import _status
+    from xlaserve.bench.loadgen import status_name
 
     by_name = {m.name: m for m in models}
     names = [m.name for m in models]
@@ -197,7 +197,7 @@ async def _drive(index: int, go: Go, clients, first_client, models, initial_weig
             try:
                 result = await channel.infer(model.name, [tensor], client_timeout=request_timeout)
             except InferenceServerException as exc:
-                status = _status(exc)
+                status = status_name(exc)
                 tally.statuses[status] += 1
                 tally.note(f"{model.name}: {status}: {exc.message()}")
                 if status in ("UNAVAILABLE", "UNKNOWN"):

@@ -41,13 +41,13 @@ def _package_mb(distribution: str) -> float:
 
 
 def _torch_mlir(model, x):
-    from xlaserve.export.from_torch import _Functional, _lower, state_weights, to_numpy
+    from xlaserve.export.from_torch import Functional, lower_module, state_weights, to_numpy
 
     weights = state_weights(model)
-    wrapper = _Functional(model, list(weights))
+    wrapper = Functional(model, list(weights))
 
     def export():
-        return _lower(wrapper, list(weights.values()), [x.numpy()])
+        return lower_module(wrapper, list(weights.values()), [x.numpy()])
 
     def run(text):
         device = _pjrt().Device("cpu")

@@ -26,7 +26,7 @@ if str(_REPO) not in sys.path:
 
 from examples import torch_zoo  # noqa: E402
 from xlaserve.export import TensorSpec, sample_inputs  # noqa: E402
-from xlaserve.export.from_torch import ROUTES, _Functional, _lower, state_weights  # noqa: E402
+from xlaserve.export.from_torch import ROUTES, Functional, lower_module, state_weights  # noqa: E402
 
 
 class ShiftedWindowMask(nn.Module):
@@ -51,12 +51,12 @@ def measure(name: str, batch: int) -> dict:
     factory, inputs = MODELS[name]
     module = factory().eval()
     weights = state_weights(module)
-    wrapper = _Functional(module, list(weights))
+    wrapper = Functional(module, list(weights))
     row = {"model": name}
     for route in ROUTES:
         started = time.perf_counter()
         try:
-            _lower(wrapper, list(weights.values()), sample_inputs(inputs, batch, 0), (route,))
+            lower_module(wrapper, list(weights.values()), sample_inputs(inputs, batch, 0), (route,))
             row[route] = ("ok", time.perf_counter() - started, "")
         except Exception as exc:
             row[route] = ("fail", time.perf_counter() - started, " ".join(f"{type(exc).__name__}: {exc}".split())[:160])

@@ -134,7 +134,7 @@ def rows_per_request(specs: Sequence[InputSpec]) -> int:
     return 1
 
 
-def _status(exc: Exception) -> str:
+def status_name(exc: Exception) -> str:
     """The gRPC status name of a tritonclient ``InferenceServerException`` (``NOT_FOUND``)."""
     return (exc.status() or "UNKNOWN").replace("StatusCode.", "")
 
@@ -142,7 +142,7 @@ def _status(exc: Exception) -> str:
 def server_error(exc: Exception) -> str:
     """``STATUS: message`` of a tritonclient ``InferenceServerException``, on one line."""
     message = " ".join(str(exc.message() or "").splitlines())
-    return f"{_status(exc)}: {message}" if message else _status(exc)
+    return f"{status_name(exc)}: {message}" if message else status_name(exc)
 
 
 def random_tensor(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
@@ -255,7 +255,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
             try:
                 await c.infer(model, tensors, **kwargs)
             except InferenceServerException as exc:
-                status = _status(exc)
+                status = status_name(exc)
             t1 = loop.time()
             done[2] += 1
             if t1 >= window_end:

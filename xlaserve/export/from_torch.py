@@ -66,7 +66,8 @@ from xlaserve.runtime.pjrt import dense_resources, resolve_dense_resources
 
 log = logging.getLogger("xlaserve.export")
 
-__all__ = ["ROUTES", "TorchExport", "export_torch", "module_from", "state_weights", "to_numpy", "to_torch"]
+__all__ = ["ROUTES", "Functional", "TorchExport", "export_torch", "lower_module", "module_from", "state_weights",
+           "to_numpy", "to_torch"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,7 +140,7 @@ def state_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return weights
 
 
-class _Functional(torch.nn.Module):
+class Functional(torch.nn.Module):
     """``module`` with its state as leading arguments: ``forward(*weights, *inputs)`` returns the
     module's output tensors flattened (:func:`torch.utils._pytree.tree_leaves`)."""
 
@@ -206,8 +207,8 @@ ROUTES = ("torch-mlir", "torch-mlir+rewrites")
 LOWERING_MEMORY_BYTES: int | None = None
 
 
-def _lower(wrapper: _Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray],
-           routes: Sequence[str] = ROUTES) -> tuple[bytes, str, list[str]]:
+def lower_module(wrapper: Functional, weights: Sequence[torch.Tensor], arrays: Sequence[np.ndarray],
+                 routes: Sequence[str] = ROUTES) -> tuple[bytes, str, list[str]]:
     """One compiled batch size: ``torch.export`` at the sample's shapes, then StableHLO text by
     the first of ``routes`` that lowers it; returns (text, that route, each failed route's error
     as one line). ``torch.export`` failing raises as it is; every route failing raises the
@@ -473,7 +474,7 @@ def export_torch(
     for text in defaulted:
         note(text)
 
-    wrapper = _Functional(module, names)
+    wrapper = Functional(module, names)
     lowered: dict[str, str] = {}
     routes = tuple(routes)
     unknown = [r for r in routes if r not in ROUTES]
@@ -482,7 +483,8 @@ def export_torch(
     for index, batch in enumerate(sizes, 1):
         started = time.perf_counter()
         try:
-            text, route, failed = _lower(wrapper, list(weights.values()), sample_inputs(inputs, batch, seed), routes)
+            text, route, failed = lower_module(wrapper, list(weights.values()), sample_inputs(inputs, batch, seed),
+                                               routes)
         except Exception as exc:
             stage = "lowered by torch-mlir" if isinstance(exc, LoweringError) else "traced"
             raise TracingError(name, batch, exc, _signature(module, inputs, batch), stage) from exc
