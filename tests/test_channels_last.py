@@ -89,6 +89,27 @@ def test_every_channels_first_convolution_is_made_channels_last():
     assert "[b, f, 0, 1]x" not in text and text.count("[b, 0, 1, f]x[o, i, 0, 1]->[b, 0, 1, f]") == 3
 
 
+def test_a_concatenation_of_convolutions_runs_channels_last(device):
+    """Two branches joined along the channels (as U-Nets and FPNs do) and a convolution after:
+    the concatenation takes the NHWC values along dimension 3."""
+    def fn(x, w1, w2, w3):
+        # (jnp.maximum, not jax.nn.relu: jax lowers that as a call of a private function, which
+        # the rewrite does not enter; exported PyTorch modules have everything in @main)
+        a = jnp.maximum(lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=NCHW), 0.0)
+        b = jnp.maximum(lax.conv_general_dilated(x, w2, (1, 1), "SAME", dimension_numbers=NCHW), 0.0)
+        return (lax.conv_general_dilated(jnp.concatenate([a, b], axis=1), w3, (1, 1), "SAME",
+                                         dimension_numbers=NCHW),)
+    arrays = [RNG.standard_normal(s).astype(np.float32) for s in ((2, 3, 8, 8), (4, 3, 3, 3), (5, 3, 1, 1),
+                                                                  (6, 9, 3, 3))]
+    module = _module(fn, *arrays)
+    converted = channels_last_activations(module)
+    text = _parsed(converted)
+    concat = next(line for line in text.splitlines() if "stablehlo.concatenate" in line)
+    assert "dim = 3" in concat and "tensor<2x8x8x4xf32>" in concat, concat
+    (before,), (after,) = (device.execute(device.compile(m), arrays) for m in (module, converted))
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5 * float(np.abs(before).max()))
+
+
 def test_modules_without_channels_first_convolutions_are_left_as_they_are():
     x = RNG.standard_normal((2, 9, 9, 3)).astype(np.float32)
     w = RNG.standard_normal((3, 3, 3, 4)).astype(np.float32)

@@ -559,8 +559,8 @@ def _channels_first_convolution(op) -> bool:
 def channels_last_activations(module: bytes) -> bytes:
     """``module`` with its 2-D convolutions' activations kept channels-last between them: each
     channels-first (NCHW) convolution of ``@main`` takes and gives NHWC, and the elementwise
-    ops, pads, slices, pooling windows and reductions that read its results run on the NHWC
-    values too; a transpose back to NCHW is left only where something else reads a value (the
+    ops, pads, slices, concatenations, pooling windows and reductions that read its results run
+    on the NHWC values too; a transpose back to NCHW is left only where something else reads a value (the
     results, reshapes, matrix products), and XLA drops those nobody reads. ``module`` itself
     when it has no channels-first 2-D convolution; else StableHLO bytecode, deterministic.
 
@@ -650,6 +650,15 @@ def channels_last_activations(module: bytes) -> bytes:
                 for i, value in enumerate(operands):
                     if _static4(value):
                         op.operands[i] = channels_last(value, op)
+                now_last(op)
+            elif name == "stablehlo.concatenate":
+                operands = list(op.operands)
+                if not any(value in last for value in operands):
+                    continue
+                for i, value in enumerate(operands):
+                    op.operands[i] = channels_last(value, op)
+                op.attributes["dimension"] = ir.IntegerAttr.get(
+                    ir.IntegerType.get_signless(64), _LAST_AT[ir.IntegerAttr(op.attributes["dimension"]).value])
                 now_last(op)
             elif name in ("stablehlo.pad", "stablehlo.slice", "stablehlo.reduce_window"):
                 if op.operands[0] not in last or (name == "stablehlo.reduce_window" and len(op.operands) != 2):
