@@ -956,21 +956,24 @@ def test_close_with_no_calls_closes_idle_connections(server):
 
 
 
-def test_a_closed_connection_frees_its_read_buffer_at_once(server):
+def test_a_closed_connection_frees_its_buffers_at_once(server):
     """A connection and its engine refer to each other, so only a full garbage collection frees
-    them; the read buffer (up to READ_BUFFER_MAX) must not wait for it. With the collector off,
-    it is gone once the connection has ended."""
+    them; the read buffer (up to READ_BUFFER_MAX) and the HPACK decoder (its table and cache) must
+    not wait for it. With the collector off, they are gone once the connection has ended."""
     gc.disable()
     try:
         client = server.connect()
-        assert client.call(1, "/test.Echo/Unary", request("a")).status == 0
-        buffer = server.call(lambda: weakref.ref(next(iter(server.server._connections)).read_buffer))
-        assert buffer() is not None
+        for sid in (1, 3):          # the second block repeats the first: it is cached
+            assert client.call(sid, "/test.Echo/Unary", request("a")).status == 0
+        conn = server.call(lambda: next(iter(server.server._connections)))
+        buffer = weakref.ref(conn.read_buffer)
+        assert buffer() is not None and conn.h2.decoder._cache       # the request's block is cached
         client.close()
         deadline = time.monotonic() + TIMEOUT
         while server.call(lambda: len(server.server._connections)) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert buffer() is None
+        # gone, though the connection itself is still here (this test holds it)
+        assert buffer() is None and not conn.h2.decoder._cache and conn.h2.stopped
     finally:
         gc.enable()
 

@@ -403,7 +403,7 @@ class Connection(Handler):
             # are freed only by a full garbage collection, which may come much later: what
             # they hold that is large goes now (the read buffer is up to READ_BUFFER_MAX).
             self.read_buffer = None
-            self.h2.out = bytearray()
+            self.h2.release()
             if self.raw is not None:
                 self.raw.detach()
             with trio.CancelScope(shield=True):

@@ -223,6 +223,18 @@ class H2Connection:
         self.out += data
         self._output_ready()
 
+    def release(self) -> None:
+        """The connection has ended: nothing more is queued, and what this engine holds that can
+        be large goes now (queued output, a header block in progress, the HPACK decoder's table
+        and its cache of decoded blocks, up to 64 blocks of 1 KiB). The driver and its engine
+        refer to each other (the handler), so without this they would wait for a full garbage
+        collection, which can come much later."""
+        self.stopped = True
+        self.out = bytearray()
+        self.continuation = None
+        self._inbox = b""
+        self.decoder = Decoder(max_table_size=0, max_header_list_size=0, max_header_fields=0)
+
     def take_output(self) -> bytearray:
         """What is queued to send, leaving nothing queued."""
         data, self.out = self.out, bytearray()
