@@ -145,7 +145,8 @@ def layers(rounds: int, calls: int, rows: list) -> None:
 
 def _hf_models():
     """transformers' MobileNetV2Model and EfficientNetModel (B0's widths and depths) from configs,
-    224x224, BatchNorm statistics calibrated on random images. EfficientNet's own pooler (an
+    and torchvision's MobileNetV3-small (:func:`_mobilenet_v3_small`), 224x224, BatchNorm
+    statistics calibrated on random images. EfficientNet's own pooler (an
     ``AvgPool2d`` with ``ceil_mode``) does not lower through torch-mlir, so its encoder is
     followed by a mean over the image instead."""
     import torch
@@ -173,10 +174,73 @@ def _hf_models():
         return calibrate(model, 224, batches=1, batch=4)
 
     mobilenet = reinitialized(MobileNetV2Model(MobileNetV2Config(image_size=224)))
+    mobilenet_v3 = reinitialized(_mobilenet_v3_small(torch))
     efficientnet = reinitialized(Encoder(EfficientNetModel(EfficientNetConfig(
         image_size=224, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280))))
     return {"transformers MobileNetV2Model (224x224)": mobilenet,
-            "transformers EfficientNetModel B0 encoder (224x224)": efficientnet}
+            "transformers EfficientNetModel B0 encoder (224x224)": efficientnet,
+            "MobileNetV3-small, torchvision's layout (224x224)": mobilenet_v3}
+
+
+def _mobilenet_v3_small(torch):
+    """torchvision's ``mobilenet_v3_small`` (its block table, hardswish, squeeze-and-excitation
+    with hardsigmoid, the classifier), written out here: torchvision does not import beside this
+    project's CPU torch. Random weights (2,542,856 parameters, as torchvision's); the caller
+    calibrates BatchNorm."""
+    from torch import nn
+
+    def divisible(v: float) -> int:             # to a multiple of 8, never below 90% of v
+        rounded = max(8, int(v + 4) // 8 * 8)
+        return rounded + 8 if rounded < 0.9 * v else rounded
+
+    def conv_bn(cin, cout, kernel, stride=1, groups=1, act=None):
+        layers = [nn.Conv2d(cin, cout, kernel, stride, (kernel - 1) // 2, groups=groups, bias=False),
+                  nn.BatchNorm2d(cout, eps=0.001, momentum=0.01)]
+        return nn.Sequential(*layers, act()) if act is not None else nn.Sequential(*layers)
+
+    class SE(nn.Module):
+        def __init__(self, channels: int) -> None:
+            super().__init__()
+            squeeze = divisible(channels // 4)
+            self.fc1, self.fc2 = nn.Conv2d(channels, squeeze, 1), nn.Conv2d(squeeze, channels, 1)
+
+        def forward(self, x):
+            gate = x.mean((2, 3), keepdim=True)
+            return x * nn.functional.hardsigmoid(self.fc2(nn.functional.relu(self.fc1(gate))))
+
+    class Block(nn.Module):
+        def __init__(self, cin, kernel, expanded, cout, se, act, stride) -> None:
+            super().__init__()
+            layers = [] if expanded == cin else [conv_bn(cin, expanded, 1, act=act)]
+            layers.append(conv_bn(expanded, expanded, kernel, stride, groups=expanded, act=act))
+            if se:
+                layers.append(SE(expanded))
+            layers.append(conv_bn(expanded, cout, 1))
+            self.block = nn.Sequential(*layers)
+            self.residual = stride == 1 and cin == cout
+
+        def forward(self, x):
+            y = self.block(x)
+            return x + y if self.residual else y
+
+    relu, hswish = nn.ReLU, nn.Hardswish
+    table = [(16, 3, 16, 16, True, relu, 2), (16, 3, 72, 24, False, relu, 2), (24, 3, 88, 24, False, relu, 1),
+             (24, 5, 96, 40, True, hswish, 2), (40, 5, 240, 40, True, hswish, 1), (40, 5, 240, 40, True, hswish, 1),
+             (40, 5, 120, 48, True, hswish, 1), (48, 5, 144, 48, True, hswish, 1), (48, 5, 288, 96, True, hswish, 2),
+             (96, 5, 576, 96, True, hswish, 1), (96, 5, 576, 96, True, hswish, 1)]
+
+    class MobileNetV3Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = nn.Sequential(conv_bn(3, 16, 3, 2, act=hswish), *(Block(*row) for row in table),
+                                          conv_bn(96, 576, 1, act=hswish))
+            self.classifier = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(), nn.Linear(1024, 1000))
+
+        def forward(self, pixel_values):
+            return self.classifier(self.features(pixel_values).mean((2, 3)))
+
+    torch.manual_seed(0)
+    return MobileNetV3Small()
 
 
 def network(rounds: int, calls: int, rows: list, which: str) -> None:

@@ -60,6 +60,37 @@ def test_kernel_permutations_finds_oihw_kernels_only(tmp_path):
     assert kernel_permutations(module) == {0: (2, 3, 1, 0), 1: (2, 3, 1, 0)}
 
 
+
+def _linear(d, e, x):
+    """PyTorch's Linear as torch-mlir writes it, x @ W.T; ``e`` is also read untransposed."""
+    return (jnp.dot(jnp.tanh(jnp.dot(x, d.T)), e.T) + e.sum(),)
+
+
+def test_a_weight_read_only_transposed_is_stored_transposed(tmp_path, device):
+    weights = {"d": RNG.standard_normal((16, 8)).astype(np.float32),
+               "e": RNG.standard_normal((4, 16)).astype(np.float32)}
+    bundle = export_bundle(tmp_path / "linear", _linear, inputs=[TensorSpec("x", "f32", "cn", {"c": 8})],
+                           outputs=[TensorSpec("y", "f32", "cn", {"c": 4})], weights=weights,
+                           compiled_batch_sizes=[1])
+    # d is read only as d.T: held transposed; e is read both ways: left as it is
+    assert kernel_permutations((bundle / "model.b1.mlir").read_bytes()) == {0: (1, 0)}
+    model_version = load_bundle(bundle, 1, device)
+    assert model_version.weights.permutations == ((1, 0), None)
+    host = model_version.weights.read()
+    np.testing.assert_array_equal(host[0], weights["d"].T)
+    x = RNG.standard_normal((1, 8)).astype(np.float32)
+    (found,) = device.execute(model_version.modules[1].executable, [*device.put_weights(list(host)), x])
+    np.testing.assert_allclose(found, np.asarray(_linear(weights["d"], weights["e"], x)[0]), rtol=1e-5, atol=1e-5)
+    # and XLA no longer transposes it on every call: fewer layout changes than loaded as it is
+
+    class AsItIs(Device):
+        permutes_kernels = False
+
+    def layout_changes(version) -> int:
+        optimized = version.modules[1].executable.hlo_modules()[0].to_string()
+        return optimized.count(" transpose(") + optimized.count(" copy(")
+    assert layout_changes(model_version) < layout_changes(load_bundle(bundle, 1, AsItIs("cpu")))
+
 def test_relayout_takes_the_permuted_arguments(tmp_path):
     module = (_export(tmp_path, dynamic=False) / "model.b1.mlir").read_bytes()
     sig = read_signature(relayout(module, {0: (2, 3, 1, 0)}))
