@@ -250,8 +250,8 @@ class H2Connection:
         self.control_queued += 1
         if self.control_queued > self.limits.max_queued_control_frames:
             raise self._calm(f"more than {self.limits.max_queued_control_frames} control frames (PING and SETTINGS "
-                       f"acknowledgements, RST_STREAM) are queued for a {self.peer_name} that does not read them",
-                       "max_queued_control_frames", self.limits.max_queued_control_frames)
+                             f"acknowledgements, RST_STREAM) are queued for a {self.peer_name} that does not read them",
+                             "max_queued_control_frames", self.limits.max_queued_control_frames)
         self.write(data)
 
     def _calm(self, what: str, key: str, limit) -> ConnectionError_:
@@ -333,8 +333,8 @@ class H2Connection:
                 return due
             if not self.settled:
                 raise self._calm(f"the {self.peer_name} sent no connection preface and SETTINGS frame within "
-                           f"{limits.handshake_timeout_seconds:g} s of connecting", "handshake_timeout_seconds",
-                           f"{limits.handshake_timeout_seconds:g} s")
+                                 f"{limits.handshake_timeout_seconds:g} s of connecting", "handshake_timeout_seconds",
+                                 f"{limits.handshake_timeout_seconds:g} s")
             self._phase = 1
             self._idle_since, self._idle_count = now, -1
         elif self._phase == 2:
@@ -344,7 +344,7 @@ class H2Connection:
             write = limits.write_timeout_seconds
             if now - writing_since >= write:
                 raise self._calm(f"a write to the {self.peer_name} made no progress for {write:g} s (it does not read)",
-                           "write_timeout_seconds", f"{write:g} s")
+                                 "write_timeout_seconds", f"{write:g} s")
             wake = writing_since + write
         interval, answer = limits.keepalive_interval_seconds, limits.keepalive_timeout_seconds
         if interval > 0 and reading:
@@ -360,7 +360,7 @@ class H2Connection:
                     wake = min(wake, due)
             elif now >= self._ping_at + answer:
                 raise self._calm(f"no frame arrived for {answer:g} s after a keep-alive PING",
-                           "keepalive_timeout_seconds", f"{answer:g} s")
+                                 "keepalive_timeout_seconds", f"{answer:g} s")
             else:
                 wake = min(wake, self._ping_at + answer)
         idle = limits.idle_timeout_seconds
@@ -480,7 +480,7 @@ class H2Connection:
             limits = self.limits
             if count >= limits.max_continuation_frames:
                 raise self._calm(f"a header block spans more than {limits.max_continuation_frames} CONTINUATION frames",
-                           "max_continuation_frames", limits.max_continuation_frames)
+                                 "max_continuation_frames", limits.max_continuation_frames)
             self._check_block(len(block) + len(payload))
             block.extend(payload)
             if flags & END_HEADERS:
