@@ -146,9 +146,9 @@ def layers(rounds: int, calls: int, rows: list) -> None:
 def _hf_models():
     """transformers' MobileNetV2Model and EfficientNetModel (B0's widths and depths) from configs,
     and torchvision's MobileNetV3-small (:func:`_mobilenet_v3_small`), 224x224, BatchNorm
-    statistics calibrated on random images. EfficientNet's own pooler (an
-    ``AvgPool2d`` with ``ceil_mode``) does not lower through torch-mlir, so its encoder is
-    followed by a mean over the image instead."""
+    statistics calibrated on random images. EfficientNet is timed as its encoder followed by a
+    mean over the image (its own pooler, an ``AvgPool2d`` with ``ceil_mode``, exports through
+    the ``torch-mlir+rewrites`` route since, and computes the same mean)."""
     import torch
     from transformers import EfficientNetConfig, EfficientNetModel, MobileNetV2Config, MobileNetV2Model
 

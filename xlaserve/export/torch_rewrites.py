@@ -15,9 +15,14 @@ that mainstream models call and torch-mlir 20261001 fails on with an equivalent 
   end within the sliced axis. An open end (``mask[-k:, -k:] = v``, as shifted-window transformers
   build their attention masks) is traced as ``end=2**63-1``, on which torch-mlir's lowering of
   ``slice_scatter`` runs out of memory (``std::bad_alloc`` after gigabytes).
+- :func:`avg_pool`: ``aten.avg_pool2d`` with few outputs (a pooler) as sums of slices divided
+  as PyTorch divides: EfficientNet's pooler (``AvgPool2d`` over the whole map, ``ceil_mode``,
+  a kernel larger than the map) lowers through torch-mlir to an empty window
+  (``tensor<1x1280x0x0xf32>``).
 
-:data:`DECOMPOSITIONS` holds the first two as a decomposition table for
-``ExportedProgram.run_decompositions``; :func:`clamp_slices` edits a graph in place.
+:data:`DECOMPOSITIONS` holds :func:`attention`, :func:`upsample_nearest` and :func:`avg_pool` as a
+decomposition table for ``ExportedProgram.run_decompositions``; :func:`clamp_slices` edits a graph
+in place.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch
 
 aten = torch.ops.aten
 
-__all__ = ["DECOMPOSITIONS", "attention", "clamp_slices", "upsample_nearest"]
+__all__ = ["AVG_POOL_MAX_OUTPUTS", "DECOMPOSITIONS", "attention", "avg_pool", "clamp_slices", "upsample_nearest"]
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
@@ -90,10 +95,62 @@ def _upsample_default(x: torch.Tensor, output_size: Sequence[int], scales_h: flo
     return upsample_nearest(x, output_size, [scales_h, scales_w])
 
 
+#: avg_pool2d is written out only when it has this few outputs per map (a pooler); a pooling
+#: layer with more is left to torch-mlir, which lowers the usual ones
+AVG_POOL_MAX_OUTPUTS = 64
+
+
+def _pool_windows(size: int, kernel: int, stride: int, pad: int, ceil_mode: bool,
+                  count_include_pad: bool) -> list[tuple[int, int, int]]:
+    """Along one axis of ``aten.avg_pool2d``: each output's window in the input, ``(start, end,
+    divisor)``, as PyTorch computes them (its output size rule and its divisor: the window
+    clipped to the padded input, or to the input without ``count_include_pad``)."""
+    out = (size + 2 * pad - kernel + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + pad:
+        out -= 1                        # the last window must start inside the input or left padding
+    windows = []
+    for index in range(out):
+        start = index * stride - pad
+        end = min(start + kernel, size + pad)
+        divisor = end - start
+        start, end = max(start, 0), min(end, size)
+        windows.append((start, end, divisor if count_include_pad else end - start))
+    return windows
+
+
+def _pair(values: Sequence[int], default: Sequence[int]) -> list[int]:
+    values = list(values) or list(default)
+    return [int(values[0])] * 2 if len(values) == 1 else [int(v) for v in values]
+
+
+def avg_pool(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
+             padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
+             divisor_override: int | None = None) -> torch.Tensor:
+    """``aten.avg_pool2d`` as sums of slices, one per output position and axis: for the few
+    outputs of a pooler (EfficientNet's ``AvgPool2d`` over the whole map with ``ceil_mode``,
+    whose kernel is larger than the map and which torch-mlir lowers to an empty window)."""
+    kernel = _pair(kernel_size, ())
+    strides = _pair(stride, kernel)         # no stride: the kernel's
+    pads = _pair(padding, (0,))
+    rows = _pool_windows(x.shape[-2], kernel[0], strides[0], pads[0], ceil_mode, count_include_pad)
+    columns = _pool_windows(x.shape[-1], kernel[1], strides[1], pads[1], ceil_mode, count_include_pad)
+    if len(rows) * len(columns) > AVG_POOL_MAX_OUTPUTS:
+        return NotImplemented               # a pooling layer: torch-mlir's own lowering
+    # each divisor a Python number (a tensor made here would be a constant the graph must lift)
+    return torch.stack([torch.stack([x[..., r0:r1, c0:c1].sum((-2, -1)) / float(divisor_override or rd * cd)
+                                     for c0, c1, cd in columns], dim=-1) for r0, r1, rd in rows], dim=-2)
+
+
+def _avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    return avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+
+
 DECOMPOSITIONS = {
     aten.scaled_dot_product_attention.default: attention,
     aten.upsample_nearest2d.vec: _upsample_vec,
     aten.upsample_nearest2d.default: _upsample_default,
+    aten.avg_pool2d.default: _avg_pool2d,
 }
 
 
