@@ -187,3 +187,21 @@ def test_load_bundle_rewrites_depthwise_convolutions_and_answers_the_same(tmp_pa
         (found,) = device.execute(model_version.modules[batch].executable, [*on_device, x])
         (want,) = network(WEIGHTS["dw"], WEIGHTS["pw"], x)
         np.testing.assert_allclose(found, np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_a_channels_last_rewrite_that_fails_leaves_the_bundle_loading(tmp_path, device, monkeypatch, caplog):
+    """The channels-last rewrite is an optimization: a module it fails on is compiled without it."""
+    from xlaserve.runtime import executables
+
+    def broken(module: bytes) -> bytes:
+        raise RuntimeError("an op the rewrite did not expect")
+    monkeypatch.setattr(executables, "channels_last_activations", broken)
+    bundle = export_bundle(tmp_path / "dw", network, inputs=[TensorSpec("x", "f32", "whcn", {"c": 6, "h": 7, "w": 5})],
+                           outputs=[TensorSpec("y", "f32", "whcn", {"c": 4, "h": 7, "w": 5})], weights=WEIGHTS,
+                           compiled_batch_sizes=[2])
+    model_version = load_bundle(bundle, 1, device)
+    assert "channels-last rewrite failed" in caplog.text and "did not expect" in caplog.text
+    x = RNG.standard_normal((2, 6, 7, 5)).astype(np.float32)
+    (found,) = device.execute(model_version.modules[2].executable,
+                              [*device.put_weights(list(model_version.weights.read())), x])
+    np.testing.assert_allclose(found, np.asarray(network(WEIGHTS["dw"], WEIGHTS["pw"], x)[0]), rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ collector finds it.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +37,22 @@ from xlaserve.runtime.pjrt import (CompiledMemory, Device, channels_last_activat
                                    read_signature, relayout, rewrite_depthwise_convolutions, specialize)
 from xlaserve.runtime.signature import Signature, TensorType
 from xlaserve.runtime.tuning import compile_tuned
+
+log = logging.getLogger("xlaserve.executables")
+
+
+def _rewritten_convolutions(module: bytes) -> bytes:
+    """The depthwise rewrite, then the channels-last one. The second only changes where values
+    are laid out: a module it does not handle (a bug there) is compiled without it, with one
+    warning, rather than failing its bundle."""
+    depthwise = rewrite_depthwise_convolutions(module)
+    try:
+        return channels_last_activations(depthwise)
+    except Exception as exc:
+        log.warning("the channels-last rewrite failed on a module (%s: %s); compiled without it",
+                    type(exc).__name__, exc)
+        return depthwise
+
 
 #: ``compile_module(path, module_bytes) -> (executable, cache_hit)``: what compiles a module the
 #: table has not loaded (the executable cache's, or the device's own compile).
@@ -227,8 +244,7 @@ class ExecutableTable:
     def rewrite_convolutions(self, module: bytes) -> bytes:
         """:func:`~xlaserve.runtime.pjrt.rewrite_depthwise_convolutions`, then
         :func:`~xlaserve.runtime.pjrt.channels_last_activations`, once per distinct module."""
-        return self._derive(("convolutions", digest(module)),
-                            lambda: channels_last_activations(rewrite_depthwise_convolutions(module)))
+        return self._derive(("convolutions", digest(module)), lambda: _rewritten_convolutions(module))
 
     def relayout(self, module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         """:func:`~xlaserve.runtime.pjrt.relayout`, once per module and permutations."""
