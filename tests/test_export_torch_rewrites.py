@@ -116,9 +116,18 @@ def test_avg_pool_divisor_override():
                                nn.functional.avg_pool2d(x, 3, 2, 1, True, True, 7), atol=1e-6, rtol=1e-6)
 
 
+class Pooling(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.avg_pool2d(x, 2) + 1.0
+
+
 def test_avg_pool_leaves_pooling_layers_with_many_outputs_to_torch_mlir():
     x = torch.randn(1, 2, 20, 20)
     assert torch_rewrites.avg_pool(x, [2], [2], [0]) is NotImplemented       # 100 outputs per map
+    # and the decomposition table then keeps the op itself
+    decomposed = torch.export.export(Pooling(), (x,), strict=False).run_decompositions(torch_rewrites.DECOMPOSITIONS)
+    assert "aten.avg_pool2d.default" in {str(n.target) for n in decomposed.graph.nodes if n.op == "call_function"}
+    torch.testing.assert_close(decomposed.module()(x), Pooling()(x))
 
 
 class Pooler(nn.Module):
