@@ -650,22 +650,16 @@ def channels_last_activations(module: bytes) -> bytes:
                     op.attributes["dimensions"] = ir.DenseI64ArrayAttr.get(sorted(_LAST_AT[d] for d in reduced))
             elif len(op.results) != 1 or not _static4(op.results[0]):
                 continue
-            elif name in _ELEMENTWISE:
+            elif name in _ELEMENTWISE or name == "stablehlo.concatenate":
                 operands = list(op.operands)
                 if not any(value in last for value in operands):
                     continue
                 for i, value in enumerate(operands):
-                    if _static4(value):
+                    if _static4(value):         # (an elementwise op's scalar operands stay)
                         op.operands[i] = channels_last(value, op)
-                now_last(op)
-            elif name == "stablehlo.concatenate":
-                operands = list(op.operands)
-                if not any(value in last for value in operands):
-                    continue
-                for i, value in enumerate(operands):
-                    op.operands[i] = channels_last(value, op)
-                op.attributes["dimension"] = ir.IntegerAttr.get(
-                    ir.IntegerType.get_signless(64), _LAST_AT[ir.IntegerAttr(op.attributes["dimension"]).value])
+                if name == "stablehlo.concatenate":
+                    op.attributes["dimension"] = ir.IntegerAttr.get(
+                        ir.IntegerType.get_signless(64), _LAST_AT[ir.IntegerAttr(op.attributes["dimension"]).value])
                 now_last(op)
             elif name in ("stablehlo.pad", "stablehlo.slice", "stablehlo.reduce_window"):
                 if op.operands[0] not in last or (name == "stablehlo.reduce_window" and len(op.operands) != 2):
