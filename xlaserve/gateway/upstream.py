@@ -650,15 +650,10 @@ class Upstream(Handler):
             self._reset(call)               # answered before the request was all sent: the rest is not
 
     def _reset(self, call: _Call) -> None:
-        """Reset ``call``'s stream (CANCEL). A worker that does not read what this end sends
-        (RST_STREAMs included) is past ``max_queued_control_frames``: its connection ends."""
-        try:
-            self._h2.reset(call, CANCEL)
-        except ConnectionError_ as exc:
-            if self._closing is None:
-                self._closing = exc
-            if self._read_scope is not None:
-                self._read_scope.cancel()
+        """Reset ``call``'s stream (CANCEL). The engine does not count a reset this end asks for
+        against ``max_queued_control_frames`` (it cannot raise); a worker that reads none of what
+        this end sends is ended by the write timeout."""
+        self._h2.reset(call, CANCEL)
 
     def _open_queued(self) -> None:
         h2 = self._h2
