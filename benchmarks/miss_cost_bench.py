@@ -5,6 +5,8 @@
   python -m benchmarks.miss_cost_bench stages [--backend cuda]   # where the time of a load goes
                                                                  # (and of a pinned_host transfer)
   python -m benchmarks.miss_cost_bench profile --sizes-kb 1024    # cProfile of a run of misses
+  python -m benchmarks.miss_cost_bench catalog [--catalog-mb 96] [--budget-ratio 5]
+                                       # misses of a catalog's models, cold in the CPU's caches
 
 Per size, two models of that many bytes (``--tensors`` f32 tensors each) and a budget that
 holds one: every ``ensure_resident`` alternates between them, so each is a miss that evicts the
@@ -15,6 +17,16 @@ two pairs of buffers as the misses alternate between two models ("hot memcpy": t
 every time, so small sizes copy within the CPU's caches). Each round gives a
 median; the table shows the median of the rounds and its ratio; the machine may be shared, so
 look at the spread (min..max of the rounds' ratios) too.
+
+``catalog``: what a miss is in a server whose catalog is larger than its budget. Per size, as
+many models as make ``--catalog-mb`` (at least 16), a budget that holds one in
+``--budget-ratio`` of them, and each call asks for a model chosen at random among those not
+resident, so every call is a miss and the model's host copy was last read many misses ago (the
+catalog is many times the CPU's L2 cache, and ``--catalog-mb`` is meant to exceed its share of
+the L3). "memcpy" is then ``numpy.copyto`` of the same bytes from one of as many host buffers,
+chosen at random, into a random model-sized part of a budget-sized area: the same cold copy a
+miss makes, without the cache. The two-model table above is the other end: both copies hot in
+the CPU's caches, where the fixed cost of a miss weighs most.
 
 Uses only APIs that predate issue 25, so the same script measures an older checkout
 (``git worktree add /tmp/before <commit>``; run it from there) for a before/after.
@@ -119,6 +131,81 @@ def measure(device, tmp: Path, nbytes: int, tensors: int, misses: int,
             nursery.cancel_scope.cancel()
         return statistics.median(miss), statistics.median(copy), statistics.median(hot)
     return trio.run(main)
+
+
+def measure_catalog(device, tmp: Path, nbytes: int, tensors: int, misses: int, catalog_bytes: int,
+                    budget_ratio: float, metrics: bool, rng) -> tuple[float, float, int]:
+    """One round of ``catalog``: median seconds per miss and per cold memcpy, and the number of
+    models."""
+    import trio
+
+    from xlaserve.runtime.residency import Budget
+    from xlaserve.runtime.weights import WeightCache
+
+    count = max(16, -(-catalog_bytes // nbytes))
+    tag = f"{nbytes}-{time.perf_counter_ns()}"
+    models = [make_model(tmp, f"m{i}-{tag}", nbytes, tensors, float(i)) for i in range(count)]
+    size = models[0].weight_bytes
+    budget = int(count * size / budget_ratio)
+    sources = [np.full(size, i % 251, np.uint8) for i in range(count)]
+    area = np.zeros(budget // size * size, np.uint8)
+    slots = len(area) // size
+
+    async def main():
+        cache = WeightCache(device, trio.CapacityLimiter(1), Budget(budget, 1.0, 0), prefetch=False,
+                            **({"metrics": _metrics()} if metrics else {}))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in models:
+                assert await cache.admit(m) == ""
+            for m in models:                              # every one loaded once (slots made, pages mapped)
+                await cache.ensure_resident(m)
+            miss, copy = [], []
+            for i in range(misses):
+                cold = [m for m in models if cache.load_estimate(m) > 0]
+                model = cold[rng.randrange(len(cold))]
+                t = time.perf_counter()
+                arrays = await cache.ensure_resident(model)
+                miss.append(time.perf_counter() - t)
+                if i < 2:                                 # the weights that came back are the model's
+                    assert float(np.asarray(arrays[0]).reshape(-1)[0]) == float(models.index(model))
+                del arrays
+                src, at = sources[rng.randrange(count)], rng.randrange(slots) * size
+                t = time.perf_counter()
+                np.copyto(area[at:at + size], src)
+                copy.append(time.perf_counter() - t)
+            assert not cache.last_hit
+            nursery.cancel_scope.cancel()
+        return statistics.median(miss), statistics.median(copy)
+    got = trio.run(main)
+    for m in models:
+        for f in m.path.iterdir():
+            f.unlink()
+        m.path.rmdir()
+    return got[0], got[1], count
+
+
+def catalog(args) -> None:
+    import random
+    device = _open_device(args.backend)
+    tmp = Path(tempfile.mkdtemp(prefix="xlaserve-miss-"))
+    rng = random.Random(25)
+    rounds: dict[int, list[tuple[float, float, int]]] = {kb: [] for kb in args.sizes_kb}
+    for _ in range(args.rounds):
+        for kb in args.sizes_kb:
+            rounds[kb].append(measure_catalog(device, tmp, kb * KB, args.tensors, args.misses,
+                                              args.catalog_mb << 20, args.budget_ratio, args.metrics, rng))
+    print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, catalog {args.catalog_mb} MiB "
+          f"a size, {args.budget_ratio}x the budget, {args.rounds} rounds x {args.misses} misses; medians of the "
+          f"rounds' medians; weight-cache metrics {'on (as a worker)' if args.metrics else 'off'}")
+    print(f"{'size':>9} {'models':>7} {'miss us':>9} {'cold memcpy us':>15} {'miss/memcpy':>12} {'rounds min..max':>16} "
+          f"{'goal<=2':>8}")
+    for kb, got in rounds.items():
+        miss = statistics.median(m for m, _, _ in got)
+        copy = statistics.median(c for _, c, _ in got)
+        ratios = sorted(m / c for m, c, _ in got)
+        print(f"{kb:>6}KiB {got[0][2]:>7} {miss * 1e6:>9.1f} {copy * 1e6:>15.1f} {miss / copy:>12.2f} "
+              f"{ratios[0]:>7.2f}..{ratios[-1]:<7.2f} {'yes' if miss / copy <= 2 else 'no':>8}")
 
 
 def table(args) -> None:
@@ -281,7 +368,7 @@ def profile(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="?", default="table", choices=("table", "stages", "profile"))
+    parser.add_argument("what", nargs="?", default="table", choices=("table", "stages", "profile", "catalog"))
     parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--sizes-kb", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--tensors", type=int, default=8)
@@ -289,8 +376,10 @@ def main() -> None:
     parser.add_argument("--misses", type=int, default=30)
     parser.add_argument("--metrics", action="store_true",
                         help="update the worker's weight-cache metrics on every miss, as a server does")
+    parser.add_argument("--catalog-mb", type=int, default=96, help="catalog: MiB of models per size")
+    parser.add_argument("--budget-ratio", type=float, default=5.0, help="catalog: the catalog over the budget")
     args = parser.parse_args()
-    {"table": table, "stages": stages, "profile": profile}[args.what](args)
+    {"table": table, "stages": stages, "profile": profile, "catalog": catalog}[args.what](args)
 
 
 if __name__ == "__main__":

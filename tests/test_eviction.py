@@ -322,3 +322,41 @@ def test_residency_book_running_sums_equal_a_scan(policy):
         assert book.used_bytes() == sum(entries[k].nbytes for k in book.lru_order()), step
         assert book.resident_bytes() == sum(e.nbytes for e in entries.values() if e.resident), step
         assert book.pinned_bytes() == sum(e.nbytes for e in entries.values() if e.floor is Floor.DEVICE), step
+
+
+def test_load_cost_checks_only_the_extreme_sizes_and_agrees_with_checking_every_one():
+    """The O(1) check (smallest and largest size asked) changes the generation exactly when a
+    check of every size asked about would, over random loads and questions."""
+    import random
+    rng = random.Random(25)
+    cost = LoadCost(tolerance=0.05)
+    sizes = [rng.randrange(1, 64) * MB // 4 for _ in range(40)]
+    asked: set[int] = set()
+    for step in range(3000):
+        if rng.random() < 0.3:
+            size = rng.choice(sizes)
+            asked.add(size)
+            cost(size)
+            continue
+        size = rng.choice(sizes)
+        answers = {n: cost._known[(n, "host")] for n in asked}
+        before = cost.generation
+        cost.observe(size, (0.2e-3 + size / 5e9) * rng.uniform(0.7, 1.3))
+        line = cost._fit("host")
+        moved = any(abs(cost._at(line, n) - was) > 0.05 * was for n, was in answers.items())
+        assert (cost.generation != before) == moved, step
+        if moved:
+            asked.clear()
+
+
+def test_load_cost_measures_a_move_against_what_is_charged_in_all():
+    """With ``charged_beside`` (the cache's fixed miss overhead) a 20% wobble of a small copy
+    is about 1% of the miss: the answers stay; without it they change."""
+    def changes(cost: LoadCost) -> bool:
+        cost.observe(MB // 4, 30e-6)
+        cost(MB // 4)
+        generation = cost.generation
+        for _ in range(3):
+            cost.observe(MB // 4, 36e-6)
+        return cost.generation != generation
+    assert changes(LoadCost()) and not changes(LoadCost(charged_beside=5e-4))

@@ -200,6 +200,33 @@ def test_a_slot_whose_arrays_are_held_is_not_reused(device):
     np.testing.assert_array_equal(np.asarray(d[0]), 4.0)
 
 
+def test_a_released_slot_is_the_first_a_reuse_checks_and_a_reused_one_the_last(device, monkeypatch):
+    """Many slots of one layout, all held but one: the one the cache let go of (``released``)
+    is found first, so a miss does not test every slot in use; a slot just reused goes last."""
+    from xlaserve.runtime import pool as pool_module
+    from xlaserve.runtime.pjrt import weights_signature
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    held = [device.load_weights((np.full(64, float(i), np.float32),), pool) for i in range(8)]
+    signature = weights_signature((np.zeros(64, np.float32),))
+    evicted = held.pop(5)
+    pool.released(evicted)
+    del evicted                          # idle now: nothing else holds slot 5's array
+    checked = []
+    idle = pool_module.Slot.idle
+    monkeypatch.setattr(pool_module.Slot, "idle", lambda slot: checked.append(slot) or idle(slot))
+    got = device.load_weights_into_slot((np.full(64, 99.0, np.float32),), pool, signature)
+    assert len(checked) == 1             # the released slot, first
+    np.testing.assert_array_equal(np.asarray(got[0]), 99.0)
+    assert list(pool._slots[signature])[-1] is checked[0]      # reused: now last
+    assert pool.stats().reused == 1
+    # no idle slot of that layout: nothing is done, the caller loads another way
+    assert device.load_weights_into_slot((np.zeros(64, np.float32),), pool, signature) is None
+    pool.released(())                    # nothing to go on: ignored
+    pool.released((np.zeros(3, np.float32),))   # arrays no slot made: ignored
+    for i, arrays in zip((0, 1, 2, 3, 4, 6, 7), held):          # the others kept their weights
+        np.testing.assert_array_equal(np.asarray(arrays[0]), float(i))
+
+
 def test_a_full_pool_gives_idle_slots_back_before_growing(device):
     """Slots of other layouts fill the pool's one region; a load that needs their room takes it
     back from the oldest idle ones instead of allocating another region."""

@@ -708,3 +708,40 @@ def test_the_miss_overhead_makes_gdsf_keep_small_models(tmp_path, device, overhe
     policy.insert("small", MB // 4)
     policy.insert("big", 4 * MB)
     assert next(iter(policy.victims())) == first
+
+
+def test_weight_cache_metrics_are_plain_counts_until_scraped():
+    """The dispatch loop counts into plain numbers; the scrape turns them into the same families
+    Prometheus' own counters and histograms gave: per model and in total, the load histogram
+    cumulative with inclusive bounds."""
+    from prometheus_client import CollectorRegistry
+
+    from xlaserve.metrics import WeightCacheMetrics
+    registry = CollectorRegistry(auto_describe=True)
+    m = WeightCacheMetrics(registry)
+    m.hit("a", prefetched=True)
+    m.hit("a", prefetched=False)
+    m.load("a", 0.0005, miss=True, nbytes=100)       # on a bound: in its bucket (le is inclusive)
+    m.load("b", 0.3, miss=False, nbytes=50)          # a prefetch: a load, not a miss
+    m.evict("a")
+    m.missed(0.25)
+    m.missed(0.5)
+    got = _samples(registry)
+    assert got[("xlaserve_weight_cache_model_hits_total", (("model", "a"),))] == 2
+    assert got[("xlaserve_weight_cache_hits_total", ())] == 2
+    assert got[("xlaserve_weight_cache_model_prefetch_hits_total", (("model", "a"),))] == 1
+    assert got[("xlaserve_weight_cache_model_misses_total", (("model", "b"),))] == 0
+    assert got[("xlaserve_weight_cache_misses_total", ())] == 1
+    assert got[("xlaserve_weight_cache_bytes_copied_total", ())] == 150
+    assert got[("xlaserve_weight_cache_model_evictions_total", (("model", "a"),))] == 1
+    assert got[("xlaserve_weight_cache_miss_seconds_total", ())] == 0.75
+
+    def bucket(le, model=None):
+        labels = (("le", le),) + ((("model", model),) if model else ())
+        name = "xlaserve_weight_cache_model_load_seconds_bucket" if model else "xlaserve_weight_cache_load_seconds_bucket"
+        return got[(name, labels)]
+    assert [bucket(le, "a") for le in ("0.0001", "0.0005", "0.2", "0.5", "+Inf")] == [0, 1, 1, 1, 1]
+    assert [bucket(le) for le in ("0.0001", "0.0005", "0.2", "0.5", "+Inf")] == [0, 1, 1, 2, 2]
+    assert got[("xlaserve_weight_cache_load_seconds_count", ())] == 2
+    assert got[("xlaserve_weight_cache_load_seconds_sum", ())] == pytest.approx(0.3005)
+    assert got[("xlaserve_weight_cache_model_load_seconds_sum", (("model", "b"),))] == pytest.approx(0.3)

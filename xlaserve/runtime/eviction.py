@@ -225,11 +225,15 @@ class GreedyDualSizeFrequency:
     def victims(self) -> Iterator[Hashable]:
         """The order now, lazily (each next victim O(log n)); do not change the policy while
         iterating."""
-        if self._top() is None:
+        top = self._top()
+        if top is None:
             return iter(())
-        return self._in_order(list(self._heap))
+        return self._in_order(top)
 
-    def _in_order(self, heap: list[tuple[float, int, Hashable]]) -> Iterator[Hashable]:
+    def _in_order(self, top: Hashable) -> Iterator[Hashable]:
+        yield top                       # the usual plan needs one victim: no copy of the heap
+        heap = list(self._heap)         # (top is at its front: _top left it there)
+        heapq.heappop(heap)
         standing = self._standing
         while heap:
             _, seq, key = heapq.heappop(heap)
@@ -249,39 +253,70 @@ class LoadCost:
     others. Before any load the cost is ``nbytes / default_bandwidth``.
 
     The answers given are remembered and kept until a load moves the line, for some size asked
-    about since, by more than ``tolerance`` (relative); only then do they change, all at once,
+    about since, by more than ``tolerance`` (relative to the answer plus ``charged_beside``,
+    what the caller adds to every answer); only then do they change, all at once,
     and :attr:`generation` with them. Every load nudges the line, and a policy that orders by
     cost re-ranks every resident model when the generation changes: with a tolerance that is
     once in a while (when the device's speed really changed), not on every miss.
+
+    Within a generation every answer for a source comes from one line, the one fitted when the
+    first was asked for. The relative difference between two lines, ``(a' + b'x) / (a + bx) -
+    1``, is monotonic in the size ``x``, so a load checks only the smallest and largest size
+    asked about: O(1) a load however many sizes the catalog has (it was one check per size).
     """
 
-    def __init__(self, default_bandwidth: float = 10e9, halflife: float = 64.0, tolerance: float = 1 / 32) -> None:
+    def __init__(self, default_bandwidth: float = 10e9, halflife: float = 64.0, tolerance: float = 1 / 32,
+                 charged_beside: float = 0.0) -> None:
         self.default_bandwidth = default_bandwidth
         self.tolerance = tolerance
+        # seconds the user of the answers adds to each (the weight cache's miss overhead): a
+        # move is measured against what is charged in all, so that a small model's copy, a
+        # fraction of its miss, does not re-rank every resident model on each wobble
+        self._beside = charged_beside
         self._decay = 0.5 ** (1.0 / halflife)
         self._sums: dict[str, list[float]] = {}     # source -> [w, sx, sy, sxx, sxy] (x in MiB)
         self.generation = 0                         # changes when the answers do
         self._known: dict[tuple[int, str], float] = {}   # answers given in this generation
+        # source -> [the line its answers come from, the smallest and largest size asked]
+        self._given: dict[str, list] = {}
 
     def observe(self, nbytes: int, seconds: float, source: str = "host") -> None:
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
         x = nbytes / (1 << 20)
-        sums = self._sums.setdefault(source, [0.0] * 5)
-        for i, term in enumerate((1.0, x, seconds, x * x, x * seconds)):
-            sums[i] = sums[i] * self._decay + term
-        tolerance = self.tolerance
-        line = self._fit(source)                   # only this source's line moved
-        for (size, src), given in self._known.items():
-            if src == source and abs(self._at(line, size) - given) > tolerance * given:
+        sums = self._sums.get(source)
+        if sums is None:
+            sums = self._sums[source] = [0.0] * 5
+        d = self._decay
+        sums[0] = sums[0] * d + 1.0
+        sums[1] = sums[1] * d + x
+        sums[2] = sums[2] * d + seconds
+        sums[3] = sums[3] * d + x * x
+        sums[4] = sums[4] * d + x * seconds
+        given = self._given.get(source)
+        if given is None:                           # nothing asked about this source yet
+            return
+        line, smallest, largest = given
+        moved = self._fit(source)                   # only this source's line moved
+        for size in (smallest, largest):
+            was = self._at(line, size)
+            if abs(self._at(moved, size) - was) > self.tolerance * (was + self._beside):
                 self.generation += 1
                 self._known.clear()
+                self._given.clear()
                 return
 
     def __call__(self, nbytes: int, source: str = "host") -> float:
         known = self._known.get((nbytes, source))
         if known is None:
-            known = self._known[(nbytes, source)] = self._at(self._fit(source), nbytes)
+            given = self._given.get(source)
+            if given is None:
+                given = self._given[source] = [self._fit(source), nbytes, nbytes]
+            elif nbytes < given[1]:
+                given[1] = nbytes
+            elif nbytes > given[2]:
+                given[2] = nbytes
+            known = self._known[(nbytes, source)] = self._at(given[0], nbytes)
         return known
 
     def _fit(self, source: str) -> tuple[float, float] | None:

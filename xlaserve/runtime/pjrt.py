@@ -869,6 +869,18 @@ def _aval(shape: tuple[int, ...], dtype: np.dtype):
     return jax_core.ShapedArray(shape, dtype)
 
 
+def weights_signature(host) -> tuple:
+    """What a weight pool's slot must match to take ``host``: each tensor's shape and dtype."""
+    return tuple([(a.shape, a.dtype) for a in host])
+
+
+def _forget_values(arrays) -> None:
+    """New bytes were copied under ``arrays``: drop any NumPy value jax cached from the old ones."""
+    for array in arrays:
+        if getattr(array, "_npy_value", None) is not None:
+            array._npy_value = None
+
+
 def _copy_in_chunks(host, targets, step_bytes: int):
     """Copy each of ``host`` into the same-shaped array of ``targets``, yielding between chunks
     of about ``step_bytes`` (never before the first or after the last)."""
@@ -1100,7 +1112,7 @@ class Device:
         bytes half written: nothing reads an idle slot). The steps let a caller on an event
         loop copy a large model without a thread hop and without holding the loop for the
         whole copy."""
-        signature = tuple((a.shape, a.dtype) for a in host)
+        signature = weights_signature(host)
         slot = pool.reuse(signature)
         if slot is None:
             lease = pool.lease([a.nbytes for a in host])
@@ -1117,9 +1129,23 @@ class Device:
             return pool.done(slot)
         try:
             yield from _copy_in_chunks(host, slot.views, step_bytes)
-            for array in slot.arrays:   # new bytes under the same arrays: no value cached from the old ones
-                if getattr(array, "_npy_value", None) is not None:
-                    array._npy_value = None
+            _forget_values(slot.arrays)
+        finally:
+            arrays = pool.done(slot)
+        return arrays
+
+    def load_weights_into_slot(self, host, pool, signature: tuple) -> tuple | None:
+        """A catalog's usual load on cpu, at once: ``host`` copied into an idle slot of ``pool``
+        whose shapes and dtypes are ``signature`` (:func:`weights_signature`), and the slot's
+        arrays returned; None, with nothing done, when no slot of ``signature`` is idle. For a
+        model small enough to copy without steps: no generator, one ``copyto`` a tensor."""
+        slot = pool.reuse(signature)
+        if slot is None:
+            return None
+        try:
+            for src, dst in zip(host, slot.views):
+                np.copyto(dst, src)
+            _forget_values(slot.arrays)
         finally:
             arrays = pool.done(slot)
         return arrays

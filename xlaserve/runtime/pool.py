@@ -27,6 +27,7 @@ import math
 import sys
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -217,7 +218,10 @@ class WeightPool:
         self._lock = threading.RLock()       # RLock: a finalizer may run while it is held
         self._regions: list[_Region] = []
         self._live: set[Lease] = set()      # outstanding leases (their weakrefs live in them)
-        self._slots: dict[tuple, list[Slot]] = {}
+        # per signature, its slots: those likely idle first (evicted: :meth:`released`), those
+        # reused last; a reuse looks from the front, so it rarely checks a slot in use
+        self._slots: dict[tuple, OrderedDict[Slot, None]] = {}
+        self._slot_of: dict[int, Slot] = {}     # id of a slot's first array -> the slot
         self._clock = 0
         self._leases = 0
         self._grown = 0
@@ -256,19 +260,35 @@ class WeightPool:
         with self._lock:
             self._clock += 1
             slot.used = self._clock
-            self._slots.setdefault(signature, []).append(slot)
+            self._slots.setdefault(signature, OrderedDict())[slot] = None
+            if slot.arrays:
+                self._slot_of[id(slot.arrays[0])] = slot
         return slot
+
+    def released(self, arrays: Sequence) -> None:
+        """The weight cache let go of ``arrays`` (a model evicted): their slot, if they are one's,
+        is the first a reuse of its signature checks (it is idle once no execution holds them)."""
+        if not arrays:
+            return
+        with self._lock:
+            slot = self._slot_of.get(id(arrays[0]))
+            if slot is not None and slot.arrays[0] is arrays[0]:
+                self._slots[slot.signature].move_to_end(slot, last=False)
 
     def reuse(self, signature: tuple) -> Slot | None:
         """An idle slot of ``signature``, now busy (the caller copies into its views, then calls
         :meth:`done`), or None."""
         with self._lock:
-            for slot in self._slots.get(signature, ()):
+            slots = self._slots.get(signature)
+            if slots is None:
+                return None
+            for slot in slots:
                 if slot.idle():
                     slot.busy = True
                     self._clock += 1
                     slot.used = self._clock
                     self._reused += 1
+                    slots.move_to_end(slot)
                     return slot
         return None
 
@@ -295,7 +315,9 @@ class WeightPool:
 
     def _forget_slot_locked(self, slot: Slot) -> None:
         slots = self._slots[slot.signature]
-        slots.remove(slot)
+        del slots[slot]
+        if slot.arrays and self._slot_of.get(id(slot.arrays[0])) is slot:
+            del self._slot_of[id(slot.arrays[0])]
         if not slots:
             del self._slots[slot.signature]
 

@@ -222,10 +222,26 @@ class ResidencyBook:
             return Plan()
         if not may_evict:
             return Plan(refused=f"needs {fmt_bytes(need)} more than is free")
+        # _in_eviction_order inlined: a miss plans once, and on a small model the generators'
+        # layers cost as much as the plan
+        entries, device = self._entries, Floor.DEVICE
+        protected = {*protect, key}
         victims: list[Hashable] = []
-        for other in self._in_eviction_order((*protect, key), spare):
+        spared: list[Hashable] = []
+        for other in self.policy.victims():
+            e = entries.get(other)
+            if e is None or not e.resident or e.loading or e.floor is device or other in protected:
+                continue
+            if other in spare:
+                spared.append(other)
+                continue
             victims.append(other)
-            need -= self._entries[other].nbytes
+            need -= e.nbytes
+            if need <= 0:
+                return Plan(tuple(victims))
+        for other in spared:
+            victims.append(other)
+            need -= entries[other].nbytes
             if need <= 0:
                 return Plan(tuple(victims))
         return Plan(refused=(f"it needs {fmt_bytes(entry.nbytes)}; the budget is {fmt_bytes(self.budget)}, "

@@ -29,7 +29,7 @@ from xlaserve.bundle import ModelVersion
 from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.runtime.cachetrace import TraceWriter
 from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, DEFAULT_POLICY, LoadCost, make_policy
-from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.pjrt import Device, weights_signature
 from xlaserve.runtime.pool import PoolStats, WeightPool
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
 
@@ -148,7 +148,7 @@ class WeightCache:
         self._limiter = limiter
         self._budget = budget or Budget(1 << 62, 1.0, 0)
         self._budget_logged = False
-        self._load_cost = LoadCost()
+        self._load_cost = LoadCost(charged_beside=miss_overhead)
         self._miss_overhead = miss_overhead
         self._host_changes = 0       # counts changes of self._host, which decides a load's source
         self._policy = make_policy(eviction, self._cost_of, self._cost_generation)
@@ -366,7 +366,8 @@ class WeightCache:
                     self._hit(key)
                     arrays = self._device_arrays[key]
                 else:
-                    evicted, arrays = await self._make_resident_after_prefetch(key)
+                    evicted, arrays = await (self._make_resident_after_prefetch(key) if self._prefetching
+                                             else self._make_resident(key, self._limiter))
                     loaded = self._last_load_seconds
                     if self._metrics is not None:   # the whole miss: plan, evictions, copy, bookkeeping
                         self._metrics.missed(time.perf_counter() - waited)
@@ -414,7 +415,12 @@ class WeightCache:
         try:
             if self._copies_inline(key, limiter):
                 try:
-                    arrays = await self._copy_in_steps(self._host[key])
+                    host = self._host[key]
+                    # one step's worth: into an idle slot at once if there is one (no generator)
+                    arrays = (self._device.load_weights_into_slot(host, self._pool, weights_signature(host))
+                              if model.weight_bytes <= LOAD_STEP_BYTES else None)
+                    if arrays is None:
+                        arrays = await self._copy_in_steps(host)
                 finally:
                     limiter.release()
             elif self._device.transfers_async and key in self._host:
@@ -510,7 +516,9 @@ class WeightCache:
 
     def _evict(self, key: Key) -> None:
         self._book.evict(key)
-        self._device_arrays.pop(key, None)
+        arrays = self._device_arrays.pop(key, None)
+        if arrays and self._pool is not None:
+            self._pool.released(arrays)
         self._counts[key].evictions += 1
         self._prefetched.discard(key)
         nbytes = self._book.nbytes(key)
