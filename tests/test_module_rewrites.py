@@ -17,6 +17,7 @@ from xlaserve.bundle import load_bundle
 from xlaserve.export import TensorSpec, export_bundle
 from xlaserve.runtime.pjrt import (Device, ModuleError, dense_resources, kernel_permutations, read_signature,
                                    relayout, resolve_dense_resources)
+from xlaserve.runtime.pool import packed_offsets, packed_span
 
 RNG = np.random.default_rng(7)
 # PyTorch's kernel order, OIHW, and one weight that is a kernel and also read directly.
@@ -109,9 +110,10 @@ def test_load_bundle_permutes_kernels_once_and_answers_the_same(tmp_path, device
     assert weights.permutations == ((2, 3, 1, 0), (2, 3, 1, 0), None)
     host = weights.read()
     assert host[0].shape == (3, 3, 3, 8) and host[0].flags.c_contiguous and not host[0].flags.writeable
-    # transposed in place: the host copy is still one buffer, each weight byte held once
-    first = weights.tensors[0].offset
-    assert [a.ctypes.data - host[0].ctypes.data for a in host] == [t.offset - first for t in weights.tensors]
+    # transposed in place: the host copy is still one buffer in the pool's layout, each weight
+    # byte held once
+    assert [a.ctypes.data - host[0].ctypes.data for a in host] == packed_offsets([t.nbytes for t in weights.tensors])
+    assert packed_span(host) is not None
     np.testing.assert_array_equal(host[0], WEIGHTS["a.w"].transpose(2, 3, 1, 0))
     np.testing.assert_array_equal(host[2], WEIGHTS["c.w"])
     assert [t.shape for t in weights.tensors][0] == (8, 3, 3, 3)       # the file's own shape

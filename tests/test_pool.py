@@ -227,6 +227,78 @@ def test_a_released_slot_is_the_first_a_reuse_checks_and_a_reused_one_the_last(d
         np.testing.assert_array_equal(np.asarray(arrays[0]), float(i))
 
 
+def _packed(*arrays):
+    """``arrays`` copied into one buffer laid out as a lease lays them out (as the bundle reads
+    a host copy)."""
+    from xlaserve.runtime.pool import aligned_bytes, packed_offsets
+    offsets = packed_offsets([a.nbytes for a in arrays])
+    buffer = aligned_bytes(offsets[-1] + arrays[-1].nbytes)
+    out = []
+    for a, at in zip(arrays, offsets):
+        view = buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
+        view[...] = a
+        out.append(view)
+    return tuple(out)
+
+
+def test_packed_span_is_the_host_copy_as_one_buffer_or_none():
+    from xlaserve.runtime.pool import packed_span
+    host = _packed(np.arange(5, dtype=np.float32), np.ones((3, 3), np.int64), np.array(True))
+    span = packed_span(host)
+    assert span is not None and span.dtype == np.uint8 and not span.flags.writeable
+    assert len(span) == ALIGN + 2 * ALIGN + 1      # 20 bytes, 72, 1, each from a 64-byte boundary
+    assert span.ctypes.data == host[0].ctypes.data
+    assert len(packed_span(host[1:])) == 2 * ALIGN + 1             # a packed run need not start the buffer
+    assert packed_span((host[0], host[2])) is None                 # a gap
+    assert packed_span((host[1], host[0])) is None                 # out of order
+    assert packed_span((np.zeros(4), np.zeros(4))) is None         # two allocations
+    assert packed_span((host[0], np.zeros(4))) is None
+    assert packed_span(()) is None
+
+
+def test_a_load_copies_a_packed_host_copy_as_one_span_into_new_and_reused_slots(device, monkeypatch):
+    """Into a new extent and into an idle slot (at once and in steps): every tensor lands in
+    place, odd sizes and every dtype, with one copy of the span rather than one a tensor."""
+    from xlaserve.runtime import pjrt
+    from xlaserve.runtime.pool import packed_span
+    pool = WeightPool(4 << 20, collect=device.collect_garbage)
+    shapes = [((7,), np.float32), ((3, 5), np.int64), ((), np.bool_), ((1000,), np.float16)]
+
+    def host(fill):
+        return _packed(*(np.full(shape, fill, dtype) for shape, dtype in shapes))
+    copies = []
+    real = pjrt._copy_in_chunks
+
+    def counting(sources, targets, step_bytes):
+        copies.append(len(sources))
+        return real(sources, targets, step_bytes)
+    monkeypatch.setattr(pjrt, "_copy_in_chunks", counting)
+    first = host(1)
+    a = _run(device.load_weights_in_steps(first, pool, 1 << 20, packed_span(first)))     # a new extent
+    for got, (shape, dtype) in zip(a, shapes):
+        np.testing.assert_array_equal(np.asarray(got), np.full(shape, 1, dtype))
+    del a, got
+    second = host(2)                                  # into the idle slot, at once
+    b = device.load_weights_into_slot(second, pool, pjrt.weights_signature(second), packed_span(second))
+    for got, (shape, dtype) in zip(b, shapes):
+        np.testing.assert_array_equal(np.asarray(got), np.full(shape, 2, dtype))
+    del b, got
+    third = host(3)                                   # into the idle slot, in steps of 1 KiB
+    c = _run(device.load_weights_in_steps(third, pool, KB, packed_span(third)))
+    for got, (shape, dtype) in zip(c, shapes):
+        np.testing.assert_array_equal(np.asarray(got), np.full(shape, 3, dtype))
+    assert copies == [1, 1]                           # one span each time, not four tensors
+    assert pool.stats().leases == 1 and pool.stats().reused == 2
+
+
+def _run(steps):
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 def test_a_full_pool_gives_idle_slots_back_before_growing(device):
     """Slots of other layouts fill the pool's one region; a load that needs their room takes it
     back from the oldest idle ones instead of allocating another region."""

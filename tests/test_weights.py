@@ -745,3 +745,46 @@ def test_weight_cache_metrics_are_plain_counts_until_scraped():
     assert got[("xlaserve_weight_cache_load_seconds_count", ())] == 2
     assert got[("xlaserve_weight_cache_load_seconds_sum", ())] == pytest.approx(0.3005)
     assert got[("xlaserve_weight_cache_model_load_seconds_sum", (("model", "b"),))] == pytest.approx(0.3)
+
+
+def test_the_host_copy_is_read_in_the_pools_layout_and_loads_as_one_span(tmp_path, device):
+    """The bundle reads each tensor into one buffer at the pool's offsets (binding order, not
+    the file's; odd sizes; a transposed kernel stays in place), so the cache copies a model
+    with one memcpy; the weights that come back are the file's, through a miss into a slot."""
+    from xlaserve.runtime.pool import packed_span
+    bundle = tmp_path / "m"
+    bundle.mkdir()
+    tensors = {"b": np.arange(7, dtype=np.float32), "a": np.arange(15, dtype=np.int64).reshape(3, 5),
+               "c": np.array([True, False, True])}
+    save_file(tensors, str(bundle / "weights.safetensors"))
+    weights = _weights_of(bundle)                    # names sorted: a, b, c (the file holds them otherwise)
+    host = weights.read()
+    assert [np.asarray(h).tolist() for h in host] == [tensors[n].tolist() for n in ("a", "b", "c")]
+    assert [h.ctypes.data - host[0].ctypes.data for h in host] == [0, 128, 192]
+    assert host[0].ctypes.data % 4096 == 0 and packed_span(host) is not None
+    other = tmp_path / "n"
+    other.mkdir()
+    save_file({k: (v * 2 if v.dtype != np.bool_ else ~v) for k, v in tensors.items()}, str(other / "weights.safetensors"))
+    a = ModelVersion("m", 1, bundle, None, "f", weights, weights.nbytes, MappingProxyType({}), None, 0.0)
+    b_weights = _weights_of(other)
+    b = ModelVersion("n", 1, other, None, "f", b_weights, b_weights.nbytes, MappingProxyType({}), None, 0.0)
+
+    async def main():
+        cache = cache_for(device, weights.nbytes + 100)            # room for one: each call a miss
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            for m in (a, b):
+                await cache.admit(m)
+            got = []
+            for m in (a, b, a, b):
+                arrays = await cache.ensure_resident(m)
+                got.append([np.asarray(x).tolist() for x in arrays])
+                del arrays
+            reused = cache.snapshot().pool.reused
+            nursery.cancel_scope.cancel()
+        return got, reused
+    got, reused = run(main)
+    want_a = [tensors[n].tolist() for n in ("a", "b", "c")]
+    want_b = [(tensors["a"] * 2).tolist(), (tensors["b"] * 2).tolist(), (~tensors["c"]).tolist()]
+    assert got == [want_a, want_b, want_a, want_b]
+    assert reused >= 2

@@ -37,6 +37,7 @@ from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.progress import Step
+from xlaserve.runtime.pool import packed_offsets
 from xlaserve.runtime.signature import ModuleError, Signature, TensorType
 
 if TYPE_CHECKING:   # the types of load_bundle's device side, which imports jax when it runs
@@ -63,6 +64,18 @@ class WeightTensor:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _read_at(fd: int, into: memoryview, offset: int) -> int:
+    """Read ``len(into)`` bytes of ``fd`` from ``offset`` (one ``preadv`` a tensor, more only
+    when the kernel returns less: it caps one read near 2 GiB); the bytes read, short at EOF."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if not got:
+            break
+        done += got
+    return done
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,23 +120,27 @@ class HostWeights:
         return self.read()
 
     def read(self) -> tuple[np.ndarray, ...]:
-        """A fresh private copy from disk: one read of the tensors' byte span into one
-        page-aligned buffer; the arrays are views of it. Immune to later changes of the file."""
+        """A fresh private copy from disk: each tensor read into one page-aligned buffer, in
+        binding order, each at the next 64-byte-aligned offset (the weight pool's layout,
+        :func:`~xlaserve.runtime.pool.packed_offsets`, so that a load copies the whole buffer
+        with one ``memcpy``); the arrays are views of it. Immune to later changes of the file."""
         if not self.tensors:
             return ()
-        start = min(t.offset for t in self.tensors)
-        end = max(t.offset + t.nbytes for t in self.tensors)
-        raw = np.empty(end - start + 4096, np.uint8)
+        offsets = packed_offsets([t.nbytes for t in self.tensors])
+        size = offsets[-1] + self.tensors[-1].nbytes
+        raw = np.empty(size + 4096, np.uint8)
         skew = (-raw.ctypes.data) % 4096
-        buffer = raw[skew:skew + end - start]
+        buffer = raw[skew:skew + size]
         with open(self.file, "rb") as f:
             self._check_size(os.fstat(f.fileno()).st_size)
-            f.seek(start)
-            got = f.readinto(memoryview(buffer))
-        if got != end - start:
-            raise OSError(f"{self.file}: read {got} of {end - start} weight bytes (was the file truncated?)")
+            fd, view = f.fileno(), memoryview(buffer)
+            for t, at in zip(self.tensors, offsets):
+                got = _read_at(fd, view[at:at + t.nbytes], t.offset)
+                if got != t.nbytes:
+                    raise OSError(f"{self.file}: read {got} of {t.nbytes} bytes of weight {t.name!r} (was the file "
+                                  "truncated?)")
         permutations = self.permutations or (None,) * len(self.tensors)
-        return tuple(self._view(memoryview(buffer), t, t.offset - start, p) for t, p in zip(self.tensors, permutations))
+        return tuple(self._view(view, t, at, p) for t, at, p in zip(self.tensors, offsets, permutations))
 
     def _check_size(self, size: int) -> None:
         end = max(t.offset + t.nbytes for t in self.tensors)

@@ -881,6 +881,14 @@ def _forget_values(arrays) -> None:
             array._npy_value = None
 
 
+def _sources_and_targets(host, views, span, extent) -> tuple[tuple, tuple]:
+    """What a load copies: the host copy's one span into the extent's, when both are known
+    (their tensors lie alike: the signature matched), else tensor by tensor."""
+    if span is not None and extent is not None and len(span) <= len(extent):
+        return (span,), (extent[:len(span)],)
+    return tuple(host), tuple(views)
+
+
 def _copy_in_chunks(host, targets, step_bytes: int):
     """Copy each of ``host`` into the same-shaped array of ``targets``, yielding between chunks
     of about ``step_bytes`` (never before the first or after the last)."""
@@ -1100,7 +1108,7 @@ class Device:
             except StopIteration as done:
                 return done.value
 
-    def load_weights_in_steps(self, host, pool, step_bytes: int):
+    def load_weights_in_steps(self, host, pool, step_bytes: int, span=None):
         """A generator that loads a model's weights into ``pool`` (cpu only; see
         :attr:`pools_weights`), yielding between chunks of about ``step_bytes`` copied (never
         before the first or after the last), and returns the device arrays
@@ -1108,7 +1116,9 @@ class Device:
         (:class:`~xlaserve.runtime.pool.Slot`) is copied into and its arrays returned as they
         are; otherwise one new extent holds the model, each tensor is copied into it (memory an
         earlier load already mapped) and wrapped as a device buffer without another copy, and
-        the extent is kept as a slot. Closing the generator early leaves the slot idle (its
+        the extent is kept as a slot. ``span``: the host copy's bytes when its tensors lie as
+        the extent's do (:func:`~xlaserve.runtime.pool.packed_span`): then the copy is of that
+        one span, not a tensor at a time. Closing the generator early leaves the slot idle (its
         bytes half written: nothing reads an idle slot). The steps let a caller on an event
         loop copy a large model without a thread hop and without holding the loop for the
         whole copy."""
@@ -1118,33 +1128,38 @@ class Device:
             lease = pool.lease([a.nbytes for a in host])
             try:
                 views = tuple(lease.array(src.dtype, src.shape) for src in host)
+                extent = lease.span()
             finally:
                 lease.seal()            # the views hold the extent from here
-            yield from _copy_in_chunks(host, views, step_bytes)
+            yield from _copy_in_chunks(*_sources_and_targets(host, views, span, extent), step_bytes)
             arrays = tuple(_jax.batched_device_put(_aval(v.shape, v.dtype), self._sharding, [v], [self._device],
                                                    True, False, _jax.HostBufferSemantics.ZERO_COPY, enable_x64=True)
                            for v in views)
-            slot = pool.keep(signature, arrays, views)
-            del arrays, views
+            slot = pool.keep(signature, arrays, views, extent)
+            del arrays, views, extent
             return pool.done(slot)
         try:
-            yield from _copy_in_chunks(host, slot.views, step_bytes)
+            yield from _copy_in_chunks(*_sources_and_targets(host, slot.views, span, slot.span), step_bytes)
             _forget_values(slot.arrays)
         finally:
             arrays = pool.done(slot)
         return arrays
 
-    def load_weights_into_slot(self, host, pool, signature: tuple) -> tuple | None:
+    def load_weights_into_slot(self, host, pool, signature: tuple, span=None) -> tuple | None:
         """A catalog's usual load on cpu, at once: ``host`` copied into an idle slot of ``pool``
         whose shapes and dtypes are ``signature`` (:func:`weights_signature`), and the slot's
         arrays returned; None, with nothing done, when no slot of ``signature`` is idle. For a
-        model small enough to copy without steps: no generator, one ``copyto`` a tensor."""
+        model small enough to copy without steps: no generator; one ``copyto`` of ``span``
+        (see :meth:`load_weights_in_steps`), else one a tensor."""
         slot = pool.reuse(signature)
         if slot is None:
             return None
         try:
-            for src, dst in zip(host, slot.views):
-                np.copyto(dst, src)
+            if span is not None and slot.span is not None:
+                np.copyto(slot.span[:len(span)], span)
+            else:
+                for src, dst in zip(host, slot.views):
+                    np.copyto(dst, src)
             _forget_values(slot.arrays)
         finally:
             arrays = pool.done(slot)

@@ -45,6 +45,51 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def packed_offsets(sizes) -> list[int]:
+    """Where a lease places tensors of ``sizes`` bytes, from the start of its extent: in order,
+    each at the next :data:`ALIGN`-aligned offset. The host copy of a model's weights is laid
+    out the same way (``HostWeights.read``), so that a load is one ``memcpy`` of a span."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += _round_up(max(n, 1), ALIGN)
+    return offsets
+
+
+def packed_span(arrays) -> np.ndarray | None:
+    """A read-only ``uint8`` view of the bytes from the first of ``arrays`` to the end of the
+    last, when they are C-contiguous views of one NumPy buffer laid out as a lease lays out
+    tensors of their sizes (:func:`packed_offsets`); None otherwise. Copying that span into a
+    slot of the same shapes copies every tensor into place at once."""
+    if not arrays:
+        return None
+    roots = {id(_root(a)) for a in arrays}
+    root = _root(arrays[0])
+    if len(roots) != 1 or not isinstance(root, np.ndarray) or not root.flags.c_contiguous:
+        return None
+    base = root.__array_interface__["data"][0]
+    first = arrays[0].__array_interface__["data"][0]
+    for a, offset in zip(arrays, packed_offsets([a.nbytes for a in arrays])):
+        if not a.flags.c_contiguous or a.__array_interface__["data"][0] != first + offset:
+            return None
+    start = first - base
+    end = start + offset + arrays[-1].nbytes
+    if start < 0 or end > root.nbytes:
+        return None
+    span = root.reshape(-1).view(np.uint8)[start:end]
+    span.flags.writeable = False
+    return span
+
+
+def _root(array):
+    """The object at the bottom of ``array``'s chain of bases (through memoryviews)."""
+    while True:
+        base = array.obj if isinstance(array, memoryview) else getattr(array, "base", None)
+        if base is None:
+            return array
+        array = base
+
+
 class Extents:
     """Best-fit allocation of byte ranges in ``[0, capacity)``, every offset and size a multiple
     of ``align``. A freed extent merges with free neighbours, so space given back in any order
@@ -143,6 +188,7 @@ class Slot:
     nbytes: int
     used: int = 0              # the pool's clock at its last use: the oldest idle slot goes first
     busy: bool = False
+    span: np.ndarray | None = None   # the extent's bytes (uint8), its tensors at packed_offsets
 
     def idle(self) -> bool:
         """Whether nothing but this slot holds its arrays (an execution, the cache, a NumPy view
@@ -181,6 +227,10 @@ class Lease:
             self._refs.append(weakref.ref(out, self._drop))
             self._alive += 1
         return out
+
+    def span(self) -> np.ndarray:
+        """The bytes of the extent from its start to the end of the last array made (uint8)."""
+        return self._region.memory[self._offset:self._cursor]
 
     def seal(self) -> None:
         """No more arrays will be made: the extent is free once those made are gone."""
@@ -253,10 +303,10 @@ class WeightPool:
                 found = self._lease_locked(region, region.extents.alloc(need))
         return found
 
-    def keep(self, signature: tuple, arrays: tuple, views: tuple) -> Slot:
-        """Keep a new load's extent as a slot (its arrays wrap ``views``); it is busy until
-        :meth:`done` with it."""
-        slot = Slot(signature, list(arrays), views, sum(v.nbytes for v in views), busy=True)
+    def keep(self, signature: tuple, arrays: tuple, views: tuple, span: np.ndarray | None = None) -> Slot:
+        """Keep a new load's extent as a slot (its arrays wrap ``views``; ``span``, its bytes:
+        :meth:`Lease.span`); it is busy until :meth:`done` with it."""
+        slot = Slot(signature, list(arrays), views, sum(v.nbytes for v in views), busy=True, span=span)
         with self._lock:
             self._clock += 1
             slot.used = self._clock

@@ -30,7 +30,7 @@ from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.runtime.cachetrace import TraceWriter
 from xlaserve.runtime.eviction import DEFAULT_MISS_OVERHEAD, DEFAULT_POLICY, LoadCost, make_policy
 from xlaserve.runtime.pjrt import Device, weights_signature
-from xlaserve.runtime.pool import PoolStats, WeightPool
+from xlaserve.runtime.pool import PoolStats, WeightPool, packed_span
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor, fmt_bytes
 
 log = logging.getLogger("xlaserve.weights")
@@ -167,6 +167,7 @@ class WeightCache:
         self._models: dict[Key, ModelVersion] = {}
         self._versions: dict[str, set[Key]] = {}     # model name -> its keys in the book
         self._host: dict[Key, tuple] = {}
+        self._spans: dict[Key, object] = {}      # key -> its host copy's one span (packed_span)
         # Issue 5 (reload): a replaced version's host copy, kept for requests admitted to it
         # that have not run yet; they get a transient device copy. Re-reading by path would give
         # them the new file's weights. Kept for exactly as long as something (a request in a
@@ -256,8 +257,7 @@ class WeightCache:
         self._counts[key] = _Counts()
         try:
             if floor is not Floor.UNPINNED:
-                self._host[key] = await trio.to_thread.run_sync(self._read_host, model)
-                self._host_changes += 1
+                self._keep_host(key, await trio.to_thread.run_sync(self._read_host, model))
             if floor is Floor.DEVICE:
                 async with self._lock:
                     await self._make_resident(key, self._limiter, why="pin")
@@ -268,6 +268,22 @@ class WeightCache:
 
     def _read_host(self, model: ModelVersion) -> tuple:
         return self._device.host_store(model.weights.read())
+
+    def _keep_host(self, key: Key, host: tuple) -> None:
+        """``host`` is ``key``'s host copy now; with the pool, its one span when its tensors lie
+        as a slot's do (the bundle reads them so), which a load copies at once."""
+        self._host[key] = host
+        span = packed_span(host) if self._pool is not None else None
+        if span is not None:
+            self._spans[key] = span
+        else:
+            self._spans.pop(key, None)
+        self._host_changes += 1
+
+    def _drop_host(self, key: Key) -> None:
+        self._host.pop(key, None)
+        self._spans.pop(key, None)
+        self._host_changes += 1
 
     def log_budget(self) -> None:
         """Log the budget (at INFO, once the start-up set is admitted, so the headroom reflects
@@ -305,8 +321,7 @@ class WeightCache:
         for key in [k for k in self._book.keys() if k[0] == name and (version is None or k[1] == version)]:
             self._book.remove(key)
             self._device_arrays.pop(key, None)
-            self._host.pop(key, None)
-            self._host_changes += 1
+            self._drop_host(key)
             self._models.pop(key, None)
             versions = self._versions.get(key[0])
             if versions is not None:
@@ -417,10 +432,11 @@ class WeightCache:
                 try:
                     host = self._host[key]
                     # one step's worth: into an idle slot at once if there is one (no generator)
-                    arrays = (self._device.load_weights_into_slot(host, self._pool, weights_signature(host))
+                    span = self._spans.get(key)
+                    arrays = (self._device.load_weights_into_slot(host, self._pool, weights_signature(host), span)
                               if model.weight_bytes <= LOAD_STEP_BYTES else None)
                     if arrays is None:
-                        arrays = await self._copy_in_steps(host)
+                        arrays = await self._copy_in_steps(host, span)
                 finally:
                     limiter.release()
             elif self._device.transfers_async and key in self._host:
@@ -471,8 +487,8 @@ class WeightCache:
                 await trio.sleep(0)
             return self._device.wait_weights(arrays)    # done: raises if the transfer failed
 
-    async def _copy_in_steps(self, host: tuple) -> tuple:
-        steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES)
+    async def _copy_in_steps(self, host: tuple, span) -> tuple:
+        steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES, span)
         try:
             while True:
                 try:
@@ -633,8 +649,7 @@ class WeightCache:
         self._overrides[model_name] = new
         for key in keys:
             if new is Floor.UNPINNED:
-                self._host.pop(key, None)
-                self._host_changes += 1
+                self._drop_host(key)
         if self._nursery is not None and new is not Floor.UNPINNED:
             self._nursery.start_soon(self._apply_residency, keys)
         log.info("model %s: residency %s", model_name, new.value)
@@ -647,8 +662,7 @@ class WeightCache:
                 if floor is not Floor.UNPINNED and key not in self._host:
                     host = await trio.to_thread.run_sync(self._read_host, self._models[key])
                     if key in self._book and self._book.floor(key) is not Floor.UNPINNED:
-                        self._host[key] = host
-                        self._host_changes += 1
+                        self._keep_host(key, host)
                 if key in self._book and self._book.floor(key) is Floor.DEVICE:
                     async with self._lock:
                         if key in self._book and not self._book.is_resident(key):
