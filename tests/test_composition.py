@@ -500,3 +500,40 @@ def test_model_control_refuses_in_static_mode_and_when_the_actor_is_busy():
         with pytest.raises(trio.WouldBlock):
             inbox.receive_nowait()                              # the static refusal sent nothing
     trio.run(main)
+
+
+def test_request_path_metrics_are_plain_counts_made_into_families_when_scraped():
+    """Requests, latencies, executions, batch rows and sizes, queue waits and depths: counted as
+    plain numbers, exposed as the Prometheus counters, gauges and histograms they were (the
+    same names, labels and values; a bound is inclusive)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from xlaserve.metrics import Metrics
+    metrics = Metrics()
+    metrics.observe_request("mlp", "OK", 0.002)                 # on the 0.002 bound: in its bucket
+    metrics.observe_request("mlp", "OK", 0.5)
+    metrics.observe_request("mlp", "UNAVAILABLE", 0.1)           # counted, no latency
+    metrics.observe_dispatch("mlp", 8, 5, [1_000_000, 3_000_000], 4_000_000)
+    metrics.set_queue_depth("mlp", 7)
+    metrics.set_queue_depth("mlp", 3)
+    got = {}
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for sample in family.samples:
+            got[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    mlp = (("model", "mlp"),)
+    assert got[("xlaserve_requests_total", (("model", "mlp"), ("status", "OK")))] == 2
+    assert got[("xlaserve_requests_total", (("model", "mlp"), ("status", "UNAVAILABLE")))] == 1
+    assert got[("xlaserve_request_duration_seconds_bucket", (("le", "0.001"), *mlp))] == 0
+    assert got[("xlaserve_request_duration_seconds_bucket", (("le", "0.002"), *mlp))] == 1
+    assert got[("xlaserve_request_duration_seconds_bucket", (("le", "+Inf"), *mlp))] == 2
+    assert got[("xlaserve_request_duration_seconds_sum", mlp)] == 0.502
+    assert got[("xlaserve_executions_total", (("batch_size", "8"), *mlp))] == 1
+    assert got[("xlaserve_batch_rows_sum", mlp)] == 5 and got[("xlaserve_batch_size_sum", mlp)] == 8
+    assert got[("xlaserve_batch_rows_bucket", (("le", "4.0"), *mlp))] == 0
+    assert got[("xlaserve_batch_rows_bucket", (("le", "8.0"), *mlp))] == 1
+    assert got[("xlaserve_queue_duration_seconds_count", mlp)] == 2
+    assert got[("xlaserve_queue_duration_seconds_sum", mlp)] == 0.004
+    assert got[("xlaserve_queue_duration_seconds_bucket", (("le", "0.002"), *mlp))] == 1
+    assert got[("xlaserve_compute_duration_seconds_bucket", (("le", "0.005"), *mlp))] == 1
+    assert got[("xlaserve_queue_depth", mlp)] == 3                 # a gauge: the last value set
+    assert metrics.tally("mlp").latency_counts[2] == 1            # the status snapshot reads the same counts

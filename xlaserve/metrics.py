@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
@@ -31,47 +31,115 @@ class RequestTally:
     hook_failures: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
 
-class _Children:
-    """A metric's labelled children, each looked up once: ``labels()`` validates its arguments and
-    takes a lock on every call (a few us), and the request path asks for several a request."""
+class _Tally:
+    """A counter (or gauge) family kept as plain numbers, one per tuple of label values, and made
+    into a Prometheus family only when the registry is collected. Counting is a dict update: no
+    lock, no labelled child (``Counter.labels().inc()`` took about 0.3 us and a lock)."""
 
-    __slots__ = ("_metric", "_known")
+    __slots__ = ("name", "doc", "labels", "values", "_family")
 
-    def __init__(self, metric) -> None:
-        self._metric = metric
-        self._known: dict[tuple[str, ...], object] = {}
+    def __init__(self, name: str, doc: str, labels: tuple[str, ...] = (), gauge: bool = False) -> None:
+        self.name, self.doc, self.labels = name, doc, labels
+        self.values: dict[tuple, float] = {}
+        self._family = GaugeMetricFamily if gauge else CounterMetricFamily
 
-    def __call__(self, *values: str):
-        child = self._known.get(values)
-        if child is None:
-            child = self._known[values] = self._metric.labels(*values)
-        return child
+    def inc(self, key: tuple, amount: float = 1) -> None:
+        values = self.values
+        values[key] = values.get(key, 0) + amount
+
+    def set(self, key: tuple, value: float) -> None:
+        self.values[key] = value
+
+    def family(self):
+        out = self._family(self.name, self.doc, labels=list(self.labels))
+        for key, value in list(self.values.items()):
+            out.add_metric(list(key), value)
+        return out
+
+    def total(self, name: str):
+        """The sum over every label value, as an unlabelled family ``name``."""
+        return self._family(name, self.doc, value=sum(list(self.values.values())))
+
+
+class _Buckets:
+    """A histogram family kept as plain numbers: per tuple of label values, the sum and a count
+    per bound (a bound is inclusive, as Prometheus' ``le``) and one above the largest, made into
+    cumulative buckets when collected. An observation is a ``bisect`` and two additions
+    (``Histogram.observe`` took about 0.7 us and a lock)."""
+
+    __slots__ = ("name", "doc", "labels", "bounds", "rows")
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...], labels: tuple[str, ...] = ()) -> None:
+        self.name, self.doc, self.labels, self.bounds = name, doc, labels, bounds
+        self.rows: dict[tuple, list] = {}      # label values -> [sum, count per bound ..., count above]
+
+    def row(self, key: tuple) -> list:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = [0.0] + [0] * (len(self.bounds) + 1)
+        return row
+
+    def observe(self, key: tuple, value: float) -> None:
+        row = self.rows.get(key) or self.row(key)
+        row[1 + bisect.bisect_left(self.bounds, value)] += 1
+        row[0] += value
+
+    def counts(self, key: tuple) -> tuple[int, ...] | None:
+        """The count per bound and above for ``key`` (not cumulative), or None if never observed."""
+        row = self.rows.get(key)
+        return tuple(row[1:]) if row is not None else None
+
+    def family(self):
+        out = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
+        for key, row in list(self.rows.items()):
+            out.add_metric(list(key), self._cumulative(row[1:]), row[0])
+        return out
+
+    def total(self, name: str, doc: str):
+        """Every label value's observations together, as an unlabelled histogram ``name``."""
+        rows = [list(row) for row in list(self.rows.values())]
+        counts = [sum(column) for column in zip(*(row[1:] for row in rows))] or [0] * (len(self.bounds) + 1)
+        return HistogramMetricFamily(name, doc, buckets=self._cumulative(counts),
+                                     sum_value=sum(row[0] for row in rows))
+
+    def _cumulative(self, counts) -> list[tuple[str, int]]:
+        out, running = [], 0
+        for bound, n in zip((*self.bounds, math.inf), counts):
+            running += n
+            out.append((floatToGoString(bound), running))
+        return out
 
 
 class Metrics:
+    """A worker's metrics. What the request path and the dispatch loop count (requests,
+    latencies, executions, batch rows and sizes, queue waits and depths) is kept as plain
+    numbers (:class:`_Tally`, :class:`_Buckets`) and read when ``/metrics`` is scraped; the rest
+    (rare events, values read at scrape time) are prometheus_client's own metrics."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("xlaserve_requests", "Inference requests answered, by model and gRPC status",
-                                ["model", "status"], registry=r)
-        self.request_seconds = Histogram("xlaserve_request_duration_seconds",
+        self._requests = _Tally("xlaserve_requests", "Inference requests answered, by model and gRPC status",
+                                ("model", "status"))
+        self._request_seconds = _Buckets("xlaserve_request_duration_seconds",
                                          "Time from receiving an inference request to answering it",
-                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.executions = Counter("xlaserve_executions", "Model executions on the device, by compiled batch size",
-                                  ["model", "batch_size"], registry=r)
-        self.batch_rows = Histogram("xlaserve_batch_rows", "Request rows coalesced into one execution",
-                                    ["model"], buckets=_ROW_BUCKETS, registry=r)
-        self.models = Gauge("xlaserve_models", "Models in the table, by state", ["state"], registry=r)
-        self.queue_depth = Gauge("xlaserve_queue_depth", "Requests waiting in the model's queue",
-                                 ["model"], registry=r)
-        self.batch_size = Histogram("xlaserve_batch_size", "Compiled batch size of each execution",
-                                    ["model"], buckets=_ROW_BUCKETS, registry=r)
-        self.queue_seconds = Histogram("xlaserve_queue_duration_seconds",
+                                         LATENCY_BUCKETS, ("model",))
+        self._executions = _Tally("xlaserve_executions", "Model executions on the device, by compiled batch size",
+                                  ("model", "batch_size"))
+        self._batch_rows = _Buckets("xlaserve_batch_rows", "Request rows coalesced into one execution",
+                                    _ROW_BUCKETS, ("model",))
+        self._queue_depth = _Tally("xlaserve_queue_depth", "Requests waiting in the model's queue", ("model",),
+                                   gauge=True)
+        self._batch_size = _Buckets("xlaserve_batch_size", "Compiled batch size of each execution", _ROW_BUCKETS,
+                                    ("model",))
+        self._queue_seconds = _Buckets("xlaserve_queue_duration_seconds",
                                        "Time from receiving a request to its dispatch to the device",
-                                       ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.compute_seconds = Histogram("xlaserve_compute_duration_seconds",
+                                       LATENCY_BUCKETS, ("model",))
+        self._compute_seconds = _Buckets("xlaserve_compute_duration_seconds",
                                          "Time of one execution (assemble inputs, run, split outputs)",
-                                         ["model"], buckets=LATENCY_BUCKETS, registry=r)
+                                         LATENCY_BUCKETS, ("model",))
+        r.register(self)
+        self.models = Gauge("xlaserve_models", "Models in the table, by state", ["state"], registry=r)
         self.rejections = Counter("xlaserve_rejections",
                                   "Requests the scheduler answered without running them, by reason "
                                   "(queue_full, deadline_expired, deadline_shed, dispatch_timeout, "
@@ -88,57 +156,60 @@ class Metrics:
                                         registry=r)
         self.requests_in_flight = Gauge("xlaserve_requests_in_flight",
                                         "Inference requests accepted and not yet answered", registry=r)
-        # The same counts kept as plain numbers too, so that a status snapshot reads them without
-        # walking Prometheus' registry: per model, OK latencies by bucket and rejections by reason.
-        self._latency: dict[str, list[int]] = {}
+        # per model, rejections by reason and hook failures by hook, for the status snapshot
         self._rejected: dict[str, dict[str, int]] = {}
         self._hook_failed: dict[str, dict[str, int]] = {}
         self._hook_lock = threading.Lock()      # hook failures are counted from hook threads
-        self._requests = _Children(self.requests)
-        self._request_seconds = _Children(self.request_seconds)
-        self._executions = _Children(self.executions)
-        self._batch_rows = _Children(self.batch_rows)
-        self._queue_depth = _Children(self.queue_depth)
-        self._batch_size = _Children(self.batch_size)
-        self._compute_seconds = _Children(self.compute_seconds)
-        self._queue_seconds = _Children(self.queue_seconds)
 
+    # ---- the registry's side ----------------------------------------------------------------
+    def _kept(self):
+        return (self._requests, self._request_seconds, self._executions, self._batch_rows, self._queue_depth,
+                self._batch_size, self._queue_seconds, self._compute_seconds)
+
+    def describe(self):
+        return [_empty(kept) for kept in self._kept()]
+
+    def collect(self):
+        return [kept.family() for kept in self._kept()]
+
+    # ---- counting ---------------------------------------------------------------------------
     def observe_request(self, model: str, status: str, seconds: float) -> None:
-        self._requests(model, status).inc()
+        self._requests.inc((model, status))
         if status == "OK":
-            self._request_seconds(model).observe(seconds)
-            counts = self._latency.get(model)
-            if counts is None:
-                counts = self._latency[model] = [0] * (len(LATENCY_BUCKETS) + 1)
-            # a bound is inclusive, as Prometheus' le
-            counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+            self._request_seconds.observe((model,), seconds)
 
     def tally(self, model: str) -> RequestTally:
         """``model``'s :class:`RequestTally` now (zeros for a model never seen)."""
-        counts = self._latency.get(model)
+        counts = self._request_seconds.counts((model,))
         rejected = self._rejected.get(model)
         with self._hook_lock:
             hooks = self._hook_failed.get(model)
             hooks = dict(hooks) if hooks else None
-        return RequestTally(tuple(counts) if counts is not None else RequestTally().latency_counts,
+        return RequestTally(counts if counts is not None else RequestTally().latency_counts,
                             MappingProxyType(dict(rejected)) if rejected else MappingProxyType({}),
                             MappingProxyType(hooks) if hooks else MappingProxyType({}))
 
     def observe_execution(self, model: str, size: int, rows: int) -> None:
-        self._executions(model, str(size)).inc()
-        self._batch_rows(model).observe(rows)
+        self._executions.inc((model, str(size)))
+        self._batch_rows.observe((model,), rows)
 
     def set_queue_depth(self, model: str, depth: int) -> None:
-        self._queue_depth(model).set(depth)
+        self._queue_depth.set((model,), depth)
 
     def observe_dispatch(self, model: str, size: int, rows: int, queue_ns, compute_ns: int) -> None:
         """One execution at compiled ``size`` serving ``rows``; ``queue_ns`` holds each request's wait."""
+        key = (model,)
         self.observe_execution(model, size, rows)
-        self._batch_size(model).observe(size)
-        self._compute_seconds(model).observe(compute_ns / 1e9)
-        queue = self._queue_seconds(model)
+        self._batch_size.observe(key, size)
+        self._compute_seconds.observe(key, compute_ns / 1e9)
+        queue = self._queue_seconds.row(key)
+        bounds, at = LATENCY_BUCKETS, bisect.bisect_left
+        total = 0
         for ns in queue_ns:
-            queue.observe(ns / 1e9)
+            seconds = ns / 1e9
+            queue[1 + at(bounds, seconds)] += 1
+            total += seconds
+        queue[0] += total
 
     def observe_rejection(self, model: str, reason: str) -> None:
         self.rejections.labels(model, reason).inc()
@@ -156,32 +227,41 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+def _empty(kept: _Tally | _Buckets):
+    """``kept``'s family with no samples (what the registry's describe() needs: names, types)."""
+    if isinstance(kept, _Buckets):
+        return HistogramMetricFamily(kept.name, kept.doc, labels=list(kept.labels))
+    return kept._family(kept.name, kept.doc, labels=list(kept.labels))
+
+
 _LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-
-
-# a weight-cache row's counters (:class:`WeightCacheMetrics`)
-_HITS, _MISSES, _EVICTIONS, _PREFETCH_HITS, _BYTES, _LOAD_SUM = range(6)
-_COUNTERS = (("hits", _HITS, "Dispatches that found the weights resident"),
-             ("misses", _MISSES, "Dispatches that had to copy the weights onto the device"),
-             ("evictions", _EVICTIONS, "Device copies evicted to make room"),
-             ("prefetch_hits", _PREFETCH_HITS, "Dispatches served by weights a prefetch copied"),
-             ("bytes_copied", _BYTES, "Weight bytes copied onto the device (every load)"))
+_WEIGHT_COUNTERS = (("hits", "Dispatches that found the weights resident"),
+                    ("misses", "Dispatches that had to copy the weights onto the device"),
+                    ("evictions", "Device copies evicted to make room"),
+                    ("prefetch_hits", "Dispatches served by weights a prefetch copied"),
+                    ("bytes_copied", "Weight bytes copied onto the device (every load)"))
 
 
 class WeightCacheMetrics:
     """The weight cache's metrics (issues 4 and 25), per model and in total, in a worker's
     registry. Totals are separate unlabelled series so that dashboards need no ``sum()``.
 
-    The dispatch loop counts into plain numbers (a list per model: a hit is one ``+= 1``, a
-    load's time one ``bisect`` into its bucket counts); they become Prometheus families only
-    when the registry is collected (``/metrics``). A miss then pays no metric locks or
-    labelled-child calls: on a 256 KiB model those were 6 of its ~40 us besides the copy."""
+    The dispatch loop counts into plain numbers (:class:`_Tally`, :class:`_Buckets`); they
+    become Prometheus families only when the registry is collected (``/metrics``). A miss then
+    pays no metric locks or labelled-child calls: on a 256 KiB model those were 6 of its ~40 us
+    besides the copy."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        # model -> [hits, misses, evictions, prefetch hits, bytes copied, load seconds' sum,
-        #           then the load histogram's count per _LOAD_BUCKETS bound and one above]
-        self._rows: dict[str, list] = {}
-        self._miss_seconds = 0.0
+        self._counts = {stem: _Tally(f"xlaserve_weight_cache_model_{stem}", doc, ("model",))
+                        for stem, doc in _WEIGHT_COUNTERS}
+        self._hits, self._misses, self._evictions = (self._counts[k] for k in ("hits", "misses", "evictions"))
+        self._prefetch_hits, self._bytes = self._counts["prefetch_hits"], self._counts["bytes_copied"]
+        self._load_seconds = _Buckets("xlaserve_weight_cache_model_load_seconds",
+                                      "Time of one host-to-device weight copy (on demand or prefetch)",
+                                      _LOAD_BUCKETS, ("model",))
+        self._miss_seconds = _Tally("xlaserve_weight_cache_miss_seconds",
+                                    "Seconds dispatches spent making missing weights resident: the whole miss "
+                                    "(waiting for the cache, the plan, evictions, the copy and its bookkeeping)")
         self._state = _CacheStateCollector()
         registry.register(self)
         registry.register(self._state)
@@ -191,78 +271,47 @@ class WeightCacheMetrics:
         when the registry is collected: the eviction order, prefetch counts and the weight pool."""
         self._state.snapshot = snapshot
 
-    def _row(self, model: str) -> list:
-        row = self._rows.get(model)
-        if row is None:
-            row = self._rows[model] = [0, 0, 0, 0, 0, 0.0] + [0] * (len(_LOAD_BUCKETS) + 1)
-        return row
-
     def hit(self, model: str, prefetched: bool) -> None:
-        row = self._rows.get(model) or self._row(model)
-        row[_HITS] += 1
+        key = (model,)
+        self._hits.inc(key)
         if prefetched:
-            row[_PREFETCH_HITS] += 1
+            self._prefetch_hits.inc(key)
 
     def load(self, model: str, seconds: float, miss: bool, nbytes: int = 0) -> None:
         """One copy of ``nbytes`` onto the device; ``miss`` when a dispatch waited for it (not a
         prefetch or pin)."""
-        row = self._rows.get(model) or self._row(model)
-        row[_LOAD_SUM + 1 + bisect.bisect_left(_LOAD_BUCKETS, seconds)] += 1    # le is inclusive
-        row[_LOAD_SUM] += seconds
-        row[_BYTES] += nbytes
+        key = (model,)
+        self._load_seconds.observe(key, seconds)
+        self._bytes.inc(key, nbytes)
         if miss:
-            row[_MISSES] += 1
+            self._misses.inc(key)
 
     def missed(self, seconds: float) -> None:
         """A dispatch's miss took ``seconds`` from asking for the weights to having them."""
-        self._miss_seconds += seconds
+        self._miss_seconds.inc((), seconds)
 
     def evict(self, model: str) -> None:
-        (self._rows.get(model) or self._row(model))[_EVICTIONS] += 1
+        self._evictions.inc((model,))
 
     # ---- the registry's side ----------------------------------------------------------------
     def describe(self):
-        return self._families({})
+        return self._families(described=True)
 
     def collect(self):
-        return self._families({model: list(row) for model, row in list(self._rows.items())})
+        return self._families()
 
-    def _families(self, rows: dict[str, list]):
+    def _families(self, described: bool = False):
         families = []
-        for stem, i, doc in _COUNTERS:
-            by_model = CounterMetricFamily(f"xlaserve_weight_cache_model_{stem}", doc, labels=["model"])
-            for model, row in rows.items():
-                by_model.add_metric([model], row[i])
-            families += [by_model, CounterMetricFamily(f"xlaserve_weight_cache_{stem}", doc,
-                                                       value=sum(row[i] for row in rows.values()))]
-        by_model = HistogramMetricFamily("xlaserve_weight_cache_model_load_seconds",
-                                         "Time of one host-to-device weight copy (on demand or prefetch)",
-                                         labels=["model"])
-        total = [0] * (len(_LOAD_BUCKETS) + 1)
-        for model, row in rows.items():
-            counts = row[_LOAD_SUM + 1:]
-            by_model.add_metric([model], _buckets(counts), row[_LOAD_SUM])
-            total = [a + b for a, b in zip(total, counts)]
-        families.append(by_model)
-        families.append(HistogramMetricFamily("xlaserve_weight_cache_load_seconds",
-                                              "Time of one host-to-device weight copy, all models",
-                                              buckets=_buckets(total),
-                                              sum_value=sum(row[_LOAD_SUM] for row in rows.values())))
-        families.append(CounterMetricFamily(
-            "xlaserve_weight_cache_miss_seconds",
-            "Seconds dispatches spent making missing weights resident: the whole miss (waiting for the cache, "
-            "the plan, evictions, the copy and its bookkeeping)", value=self._miss_seconds))
+        for stem, _ in _WEIGHT_COUNTERS:
+            counts = self._counts[stem]
+            families += [_empty(counts) if described else counts.family(),
+                         counts.total(f"xlaserve_weight_cache_{stem}")]
+        load = self._load_seconds
+        families.append(_empty(load) if described else load.family())
+        families.append(load.total("xlaserve_weight_cache_load_seconds",
+                                   "Time of one host-to-device weight copy, all models"))
+        families.append(self._miss_seconds.total(self._miss_seconds.name))
         return families
-
-
-def _buckets(counts: list[int]) -> list[tuple[str, int]]:
-    """Prometheus' cumulative ``le`` buckets from a count per :data:`_LOAD_BUCKETS` bound and
-    one above the largest."""
-    out, running = [], 0
-    for bound, n in zip((*_LOAD_BUCKETS, math.inf), counts):
-        running += n
-        out.append((floatToGoString(bound), running))
-    return out
 
 
 class _CacheStateCollector:
