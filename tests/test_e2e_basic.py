@@ -104,6 +104,22 @@ def test_img_mean_and_cnn(example_server):
     np.testing.assert_array_equal(r.as_numpy("label"), label)
 
 
+def test_a_large_request_is_decoded_from_views_and_a_short_tensor_named(example_server):
+    """Past 64 KiB a request's raw tensors are views into the received message (not copies):
+    the same answers, and a tensor short of its shape named as before."""
+    c = grpcclient.InferenceServerClient(example_server.url)
+    img = np.random.default_rng(9).integers(0, 256, (2, 224, 224, 3), dtype=np.uint8)
+    out = c.infer("img_mean", [infer_input("input", img, "UINT8")], request_id="big").as_numpy("output")
+    np.testing.assert_allclose(out, reference.img_mean_ref(img), rtol=1e-5)
+    short = grpcclient.InferInput("input", [2, 224, 224, 3], "UINT8")
+    short.set_data_from_numpy(img)
+    short._raw_content = short._raw_content[:150528]       # one image's bytes for two
+    with pytest.raises(InferenceServerException) as info:
+        c.infer("img_mean", [short])
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "expected 301056 bytes for UINT8[2,224,224,3], got 150528" in info.value.message()
+
+
 def test_asyncio_client_concurrent_requests(example_server):
     async def main():
         async with aioclient.InferenceServerClient(example_server.url) as c:

@@ -71,8 +71,11 @@ def serialize_bytes(array: np.ndarray) -> bytes:
 
 
 def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
-                  read_shm: ShmReader | None = None, max_bytes: int | None = None) -> DecodedInputs:
+                  read_shm: ShmReader | None = None, max_bytes: int | None = None,
+                  raw: Sequence | None = None) -> DecodedInputs:
     """Decode and validate a ModelInferRequest's inputs against the model's client inputs.
+    ``raw``: its ``raw_input_contents`` when they were kept out of the parsed message (views
+    into the received bytes, :func:`xlaserve.wire.split_field`); else the message's own.
 
     Every error is :class:`InvalidArgument` naming the tensor, what was expected and what was
     sent. ``max_rows`` bounds the batch dimension (the largest compiled batch size).
@@ -85,7 +88,8 @@ def decode_inputs(request, expected: Sequence[TensorDecl], max_rows: int | None,
     """
     def want() -> str:   # for error messages only: not built on the request path
         return ", ".join(f"'{d.name}' {d.describe()}" for d in expected)
-    raw = request.raw_input_contents
+    if raw is None:
+        raw = request.raw_input_contents
     inputs = request.inputs
 
     if len(raw) > len(inputs):

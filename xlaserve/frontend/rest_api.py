@@ -172,7 +172,7 @@ class RestApi:
         if rule is not None and (denial := rule.denial(metadata)) is not None:
             raise GRPCError(Status.PERMISSION_DENIED, denial)
         handler = self._handlers[path]
-        if handler.request_type is not type(message):
+        if handler.request_type is not type(message) and not getattr(handler.request_type, "accepts_parsed", False):
             message = handler.request_type(message.SerializeToString())    # the gateway's raw bytes
         fast = self._fast.get(path)
         if fast is not None:

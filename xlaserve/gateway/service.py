@@ -43,6 +43,7 @@ from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
 from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
+from xlaserve.wire import read_varint
 
 log = logging.getLogger("xlaserve.gateway")
 
@@ -65,14 +66,14 @@ def model_name_of(data: bytes) -> str:
         return bytes(data[2:2 + data[1]]).decode("utf-8")
     pos, end = 0, len(data)
     while pos < end:
-        tag, pos = _varint(data, pos)
+        tag, pos = read_varint(data, pos)
         field, wire = tag >> 3, tag & 7
         if wire == 0:
-            _, pos = _varint(data, pos)
+            _, pos = read_varint(data, pos)
         elif wire == 1:
             pos += 8
         elif wire == 2:
-            length, pos = _varint(data, pos)
+            length, pos = read_varint(data, pos)
             if field == 1:
                 if pos + length > end:
                     raise ValueError("a field runs past the end of the message")
@@ -85,19 +86,6 @@ def model_name_of(data: bytes) -> str:
     if pos > end:
         raise ValueError("a field runs past the end of the message")
     raise ValueError("it has no model_name")
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("a truncated varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
 
 
 _SHM_KEY = b"shared_memory_region"

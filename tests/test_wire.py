@@ -1,0 +1,83 @@
+"""Reading protobuf's wire format directly (xlaserve/wire.py): a ModelInferRequest's
+raw_input_contents kept as views into the received bytes, everything else parsed as before;
+anything not well-formed left to the parser, which names what is wrong."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xlaserve._proto import grpc_service_pb2 as pb
+from xlaserve.errors import InvalidArgument
+from xlaserve.frontend.kserve import RAW_INPUT_CONTENTS, SPLIT_RAW_ABOVE, ModelInferWire
+from xlaserve.wire import read_varint, split_field
+
+
+def _request(*raws: bytes) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="img_mean", model_version="2", id="req-7")
+    r.parameters["timeout"].int64_param = 5000
+    for i, raw in enumerate(raws):
+        r.inputs.add(name=f"in{i}", datatype="UINT8", shape=[len(raw)])
+        r.raw_input_contents.append(raw)
+    r.outputs.add(name="output")
+    return r
+
+
+def test_varints_round_trip_and_a_truncated_one_is_refused():
+    assert read_varint(b"\x96\x01", 0) == (150, 2)
+    assert read_varint(b"\x00\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", 1) == (2**64 - 1, 11)
+    with pytest.raises(ValueError, match="truncated"):
+        read_varint(b"\x96", 0)
+
+
+def test_the_raw_contents_come_out_as_views_and_the_rest_parses_as_before():
+    raws = [bytes(range(256)) * 3, b"", np.arange(1000, dtype=np.uint8).tobytes()]
+    message = _request(*raws)
+    data = bytearray(message.SerializeToString())
+    rest, values = split_field(data, RAW_INPUT_CONTENTS)
+    assert [bytes(v) for v in values] == raws
+    assert all(v.readonly and v.obj is data for v in values)         # views into the message: no copy
+    parsed = pb.ModelInferRequest.FromString(rest)
+    del message.raw_input_contents[:]
+    assert parsed == message
+
+
+def test_fields_after_and_between_the_raw_contents_are_kept_in_order():
+    """The wire allows any order: raw contents first, an input after them, then more."""
+    head = pb.ModelInferRequest(model_name="m")
+    first = pb.ModelInferRequest(raw_input_contents=[b"AAAA"])
+    middle = pb.ModelInferRequest(inputs=[pb.ModelInferRequest.InferInputTensor(name="x", datatype="UINT8", shape=[4])])
+    last = pb.ModelInferRequest(raw_input_contents=[b"BB"], id="z")
+    data = b"".join(m.SerializeToString() for m in (first, head, middle, last))
+    rest, values = split_field(data, RAW_INPUT_CONTENTS)
+    assert [bytes(v) for v in values] == [b"AAAA", b"BB"]
+    whole = pb.ModelInferRequest.FromString(data)
+    assert list(whole.raw_input_contents) == [b"AAAA", b"BB"]
+    del whole.raw_input_contents[:]
+    assert pb.ModelInferRequest.FromString(rest) == whole
+
+
+@pytest.mark.parametrize("data", [
+    _request().SerializeToString(),                              # no raw contents: parse it whole
+    _request(b"xyz").SerializeToString()[:-3],                   # truncated inside a field
+    b"\x3a\x05abc",                                              # field 7 says 5 bytes, has 3
+    b"\x38\x01",                                                 # field 7 as a varint
+    b"\x0b\x0c",                                                 # a group (wire type 3)
+    b"\x3a\x01a\x0e",                                            # wire type 6 after a good field
+    b"\x3a\x01a\x80",                                            # a tag cut short
+    b"\x02\x00",                                                 # field number 0
+])
+def test_what_is_not_well_formed_or_has_no_raw_contents_is_left_to_the_parser(data):
+    assert split_field(data, RAW_INPUT_CONTENTS) is None
+
+
+def test_model_infer_wire_splits_large_requests_only_and_names_a_bad_one():
+    small = _request(b"s" * 100).SerializeToString()
+    message, raw = ModelInferWire(memoryview(small)).parse()
+    assert raw is None and list(message.raw_input_contents) == [b"s" * 100]     # small: parsed whole
+    big_raw = np.random.default_rng(1).integers(0, 256, SPLIT_RAW_ABOVE + 1, np.uint8).tobytes()
+    big = _request(big_raw).SerializeToString()
+    message, raw = ModelInferWire(memoryview(big)).parse()
+    assert [bytes(r) for r in raw] == [big_raw] and not message.raw_input_contents
+    assert (message.model_name, message.id, message.inputs[0].shape) == ("img_mean", "req-7", [len(big_raw)])
+    with pytest.raises(InvalidArgument, match="not a valid inference.ModelInferRequest message"):
+        ModelInferWire(memoryview(big + b"\x3a\xff")).parse()      # a raw field cut off at its length
