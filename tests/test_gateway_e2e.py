@@ -291,8 +291,9 @@ def _rest_through_the_gateway(node) -> None:
     assert c.get_model_metadata("mlp")["inputs"][0]["shape"] == [-1, 512]
     assert c.get_model_config("simple")["max_batch_size"] == 8
     assert {m["name"] for m in c.get_model_repository_index()} == {"simple", "mlp", "img_mean", "cnn"}
-    x = np.random.default_rng(5).standard_normal((2, 512)).astype(np.float32)
-    for binary in (True, False):
+    rng = np.random.default_rng(5)
+    for binary in (True, True, False):      # the second binary request's header comes from the cache
+        x = rng.standard_normal((2, 512)).astype(np.float32)
         t = httpclient.InferInput("input", [2, 512], "FP32")
         t.set_data_from_numpy(x, binary_data=binary)
         r = c.infer("mlp", [t], outputs=[httpclient.InferRequestedOutput("output", binary_data=binary)])

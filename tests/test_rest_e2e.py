@@ -104,6 +104,19 @@ def test_simple_infer_binary_json_and_mixed(rest_server, binary0, binary1, binar
     assert ("data" in out0) == (not binary_out)
 
 
+def test_repeated_binary_requests_are_answered_from_views_of_their_bodies(rest_server):
+    """The same binary header again (no id): its translation comes from the cache and the
+    tensors reach the worker as views into each request's own body; every answer is its own."""
+    c = _client(rest_server)
+    rng = np.random.default_rng(27)
+    for _ in range(3):
+        img = rng.integers(0, 256, (2, 224, 224, 3), dtype=np.uint8)
+        t = httpclient.InferInput("input", [2, 224, 224, 3], "UINT8")
+        t.set_data_from_numpy(img, binary_data=True)
+        r = c.infer("img_mean", [t], outputs=[httpclient.InferRequestedOutput("output", binary_data=True)])
+        np.testing.assert_allclose(r.as_numpy("output"), reference.img_mean_ref(img), rtol=1e-5)
+
+
 def test_output_selection_and_statistics(rest_server):
     c = _client(rest_server)
     a, b, inputs = _simple_inputs()

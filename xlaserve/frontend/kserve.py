@@ -113,21 +113,32 @@ class ModelInferWire:
     """A ModelInferRequest as it came off the wire: the transport's request type for ModelInfer
     (it wraps the received bytes, a view, without a copy); :meth:`parse` is the parse."""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "_parsed")
     DESCRIPTOR = pb.ModelInferRequest.DESCRIPTOR
     accepts_parsed = True       # infer_now takes a parsed ModelInferRequest too (REST's)
 
     def __init__(self, data) -> None:
         self.data = data
+        self._parsed = None
 
     @classmethod
     def FromString(cls, data) -> "ModelInferWire":
         return cls(data)
 
+    @classmethod
+    def parsed(cls, request: pb.ModelInferRequest, raw) -> "ModelInferWire":
+        """A request already parsed whose raw contents were kept out of it (``raw``: views, in
+        input order; REST's binary tensors, cut from the HTTP body)."""
+        wire = cls(None)
+        wire._parsed = (request, list(raw))
+        return wire
+
     def parse(self) -> tuple[pb.ModelInferRequest, list[memoryview] | None]:
         """The message, and its ``raw_input_contents`` as views into the received bytes when it
         is large (kept out of the message), else None (the message has its own). A malformed
         message is INVALID_ARGUMENT, as the transport words it."""
+        if self._parsed is not None:
+            return self._parsed
         data = self.data
         try:
             if len(data) > SPLIT_RAW_ABOVE:

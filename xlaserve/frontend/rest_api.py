@@ -292,7 +292,14 @@ class RestApi:
                 raise InvalidArgument(f"Inference-Header-Content-Length must be a byte count, got {header!r}")
             header_length = int(header)
         wanted = infer_request(request.body, header_length, model, version)
-        reply = await self._call("ModelInfer", wanted.request, request, pb.ModelInferResponse)
+        message = wanted.request
+        if wanted.raw is not None:
+            request_type = self._handlers[SERVICE + "ModelInfer"].request_type
+            if getattr(request_type, "accepts_parsed", False):
+                message = request_type.parsed(message, wanted.raw)     # the worker: views, no copy
+            else:
+                message.raw_input_contents.extend(bytes(v) for v in wanted.raw)    # the gateway forwards bytes
+        reply = await self._call("ModelInfer", message, request, pb.ModelInferResponse)
         body, json_length = infer_response(reply, wanted)
         if self._max_send is not None and len(body) > self._max_send:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the response is {len(body)} bytes, the limit "

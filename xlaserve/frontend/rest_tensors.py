@@ -42,6 +42,9 @@ class RestInfer:
     request: pb.ModelInferRequest
     binary: frozenset[str]
     all_binary: bool
+    #: the binary tensors' bytes as read-only views into the body, when they were kept out of
+    #: ``request`` (its raw_input_contents are then empty); None when the request holds them
+    raw: tuple[memoryview, ...] | None = None
 
 
 def parse_json(data: bytes | memoryview, what: str) -> object:
@@ -208,13 +211,13 @@ def infer_request(body: bytes | memoryview, header_length: int | None, model: st
             if header_length + total == len(body):
                 request = pb.ModelInferRequest()
                 request.CopyFrom(template)
-                raw = request.raw_input_contents
-                view = memoryview(body)
+                view = memoryview(body).toreadonly()
+                raw = []
                 offset = header_length
-                for size in sizes:
-                    raw.append(bytes(view[offset:offset + size]))
+                for size in sizes:      # views: the body is immutable and lives as long as they do
+                    raw.append(view[offset:offset + size])
                     offset += size
-                return RestInfer(request, binary, all_binary)
+                return RestInfer(request, binary, all_binary, tuple(raw))
     wanted, sizes = _infer_request(body, header_length, model, version)
     if key is not None and sizes is not None and not wanted.request.id:
         template = pb.ModelInferRequest()
