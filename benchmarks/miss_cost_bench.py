@@ -190,44 +190,53 @@ def catalog(args) -> None:
     device = _open_device(args.backend)
     tmp = Path(tempfile.mkdtemp(prefix="xlaserve-miss-"))
     rng = random.Random(25)
-    rounds: dict[int, list[tuple[float, float, int]]] = {kb: [] for kb in args.sizes_kb}
-    for _ in range(args.rounds):
-        for kb in args.sizes_kb:
-            rounds[kb].append(measure_catalog(device, tmp, kb * KB, args.tensors, args.misses,
-                                              args.catalog_mb << 20, args.budget_ratio, args.metrics, rng))
-    print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, catalog {args.catalog_mb} MiB "
-          f"a size, {args.budget_ratio}x the budget, {args.rounds} rounds x {args.misses} misses; medians of the "
-          f"rounds' medians; weight-cache metrics {'on (as a worker)' if args.metrics else 'off'}")
+    rounds = _rounds(args, lambda nbytes: measure_catalog(device, tmp, nbytes, args.tensors, args.misses,
+                                                          args.catalog_mb << 20, args.budget_ratio, args.metrics, rng))
+    _title(args, device, f"catalog {args.catalog_mb} MiB a size, {args.budget_ratio}x the budget, ")
     print(f"{'size':>9} {'models':>7} {'miss us':>9} {'cold memcpy us':>15} {'miss/memcpy':>12} {'rounds min..max':>16} "
           f"{'goal<=2':>8}")
     for kb, got in rounds.items():
-        miss = statistics.median(m for m, _, _ in got)
-        copy = statistics.median(c for _, c, _ in got)
-        ratios = sorted(m / c for m, c, _ in got)
-        print(f"{kb:>6}KiB {got[0][2]:>7} {miss * 1e6:>9.1f} {copy * 1e6:>15.1f} {miss / copy:>12.2f} "
-              f"{ratios[0]:>7.2f}..{ratios[-1]:<7.2f} {'yes' if miss / copy <= 2 else 'no':>8}")
+        miss, copy, spread = _miss_and_copy(got)
+        print(f"{kb:>6}KiB {got[0][2]:>7} {miss * 1e6:>9.1f} {copy * 1e6:>15.1f} {spread}")
+
+
+def _title(args, device, setting: str = "") -> None:
+    print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, {setting}{args.rounds} rounds "
+          f"x {args.misses} misses; medians of the rounds' medians; weight-cache metrics "
+          f"{'on (as a worker)' if args.metrics else 'off'}")
+
+
+def _rounds(args, one) -> dict[int, list[tuple]]:
+    """``one(nbytes)`` for every size of ``--sizes-kb`` in each of ``--rounds`` rounds, the sizes
+    interleaved round by round; by size in KiB, the rounds' results."""
+    rounds: dict[int, list[tuple]] = {kb: [] for kb in args.sizes_kb}
+    for _ in range(args.rounds):
+        for kb in args.sizes_kb:
+            rounds[kb].append(one(kb * KB))
+    return rounds
+
+
+def _miss_and_copy(got: list[tuple]) -> tuple[float, float, str]:
+    """The rounds' median miss and memcpy (the first two of each round's tuple), and the ratio
+    columns: median, the rounds' min..max, whether within the goal."""
+    miss = statistics.median(r[0] for r in got)
+    copy = statistics.median(r[1] for r in got)
+    ratios = sorted(r[0] / r[1] for r in got)
+    return miss, copy, (f"{miss / copy:>12.2f} {ratios[0]:>7.2f}..{ratios[-1]:<7.2f} "
+                        f"{'yes' if miss / copy <= 2 else 'no':>8}")
 
 
 def table(args) -> None:
     device = _open_device(args.backend)
     tmp = Path(tempfile.mkdtemp(prefix="xlaserve-miss-"))
-    rounds: dict[int, list[tuple[float, float, float]]] = {kb: [] for kb in args.sizes_kb}
-    for _ in range(args.rounds):                          # sizes interleaved round by round
-        for kb in args.sizes_kb:
-            rounds[kb].append(measure(device, tmp, kb * KB, args.tensors, args.misses, args.metrics))
-    print(f"backend {args.backend} ({device.kind}), {args.tensors} tensors per model, {args.rounds} rounds x "
-          f"{args.misses} misses; medians of the rounds' medians; weight-cache metrics "
-          f"{'on (as a worker)' if args.metrics else 'off'}")
+    rounds = _rounds(args, lambda nbytes: measure(device, tmp, nbytes, args.tensors, args.misses, args.metrics))
+    _title(args, device)
     print(f"{'size':>9} {'miss us':>9} {'memcpy us':>10} {'miss/memcpy':>12} {'rounds min..max':>16} {'goal<=2':>8} "
           f"{'hot memcpy us':>14} {'miss/hot':>9}")
     for kb, got in rounds.items():
-        miss = statistics.median(m for m, _, _ in got)
-        copy = statistics.median(c for _, c, _ in got)
+        miss, copy, spread = _miss_and_copy(got)
         hot = statistics.median(h for _, _, h in got)
-        ratios = sorted(m / c for m, c, _ in got)
-        print(f"{kb:>6}KiB {miss * 1e6:>9.1f} {copy * 1e6:>10.1f} {miss / copy:>12.2f} "
-              f"{ratios[0]:>7.2f}..{ratios[-1]:<7.2f} {'yes' if miss / copy <= 2 else 'no':>8} "
-              f"{hot * 1e6:>14.1f} {miss / hot:>9.2f}")
+        print(f"{kb:>6}KiB {miss * 1e6:>9.1f} {copy * 1e6:>10.1f} {spread} {hot * 1e6:>14.1f} {miss / hot:>9.2f}")
     if len(rounds) > 1:
         # a catalog drawing its models' sizes evenly from these (weights_bench's density catalog
         # uses 256 KiB .. 4 MiB): the time its misses take over the time of memcpys of their bytes
