@@ -70,6 +70,13 @@ def test_model_name_is_read_without_parsing_the_tensors():
                          (b"\x0b", "wire type 3")):
         with pytest.raises(ValueError, match=why):
             model_name_of(garbage)
+    # a flood of tiny fields before the name: not walked in Python to its end, parsed in C
+    flood = b"\xa0\x06\x00" * 1_000_000
+    assert model_name_of(flood + tail) == "late"
+    with pytest.raises(ValueError, match="no model_name"):
+        model_name_of(flood)
+    with pytest.raises(ValueError):
+        model_name_of(flood + b"\x0a\x10ab")
 
 
 def _stats(count: int, ns: int, *, last: int, batches: dict[int, int]) -> pb.ModelStatistics:

@@ -133,3 +133,20 @@ def test_splitting_agrees_with_the_parser_on_random_and_damaged_messages():
             assert whole.SerializeToString(deterministic=True) == rest.SerializeToString(deterministic=True), trial
             damaged_agreed += trial % 2
     assert split_some > 1000 and damaged_agreed > 50
+
+
+def test_a_message_of_many_tiny_fields_is_left_to_the_parser_after_a_bounded_scan(monkeypatch):
+    """Hostile input: a large message of millions of two-byte fields is not walked in Python to
+    its end; the scan stops at MAX_SCANNED_FIELDS and the parser (C) takes it whole."""
+    from xlaserve import wire
+    reads = []
+    monkeypatch.setattr(wire, "read_varint", lambda data, pos: reads.append(pos) or read_varint(data, pos))
+    raw = pb.ModelInferRequest(raw_input_contents=[b"x" * 100]).SerializeToString()
+    flood = b"\xa0\x06\x00" * 2_000_000                       # field 100 = 0, two million times
+    assert split_field(raw + flood, RAW_INPUT_CONTENTS) is None
+    assert 0 < len(reads) <= 2 * (wire.MAX_SCANNED_FIELDS + 1)    # a tag and a value a field, then it stopped
+    fields = b"\xa0\x06\x00" * (wire.MAX_SCANNED_FIELDS - 1)
+    assert split_field(raw + fields, RAW_INPUT_CONTENTS) is not None      # at the bound: split
+    assert split_field(raw + fields + b"\xa0\x06\x00", RAW_INPUT_CONTENTS) is None
+    message, views = ModelInferWire(memoryview(raw + flood)).parse()      # parsed whole instead
+    assert views is None and list(message.raw_input_contents) == [b"x" * 100]

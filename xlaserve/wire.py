@@ -27,13 +27,21 @@ def read_varint(data, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def split_field(data, field: int) -> tuple[bytes, list[memoryview]] | None:
+MAX_SCANNED_FIELDS = 256
+""":func:`split_field` looks at no more top-level fields than this (a ModelInferRequest has a
+handful: its names, one per input, output, raw tensor and parameter). A hostile message made of
+millions of tiny fields would otherwise cost seconds of Python; past the bound the caller
+parses the message whole, in C, as it would without the split."""
+
+
+def split_field(data, field: int, max_fields: int = MAX_SCANNED_FIELDS) -> tuple[bytes, list[memoryview]] | None:
     """``data`` (a serialized message) without its top-level length-delimited ``field``, as
     bytes, and that field's values, in order, as read-only views into ``data``; None when the
-    message has no such field or is not well-formed wire format (a truncated field, a group, a
-    wire type that does not exist, the field with another wire type): the caller then parses
-    ``data`` whole, and the parser reports what is wrong. Parsing the first result gives the
-    message with the field empty; nothing of ``data`` is copied but the other fields."""
+    message has no such field, has more than ``max_fields`` top-level fields, or is not
+    well-formed wire format (a truncated field, a group, a wire type that does not exist, the
+    field with another wire type): the caller then parses ``data`` whole, and the parser
+    reports what is wrong. Parsing the first result gives the message with the field empty;
+    nothing of ``data`` is copied but the other fields."""
     view = memoryview(data)
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -43,6 +51,9 @@ def split_field(data, field: int) -> tuple[bytes, list[memoryview]] | None:
     kept_from = pos = 0
     try:
         while pos < end:
+            max_fields -= 1
+            if max_fields < 0:
+                return None
             start = pos
             tag, pos = read_varint(view, pos)
             wire = tag & 7

@@ -43,7 +43,7 @@ from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
 from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
-from xlaserve.wire import read_varint
+from xlaserve.wire import MAX_SCANNED_FIELDS, read_varint
 
 log = logging.getLogger("xlaserve.gateway")
 
@@ -65,7 +65,18 @@ def model_name_of(data: bytes) -> str:
         # the usual encoding: field 1 first, a name shorter than 128 bytes
         return bytes(data[2:2 + data[1]]).decode("utf-8")
     pos, end = 0, len(data)
+    fields = 0
     while pos < end:
+        fields += 1
+        if fields > MAX_SCANNED_FIELDS:
+            # a hostile flood of tiny fields: parsed in C rather than walked in Python
+            try:
+                name = pb.ModelInferRequest.FromString(data).model_name
+            except Exception as exc:
+                raise ValueError(str(exc)) from None
+            if not name:
+                raise ValueError("it has no model_name")
+            return name
         tag, pos = read_varint(data, pos)
         field, wire = tag >> 3, tag & 7
         if wire == 0:
