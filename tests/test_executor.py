@@ -108,3 +108,18 @@ def test_an_inline_execution_waits_for_the_device_limiter():
         assert limiter.borrowed_tokens == 0
     trio.run(main, clock=MockClock(autojump_threshold=0))
     assert order == ["copy starts", "copy ends", "executed"]
+
+
+def test_versions_sharing_an_executable_share_its_measurement():
+    """A catalog's fine-tuned variants share one executable (ExecutableTable): once one of them
+    has run at a size, the others' first executions there are measured already and run inline;
+    a model with its own executable is measured on its own."""
+    shared = object()
+    variants = [SimpleNamespace(modules={1: SimpleNamespace(executable=shared)}) for _ in range(3)]
+    other = SimpleNamespace(modules={1: SimpleNamespace(executable=object())})
+    device = FakeDevice("cpu", 0.0001)
+
+    async def main():
+        ex = Executor(device, trio.CapacityLimiter(1))
+        return [(await ex.run(m, 1, (), [{"x": 0}], [1])).inline for m in (*variants, other, other)]
+    assert trio.run(main) == [False, True, True, False, True]

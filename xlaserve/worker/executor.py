@@ -108,7 +108,7 @@ class Executor:
         self.device = device
         self._limiter = limiter
         self._inline_below = INLINE_BELOW_SECONDS.get(device.backend, INLINE_BELOW_SECONDS["cuda"])
-        self._last: dict[tuple[int, int], float] = {}   # (id of the executable's model version, size) -> s
+        self._last: dict[tuple[int, int], float] = {}   # (id of the executable, size) -> s
 
     async def run(self, model: ModelVersion, size: int, weights: tuple[object, ...],
                   requests: Sequence[Mapping[str, np.ndarray]], rows: Sequence[int],
@@ -117,7 +117,10 @@ class Executor:
         only executions under :data:`INLINE_WITH_BACKLOG_BELOW_SECONDS` run on the Trio thread,
         so that the frontend goes on receiving and decoding the next ones while a longer one
         runs."""
-        key = (id(model), size)
+        # keyed by the executable, not the model version: the bundles of one architecture share
+        # it (ExecutableTable), so a catalog of a thousand fine-tuned variants is measured once
+        # per architecture and size, and the table stays far below its bound
+        key = (id(model.modules[size].executable), size)
         last = self._last.get(key)
         below = min(self._inline_below, INLINE_WITH_BACKLOG_BELOW_SECONDS) if backlog else self._inline_below
         if last is not None and last < below:
