@@ -50,9 +50,10 @@ class _Tally:
     def set(self, key: tuple, value: float) -> None:
         self.values[key] = value
 
-    def family(self):
+    def family(self, samples: bool = True):
+        """The family; without ``samples`` only its name and type (what ``describe()`` gives)."""
         out = self._family(self.name, self.doc, labels=list(self.labels))
-        for key, value in list(self.values.items()):
+        for key, value in list(self.values.items()) if samples else ():
             out.add_metric(list(key), value)
         return out
 
@@ -84,14 +85,27 @@ class _Buckets:
         row[1 + bisect.bisect_left(self.bounds, value)] += 1
         row[0] += value
 
+    def observe_each(self, key: tuple, values, divisor: float = 1.0) -> None:
+        """:meth:`observe` of each of ``values`` over ``divisor``, the row looked up once (a
+        batch's queue waits, in nanoseconds)."""
+        row = self.rows.get(key) or self.row(key)
+        bounds, at = self.bounds, bisect.bisect_left
+        total = 0.0
+        for value in values:
+            value /= divisor
+            row[1 + at(bounds, value)] += 1
+            total += value
+        row[0] += total
+
     def counts(self, key: tuple) -> tuple[int, ...] | None:
         """The count per bound and above for ``key`` (not cumulative), or None if never observed."""
         row = self.rows.get(key)
         return tuple(row[1:]) if row is not None else None
 
-    def family(self):
+    def family(self, samples: bool = True):
+        """The family; without ``samples`` only its name and type (what ``describe()`` gives)."""
         out = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
-        for key, row in list(self.rows.items()):
+        for key, row in list(self.rows.items()) if samples else ():
             out.add_metric(list(key), self._cumulative(row[1:]), row[0])
         return out
 
@@ -167,7 +181,7 @@ class Metrics:
                 self._batch_size, self._queue_seconds, self._compute_seconds)
 
     def describe(self):
-        return [_empty(kept) for kept in self._kept()]
+        return [kept.family(samples=False) for kept in self._kept()]
 
     def collect(self):
         return [kept.family() for kept in self._kept()]
@@ -202,14 +216,7 @@ class Metrics:
         self.observe_execution(model, size, rows)
         self._batch_size.observe(key, size)
         self._compute_seconds.observe(key, compute_ns / 1e9)
-        queue = self._queue_seconds.row(key)
-        bounds, at = LATENCY_BUCKETS, bisect.bisect_left
-        total = 0
-        for ns in queue_ns:
-            seconds = ns / 1e9
-            queue[1 + at(bounds, seconds)] += 1
-            total += seconds
-        queue[0] += total
+        self._queue_seconds.observe_each(key, queue_ns, 1e9)
 
     def observe_rejection(self, model: str, reason: str) -> None:
         self.rejections.labels(model, reason).inc()
@@ -225,13 +232,6 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _empty(kept: _Tally | _Buckets):
-    """``kept``'s family with no samples (what the registry's describe() needs: names, types)."""
-    if isinstance(kept, _Buckets):
-        return HistogramMetricFamily(kept.name, kept.doc, labels=list(kept.labels))
-    return kept._family(kept.name, kept.doc, labels=list(kept.labels))
 
 
 _LOAD_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -295,19 +295,18 @@ class WeightCacheMetrics:
 
     # ---- the registry's side ----------------------------------------------------------------
     def describe(self):
-        return self._families(described=True)
+        return self._families(samples=False)
 
     def collect(self):
         return self._families()
 
-    def _families(self, described: bool = False):
+    def _families(self, samples: bool = True):
         families = []
         for stem, _ in _WEIGHT_COUNTERS:
             counts = self._counts[stem]
-            families += [_empty(counts) if described else counts.family(),
-                         counts.total(f"xlaserve_weight_cache_{stem}")]
+            families += [counts.family(samples), counts.total(f"xlaserve_weight_cache_{stem}")]
         load = self._load_seconds
-        families.append(_empty(load) if described else load.family())
+        families.append(load.family(samples))
         families.append(load.total("xlaserve_weight_cache_load_seconds",
                                    "Time of one host-to-device weight copy, all models"))
         families.append(self._miss_seconds.total(self._miss_seconds.name))
