@@ -98,6 +98,12 @@ class _Entry:
     fresh: bool = False     # made resident and not used yet: its first use was counted at the load
 
 
+def _may_evict(entry: _Entry | None) -> bool:
+    """Whether a model with this entry may be evicted now (whatever the caller protects):
+    resident, not being copied, not pinned to the device."""
+    return entry is not None and entry.resident and not entry.loading and entry.floor is not Floor.DEVICE
+
+
 class ResidencyBook:
     """Which models are resident against a byte budget, and which to evict to make room.
 
@@ -189,9 +195,7 @@ class ResidencyBook:
         not pinned to the device, not loading, not in ``protect``."""
         protected = set(protect)
         for key in self.policy.victims():
-            entry = self._entries.get(key)
-            if (entry is not None and entry.resident and key not in protected
-                    and entry.floor is not Floor.DEVICE and not entry.loading):
+            if key not in protected and _may_evict(self._entries.get(key)):
                 yield key
 
     def used_bytes(self) -> int:
@@ -224,13 +228,13 @@ class ResidencyBook:
             return Plan(refused=f"needs {fmt_bytes(need)} more than is free")
         # _in_eviction_order inlined: a miss plans once, and on a small model the generators'
         # layers cost as much as the plan
-        entries, device = self._entries, Floor.DEVICE
+        entries = self._entries
         protected = {*protect, key}
         victims: list[Hashable] = []
         spared: list[Hashable] = []
         for other in self.policy.victims():
             e = entries.get(other)
-            if e is None or not e.resident or e.loading or e.floor is device or other in protected:
+            if other in protected or not _may_evict(e):
                 continue
             if other in spare:
                 spared.append(other)
