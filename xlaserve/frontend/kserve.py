@@ -102,6 +102,7 @@ def finish_trace(trace: RequestTrace, outcome, model: ModelVersion | None) -> No
 
 
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+RAW_INPUT_CONTENTS = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 SPLIT_RAW_ABOVE = 64 << 10
 """A ModelInferRequest of more bytes than this keeps its ``raw_input_contents`` as views into
 the received message (:func:`xlaserve.wire.split_field`): the scan costs a few microseconds,
@@ -148,9 +149,6 @@ class ModelInferWire:
             return pb.ModelInferRequest.FromString(data), None
         except Exception as exc:
             raise InvalidArgument(f"the request is not a valid inference.ModelInferRequest message: {exc}") from None
-
-
-RAW_INPUT_CONTENTS = pb.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
 
 
 class KServeService(GRPCInferenceServiceBase):
