@@ -43,7 +43,7 @@ from xlaserve.frontend.grpc_server import FramedReply
 from xlaserve.gateway.router import Router
 from xlaserve.tracing import CLIENT, MAX_ATTRIBUTE, MAX_ERROR, TRACEPARENT, RequestTrace, Tracing
 from xlaserve.gateway.upstream import Reply, Upstream, UpstreamError, status_named
-from xlaserve.wire import MAX_SCANNED_FIELDS, read_varint
+from xlaserve.wire import LENGTH_DELIMITED, TooManyFields, fields
 
 log = logging.getLogger("xlaserve.gateway")
 
@@ -64,38 +64,19 @@ def model_name_of(data: bytes) -> str:
     if len(data) > 2 and data[0] == 0x0A and data[1] < 0x80 and data[1] + 2 <= len(data):
         # the usual encoding: field 1 first, a name shorter than 128 bytes
         return bytes(data[2:2 + data[1]]).decode("utf-8")
-    pos, end = 0, len(data)
-    fields = 0
-    while pos < end:
-        fields += 1
-        if fields > MAX_SCANNED_FIELDS:
-            # a hostile flood of tiny fields: parsed in C rather than walked in Python
-            try:
-                name = pb.ModelInferRequest.FromString(data).model_name
-            except Exception as exc:
-                raise ValueError(str(exc)) from None
-            if not name:
-                raise ValueError("it has no model_name")
-            return name
-        tag, pos = read_varint(data, pos)
-        field, wire = tag >> 3, tag & 7
-        if wire == 0:
-            _, pos = read_varint(data, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 2:
-            length, pos = read_varint(data, pos)
-            if field == 1:
-                if pos + length > end:
-                    raise ValueError("a field runs past the end of the message")
-                return bytes(data[pos:pos + length]).decode("utf-8")
-            pos += length
-        elif wire == 5:
-            pos += 4
-        else:
-            raise ValueError(f"wire type {wire} at byte {pos}")
-    if pos > end:
-        raise ValueError("a field runs past the end of the message")
+    try:
+        for number, wire, _, value, end in fields(data):
+            if number == 1 and wire == LENGTH_DELIMITED:
+                return bytes(data[value:end]).decode("utf-8")
+    except TooManyFields:
+        # a hostile flood of tiny fields: parsed in C rather than walked in Python
+        try:
+            name = pb.ModelInferRequest.FromString(data).model_name
+        except Exception as exc:
+            raise ValueError(str(exc)) from None
+        if not name:
+            raise ValueError("it has no model_name")
+        return name
     raise ValueError("it has no model_name")
 
 
