@@ -37,7 +37,7 @@ from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.progress import Step
-from xlaserve.runtime.pool import packed_offsets
+from xlaserve.runtime.pool import aligned_bytes, packed_offsets
 from xlaserve.runtime.signature import ModuleError, Signature, TensorType
 
 if TYPE_CHECKING:   # the types of load_bundle's device side, which imports jax when it runs
@@ -128,9 +128,7 @@ class HostWeights:
             return ()
         offsets = packed_offsets([t.nbytes for t in self.tensors])
         size = offsets[-1] + self.tensors[-1].nbytes
-        raw = np.empty(size + 4096, np.uint8)
-        skew = (-raw.ctypes.data) % 4096
-        buffer = raw[skew:skew + size]
+        buffer = aligned_bytes(size, 4096)
         with open(self.file, "rb") as f:
             self._check_size(os.fstat(f.fileno()).st_size)
             fd, view = f.fileno(), memoryview(buffer)
