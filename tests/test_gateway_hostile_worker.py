@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import struct
 import tracemalloc
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -678,6 +678,19 @@ async def _answer(conn: WorkerConn, req: Request) -> None:
     await conn.reply(req.sid, _infer_reply("worker1"))
 
 
+@contextmanager
+def worker0_then_worker1(on_infer):
+    """The real gateway (round robin) over two fake workers serving mlp: worker0 answers each
+    ModelInfer with ``on_infer``, worker1 answers it; yields the gateway and a Triton client of it."""
+    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", on_infer),
+                               _fake_worker_serving_mlp("worker1", _answer))
+    try:
+        gateway.wait_ready(models=1)
+        yield gateway, grpcclient.InferenceServerClient(gateway.url)
+    finally:
+        gateway.stop()
+
+
 def _mlp_inputs():
     inputs = [grpcclient.InferInput("input", [1, 512], "FP32")]
     inputs[0].set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
@@ -691,19 +704,13 @@ def test_through_the_gateway_a_worker_going_away_mid_call_has_its_unprocessed_ca
                         + frame(HEADERS, END_HEADERS | END_STREAM, 1, trailers(Status.OK, None)))
         return False
 
-    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", going_away),
-                               _fake_worker_serving_mlp("worker1", _answer))
-    try:
-        gateway.wait_ready(models=1)
-        client = grpcclient.InferenceServerClient(gateway.url)
+    with worker0_then_worker1(going_away) as (gateway, client):
         for _ in range(4):
             result = client.infer("mlp", _mlp_inputs())
             assert result.get_response().id == "worker1"
             assert result.as_numpy("output").tolist() == [[1.0, 2.0]]
         assert trio.from_thread.run_sync(lambda: gateway.gateway.service.errors.get("retried", 0),
                                          trio_token=gateway.token) >= 1
-    finally:
-        gateway.stop()
 
 
 def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_clearly_and_others_are_served():
@@ -718,11 +725,7 @@ def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_cl
         await conn.closed()
         return False
 
-    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", breaking),
-                               _fake_worker_serving_mlp("worker1", _answer))
-    try:
-        gateway.wait_ready(models=1)
-        client = grpcclient.InferenceServerClient(gateway.url)
+    with worker0_then_worker1(breaking) as (_, client):
         errors, answered = [], 0
         for _ in range(6):
             try:
@@ -733,8 +736,6 @@ def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_cl
         assert answered == 5 and len(errors) == 1, (answered, errors)
         assert "UNAVAILABLE" in str(errors[0].status()) and "WINDOW_UPDATE" in errors[0].message(), errors[0]
         assert broke[0].goaway is not None and error_name(broke[0].goaway[1]) == "PROTOCOL_ERROR"
-    finally:
-        gateway.stop()
 
 
 # ---- a worker that falls silent or stops reading ----------------------------------------------------
