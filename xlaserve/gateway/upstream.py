@@ -40,7 +40,6 @@ import itertools
 import logging
 import math
 import socket
-import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -54,7 +53,7 @@ from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX
 from xlaserve.frontend.grpc_server import CALM_FLUSH_SECONDS, WRITE_CHUNK, recv_into, room_to_read
 from xlaserve.frontend.guard import LineLimiter, describe
 from xlaserve.http2.connection import CLOSED, HALF_CLOSED_LOCAL, OPEN, H2Connection, Handler, Stream
-from xlaserve.http2.frames import CANCEL, ERROR_NAMES, REFUSED_STREAM, ConnectionError_, H2Limits
+from xlaserve.http2.frames import CANCEL, ERROR_NAMES, FRAME_HEADER, REFUSED_STREAM, ConnectionError_, H2Limits
 from xlaserve.http2.hpack import encode
 
 log = logging.getLogger("xlaserve.gateway")
@@ -71,7 +70,6 @@ DEFAULT_MAX_REPLY = 256 * 1024 * 1024   # the default of gateway.grpc.max_send_m
 WORKER_LIMITS = H2Limits(idle_timeout_seconds=0.0)
 #: how a limit's message names it: not a node-file key (the gateway's limits for a worker are fixed)
 WORKER_LIMIT_NAMES = "the gateway's fixed limit for a worker; endpoints.{} is a client's"
-_FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, stream id
 _PLAIN_HEAD = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
 
@@ -497,7 +495,7 @@ class Upstream(Handler):
         buffer = bytearray(READ_SIZE)
         view = memoryview(buffer)
         start = end = reads = 0
-        unpack = _FRAME_HEADER.unpack_from
+        unpack = FRAME_HEADER.unpack_from
         receive = h2.receive
         batch = self._batch
         while True:
