@@ -738,6 +738,27 @@ def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_cl
         assert broke[0].goaway is not None and error_name(broke[0].goaway[1]) == "PROTOCOL_ERROR"
 
 
+def test_a_connection_that_used_every_stream_id_finishes_its_calls_and_is_made_again():
+    autojump(_every_stream_id_used)
+
+
+async def _every_stream_id_used() -> None:
+    async with upstream_to(well_behaved) as (upstream, conns):
+        upstream._h2.last_stream = 2**31 - 3        # as after 2**30 calls: the next is the last id
+        last, queued = [], []
+        upstream.start(PATH, b"last id", last.append)
+        upstream.start(PATH, b"queued", queued.append)
+        with trio.fail_after(30):
+            while not (last and queued):
+                await trio.sleep(0.01)
+        assert isinstance(last[0], Reply) and last[0].messages() == [b"echo:last id"], last
+        assert isinstance(queued[0], UpstreamError) and queued[0].unprocessed, queued
+        assert queued[0].status is Status.UNAVAILABLE and "every HTTP/2 stream id" in queued[0].message, queued
+        assert upstream.outstanding == 0
+        await served_again(upstream)
+        assert len(conns) == 2
+
+
 # ---- a worker that falls silent or stops reading ----------------------------------------------------
 def test_a_silent_worker_is_pinged_and_its_connection_closed_when_nothing_answers():
     autojump(_silent_after_handshake)

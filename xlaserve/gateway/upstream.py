@@ -621,6 +621,9 @@ class Upstream(Handler):
     def quiet(self) -> None:
         """Going away and no call left: the connection ends."""
         self._quiet = True
+        if not self.last_error:     # this end went away (no GOAWAY came): what the calls it queued are told
+            self.last_error = ("the connection was idle" if self._h2.idle_expired
+                               else "the connection used every HTTP/2 stream id") + "; connecting again"
         if not self._reading and self._read_scope is not None:
             self._read_scope.cancel()
 

@@ -745,8 +745,8 @@ class H2Connection:
         self._control(frame(RST_STREAM, 0, sid, U32.pack(code)))
 
     def can_open(self) -> bool:
-        """Client mode: whether a stream may be opened now (no GOAWAY, below the peer's
-        MAX_CONCURRENT_STREAMS)."""
+        """Client mode: whether a stream may be opened now (no GOAWAY either way, stream ids
+        left, below the peer's MAX_CONCURRENT_STREAMS)."""
         return not self.going_away and len(self.streams) < self.peer_max_streams
 
     def open_stream(self, stream: Stream, block: bytes, data: bytes = b"", end_stream: bool = True) -> int:
@@ -754,8 +754,12 @@ class H2Connection:
         ``data`` (flow-controlled; what does not fit waits) and END_STREAM if ``end_stream``.
         The stream gets the next odd id (returned). Check :meth:`can_open` first."""
         sid = self.last_stream + 2 if self.last_stream else 1
-        if sid > MAX_WINDOW:
-            raise ConnectionError_(NO_ERROR, "this connection has used every stream id")
+        if sid >= MAX_WINDOW:
+            if sid > MAX_WINDOW:
+                raise ConnectionError_(NO_ERROR, "this connection has used every stream id")
+            # the last id (RFC 9113 5.1.1): no new streams here (can_open), and once this and the
+            # others have ended, quiet(): the driver connects again for the next ones
+            self.going_away = True
         self.last_stream = sid
         self.streams_opened += 1
         stream.id = sid
