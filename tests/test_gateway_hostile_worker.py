@@ -10,6 +10,7 @@ Timed cases run on Trio's autojump clock: a 60 s timeout passes at once, no test
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import tracemalloc
 from contextlib import asynccontextmanager, contextmanager
@@ -757,6 +758,26 @@ async def _every_stream_id_used() -> None:
         assert upstream.outstanding == 0
         await served_again(upstream)
         assert len(conns) == 2
+
+
+def test_a_reply_message_the_caller_cannot_take_fails_that_call_alone():
+    autojump(_on_message_raises)
+
+
+async def _on_message_raises() -> None:
+    async with upstream_to(well_behaved) as (upstream, conns):
+        def unparsable(message: bytes) -> None:
+            raise ValueError(f"cannot parse {message!r}")
+        streamed: list = []
+        upstream.start(PATH, b"status", streamed.append, timeout=math.inf, on_message=unparsable)
+        other = await upstream.request(PATH, b"other")
+        with trio.fail_after(30):
+            while not streamed:
+                await trio.sleep(0.01)
+        assert isinstance(streamed[0], UpstreamError) and streamed[0].status is Status.INTERNAL, streamed
+        assert "cannot parse b'echo:status'" in streamed[0].message, streamed[0].message
+        assert isinstance(other, Reply) and other.messages() == [b"echo:other"], other
+        assert upstream.outstanding == 0 and upstream.up and len(conns) == 1
 
 
 # ---- a worker that falls silent or stops reading ----------------------------------------------------

@@ -634,7 +634,16 @@ class Upstream(Handler):
             _, length = MESSAGE_PREFIX.unpack_from(body, pos)
             if len(body) - pos < 5 + length:
                 break
-            call.on_message(bytes(body[pos + 5:pos + 5 + length]))
+            try:
+                call.on_message(bytes(body[pos + 5:pos + 5 + length]))
+            except Exception as exc:
+                # (a worker's message the caller cannot take, or a bug above): this call fails
+                # and its stream is reset; the connection and its other calls go on
+                self._faults.line(logging.ERROR, "gateway: a reply message of worker %s at %s could not be handled "
+                                  "(%s)", self.name, self._authority, describe(exc), exc=exc)
+                self._give_up(call, UpstreamError(Status.INTERNAL, f"the gateway could not handle a reply message "
+                                                                   f"of worker {self.name}: {describe(exc)}"))
+                return
             pos += 5 + length
         if pos:
             del body[:pos]
