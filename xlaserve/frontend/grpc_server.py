@@ -857,6 +857,7 @@ class Connection(Handler):
         length prefix already (a :class:`FramedReply`), sent as it is."""
         n = len(data) + 5
         h2 = self.h2
+        # (room for the one DATA frame, as H2Connection.send_raw needs it; else the general path)
         if (call.headers_sent or call.pending or n > call.send_window or n > h2.send_window
                 or n > h2.peer_max_frame or len(data) > self.server.max_send_bytes):
             try:

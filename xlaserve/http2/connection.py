@@ -47,14 +47,15 @@ sending methods (``end_stream`` is truthy when the frame carried END_STREAM):
 - ``ping_acked(payload)``; ``quiet()``: going away and no stream is left (the driver may close);
   ``output_ready()`` (above).
 
-Sending: server mode ``send_headers`` / ``send_data`` / ``send_end`` (trailers), and ``fits`` +
-``send_raw`` for a whole answer framed by the caller; client mode ``open_stream(stream, block,
-data)`` (the next odd id; ``can_open()`` says whether the peer's stream limit and a GOAWAY allow
-one). DATA honours the peer's stream and connection windows and its MAX_FRAME_SIZE: what does
-not fit now waits in ``stream.pending`` (``waiting_bytes`` over all streams) and goes out as
-WINDOW_UPDATE or SETTINGS open the windows, then ``stream_drained``. Ending this side of a stream
-whose peer has not ended its own closes it in server mode with RST_STREAM NO_ERROR (the request
-need not be sent on: RFC 9113 8.1); in client mode the stream waits half-closed for the response.
+Sending: server mode ``send_headers`` / ``send_data`` / ``send_end`` (trailers), and ``send_raw``
+for a whole answer framed by the caller (when its one DATA frame has room); client mode
+``open_stream(stream, block, data)`` (the next odd id; ``can_open()`` says whether the peer's
+stream limit and a GOAWAY allow one). DATA honours the peer's stream and connection windows and
+its MAX_FRAME_SIZE: what does not fit now waits in ``stream.pending`` (``waiting_bytes`` over all
+streams) and goes out as WINDOW_UPDATE or SETTINGS open the windows, then ``stream_drained``.
+Ending this side of a stream whose peer has not ended its own closes it in server mode with
+RST_STREAM NO_ERROR (the request need not be sent on: RFC 9113 8.1); in client mode the stream
+waits half-closed for the response.
 
 Clock: ``clock`` (injected; the Trio driver passes ``trio.current_time``) times the glitch bucket
 and the read that ``note_read()`` records. ``tick(now)`` runs the handshake, keep-alive, idle and
@@ -832,14 +833,11 @@ class H2Connection:
             self.write(self._header_frames(stream.id, block, END_STREAM))
             self._ended(stream)
 
-    def fits(self, stream: Stream, n: int) -> bool:
-        """Whether ``n`` bytes of DATA may go out on ``stream`` now, as one frame."""
-        return not stream.pending and n <= stream.send_window and n <= self.send_window and n <= self.peer_max_frame
-
     def send_raw(self, stream: Stream, frames: bytes, flow: int, end_stream: bool) -> None:
         """Write ``frames`` the caller built for ``stream`` (say HEADERS, one DATA frame and the
-        trailers), of which ``flow`` bytes are DATA that :meth:`fits` allowed; ``end_stream``:
-        they end this side."""
+        trailers), of which ``flow`` bytes are DATA, one frame the caller found room for (nothing
+        in ``stream.pending``, ``flow`` within ``stream.send_window``, ``send_window`` and
+        ``peer_max_frame``); ``end_stream``: they end this side."""
         stream.send_window -= flow
         self.send_window -= flow
         if not self.stopped:            # (write, inlined: the server's reply to every unary call)
