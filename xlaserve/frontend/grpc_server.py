@@ -121,8 +121,6 @@ async def recv_into(raw: socket.socket, view: memoryview, turn: bool = True) -> 
     return await read_when_ready(raw, lambda: raw.recv_into(view), turn)
 
 
-_FRAME_HEADER = FRAME_HEADER
-_U32 = U32
 # gRPC's framing and fixed header blocks (grpc_protocol), under the names the hot path uses
 _MESSAGE_PREFIX = MESSAGE_PREFIX
 _RESPONSE_HEADERS = RESPONSE_HEADERS
@@ -869,7 +867,7 @@ class Connection(Handler):
             return
         call.headers_sent = call.finished = True
         sid = call.id
-        pack = _FRAME_HEADER.pack
+        pack = FRAME_HEADER.pack
         h2.send_raw(call, b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
                                     pack(n << 8 | DATA, 0, sid),
                                     *((_MESSAGE_PREFIX.pack(0, len(data)), data) if framed is None else (framed,)),
@@ -1179,7 +1177,7 @@ class GrpcServer:
         with trio.move_on_after(FLUSH_SECONDS):
             try:
                 await stream.send_all(frame(SETTINGS, 0, 0) + frame(
-                    GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(ENHANCE_YOUR_CALM) + message.encode()))
+                    GOAWAY, 0, 0, U32.pack(0) + U32.pack(ENHANCE_YOUR_CALM) + message.encode()))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         with trio.CancelScope(shield=True):
