@@ -427,14 +427,6 @@ class Upstream(Handler):
             else:
                 self.flush()
 
-    def _kick(self) -> None:
-        """Send what is queued: when the server's write batch ends if one is open, else now."""
-        server = self._server
-        if server is not None and server.holding:
-            server.hold(self)
-        else:
-            self.flush()
-
     def flush(self) -> None:
         """One non-blocking send of what is queued; the writer task sends what the socket does
         not take (and everything while it is mid-send)."""
@@ -512,8 +504,9 @@ class Upstream(Handler):
                 try:
                     with batch():
                         start = receive(buffer, view, start, end)
+                        self._reading = False       # what the frames queued goes now (or as the batch ends)
                         if h2.out:
-                            self._kick()
+                            self.output_ready()
                 finally:
                     self._reading = False
                 if self._quiet:
