@@ -10,9 +10,10 @@ Timed cases run on Trio's autojump clock: a 60 s timeout passes at once, no test
 from __future__ import annotations
 
 import functools
+import math
 import struct
 import tracemalloc
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -678,6 +679,19 @@ async def _answer(conn: WorkerConn, req: Request) -> None:
     await conn.reply(req.sid, _infer_reply("worker1"))
 
 
+@contextmanager
+def worker0_then_worker1(on_infer):
+    """The real gateway (round robin) over two fake workers serving mlp: worker0 answers each
+    ModelInfer with ``on_infer``, worker1 answers it; yields the gateway and a Triton client of it."""
+    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", on_infer),
+                               _fake_worker_serving_mlp("worker1", _answer))
+    try:
+        gateway.wait_ready(models=1)
+        yield gateway, grpcclient.InferenceServerClient(gateway.url)
+    finally:
+        gateway.stop()
+
+
 def _mlp_inputs():
     inputs = [grpcclient.InferInput("input", [1, 512], "FP32")]
     inputs[0].set_data_from_numpy(np.full((1, 512), 0.5, np.float32))
@@ -691,19 +705,13 @@ def test_through_the_gateway_a_worker_going_away_mid_call_has_its_unprocessed_ca
                         + frame(HEADERS, END_HEADERS | END_STREAM, 1, trailers(Status.OK, None)))
         return False
 
-    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", going_away),
-                               _fake_worker_serving_mlp("worker1", _answer))
-    try:
-        gateway.wait_ready(models=1)
-        client = grpcclient.InferenceServerClient(gateway.url)
+    with worker0_then_worker1(going_away) as (gateway, client):
         for _ in range(4):
             result = client.infer("mlp", _mlp_inputs())
             assert result.get_response().id == "worker1"
             assert result.as_numpy("output").tolist() == [[1.0, 2.0]]
         assert trio.from_thread.run_sync(lambda: gateway.gateway.service.errors.get("retried", 0),
                                          trio_token=gateway.token) >= 1
-    finally:
-        gateway.stop()
 
 
 def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_clearly_and_others_are_served():
@@ -718,11 +726,7 @@ def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_cl
         await conn.closed()
         return False
 
-    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", breaking),
-                               _fake_worker_serving_mlp("worker1", _answer))
-    try:
-        gateway.wait_ready(models=1)
-        client = grpcclient.InferenceServerClient(gateway.url)
+    with worker0_then_worker1(breaking) as (_, client):
         errors, answered = [], 0
         for _ in range(6):
             try:
@@ -733,8 +737,47 @@ def test_through_the_gateway_a_worker_breaking_http2_mid_call_fails_that_call_cl
         assert answered == 5 and len(errors) == 1, (answered, errors)
         assert "UNAVAILABLE" in str(errors[0].status()) and "WINDOW_UPDATE" in errors[0].message(), errors[0]
         assert broke[0].goaway is not None and error_name(broke[0].goaway[1]) == "PROTOCOL_ERROR"
-    finally:
-        gateway.stop()
+
+
+def test_a_connection_that_used_every_stream_id_finishes_its_calls_and_is_made_again():
+    autojump(_every_stream_id_used)
+
+
+async def _every_stream_id_used() -> None:
+    async with upstream_to(well_behaved) as (upstream, conns):
+        upstream._h2.last_stream = 2**31 - 3        # as after 2**30 calls: the next is the last id
+        last, queued = [], []
+        upstream.start(PATH, b"last id", last.append)
+        upstream.start(PATH, b"queued", queued.append)
+        with trio.fail_after(30):
+            while not (last and queued):
+                await trio.sleep(0.01)
+        assert isinstance(last[0], Reply) and last[0].messages() == [b"echo:last id"], last
+        assert isinstance(queued[0], UpstreamError) and queued[0].unprocessed, queued
+        assert queued[0].status is Status.UNAVAILABLE and "every HTTP/2 stream id" in queued[0].message, queued
+        assert upstream.outstanding == 0
+        await served_again(upstream)
+        assert len(conns) == 2
+
+
+def test_a_reply_message_the_caller_cannot_take_fails_that_call_alone():
+    autojump(_on_message_raises)
+
+
+async def _on_message_raises() -> None:
+    async with upstream_to(well_behaved) as (upstream, conns):
+        def unparsable(message: bytes) -> None:
+            raise ValueError(f"cannot parse {message!r}")
+        streamed: list = []
+        upstream.start(PATH, b"status", streamed.append, timeout=math.inf, on_message=unparsable)
+        other = await upstream.request(PATH, b"other")
+        with trio.fail_after(30):
+            while not streamed:
+                await trio.sleep(0.01)
+        assert isinstance(streamed[0], UpstreamError) and streamed[0].status is Status.INTERNAL, streamed
+        assert "cannot parse b'echo:status'" in streamed[0].message, streamed[0].message
+        assert isinstance(other, Reply) and other.messages() == [b"echo:other"], other
+        assert upstream.outstanding == 0 and upstream.up and len(conns) == 1
 
 
 # ---- a worker that falls silent or stops reading ----------------------------------------------------

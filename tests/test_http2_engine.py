@@ -14,7 +14,7 @@ from xlaserve.http2.connection import (
 from xlaserve.http2.frames import (
     ACK, CANCEL, CONTINUATION, DATA, ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE,
-    MAX_HEADER_LIST_SIZE, NO_ERROR, PADDED, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
+    MAX_HEADER_LIST_SIZE, MAX_WINDOW, NO_ERROR, PADDED, PING, PREFACE, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
     RST_STREAM, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE, COMPRESSION_ERROR, ConnectionError_, H2Limits, frame,
     settings_frame,
 )
@@ -786,6 +786,18 @@ def test_client_can_open_follows_the_servers_stream_limit():
     assert h2.can_open()
     h2.open_stream(Stream(), REQUEST, b"x")
     assert not h2.can_open()
+
+
+def test_client_the_last_stream_id_goes_away_and_is_quiet_when_its_streams_end():
+    h2, handler, _ = client()
+    h2.last_stream = MAX_WINDOW - 2         # as after 2**30 streams
+    assert h2.open_stream(Stream(), REQUEST, b"x") == MAX_WINDOW
+    assert h2.going_away and not h2.can_open()
+    h2.feed(frame(HEADERS, END_HEADERS, MAX_WINDOW, RESPONSE) + frame(HEADERS, END_HEADERS | END_STREAM, MAX_WINDOW,
+                                                                      TRAILERS))
+    assert handler.calls[-2:] == [("closed", MAX_WINDOW), ("quiet",)]
+    with pytest.raises(ConnectionError_, match="every stream id"):
+        h2.open_stream(Stream(), REQUEST, b"x")
 
 
 def test_client_reset_by_the_server_and_by_itself():

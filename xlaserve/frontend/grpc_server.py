@@ -121,8 +121,6 @@ async def recv_into(raw: socket.socket, view: memoryview, turn: bool = True) -> 
     return await read_when_ready(raw, lambda: raw.recv_into(view), turn)
 
 
-_FRAME_HEADER = FRAME_HEADER
-_U32 = U32
 # gRPC's framing and fixed header blocks (grpc_protocol), under the names the hot path uses
 _MESSAGE_PREFIX = MESSAGE_PREFIX
 _RESPONSE_HEADERS = RESPONSE_HEADERS
@@ -857,6 +855,7 @@ class Connection(Handler):
         length prefix already (a :class:`FramedReply`), sent as it is."""
         n = len(data) + 5
         h2 = self.h2
+        # (room for the one DATA frame, as H2Connection.send_raw needs it; else the general path)
         if (call.headers_sent or call.pending or n > call.send_window or n > h2.send_window
                 or n > h2.peer_max_frame or len(data) > self.server.max_send_bytes):
             try:
@@ -868,7 +867,7 @@ class Connection(Handler):
             return
         call.headers_sent = call.finished = True
         sid = call.id
-        pack = _FRAME_HEADER.pack
+        pack = FRAME_HEADER.pack
         h2.send_raw(call, b"".join((pack(len(_RESPONSE_HEADERS) << 8 | HEADERS, END_HEADERS, sid), _RESPONSE_HEADERS,
                                     pack(n << 8 | DATA, 0, sid),
                                     *((_MESSAGE_PREFIX.pack(0, len(data)), data) if framed is None else (framed,)),
@@ -1178,7 +1177,7 @@ class GrpcServer:
         with trio.move_on_after(FLUSH_SECONDS):
             try:
                 await stream.send_all(frame(SETTINGS, 0, 0) + frame(
-                    GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(ENHANCE_YOUR_CALM) + message.encode()))
+                    GOAWAY, 0, 0, U32.pack(0) + U32.pack(ENHANCE_YOUR_CALM) + message.encode()))
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         with trio.CancelScope(shield=True):

@@ -40,7 +40,6 @@ import itertools
 import logging
 import math
 import socket
-import struct
 from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
@@ -54,7 +53,7 @@ from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX
 from xlaserve.frontend.grpc_server import CALM_FLUSH_SECONDS, WRITE_CHUNK, recv_into, room_to_read
 from xlaserve.frontend.guard import LineLimiter, describe
 from xlaserve.http2.connection import CLOSED, HALF_CLOSED_LOCAL, OPEN, H2Connection, Handler, Stream
-from xlaserve.http2.frames import CANCEL, ERROR_NAMES, REFUSED_STREAM, ConnectionError_, H2Limits
+from xlaserve.http2.frames import CANCEL, ERROR_NAMES, FRAME_HEADER, REFUSED_STREAM, ConnectionError_, H2Limits
 from xlaserve.http2.hpack import encode
 
 log = logging.getLogger("xlaserve.gateway")
@@ -71,7 +70,6 @@ DEFAULT_MAX_REPLY = 256 * 1024 * 1024   # the default of gateway.grpc.max_send_m
 WORKER_LIMITS = H2Limits(idle_timeout_seconds=0.0)
 #: how a limit's message names it: not a node-file key (the gateway's limits for a worker are fixed)
 WORKER_LIMIT_NAMES = "the gateway's fixed limit for a worker; endpoints.{} is a client's"
-_FRAME_HEADER = struct.Struct(">IBI")       # length (24 bits) and type, flags, stream id
 _PLAIN_HEAD = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
 
@@ -429,14 +427,6 @@ class Upstream(Handler):
             else:
                 self.flush()
 
-    def _kick(self) -> None:
-        """Send what is queued: when the server's write batch ends if one is open, else now."""
-        server = self._server
-        if server is not None and server.holding:
-            server.hold(self)
-        else:
-            self.flush()
-
     def flush(self) -> None:
         """One non-blocking send of what is queued; the writer task sends what the socket does
         not take (and everything while it is mid-send)."""
@@ -497,7 +487,7 @@ class Upstream(Handler):
         buffer = bytearray(READ_SIZE)
         view = memoryview(buffer)
         start = end = reads = 0
-        unpack = _FRAME_HEADER.unpack_from
+        unpack = FRAME_HEADER.unpack_from
         receive = h2.receive
         batch = self._batch
         while True:
@@ -514,8 +504,9 @@ class Upstream(Handler):
                 try:
                     with batch():
                         start = receive(buffer, view, start, end)
+                        self._reading = False       # what the frames queued goes now (or as the batch ends)
                         if h2.out:
-                            self._kick()
+                            self.output_ready()
                 finally:
                     self._reading = False
                 if self._quiet:
@@ -623,6 +614,9 @@ class Upstream(Handler):
     def quiet(self) -> None:
         """Going away and no call left: the connection ends."""
         self._quiet = True
+        if not self.last_error:     # this end went away (no GOAWAY came): what the calls it queued are told
+            self.last_error = ("the connection was idle" if self._h2.idle_expired
+                               else "the connection used every HTTP/2 stream id") + "; connecting again"
         if not self._reading and self._read_scope is not None:
             self._read_scope.cancel()
 
@@ -633,7 +627,16 @@ class Upstream(Handler):
             _, length = MESSAGE_PREFIX.unpack_from(body, pos)
             if len(body) - pos < 5 + length:
                 break
-            call.on_message(bytes(body[pos + 5:pos + 5 + length]))
+            try:
+                call.on_message(bytes(body[pos + 5:pos + 5 + length]))
+            except Exception as exc:
+                # (a worker's message the caller cannot take, or a bug above): this call fails
+                # and its stream is reset; the connection and its other calls go on
+                self._faults.line(logging.ERROR, "gateway: a reply message of worker %s at %s could not be handled "
+                                  "(%s)", self.name, self._authority, describe(exc), exc=exc)
+                self._give_up(call, UpstreamError(Status.INTERNAL, f"the gateway could not handle a reply message "
+                                                                   f"of worker {self.name}: {describe(exc)}"))
+                return
             pos += 5 + length
         if pos:
             del body[:pos]

@@ -47,14 +47,15 @@ sending methods (``end_stream`` is truthy when the frame carried END_STREAM):
 - ``ping_acked(payload)``; ``quiet()``: going away and no stream is left (the driver may close);
   ``output_ready()`` (above).
 
-Sending: server mode ``send_headers`` / ``send_data`` / ``send_end`` (trailers), and ``fits`` +
-``send_raw`` for a whole answer framed by the caller; client mode ``open_stream(stream, block,
-data)`` (the next odd id; ``can_open()`` says whether the peer's stream limit and a GOAWAY allow
-one). DATA honours the peer's stream and connection windows and its MAX_FRAME_SIZE: what does
-not fit now waits in ``stream.pending`` (``waiting_bytes`` over all streams) and goes out as
-WINDOW_UPDATE or SETTINGS open the windows, then ``stream_drained``. Ending this side of a stream
-whose peer has not ended its own closes it in server mode with RST_STREAM NO_ERROR (the request
-need not be sent on: RFC 9113 8.1); in client mode the stream waits half-closed for the response.
+Sending: server mode ``send_headers`` / ``send_data`` / ``send_end`` (trailers), and ``send_raw``
+for a whole answer framed by the caller (when its one DATA frame has room); client mode
+``open_stream(stream, block, data)`` (the next odd id; ``can_open()`` says whether the peer's
+stream limit and a GOAWAY allow one). DATA honours the peer's stream and connection windows and
+its MAX_FRAME_SIZE: what does not fit now waits in ``stream.pending`` (``waiting_bytes`` over all
+streams) and goes out as WINDOW_UPDATE or SETTINGS open the windows, then ``stream_drained``.
+Ending this side of a stream whose peer has not ended its own closes it in server mode with
+RST_STREAM NO_ERROR (the request need not be sent on: RFC 9113 8.1); in client mode the stream
+waits half-closed for the response.
 
 Clock: ``clock`` (injected; the Trio driver passes ``trio.current_time``) times the glitch bucket
 and the read that ``note_read()`` records. ``tick(now)`` runs the handshake, keep-alive, idle and
@@ -745,8 +746,8 @@ class H2Connection:
         self._control(frame(RST_STREAM, 0, sid, U32.pack(code)))
 
     def can_open(self) -> bool:
-        """Client mode: whether a stream may be opened now (no GOAWAY, below the peer's
-        MAX_CONCURRENT_STREAMS)."""
+        """Client mode: whether a stream may be opened now (no GOAWAY either way, stream ids
+        left, below the peer's MAX_CONCURRENT_STREAMS)."""
         return not self.going_away and len(self.streams) < self.peer_max_streams
 
     def open_stream(self, stream: Stream, block: bytes, data: bytes = b"", end_stream: bool = True) -> int:
@@ -754,8 +755,12 @@ class H2Connection:
         ``data`` (flow-controlled; what does not fit waits) and END_STREAM if ``end_stream``.
         The stream gets the next odd id (returned). Check :meth:`can_open` first."""
         sid = self.last_stream + 2 if self.last_stream else 1
-        if sid > MAX_WINDOW:
-            raise ConnectionError_(NO_ERROR, "this connection has used every stream id")
+        if sid >= MAX_WINDOW:
+            if sid > MAX_WINDOW:
+                raise ConnectionError_(NO_ERROR, "this connection has used every stream id")
+            # the last id (RFC 9113 5.1.1): no new streams here (can_open), and once this and the
+            # others have ended, quiet(): the driver connects again for the next ones
+            self.going_away = True
         self.last_stream = sid
         self.streams_opened += 1
         stream.id = sid
@@ -828,14 +833,11 @@ class H2Connection:
             self.write(self._header_frames(stream.id, block, END_STREAM))
             self._ended(stream)
 
-    def fits(self, stream: Stream, n: int) -> bool:
-        """Whether ``n`` bytes of DATA may go out on ``stream`` now, as one frame."""
-        return not stream.pending and n <= stream.send_window and n <= self.send_window and n <= self.peer_max_frame
-
     def send_raw(self, stream: Stream, frames: bytes, flow: int, end_stream: bool) -> None:
         """Write ``frames`` the caller built for ``stream`` (say HEADERS, one DATA frame and the
-        trailers), of which ``flow`` bytes are DATA that :meth:`fits` allowed; ``end_stream``:
-        they end this side."""
+        trailers), of which ``flow`` bytes are DATA, one frame the caller found room for (nothing
+        in ``stream.pending``, ``flow`` within ``stream.send_window``, ``send_window`` and
+        ``peer_max_frame``); ``end_stream``: they end this side."""
         stream.send_window -= flow
         self.send_window -= flow
         if not self.stopped:            # (write, inlined: the server's reply to every unary call)
