@@ -507,3 +507,25 @@ def test_over_tcp_a_peer_that_leaves_or_resets_is_closed_and_its_handler_cancell
         while server.connections:
             await trio.sleep(0.01)
     run_tcp(test)
+
+
+def test_a_reader_fault_that_is_not_the_peers_doing_while_the_handler_runs_is_logged(caplog):
+    CANCELLED.clear()
+    WAITING.clear()
+
+    async def main():
+        server = Http1Server(echo, LIMITS, what="REST")
+        async with trio.open_nursery() as nursery:
+            client, served = trio.testing.memory_stream_pair()
+
+            async def bug() -> None:         # the reader's next receive, once the handler runs
+                if WAITING:
+                    raise RuntimeError("a bug in the reader")
+            served.receive_stream.receive_some_hook = bug
+            nursery.start_soon(server.serve_stream, served)
+            await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert await read_all(client) == b""
+            assert CANCELLED == ["/wait"]
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert "a bug in the reader" in caplog.text
