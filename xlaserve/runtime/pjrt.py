@@ -1152,11 +1152,8 @@ class Device:
         if slot is None:
             return None
         try:
-            if span is not None and slot.span is not None:
-                np.copyto(slot.span[:len(span)], span)
-            else:
-                for src, dst in zip(host, slot.views):
-                    np.copyto(dst, src)
+            for src, dst in zip(*_sources_and_targets(host, slot.views, span, slot.span)):
+                np.copyto(dst, src)
             _forget_values(slot.arrays)
         finally:
             arrays = pool.done(slot)
