@@ -96,6 +96,15 @@ def status_of(reply: bytes) -> int:
     return int(reply.split(b" ", 2)[1])
 
 
+async def pipelined_in_order(client) -> None:
+    """Three requests pipelined in one write, the last closing: all answered, in order."""
+    await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
+                          b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    reply = await read_all(client)
+    assert reply.count(b"HTTP/1.1 200 OK") == 3
+    assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+
+
 async def refused(client, status: int, *notes: bytes) -> None:
     """Reads ``client`` to its end: one reply of ``status`` whose message holds each of ``notes``."""
     reply = await read_all(client)
@@ -108,11 +117,7 @@ def test_keep_alive_serves_requests_in_turn_and_pipelined_ones_in_order():
         for _ in range(2):
             await client.send_all(GET)
             assert (await read_response(client))[0] == 200
-        await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
-                              b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        reply = await read_all(client)
-        assert reply.count(b"HTTP/1.1 200 OK") == 3
-        assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+        await pipelined_in_order(client)
     run(test)
 
 
@@ -453,11 +458,7 @@ def test_over_tcp_keep_alive_and_pipelined_requests_are_answered_in_order():
         for _ in range(3):
             await client.send_all(GET)
             assert (await read_response(client))[0] == 200
-        await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
-                              b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        reply = await read_all(client)
-        assert reply.count(b"HTTP/1.1 200 OK") == 3
-        assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+        await pipelined_in_order(client)
         await client.aclose()
     run_tcp(test)
 
