@@ -134,6 +134,10 @@ class RestApi:
         self._max_send = max_send_bytes
         self._send_key = send_limit_key
         self._rules = access.for_methods(p for p in self._handlers if p.startswith(SERVICE))
+        #: the methods whose request type also takes a parsed message (``accepts_parsed``: the
+        #: worker's ModelInfer), which :meth:`_call` then passes as it is
+        self._take_parsed = frozenset(path for path, handler in self._handlers.items()
+                                      if getattr(handler.request_type, "accepts_parsed", False))
         # how ModelInfer takes a REST request's binary tensors kept as views into its body
         # (:attr:`RestInfer.raw`): the worker's request type wraps them (``parsed``: no copy), else None
         # (the gateway: they are copied into the message)
@@ -178,7 +182,7 @@ class RestApi:
         if rule is not None and (denial := rule.denial(metadata)) is not None:
             raise GRPCError(Status.PERMISSION_DENIED, denial)
         handler = self._handlers[path]
-        if handler.request_type is not type(message) and not getattr(handler.request_type, "accepts_parsed", False):
+        if handler.request_type is not type(message) and path not in self._take_parsed:
             message = handler.request_type(message.SerializeToString())    # the gateway's raw bytes
         fast = self._fast.get(path)
         if fast is not None:
