@@ -700,13 +700,7 @@ async def _receive_raw(raw: socket.socket, wait_first: bool = False) -> bytes:
     ``wait_first`` (the last read emptied it) once it is readable, without trying first. A
     socket error is the peer's doing, raised as Trio's stream raises it (BrokenResourceError)."""
     try:
-        if wait_first:
-            await trio.lowlevel.wait_readable(raw)
-            try:
-                return raw.recv(RECEIVE_BYTES)
-            except BlockingIOError:
-                pass
-        return await read_when_ready(raw, lambda: raw.recv(RECEIVE_BYTES))
+        return await read_when_ready(raw, lambda: raw.recv(RECEIVE_BYTES), wait_first=wait_first)
     except OSError as exc:
         raise trio.BrokenResourceError(f"the read failed: {exc}") from exc
 
