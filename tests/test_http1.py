@@ -96,17 +96,28 @@ def status_of(reply: bytes) -> int:
     return int(reply.split(b" ", 2)[1])
 
 
+async def pipelined_in_order(client) -> None:
+    """Three requests pipelined in one write, the last closing: all answered, in order."""
+    await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
+                          b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    reply = await read_all(client)
+    assert reply.count(b"HTTP/1.1 200 OK") == 3
+    assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+
+
+async def refused(client, status: int, *notes: bytes) -> None:
+    """Reads ``client`` to its end: one reply of ``status`` whose message holds each of ``notes``."""
+    reply = await read_all(client)
+    assert status_of(reply) == status and all(note in reply for note in notes), reply[:300]
+
+
 def test_keep_alive_serves_requests_in_turn_and_pipelined_ones_in_order():
     async def test(server, connect):
         client = connect()
         for _ in range(2):
             await client.send_all(GET)
             assert (await read_response(client))[0] == 200
-        await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
-                              b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        reply = await read_all(client)
-        assert reply.count(b"HTTP/1.1 200 OK") == 3
-        assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+        await pipelined_in_order(client)
     run(test)
 
 
@@ -116,8 +127,7 @@ def test_slow_headers_get_408_at_the_header_timeout_and_others_are_served():
         await slow.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-slow: ")
         await trio.sleep(9)
         await served(connect)
-        reply = await read_all(slow)
-        assert status_of(reply) == 408 and b"header_timeout" in reply
+        await refused(slow, 408, b"header_timeout")
         assert trio.current_time() == 10.0
     run(test)
 
@@ -146,8 +156,7 @@ def test_slow_body_and_a_content_length_that_promises_more_get_408():
         slow = connect()
         await slow.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n0123456789")
         await served(connect)
-        reply = await read_all(slow)
-        assert status_of(reply) == 408 and b"10 bytes came" in reply
+        await refused(slow, 408, b"10 bytes came")
         assert trio.current_time() == 30.0
     run(test)
 
@@ -166,17 +175,15 @@ def test_oversized_head_and_too_many_fields_are_431():
     async def test(server, connect):
         big = connect()
         await big.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 3000 + b"\r\n\r\n")
-        reply = await read_all(big)
-        assert status_of(reply) == 431 and b"2048" in reply
+        await refused(big, 431, b"2048")
         trickle = connect()        # a head that never ends, sent in pieces: h11's own bound
         await trickle.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n")
         for _ in range(5):
             await trickle.send_all(b"x-a: " + b"b" * 600 + b"\r\n")
-        assert status_of(await read_all(trickle)) == 431
+        await refused(trickle, 431)
         many = connect()
         await many.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(25)) + b"\r\n")
-        reply = await read_all(many)
-        assert status_of(reply) == 431 and b"26 header fields" in reply
+        await refused(many, 431, b"26 header fields")
         await served(connect)
     run(test)
 
@@ -185,14 +192,12 @@ def test_a_body_past_the_limit_is_413_before_it_is_read_or_as_a_chunked_one_cros
     async def test(server, connect):
         client = connect()
         await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5000\r\n\r\n")
-        reply = await read_all(client)
-        assert status_of(reply) == 413 and b"endpoints.max_recv_msg_bytes" in reply
+        await refused(client, 413, b"endpoints.max_recv_msg_bytes")
         chunked = connect()
         await chunked.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
         for _ in range(3):
             await chunked.send_all(b"190\r\n" + b"z" * 400 + b"\r\n")
-        reply = await read_all(chunked)
-        assert status_of(reply) == 413
+        await refused(chunked, 413)
         await served(connect)
     run(test)
 
@@ -238,8 +243,7 @@ def test_one_connection_past_max_connections_is_answered_503_and_the_others_go_o
         held = [connect() for _ in range(4)]
         await trio.sleep(1)
         extra = connect()
-        reply = await read_all(extra)
-        assert status_of(reply) == 503 and b"max_connections" in reply
+        await refused(extra, 503, b"max_connections")
         assert trio.current_time() == 1.0
         await held[0].send_all(GET)
         assert (await read_response(held[0]))[0] == 200
@@ -311,11 +315,10 @@ def test_gzip_bodies_inflate_within_the_limit_and_responses_compress_when_accept
         bomb = gzip.compress(b"\0" * 100_000)          # 100 kB of zeros in ~100 bytes
         await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\n"
                               b"content-length: %d\r\n\r\n" % len(bomb) + bomb)
-        reply = await read_all(client)
-        assert status_of(reply) == 413 and b"inflates past 1000 bytes" in reply
+        await refused(client, 413, b"inflates past 1000 bytes")
         bad = connect()
         await bad.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\ncontent-length: 5\r\n\r\nnope!")
-        assert status_of(await read_all(bad)) == 400
+        await refused(bad, 400)
         await served(connect)
     run(test)
 
@@ -339,8 +342,7 @@ def test_a_kept_alive_connections_next_head_has_the_header_timeout_from_its_firs
         await trio.sleep(50)                # quiet, within the idle timeout
         await client.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-slow: ")
         start = trio.current_time()
-        reply = await read_all(client)
-        assert status_of(reply) == 408 and b"header_timeout" in reply
+        await refused(client, 408, b"header_timeout")
         assert trio.current_time() - start == 10.0
     run(test)
 
@@ -350,8 +352,7 @@ def test_a_pipelined_request_whose_body_stalls_gets_408_at_the_body_timeout():
         client = connect()
         await client.send_all(GET + b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n01234")
         assert (await read_response(client))[0] == 200
-        reply = await read_all(client)
-        assert status_of(reply) == 408 and b"5 bytes came" in reply
+        await refused(client, 408, b"5 bytes came")
         assert trio.current_time() == 30.0
     run(test)
 
@@ -387,8 +388,7 @@ def test_bodies_held_by_all_connections_are_bounded_and_given_back_once_answered
         assert server.bodies.used == 900
         greedy = connect()                  # 700 more would make 1600 > 1500: 503, closed
         await greedy.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 700\r\n\r\n" + b"b" * 700)
-        reply = await read_all(greedy)
-        assert status_of(reply) == 503 and b"1500" in reply and b"retry later" in reply
+        await refused(greedy, 503, b"1500", b"retry later")
         assert server.bodies.used == 900
         await slow.send_all(b"a" * 100)     # the first finishes and is answered; its bytes come back
         status, _, body = await read_response(slow)
@@ -458,11 +458,7 @@ def test_over_tcp_keep_alive_and_pipelined_requests_are_answered_in_order():
         for _ in range(3):
             await client.send_all(GET)
             assert (await read_response(client))[0] == 200
-        await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n\r\nabc" + GET +
-                              b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        reply = await read_all(client)
-        assert reply.count(b"HTTP/1.1 200 OK") == 3
-        assert reply.index(b'"path": "/a", "body": 3') < reply.index(b'"/echo"') < reply.index(b'"/last"')
+        await pipelined_in_order(client)
         await client.aclose()
     run_tcp(test)
 
@@ -507,3 +503,25 @@ def test_over_tcp_a_peer_that_leaves_or_resets_is_closed_and_its_handler_cancell
         while server.connections:
             await trio.sleep(0.01)
     run_tcp(test)
+
+
+def test_a_reader_fault_that_is_not_the_peers_doing_while_the_handler_runs_is_logged(caplog):
+    CANCELLED.clear()
+    WAITING.clear()
+
+    async def main():
+        server = Http1Server(echo, LIMITS, what="REST")
+        async with trio.open_nursery() as nursery:
+            client, served = trio.testing.memory_stream_pair()
+
+            async def bug() -> None:         # the reader's next receive, once the handler runs
+                if WAITING:
+                    raise RuntimeError("a bug in the reader")
+            served.receive_stream.receive_some_hook = bug
+            nursery.start_soon(server.serve_stream, served)
+            await client.send_all(b"GET /wait HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert await read_all(client) == b""
+            assert CANCELLED == ["/wait"]
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert "a bug in the reader" in caplog.text

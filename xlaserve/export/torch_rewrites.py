@@ -141,16 +141,11 @@ def avg_pool(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] 
                                      for c0, c1, cd in columns], dim=-1) for r0, r1, rd in rows], dim=-2)
 
 
-def _avg_pool2d(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
-                divisor_override=None):
-    return avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
-
-
 DECOMPOSITIONS = {
     aten.scaled_dot_product_attention.default: attention,
     aten.upsample_nearest2d.vec: _upsample_vec,
     aten.upsample_nearest2d.default: _upsample_default,
-    aten.avg_pool2d.default: _avg_pool2d,
+    aten.avg_pool2d.default: avg_pool,          # aten.avg_pool2d's own arguments and defaults
 }
 
 

@@ -153,8 +153,8 @@ class _Held:
 
 #: what a connection is doing, which says what its one cancel scope's expiry or cancellation
 #: means (:attr:`_Inbox.phase`): waiting for a request's first byte (closed without a word),
-#: reading its head (408), reading its body (408), in the handler (the peer left), or anything
-#: else (no deadline runs then)
+#: reading its head (408), reading its body (408), in the handler or writing its answer (the peer
+#: left while the handler ran), or anything else (no deadline runs then)
 _IDLE, _HEAD, _BODY, _HANDLER, _OTHER = range(5)
 
 
@@ -280,8 +280,11 @@ class _Inbox:
             self._wake()
 
     def unwatch(self) -> None:
+        """The handler is done (or cancelled): the peer leaving no longer cancels ``scope``. The
+        phase stays ``_HANDLER`` (the next request's read moves it), so that a cancellation that
+        came while the handler ran is still read as the peer's doing when it reaches
+        :meth:`Http1Server._serve_requests`."""
         self.handling = False
-        self.phase = _OTHER
 
 
 class Http1Server:
@@ -697,13 +700,7 @@ async def _receive_raw(raw: socket.socket, wait_first: bool = False) -> bytes:
     ``wait_first`` (the last read emptied it) once it is readable, without trying first. A
     socket error is the peer's doing, raised as Trio's stream raises it (BrokenResourceError)."""
     try:
-        if wait_first:
-            await trio.lowlevel.wait_readable(raw)
-            try:
-                return raw.recv(RECEIVE_BYTES)
-            except BlockingIOError:
-                pass
-        return await read_when_ready(raw, lambda: raw.recv(RECEIVE_BYTES))
+        return await read_when_ready(raw, lambda: raw.recv(RECEIVE_BYTES), wait_first=wait_first)
     except OSError as exc:
         raise trio.BrokenResourceError(f"the read failed: {exc}") from exc
 

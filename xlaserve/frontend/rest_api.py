@@ -134,6 +134,16 @@ class RestApi:
         self._max_send = max_send_bytes
         self._send_key = send_limit_key
         self._rules = access.for_methods(p for p in self._handlers if p.startswith(SERVICE))
+        #: the methods whose request type also takes a parsed message (``accepts_parsed``: the
+        #: worker's ModelInfer), which :meth:`_call` then passes as it is
+        self._take_parsed = frozenset(path for path, handler in self._handlers.items()
+                                      if getattr(handler.request_type, "accepts_parsed", False))
+        # how ModelInfer takes a REST request's binary tensors kept as views into its body
+        # (:attr:`RestInfer.raw`): the worker's request type wraps them (``parsed``: no copy), else None
+        # (the gateway: they are copied into the message)
+        infer = self._handlers.get(SERVICE + "ModelInfer")
+        infer_type = infer.request_type if infer is not None else None
+        self._infer_parsed = infer_type.parsed if getattr(infer_type, "accepts_parsed", False) else None
 
     async def __call__(self, request: HttpRequest) -> HttpResponse:
         path = request.path
@@ -172,7 +182,7 @@ class RestApi:
         if rule is not None and (denial := rule.denial(metadata)) is not None:
             raise GRPCError(Status.PERMISSION_DENIED, denial)
         handler = self._handlers[path]
-        if handler.request_type is not type(message) and not getattr(handler.request_type, "accepts_parsed", False):
+        if handler.request_type is not type(message) and path not in self._take_parsed:
             message = handler.request_type(message.SerializeToString())    # the gateway's raw bytes
         fast = self._fast.get(path)
         if fast is not None:
@@ -294,9 +304,8 @@ class RestApi:
         wanted = infer_request(request.body, header_length, model, version)
         message = wanted.request
         if wanted.raw is not None:
-            request_type = self._handlers[SERVICE + "ModelInfer"].request_type
-            if getattr(request_type, "accepts_parsed", False):
-                message = request_type.parsed(message, wanted.raw)     # the worker: views, no copy
+            if self._infer_parsed is not None:
+                message = self._infer_parsed(message, wanted.raw)     # the worker: views, no copy
             else:
                 message.raw_input_contents.extend(bytes(v) for v in wanted.raw)    # the gateway forwards bytes
         reply = await self._call("ModelInfer", message, request, pb.ModelInferResponse)

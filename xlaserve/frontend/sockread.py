@@ -16,21 +16,24 @@ import trio
 T = TypeVar("T")
 
 
-async def read_when_ready(raw: socket.socket, read: Callable[[], T], turn: bool = True) -> T:
+async def read_when_ready(raw: socket.socket, read: Callable[[], T], turn: bool = True,
+                          wait_first: bool = False) -> T:
     """``read()`` (a non-blocking read of ``raw``) now if the socket has data, else once it is
     readable. A read that did not wait then yields a turn of the run loop, as Trio's socket reads
     do (without ``turn``: it only checks for cancellation; the caller yields now and then). A read
-    that had to wait does not yield a second turn."""
-    try:
-        got = read()
-    except BlockingIOError:
-        pass
-    else:
-        if turn:
-            await trio.lowlevel.checkpoint()
+    that had to wait does not yield a second turn. With ``wait_first`` (the caller's last read
+    most likely emptied the socket) it waits before the first try instead of failing one."""
+    if not wait_first:
+        try:
+            got = read()
+        except BlockingIOError:
+            pass
         else:
-            await trio.lowlevel.checkpoint_if_cancelled()
-        return got
+            if turn:
+                await trio.lowlevel.checkpoint()
+            else:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            return got
     while True:
         await trio.lowlevel.wait_readable(raw)
         try:

@@ -334,10 +334,6 @@ def relayout(module: bytes, permutations: Mapping[int, Sequence[int]]) -> bytes:
         return bytes(jax_mlir_internal.module_to_bytecode(parsed))
 
 
-# Device._put's abstract values by (shape, dtype): a server sees a few shapes per compiled size
-_AVALS: dict = {}
-_AVALS_KEPT = 4096
-
 # A depthwise convolution with at most this many kernel taps (7x7) is rewritten by
 # :func:`rewrite_depthwise_convolutions`; larger kernels are left to XLA.
 DEPTHWISE_MAX_TAPS = 49
@@ -865,7 +861,8 @@ _ArrayImpl = getattr(_jax, "ArrayImpl", None)
 
 @functools.lru_cache(maxsize=4096)
 def _aval(shape: tuple[int, ...], dtype: np.dtype):
-    """The abstract value of a weight (cached: the same few shapes are loaded again and again)."""
+    """The abstract value of a weight or an input (cached: the same few shapes are loaded and
+    put again and again)."""
     return jax_core.ShapedArray(shape, dtype)
 
 
@@ -1155,11 +1152,8 @@ class Device:
         if slot is None:
             return None
         try:
-            if span is not None and slot.span is not None:
-                np.copyto(slot.span[:len(span)], span)
-            else:
-                for src, dst in zip(host, slot.views):
-                    np.copyto(dst, src)
+            for src, dst in zip(*_sources_and_targets(host, slot.views, span, slot.span)):
+                np.copyto(dst, src)
             _forget_values(slot.arrays)
         finally:
             arrays = pool.done(slot)
@@ -1224,14 +1218,10 @@ class Device:
         """``host`` on the device, as ``jax.device_put`` would put it but without its Python
         layers (about 8 µs instead of 80 per array). The dtype is kept exactly (no x64
         canonicalization): the executable was compiled for the manifest's dtypes. The abstract
-        value is made once per shape and dtype (building one costs about as much as the put)."""
-        key = (host.shape, host.dtype)
-        aval = _AVALS.get(key)
-        if aval is None:
-            if len(_AVALS) >= _AVALS_KEPT:
-                _AVALS.clear()
-            aval = _AVALS[key] = jax_core.ShapedArray(host.shape, host.dtype)
-        return _jax.batched_device_put(aval, self._sharding, [host], [self._device], True, enable_x64=True)
+        value is made once per shape and dtype (:func:`_aval`; building one costs about as much
+        as the put)."""
+        return _jax.batched_device_put(_aval(host.shape, host.dtype), self._sharding, [host], [self._device], True,
+                                       enable_x64=True)
 
     def defragment(self) -> bool:
         """Compact device memory where the backend can; False where there is nothing to do."""
