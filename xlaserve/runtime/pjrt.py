@@ -1105,7 +1105,8 @@ class Device:
             except StopIteration as done:
                 return done.value
 
-    def load_weights_in_steps(self, host, pool, step_bytes: int, span=None):
+    def load_weights_in_steps(self, host, pool, step_bytes: int, span=None, signature: tuple | None = None,
+                              reuse: bool = True):
         """A generator that loads a model's weights into ``pool`` (cpu only; see
         :attr:`pools_weights`), yielding between chunks of about ``step_bytes`` copied (never
         before the first or after the last), and returns the device arrays
@@ -1115,12 +1116,15 @@ class Device:
         earlier load already mapped) and wrapped as a device buffer without another copy, and
         the extent is kept as a slot. ``span``: the host copy's bytes when its tensors lie as
         the extent's do (:func:`~xlaserve.runtime.pool.packed_span`): then the copy is of that
-        one span, not a tensor at a time. Closing the generator early leaves the slot idle (its
-        bytes half written: nothing reads an idle slot). The steps let a caller on an event
-        loop copy a large model without a thread hop and without holding the loop for the
-        whole copy."""
-        signature = weights_signature(host)
-        slot = pool.reuse(signature)
+        one span, not a tensor at a time. ``signature``: :func:`weights_signature` of ``host`` if
+        the caller has it; ``reuse=False`` when it has just looked for an idle slot
+        (:meth:`load_weights_into_slot`) and found none: the pool is not searched again. Closing
+        the generator early leaves the slot idle (its bytes half written: nothing reads an idle
+        slot). The steps let a caller on an event loop copy a large model without a thread hop
+        and without holding the loop for the whole copy."""
+        if signature is None:
+            signature = weights_signature(host)
+        slot = pool.reuse(signature) if reuse else None
         if slot is None:
             lease = pool.lease([a.nbytes for a in host])
             try:

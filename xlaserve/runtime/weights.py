@@ -432,11 +432,11 @@ class WeightCache:
                 try:
                     host = self._host[key]
                     # one step's worth: into an idle slot at once if there is one (no generator)
-                    span = self._spans.get(key)
-                    arrays = (self._device.load_weights_into_slot(host, self._pool, weights_signature(host), span)
-                              if model.weight_bytes <= LOAD_STEP_BYTES else None)
-                    if arrays is None:
-                        arrays = await self._copy_in_steps(host, span)
+                    span, signature = self._spans.get(key), weights_signature(host)
+                    small = model.weight_bytes <= LOAD_STEP_BYTES
+                    arrays = self._device.load_weights_into_slot(host, self._pool, signature, span) if small else None
+                    if arrays is None:      # (a small one found no idle slot just now: not looked for again)
+                        arrays = await self._copy_in_steps(host, span, signature, reuse=not small)
                 finally:
                     limiter.release()
             elif self._device.transfers_async and key in self._host:
@@ -487,8 +487,8 @@ class WeightCache:
                 await trio.sleep(0)
             return self._device.wait_weights(arrays)    # done: raises if the transfer failed
 
-    async def _copy_in_steps(self, host: tuple, span) -> tuple:
-        steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES, span)
+    async def _copy_in_steps(self, host: tuple, span, signature: tuple, reuse: bool = True) -> tuple:
+        steps = self._device.load_weights_in_steps(host, self._pool, LOAD_STEP_BYTES, span, signature, reuse)
         try:
             while True:
                 try:
