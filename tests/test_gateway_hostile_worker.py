@@ -44,6 +44,22 @@ PATH = "/test.Echo/Unary"
 HOLD_BOUND = 8 << 20
 
 
+@contextmanager
+def peak_below_hold_bound(measure: bool):
+    """With ``measure``: what the process allocates at its peak while the block runs stays under
+    HOLD_BOUND (asserted when the block ends); without, nothing is traced."""
+    if not measure:
+        yield
+        return
+    tracemalloc.start()
+    try:
+        yield
+        peak = tracemalloc.get_traced_memory()[1]
+        assert peak < HOLD_BOUND, f"{peak} bytes allocated at the peak"
+    finally:
+        tracemalloc.stop()
+
+
 @dataclass
 class Request:
     sid: int
@@ -341,9 +357,7 @@ async def _attacked(attack, code: int, words: tuple[str, ...], *, reads: bool = 
 
     outcomes: list = [None] * calls
     async with bystander(), upstream_to(attacker, well_behaved, **options) as (upstream, conns):
-        if measure:
-            tracemalloc.start()
-        try:
+        with peak_below_hold_bound(measure):
             async with trio.open_nursery() as nursery:
                 for i in range(calls):
                     async def one(i=i) -> None:
@@ -353,12 +367,6 @@ async def _attacked(attack, code: int, words: tuple[str, ...], *, reads: bool = 
             with trio.fail_after(120):
                 while not conns[0].eof:
                     await trio.sleep(0.01)
-            if measure:
-                peak = tracemalloc.get_traced_memory()[1]
-                assert peak < HOLD_BOUND, f"{peak} bytes allocated at the peak"
-        finally:
-            if measure:
-                tracemalloc.stop()
         goaway = conns[0].goaway
         if reads:       # (a worker that does not read may never see the GOAWAY: its socket is full)
             assert goaway is not None, "no GOAWAY"
@@ -524,16 +532,8 @@ async def _stream_attacked(attack, words: tuple[str, ...], *, status: Status = S
             nursery.cancel_scope.cancel()
 
     async with upstream_to(attacker, **options) as (upstream, conns):
-        if measure:
-            tracemalloc.start()
-        try:
+        with peak_below_hold_bound(measure):
             outcome = await upstream.request(PATH, b"victim")
-            if measure:
-                peak = tracemalloc.get_traced_memory()[1]
-                assert peak < HOLD_BOUND, f"{peak} bytes allocated at the peak"
-        finally:
-            if measure:
-                tracemalloc.stop()
         assert isinstance(outcome, UpstreamError) and outcome.status is status, outcome
         assert any(w.lower() in outcome.message.lower() for w in words), (words, outcome.message)
         if reset is not None:
