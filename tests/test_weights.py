@@ -98,10 +98,29 @@ def test_cuda_arena_is_the_allocator_pool_that_mem_fraction_already_sized():
 
 
 def test_thrash_monitor_warns_when_most_dispatches_evict_once_per_window():
-    m = ThrashMonitor(window=10, threshold=0.5)
+    now = [0.0]
+    m = ThrashMonitor(window=10, threshold=0.5, interval=5.0, clock=lambda: now[0])
     assert not any(m.record(i % 2 == 0) for i in range(20))         # half is not most
-    warnings = [m.record(True) for _ in range(30)]
+    warnings = []
+    for _ in range(30):
+        warnings.append(m.record(True))
+        now[0] += 1.0                   # a dispatch a second: a window is 10 s, past the interval
     assert warnings.count(True) == 3 and warnings.index(True) < 10
+    assert m.warned() == 0
+
+
+def test_thrash_monitor_warns_at_most_once_per_interval_and_counts_the_windows_it_kept_quiet():
+    now = [100.0]
+    m = ThrashMonitor(window=10, threshold=0.5, interval=30.0, clock=lambda: now[0])
+    fast = [m.record(True) for _ in range(100)]         # 100 evicting dispatches in no time
+    assert fast.count(True) == 1 and m.suppressed == 9    # one warning, then 9 more windows met it
+    assert m.warned() == 9 and m.suppressed == 0          # the next warning says so, once
+    now[0] += 29.9
+    assert not any(m.record(True) for _ in range(10)) and m.suppressed == 1
+    now[0] += 0.1                                         # 30 s after the warning
+    assert [m.record(True) for _ in range(10)].count(True) == 1
+    assert m.warned() == 1
+    assert not any(m.record(False) for _ in range(100))   # calm again: nothing to say
 
 
 # ---- the cache on the cpu device ------------------------------------------------------------
@@ -345,7 +364,28 @@ def test_thrashing_logs_a_warning_naming_models_sizes_and_budget(tmp_path, devic
     # warning names exactly those it evicted
     evicted = {r.model for r in snap if r.evictions}
     assert evicted and all((f"{n} (1.0 MiB" in record.message) == (n in evicted) for n in "abc")
-    assert "budget 2.0 MiB" in record.message
+    assert "budget 2.0 MiB" in record.message and "more window" not in record.message
+
+
+def test_a_thrashing_worker_warns_once_per_interval_saying_how_many_windows_it_kept_quiet(tmp_path, device, caplog):
+    models = [make_model(tmp_path, n, MB) for n in "abc"]
+    now = [0.0]
+
+    async def main():
+        cache = cache_for(device, 2 * MB)
+        cache._thrash = ThrashMonitor(interval=30.0, clock=lambda: now[0])
+        for m in models:
+            await cache.admit(m)
+        for i in range(64 * 5):                 # five windows at once: one warning
+            await cache.ensure_resident(models[i % 3])
+        now[0] += 30.0
+        for i in range(64):                     # the next window, 30 s on: the second
+            await cache.ensure_resident(models[i % 3])
+    with caplog.at_level(logging.WARNING, logger="xlaserve.weights"):
+        run(main)
+    first, second = [r.message for r in caplog.records if "thrashing" in r.message]
+    assert "more window" not in first
+    assert "(and in 4 more window(s) of 64 since the last warning, not logged: at most one warning every 30 s)" in second
 
 
 def test_device_copy_never_aliases_page_aligned_host_memory(device):

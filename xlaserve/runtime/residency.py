@@ -8,8 +8,9 @@ never be evicted; :class:`~xlaserve.runtime.weights.WeightCache` does the copies
 from __future__ import annotations
 
 import enum
+import time
 from collections import OrderedDict, deque
-from collections.abc import Collection, Hashable, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 from xlaserve.runtime.eviction import LeastRecentlyUsed, Policy
@@ -319,15 +320,24 @@ class ResidencyBook:
 
 class ThrashMonitor:
     """Counts how many of the last ``window`` dispatches had to evict. :meth:`record` returns
-    True when the share exceeds ``threshold`` and no warning was given in the last ``window``
-    dispatches, so a thrashing worker warns about once per window."""
+    True when the share exceeds ``threshold``, no warning was given in the last ``window``
+    dispatches and none in the last ``interval`` seconds (``clock``: monotonic seconds), so a
+    thrashing worker warns about once per window, and no more often than once per interval
+    however fast it dispatches (a worker at 2,000 dispatches a second would otherwise log a
+    warning of a few KiB 30 times a second). :attr:`suppressed` says how many windows met the
+    share since the last warning without one."""
 
-    def __init__(self, window: int = 64, threshold: float = 0.5) -> None:
+    def __init__(self, window: int = 64, threshold: float = 0.5, *, interval: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.window = window
         self.threshold = threshold
+        self.interval = interval
+        self._clock = clock
         self._recent: deque[bool] = deque(maxlen=window)
         self._evicting = 0          # how many of _recent are True
         self._since_warning = window
+        self._warned_at: float | None = None
+        self.suppressed = 0
 
     def record(self, evicted: bool) -> bool:
         recent = self._recent
@@ -339,8 +349,18 @@ class ThrashMonitor:
         if (len(recent) == self.window and self._since_warning >= self.window
                 and self._evicting > self.threshold * self.window):
             self._since_warning = 0
+            now = self._clock()
+            if self._warned_at is not None and now - self._warned_at < self.interval:
+                self.suppressed += 1
+                return False
+            self._warned_at = now
             return True
         return False
+
+    def warned(self) -> int:
+        """The windows suppressed since the last warning (the one being given now); resets it."""
+        count, self.suppressed = self.suppressed, 0
+        return count
 
     @property
     def evicting_share(self) -> float:

@@ -547,9 +547,12 @@ class WeightCache:
         for name, nbytes in self._recent_evictions:
             sizes[name] = nbytes
         listed = ", ".join(f"{n} ({fmt_bytes(b)})" for n, b in sorted(sizes.items(), key=lambda x: -x[1]))
-        log.warning("weight cache is thrashing: %.0f%% of the last %d dispatches evicted weights; evicted: %s; "
+        quiet = self._thrash.warned()
+        since = (f" (and in {quiet} more window(s) of {self._thrash.window} since the last warning, not logged: "
+                 f"at most one warning every {self._thrash.interval:g} s)" if quiet else "")
+        log.warning("weight cache is thrashing: %.0f%% of the last %d dispatches evicted weights%s; evicted: %s; "
                     "%s. Serve fewer models on this worker, pin the hot ones (residency: device), or raise "
-                    "weight_cache_fraction", 100 * self._thrash.evicting_share, self._thrash.window, listed,
+                    "weight_cache_fraction", 100 * self._thrash.evicting_share, self._thrash.window, since, listed,
                     self._budget.explain())
 
     def load_estimate(self, model: ModelVersion) -> float:
