@@ -196,8 +196,17 @@ class _SortedGdsf(GreedyDualSizeFrequency):
     """The order as a full sort of every resident model (how the policy computed it before the
     heap): the reference the heap must equal."""
 
+    def _fresh(self, key):
+        # the priority from the cost as it is now, nothing kept (the policy keeps a cost per byte
+        # a generation: this is what it must equal)
+        s = self._standing[key]
+        return s.clock + s.frequency * self._cost(key, s.nbytes) / max(1, s.nbytes)
+
+    def priority(self, key):
+        return self._fresh(key)
+
     def _order(self):
-        return sorted(self._standing, key=lambda k: (self.priority(k), self._standing[k].seq))
+        return sorted(self._standing, key=lambda k: (self._fresh(k), self._standing[k].seq))
 
     def _top(self):
         order = self._order()

@@ -94,6 +94,8 @@ class _Standing:
     frequency: int       # references since it became resident (0: on probation, not used again yet)
     clock: float         # the clock at its last reference
     seq: int             # order of the last reference: breaks ties, least recent first
+    unit: float = 0.0    # cost / size, as the cost was in generation ``generation``
+    generation: object = None
 
 
 class GreedyDualSizeFrequency:
@@ -157,22 +159,34 @@ class GreedyDualSizeFrequency:
         return self._counts.get(key, 0)
 
     def priority(self, key: Hashable) -> float:
-        s = self._standing[key]
-        return s.clock + s.frequency * self._cost(key, s.nbytes) / max(1, s.nbytes)
+        generation = self._cost_generation() if self._cost_generation is not None else None
+        return self._priority(key, self._standing[key], generation)
+
+    def _priority(self, key: Hashable, s: _Standing, generation: Hashable) -> float:
+        """``s``'s priority with the cost of ``generation``: the cost per byte is asked for once
+        a generation and kept (a miss re-files each model referenced since the last one, and
+        asking the learned cost costs more than the rest of the priority). Without
+        ``cost_generation`` the cost is taken to be fixed, so it is asked once."""
+        if s.generation != generation or s.generation is None and not s.unit:
+            s.unit = self._cost(key, s.nbytes) / max(1, s.nbytes)
+            s.generation = generation
+        return s.clock + s.frequency * s.unit
 
     def _sync(self) -> None:
         """Bring the heap up to date: rebuilt when the cost changed or stale entries pile up,
         else the models referenced since the last question filed again."""
         generation = self._cost_generation() if self._cost_generation is not None else None
         heap = self._heap
-        if self._stale or generation != self._heap_generation or len(heap) > 2 * len(self._standing) + 32:
-            heap[:] = [(self.priority(k), s.seq, k) for k, s in self._standing.items()]
+        standing = self._standing
+        if self._stale or generation != self._heap_generation or len(heap) > 2 * len(standing) + 32:
+            heap[:] = [(self._priority(k, s, generation), s.seq, k) for k, s in standing.items()]
             heapq.heapify(heap)
             self._heap_generation = generation
             self._stale = False
         else:
             for key in self._dirty:
-                heapq.heappush(heap, (self.priority(key), self._standing[key].seq, key))
+                s = standing[key]
+                heapq.heappush(heap, (self._priority(key, s, generation), s.seq, key))
         self._dirty.clear()
 
     def _top(self) -> Hashable | None:
