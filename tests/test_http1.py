@@ -1,4 +1,4 @@
-"""The HTTP/1.1 server (h11 on Trio) against hostile peers, over in-memory streams under Trio's
+"""The HTTP/1.1 server (llhttp through httptools, on Trio) against hostile peers, over in-memory streams under Trio's
 MockClock: every timeout is exact and costs no wall time. Each attack checks that the offender
 gets the status that names it (when it can still read one) and is closed, and that a well-behaved
 connection beside it is served."""
@@ -176,7 +176,7 @@ def test_oversized_head_and_too_many_fields_are_431():
         big = connect()
         await big.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 3000 + b"\r\n\r\n")
         await refused(big, 431, b"2048")
-        trickle = connect()        # a head that never ends, sent in pieces: h11's own bound
+        trickle = connect()        # a head that never ends, sent in pieces: bounded as it comes
         await trickle.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n")
         for _ in range(5):
             await trickle.send_all(b"x-a: " + b"b" * 600 + b"\r\n")
