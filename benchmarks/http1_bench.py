@@ -2,7 +2,7 @@
 
 One process serves :class:`~xlaserve.frontend.http1.Http1Server` on loopback with a handler
 that answers at once (a checkpoint, then a fixed 2,100-byte body: about the binary ``mlp``
-reply), so what the server spends is h11 parsing the request, the connection's tasks, reads
+reply), so what the server spends is the parser (llhttp), the connection's tasks, reads
 and writes; no model, no scheduler. The client is ``rest_bench``'s: closed loops of raw
 HTTP/1.1 keep-alive connections sending the binary ``mlp`` request's bytes. ``--baseline
 CHECKOUT`` serves a second copy from another checkout (an earlier commit's ``git archive``) and

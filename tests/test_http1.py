@@ -1,4 +1,4 @@
-"""The HTTP/1.1 server (h11 on Trio) against hostile peers, over in-memory streams under Trio's
+"""The HTTP/1.1 server (llhttp through httptools, on Trio) against hostile peers, over in-memory streams under Trio's
 MockClock: every timeout is exact and costs no wall time. Each attack checks that the offender
 gets the status that names it (when it can still read one) and is closed, and that a well-behaved
 connection beside it is served."""
@@ -176,7 +176,7 @@ def test_oversized_head_and_too_many_fields_are_431():
         big = connect()
         await big.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 3000 + b"\r\n\r\n")
         await refused(big, 431, b"2048")
-        trickle = connect()        # a head that never ends, sent in pieces: h11's own bound
+        trickle = connect()        # a head that never ends, sent in pieces: bounded as it comes
         await trickle.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\n")
         for _ in range(5):
             await trickle.send_all(b"x-a: " + b"b" * 600 + b"\r\n")
@@ -525,3 +525,51 @@ def test_a_reader_fault_that_is_not_the_peers_doing_while_the_handler_runs_is_lo
             nursery.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert "a bug in the reader" in caplog.text
+
+
+def test_a_burst_of_pipelined_requests_is_answered_in_order_and_parsed_only_a_slice_ahead(monkeypatch):
+    import xlaserve.frontend.http1 as http1
+    ahead: list[int] = []                   # requests parsed and waiting while one is answered
+    complete = http1._Parser.on_message_complete
+
+    def counting(self):
+        complete(self)
+        ahead.append(len(self.ready))
+    monkeypatch.setattr(http1._Parser, "on_message_complete", counting)
+
+    async def test(server, connect):
+        client = connect()
+        burst = b"".join(b"GET /r%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(400))    # ~12 KiB in one write
+        await client.send_all(burst + b"GET /last HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        reply = await read_all(client)
+        paths = [json.loads(part.partition(b"\r\n\r\n")[2].split(b"HTTP/1.1")[0])["path"]
+                 for part in reply.split(b"HTTP/1.1 200 OK")[1:]]
+        assert paths == [f"/r{i}" for i in range(400)] + ["/last"]
+        # a 4 KiB slice holds at most ~140 of these 29-byte requests: never all 400 at once
+        assert max(ahead) <= http1.PARSE_SLICE // len(b"GET /r0 HTTP/1.1\r\nhost: x\r\n\r\n") + 1
+    run(test)
+
+
+def test_an_upgrade_request_is_answered_and_the_connection_closes_after_it():
+    async def test(server, connect):
+        client = connect()
+        await client.send_all(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n"
+                              b"\x81\x85not http")
+        reply = await read_all(client)
+        assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and reply.count(b"HTTP/1.1") == 1
+        assert b"\r\nconnection: close" in reply.partition(b"\r\n\r\n")[0]
+    run(test)
+
+
+def test_what_llhttp_refuses_is_400_naming_it():
+    async def test(server, connect):
+        for attack, note in ((b"GET /echo HTTP/1.1\r\nhost: x\r\nbad header: 1\r\n\r\n", b"Invalid header token"),
+                             (b"GET /echo HTTP/1.1\r\nhost: x\r\nx-a: 1\r\n folded\r\n\r\n", b"not valid HTTP/1.1"),
+                             (b"BREW /echo HTTP/1.1\r\nhost: x\r\n\r\n", b"Invalid method"),
+                             (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 99999999999999999999999\r\n\r\n",
+                              b"Content-Length overflow")):
+            client = connect()
+            await client.send_all(attack)
+            await refused(client, 400, note)
+        await served(connect)
+    run(test)

@@ -37,7 +37,7 @@ def test_a_valid_traceparent_is_read():
 
 
 def test_bytes_values_and_surrounding_blanks_are_read():
-    # an HTTP/1.1 library such as h11 gives header values as bytes, with optional white space
+    # an HTTP/1.1 library may give header values as bytes, with optional white space
     assert parse_traceparent({"traceparent": GOOD.encode()}).trace_id == int(TRACE, 16)
     assert parse_traceparent({"traceparent": f" \t{GOOD} "}).span_id == int(SPAN, 16)
 

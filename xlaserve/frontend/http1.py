@@ -1,13 +1,19 @@
-"""HTTP/1.1 on Trio with python-hyper's h11 (sans-IO), for hostile peers.
+"""HTTP/1.1 on Trio with httptools (the bindings of llhttp, Node.js's parser; sans-IO), for
+hostile peers.
 
 :class:`Http1Server` accepts on its listeners through :func:`~xlaserve.frontend.guard.serve_guarded`
-(each connection in its own guard) and serves one request at a time per connection: h11 parses,
-the ``handler`` answers an :class:`HttpRequest` with an :class:`HttpResponse`. Keep-alive is
-h11's; pipelined requests are read one after another (the next is not read before the previous
-one is answered, so a client that sends without reading is held back by its own socket, then
-closed by the write timeout). Each connection has one reader task (:class:`_Inbox`) for its
-whole life: it hands what arrives to h11 while the connection's task parses and answers, and
-it is what notices a peer that leaves while its request is in the handler.
+(each connection in its own guard) and serves one request at a time per connection: llhttp
+parses (:class:`_Parser`), the ``handler`` answers an :class:`HttpRequest` with an
+:class:`HttpResponse`. Keep-alive is llhttp's reading of the request (HTTP/1.0, or
+``Connection: close``, ends it); pipelined requests are answered one after another, in order (at
+most :data:`PARSE_SLICE` bytes of them parsed ahead of their answers; while one is in the handler the
+connection reads at most ``max_header_bytes`` more, so a client that sends without reading is held
+back by its own socket, then closed by the write timeout). Each connection has one reader task
+(:class:`_Inbox`) for its whole life: it keeps what arrives for the connection's task, which
+parses and answers, and it is what notices a peer that leaves while its request is in the
+handler. h11 (python-hyper's pure-Python parser) served here before: it took about 31 us of
+CPU to parse a binary-data inference request, llhttp about 1 us, where the whole REST request
+costs the worker under 200 us (docs/benchmarks.md, *REST against Triton's HTTP endpoint*).
 
 Every resource a peer can make the server spend has a limit in :class:`HttpLimits`, and each
 offender is answered with the status that names it (when it can still read one) and closed:
@@ -23,7 +29,9 @@ offender is answered with the status that names it (when it can still read one) 
 - idle keep-alive connections (``idle_timeout``, closed without a word), writes that make no
   progress (``write_timeout``), and connections (``max_connections``: one more is answered 503
   and closed);
-- anything h11 refuses (a malformed request line or chunk, a second ``Content-Length``) is 400.
+- anything llhttp refuses (a malformed request line, header or chunk, a second
+  ``Content-Length``, ``Content-Length`` with ``Transfer-Encoding``, an unknown method) is 400
+  (after the answers to the requests whole before it).
 
 The handler's faults stay in the request: a bug is logged once and answered 500, and the
 connection goes on.
@@ -37,11 +45,12 @@ import re
 import socket
 import ssl
 import zlib
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
-import h11
+import httptools
 import trio
 
 from xlaserve.errors import internal_message
@@ -57,6 +66,9 @@ INFLATE_INLINE = 256 * 1024
 #: responses at least this large are compressed when the client accepts gzip or deflate
 COMPRESS_MIN = 1024
 SERVER_HEADER = b"xlaserve"
+#: what the parser is fed at once unless a body's known rest is larger: pipelined requests are
+#: parsed ahead of their answers only as far as this reaches past the request being answered
+PARSE_SLICE = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +163,170 @@ class _Held:
         self.bytes = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Parsed:
+    """A request whose message llhttp has read whole."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool        #: llhttp's reading: False for HTTP/1.0 without keep-alive, or Connection: close
+
+
+class _Parser:
+    """One connection's requests as llhttp reads them (httptools' callbacks, below): the request
+    being read is collected here, and each one whose message is complete waits in :attr:`ready`.
+    The limits of the head and the body are checked as the bytes are parsed; a callback's
+    :class:`_Refusal` ends the parse and is raised by :meth:`feed` (llhttp keeps nothing of the
+    rest). Body bytes are counted in ``held`` (the server's total) as they arrive."""
+
+    __slots__ = ("limits", "held", "parser", "ready", "url", "fields", "count", "head", "parts", "size", "headers",
+                 "head_done", "in_message", "head_fed", "continue_sent", "upgraded", "failed", "expected")
+
+    def __init__(self, limits: HttpLimits, held: _Held) -> None:
+        self.limits = limits
+        self.held = held
+        self.parser = httptools.HttpRequestParser(self)
+        self.ready: deque[_Parsed] = deque()
+        self.upgraded = False       #: a request asked to switch protocols: nothing after it is HTTP
+        self.failed: _Refusal | None = None     #: what ended the parse, kept for after the requests before it
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.url = b""
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.count = 0              #: header fields seen (those past max_headers are not kept)
+        self.head = 0               #: bytes of the fields kept, as the head's size counts them
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.headers: dict[str, str] | None = None
+        self.head_done = False
+        self.expected: int | None = None    #: the body's Content-Length, once the head is read
+        self.in_message = False     #: a byte of the request being read has been parsed
+        self.head_fed = 0           #: bytes fed while its head was incomplete
+        self.continue_sent = False
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``. What llhttp or a limit refuses is kept in :attr:`failed` (the parse
+        ends there) when requests before it are whole, to be raised once they are answered
+        (:meth:`next`), else raised now as a :class:`_Refusal`."""
+        limits = self.limits
+        if not self.head_done:
+            self.head_fed += len(data)
+        try:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserCallbackError as exc:
+                cause = exc.__context__
+                if isinstance(cause, _Refusal):
+                    raise cause from None
+                raise
+            except httptools.HttpParserUpgrade:
+                # a request that asked to switch protocols (Upgrade, or CONNECT), read whole: it
+                # is answered, and the connection then closes (nothing after it is HTTP to us)
+                self.upgraded = True
+                return
+            except httptools.HttpParserError as exc:
+                raise _Refusal(400, f"the request is not valid HTTP/1.1: {exc}") from None
+            if not self.head_done and self.in_message and self.head_fed > limits.max_header_bytes:
+                raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
+                                    f"({limits.key('max_header_bytes')})")
+        except _Refusal as refusal:
+            if not self.ready:
+                raise
+            self.failed = refusal       # the requests before it are answered first
+
+    def feed_pending(self, inbox: _Inbox) -> None:
+        """Parse what the reader kept (``inbox.pending``) until a request is whole, in slices of
+        :data:`PARSE_SLICE` bytes (a body whose length is known in one piece): what lies past
+        is kept for after its answer. llhttp parses every request a feed holds, so slices bound
+        how many are parsed ahead of their answers (a burst of pipelined requests in one read)."""
+        pending = inbox.pending
+        inbox.pending = []
+        for i, data in enumerate(pending):
+            at, n = 0, len(data)
+            view = memoryview(data) if n > PARSE_SLICE else data
+            while at < n:
+                step = PARSE_SLICE
+                if self.head_done and self.expected is not None:
+                    step = max(step, self.expected - self.size)
+                self.feed(view[at:at + step] if at or step < n else data)
+                at += step
+                if self.ready or self.failed is not None or self.upgraded:
+                    inbox.pending = ([view[at:]] if at < n else []) + pending[i + 1:] + inbox.pending
+                    return
+
+    def next(self) -> _Parsed | None:
+        """The next whole request, or None; raises what :meth:`feed` kept once none is left."""
+        if self.ready:
+            return self.ready.popleft()
+        if self.failed is not None:
+            raise self.failed
+        return None
+
+    # ---- httptools' callbacks -------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.in_message = True
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # counted, and kept up to the limit (the head's bytes bound how many come: feed())
+        self.count += 1
+        if self.count <= self.limits.max_headers:
+            self.fields.append((name, value))
+            self.head += len(name) + len(value) + 4
+
+    def on_headers_complete(self) -> None:
+        limits = self.limits
+        if self.count > limits.max_headers:
+            raise _Refusal(431, f"the request has {self.count} header fields, the limit "
+                                f"({limits.key('max_headers')}) is {limits.max_headers}")
+        fields = self.fields
+        head = len(self.parser.get_method()) + len(self.url) + 12 + self.head
+        if head > limits.max_header_bytes:
+            raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
+                                f"({limits.key('max_header_bytes')})")
+        headers: dict[str, str] = {}
+        for name, value in fields:
+            key = name.decode("latin-1").lower()
+            text = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+            raise _Refusal(413, f"the request body is {int(length)} bytes, the limit ({limits.key('max_body_bytes')}) "
+                                f"is {limits.max_body_bytes}; send large tensors through shared memory")
+        self.headers = headers
+        self.head_done = True
+        self.expected = int(length) if length is not None and length.isdigit() else None
+
+    def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        limits = self.limits
+        if self.size > limits.max_body_bytes:
+            raise _Refusal(413, f"the request body is more than {limits.max_body_bytes} bytes, the limit "
+                                f"({limits.key('max_body_bytes')}); send large tensors through shared memory")
+        self.held.take(len(body))
+        self.parts.append(body)
+
+    def on_message_complete(self) -> None:
+        parts = self.parts
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.ready.append(_Parsed(self.parser.get_method().decode("latin-1"), self.url.decode("latin-1"),
+                                  self.headers or {}, body, self.parser.should_keep_alive()))
+        self._fresh()
+
+    @property
+    def waits_for_continue(self) -> bool:
+        """Whether the request being read asked for ``100 Continue`` before its body (and has
+        not had it)."""
+        headers = self.headers
+        return (headers is not None and not self.continue_sent and not self.size
+                and headers.get("expect", "").strip().lower() == "100-continue")
+
+
 #: what a connection is doing, which says what its one cancel scope's expiry or cancellation
 #: means (:attr:`_Inbox.phase`): waiting for a request's first byte (closed without a word),
 #: reading its head (408), reading its body (408), in the handler or writing its answer (the peer
@@ -160,8 +336,8 @@ _IDLE, _HEAD, _BODY, _HANDLER, _OTHER = range(5)
 
 class _Inbox:
     """The one task that receives from a connection (:meth:`run`), for the connection's whole
-    life: what arrives goes to h11, and the connection's task, which parses and answers, waits
-    for it with :meth:`receive`. It reads while that task waits for bytes, and while a request is
+    life: what arrives is kept in :attr:`pending` for the connection's task, which parses and
+    answers, and waits for it with :meth:`receive`. It reads while that task waits for bytes, and while a request is
     in the handler (``handling``), where what arrives is the next, pipelined request, taken up to
     ``limit`` bytes (past that the connection is not read until the answer is written), and the
     end of the stream cancels the handler: the peer left. A receive error is kept and raised to
@@ -179,19 +355,19 @@ class _Inbox:
     Entering and leaving a scope for each wait cost about 12 µs a request (two scopes); moving a
     deadline costs about 1.4 µs."""
 
-    __slots__ = ("stream", "raw", "conn", "limit", "waiting", "waiter", "fed", "handling", "pipelined", "ended",
+    __slots__ = ("stream", "raw", "pending", "limit", "waiting", "waiter", "fed", "handling", "pipelined", "ended",
                  "error", "_go", "scope", "phase", "shut", "got")
 
-    def __init__(self, stream, conn: h11.Connection, limit: int, raw: socket.socket | None = None) -> None:
+    def __init__(self, stream, limit: int, raw: socket.socket | None = None) -> None:
         self.stream = stream
         #: the connection's socket for non-blocking reads (:func:`_receive_raw`); None over TLS
         self.raw = raw
-        self.conn = conn                #: the h11 connection of the request being read (replaced for each)
+        self.pending: list[bytes] = []  #: what arrived and the connection's task has not parsed yet
         self.limit = limit
         self.waiting = False
         #: the connection's task while it waits in :meth:`receive` (rescheduled by the reader)
         self.waiter: trio.lowlevel.Task | None = None
-        self.fed = 0                #: how many reads went to h11
+        self.fed = 0                #: how many reads arrived
         #: whether a request is in the handler (the peer leaving then cancels ``scope``)
         self.handling = False
         self.pipelined = 0
@@ -223,7 +399,7 @@ class _Inbox:
                 # a read shorter than asked for most likely emptied the socket: the next read
                 # waits for it to be readable first instead of failing once (EAGAIN) before
                 drained = len(data) < RECEIVE_BYTES
-                self.conn.receive_data(data)
+                self.pending.append(data)
                 self.fed += 1
                 if self.handling:
                     self.pipelined += len(data)
@@ -251,8 +427,8 @@ class _Inbox:
             self._go = None
 
     async def receive(self) -> bool:
-        """Wait until more bytes went to h11 (True) or the stream ended (False; a receive error
-        is raised). Called when h11 needs data, so nothing that came before is missed."""
+        """Wait until more bytes arrived (True) or the stream ended (False; a receive error is
+        raised). Called when the parser needs data, so nothing that came before is missed."""
         fed = self.fed
         if not self.ended:
             self.waiting = True
@@ -385,7 +561,7 @@ class Http1Server:
         # read of an empty socket raises and catches an exception. Detached before the stream
         # (which owns the descriptor) closes it.
         raw = socket.socket(fileno=stream.socket.fileno()) if isinstance(stream, trio.SocketStream) else None
-        inbox = _Inbox(stream, self._parser(), self.limits.max_header_bytes, raw)
+        inbox = _Inbox(stream, self.limits.max_header_bytes, raw)
         error: Exception | None = None
         try:
             async with trio.open_nursery() as nursery:
@@ -401,22 +577,19 @@ class Http1Server:
         if error is not None:
             raise error
 
-    def _parser(self) -> h11.Connection:
-        return h11.Connection(h11.SERVER, max_incomplete_event_size=self.limits.max_header_bytes)
-
     async def _serve_requests(self, stream, peer, inbox: _Inbox) -> None:
         """Requests in turn, inside the connection's one cancel scope (:class:`_Inbox`), whose
-        expiry or cancellation is answered here by what the connection was doing. Each request is
-        parsed by an h11 connection of its own, which takes over what the previous one received
-        past its request (a pipelined request), and answered by :meth:`_respond`, which writes
-        the response without h11 (h11 validating and framing our own few headers cost about
-        50 µs a request, a sixth of this layer's CPU time)."""
+        expiry or cancellation is answered here by what the connection was doing. One
+        :class:`_Parser` reads the connection's requests; each is answered by :meth:`_respond`,
+        which writes the response itself (h11 validating and framing our own few headers cost
+        about 50 µs a request, a sixth of this layer's CPU time, when h11 served here)."""
         held = _Held(self.bodies, self.limits)
+        parser = _Parser(self.limits, held)
         scope = inbox.scope
         refusal = None
         try:
             with scope:
-                refusal = await self._serve_in_turn(stream, peer, inbox, held)
+                refusal = await self._serve_in_turn(stream, peer, inbox, held, parser)
         finally:
             held.release()
             self._idle.discard(inbox)
@@ -440,17 +613,15 @@ class Http1Server:
         if refusal is not None:
             await self._refuse(stream, refusal)
 
-    async def _serve_in_turn(self, stream, peer, inbox: _Inbox, held: _Held) -> _Refusal | None:
+    async def _serve_in_turn(self, stream, peer, inbox: _Inbox, held: _Held, parser: _Parser) -> _Refusal | None:
         """Read, answer and write each request until the connection ends; a refusal to write
         (after the connection's scope) is returned."""
         first = True
-        pending = False         # whether h11 holds bytes of the next request (or the stream's end)
         scope = inbox.scope
         while not self._closing:
-            conn = inbox.conn
             try:
                 try:
-                    request = await self._read_request(conn, stream, peer, first, pending, held, inbox)
+                    request, keep_alive = await self._read_request(stream, peer, first, held, inbox, parser)
                 except _Quiet:
                     return None
                 except _Refusal as refusal:
@@ -463,143 +634,76 @@ class Http1Server:
                     response = await self._answer(request)
                 finally:
                     inbox.unwatch()
-                # the client's keep-alive as h11 read it: HTTP/1.0, or Connection: close, ends it
-                close = self._closing or conn.their_state is not h11.DONE
+                # the client's keep-alive as llhttp read it (HTTP/1.0, or Connection: close, ends
+                # it); after a request that asked to switch protocols nothing more is HTTP
+                close = self._closing or not keep_alive or (parser.upgraded and not parser.ready)
                 await self._respond(stream, request, response, close, inbox.raw)
             finally:
                 held.release()
             if close:
                 return None
-            data, ended = conn.trailing_data
-            inbox.conn = conn = self._parser()
-            if data:
-                conn.receive_data(data)
-            if ended:
-                conn.receive_data(b"")
-            pending = bool(data) or ended
         return None
 
-    async def _read_request(self, conn: h11.Connection, stream, peer, first: bool, pending: bool, held: _Held,
-                            inbox: _Inbox) -> HttpRequest:
-        limits = self.limits
-        scope = inbox.scope
-        now = trio.current_time()
-        # a new connection must send its first head within header_timeout; a kept-alive one may
-        # be quiet for idle_timeout, then has header_timeout from the first byte of a request
-        waiting = not pending        # no byte of this request yet
-        deadline = now + (limits.header_timeout if first else limits.idle_timeout)
-        if waiting:
-            inbox.phase = _IDLE
-            self._idle.add(inbox)      # close() ends a connection between requests at once
-        else:
-            deadline = min(deadline, now + limits.header_timeout)
-            inbox.phase = _HEAD
-        scope.deadline = deadline
-        # with nothing received yet h11 can only say NEED_DATA: wait for bytes before asking it
-        event = h11.NEED_DATA if waiting else None
-        while True:
-            if event is None:
-                try:
-                    event = conn.next_event()
-                except h11.RemoteProtocolError as exc:
-                    raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
-                if event is not h11.NEED_DATA:
-                    break
-                if scope.deadline != deadline:
-                    # the head is not all here: its deadline runs while the rest comes (moved only
-                    # now, as a head that arrives whole in one read never waits under it)
-                    scope.deadline = deadline
-            event = None
-            more = await inbox.receive()
-            if not more:
-                conn.receive_data(b"")
-                if waiting:
-                    raise _Quiet()
-                continue
-            if waiting:
-                waiting = False
-                self._idle.discard(inbox)
-                inbox.phase = _HEAD
-                deadline = min(deadline, trio.current_time() + limits.header_timeout)
-        if isinstance(event, h11.ConnectionClosed):
-            raise _Quiet()
-        if not isinstance(event, h11.Request):
-            raise _Refusal(400, f"expected a request, got {type(event).__name__}")
-        # h11 bounds a head still arriving; one that arrived whole in a read is measured here
-        # raw_items(): one list of (name as sent, value) pairs; iterating the Headers sequence itself
-        # goes through __getitem__ per field (names are lower-cased here as h11 does)
-        fields = event.headers.raw_items()
-        head = len(event.method) + len(event.target) + 12
-        for name, value in fields:
-            head += len(name) + len(value) + 4
-        if head > limits.max_header_bytes:
-            raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
-                                f"({limits.key('max_header_bytes')})")
-        if len(fields) > limits.max_headers:
-            raise _Refusal(431, f"the request has {len(fields)} header fields, the limit "
-                                f"({limits.key('max_headers')}) is {limits.max_headers}")
-        headers: dict[str, str] = {}
-        for name, value in fields:
-            key = name.decode("latin-1").lower()
-            text = value.decode("latin-1")
-            headers[key] = f"{headers[key]}, {text}" if key in headers else text
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-            raise _Refusal(413, f"the request body is {int(length)} bytes, the limit ({limits.key('max_body_bytes')}) "
-                                f"is {limits.max_body_bytes}; send large tensors through shared memory")
-        target = event.target.decode("latin-1")
-        path, _, query = target.partition("?")
-        body = await self._read_body(conn, stream, held, inbox)
-        scope.deadline = math.inf           # no deadline while inflating, in the handler, writing
+    async def _read_request(self, stream, peer, first: bool, held: _Held, inbox: _Inbox,
+                            parser: _Parser) -> tuple[HttpRequest, bool]:
+        """The next request (inflated) and whether the client keeps the connection alive."""
+        parsed = await self._next_parsed(stream, first, inbox, parser)
+        inbox.scope.deadline = math.inf     # no deadline while inflating, in the handler, writing
         inbox.phase = _OTHER
+        headers = parsed.headers
+        body = parsed.body
         encoding = headers.get("content-encoding")
         if encoding is not None and (encoding := encoding.strip().lower()) not in ("identity", ""):
             body = await self._inflate(body, encoding)
             held.take(len(body))            # the inflated body is held too, until answered
-        return HttpRequest(event.method.decode("latin-1"), path, query, headers, body, peer)
+        path, _, query = parsed.target.partition("?")
+        return HttpRequest(parsed.method, path, query, headers, body, peer), parsed.keep_alive
 
-    async def _read_body(self, conn: h11.Connection, stream, held: _Held, inbox: _Inbox) -> bytes:
-        """The body, within ``body_timeout`` from now: the connection's deadline is moved to it
-        only when the body is not all here yet (or the client waits for 100 Continue)."""
+    async def _next_parsed(self, stream, first: bool, inbox: _Inbox, parser: _Parser) -> _Parsed:
+        """Parse what arrives until a request is whole, each wait under its phase's deadline: a
+        new connection must send its first head within ``header_timeout``; a kept-alive one may be
+        quiet for ``idle_timeout``, then has ``header_timeout`` from the first byte of a request
+        for its head, and ``body_timeout`` from the end of the head for its body."""
         limits = self.limits
-        parts: list[bytes] = []
-        size = 0
-        deadline = trio.current_time() + limits.body_timeout
-        timed = False
-        if conn.client_is_waiting_for_100_continue:
-            inbox.scope.deadline = deadline
-            inbox.phase = _BODY
-            inbox.got = 0
-            timed = True
-            await self._send(stream, conn.send(h11.InformationalResponse(status_code=100, headers=[])))
+        scope = inbox.scope
+        deadline = trio.current_time() + (limits.header_timeout if first else limits.idle_timeout)
+        phase = _OTHER
         while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise _Refusal(exc.error_status_hint, _protocol_message(exc, limits)) from None
-            if event is h11.NEED_DATA:
-                if not timed:
-                    inbox.scope.deadline = deadline
-                    inbox.phase = _BODY
-                    timed = True
-                inbox.got = size
-                more = await inbox.receive()
-                if not more:
-                    conn.receive_data(b"")
-                    if conn.their_state is not h11.DONE:
-                        raise _Quiet()      # the peer left mid-body (h11 reports it on the next event)
-                continue
-            if isinstance(event, h11.Data):
-                size += len(event.data)
-                if size > limits.max_body_bytes:
-                    raise _Refusal(413, f"the request body is more than {limits.max_body_bytes} bytes, the limit "
-                                        f"({limits.key('max_body_bytes')}); send large tensors through shared memory")
-                held.take(len(event.data))
-                parts.append(event.data)
-                continue
-            if isinstance(event, h11.EndOfMessage):
-                return parts[0] if len(parts) == 1 else b"".join(parts)
-            raise _Quiet()
+            if inbox.pending and not parser.ready and not parser.upgraded and parser.failed is None:
+                parser.feed_pending(inbox)
+            parsed = parser.next()
+            if parsed is not None:
+                if phase == _IDLE:
+                    self._idle.discard(inbox)
+                return parsed
+            if parser.upgraded:         # a request that switched protocols was the last
+                raise _Quiet()
+            if not parser.in_message:
+                if phase != _IDLE:      # no byte of the next request yet
+                    phase = inbox.phase = _IDLE
+                    self._idle.add(inbox)       # close() ends a connection between requests at once
+                    scope.deadline = deadline
+            elif not parser.head_done:
+                if phase != _HEAD:
+                    if phase == _IDLE:
+                        self._idle.discard(inbox)
+                    phase = inbox.phase = _HEAD
+                    scope.deadline = min(deadline, trio.current_time() + limits.header_timeout)
+            else:
+                if phase != _BODY:
+                    if phase == _IDLE:
+                        self._idle.discard(inbox)
+                    phase = inbox.phase = _BODY
+                    scope.deadline = trio.current_time() + limits.body_timeout
+                if parser.waits_for_continue:
+                    parser.continue_sent = True
+                    await self._send(stream, b"HTTP/1.1 100 Continue\r\n\r\n", inbox.raw)
+                inbox.got = parser.size
+            if not await inbox.receive():
+                if phase == _HEAD:      # the peer ended its stream in the middle of a head
+                    raise _Refusal(400, "the request is not valid HTTP/1.1: the connection ended in the middle "
+                                        "of the request's head")
+                raise _Quiet()          # between requests, or mid-body: the peer left
 
     async def _inflate(self, body: bytes, encoding: str) -> bytes:
         limits = self.limits
@@ -705,14 +809,6 @@ async def _receive_raw(raw: socket.socket, wait_first: bool = False) -> bytes:
         raise trio.BrokenResourceError(f"the read failed: {exc}") from exc
 
 
-def _protocol_message(exc: h11.RemoteProtocolError, limits: HttpLimits) -> str:
-    text = str(exc)
-    if exc.error_status_hint == 431:
-        return (f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
-                f"({limits.key('max_header_bytes')})")
-    return f"the request is not valid HTTP/1.1: {text}"
-
-
 def _reason(status: int) -> bytes:
     try:
         return HTTPStatus(status).phrase.encode()
@@ -759,8 +855,8 @@ def _header_value(value: str) -> bytes:
 
 
 def _raw_response(status: int, message: str) -> bytes:
-    """A complete response that closes the connection, for a peer h11 can no longer answer (its
-    request was refused before or while it was parsed)."""
+    """A complete response that closes the connection, for a peer whose request was refused
+    before or while it was parsed."""
     body = error_json(message)
     return (b"HTTP/1.1 %d %s\r\nserver: %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, _reason(status), SERVER_HEADER, len(body))) + body

@@ -70,7 +70,7 @@ def format_traceparent(trace_id: int, span_id: int, sampled: bool) -> str:
 
 def parse_traceparent(headers: Mapping[str, Any]) -> TraceParent | None:
     """The ``traceparent`` of ``headers`` (header name -> value; names in lower case, as HTTP/2,
-    gRPC metadata and h11 give them; a value may be ``str`` or ``bytes``), or None when there is
+    gRPC metadata and HTTP/1.1 headers give them; a value may be ``str`` or ``bytes``), or None when there is
     none or it is malformed: a trace context is advice, and a bad one starts a new trace rather
     than failing the request. Follows W3C Trace Context: version ``ff`` and all-zero ids are
     invalid; version ``00`` has exactly four fields; a later version may carry more after a
