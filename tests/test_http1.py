@@ -573,3 +573,27 @@ def test_what_llhttp_refuses_is_400_naming_it():
             await refused(client, 400, note)
         await served(connect)
     run(test)
+
+
+def test_bodies_parsed_ahead_stay_counted_until_their_own_answer():
+    seen: list[int] = []
+
+    async def main():
+        async def handler(request: HttpRequest) -> HttpResponse:
+            seen.append(server.bodies.used)         # what every connection holds now
+            return HttpResponse(200, b"{}")
+        server = Http1Server(handler, LIMITS, what="REST")
+        async with trio.open_nursery() as nursery:
+            client, served_side = trio.testing.memory_stream_pair()
+            nursery.start_soon(server.serve_stream, served_side)
+            await client.send_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 300\r\n\r\n" + b"a" * 300 +
+                                  b"POST /b HTTP/1.1\r\nhost: x\r\ncontent-length: 200\r\nconnection: close\r\n\r\n"
+                                  + b"b" * 200)
+            reply = await read_all(client)
+            assert reply.count(b"HTTP/1.1 200 OK") == 2
+            nursery.cancel_scope.cancel()
+        assert server.bodies.used == 0
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # both bodies came in one read and were parsed together: the second stays counted while the
+    # first is answered, and only its own bytes once the first is
+    assert seen == [500, 200]

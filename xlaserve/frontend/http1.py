@@ -141,7 +141,8 @@ class _Budget:
 
 class _Held:
     """The request body bytes one connection holds, counted in the server's total from the
-    first byte until the request is answered; :meth:`release` gives them back."""
+    first byte until the request is answered (requests parsed ahead of their answers included);
+    :meth:`release` gives them back."""
 
     __slots__ = ("budget", "bytes", "limits")
 
@@ -158,9 +159,11 @@ class _Held:
         budget.used += n
         self.bytes += n
 
-    def release(self) -> None:
-        self.budget.used -= self.bytes
-        self.bytes = 0
+    def release(self, n: int | None = None) -> None:
+        """Give back ``n`` bytes (an answered request's), or all of them."""
+        n = self.bytes if n is None else min(n, self.bytes)
+        self.budget.used -= n
+        self.bytes -= n
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +175,7 @@ class _Parsed:
     headers: dict[str, str]
     body: bytes
     keep_alive: bool        #: llhttp's reading: False for HTTP/1.0 without keep-alive, or Connection: close
+    held: int               #: its body's bytes counted in the connection's held bytes
 
 
 class _Parser:
@@ -315,7 +319,7 @@ class _Parser:
         parts = self.parts
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         self.ready.append(_Parsed(self.parser.get_method().decode("latin-1"), self.url.decode("latin-1"),
-                                  self.headers or {}, body, self.parser.should_keep_alive()))
+                                  self.headers or {}, body, self.parser.should_keep_alive(), self.size))
         self._fresh()
 
     @property
@@ -619,9 +623,10 @@ class Http1Server:
         first = True
         scope = inbox.scope
         while not self._closing:
+            taken = None            # what the request answered holds (None: all, the connection ends)
             try:
                 try:
-                    request, keep_alive = await self._read_request(stream, peer, first, held, inbox, parser)
+                    request, keep_alive, taken = await self._read_request(stream, peer, first, held, inbox, parser)
                 except _Quiet:
                     return None
                 except _Refusal as refusal:
@@ -639,25 +644,28 @@ class Http1Server:
                 close = self._closing or not keep_alive or (parser.upgraded and not parser.ready)
                 await self._respond(stream, request, response, close, inbox.raw)
             finally:
-                held.release()
+                held.release(taken)     # not the bodies of requests parsed behind it
             if close:
                 return None
         return None
 
     async def _read_request(self, stream, peer, first: bool, held: _Held, inbox: _Inbox,
-                            parser: _Parser) -> tuple[HttpRequest, bool]:
-        """The next request (inflated) and whether the client keeps the connection alive."""
+                            parser: _Parser) -> tuple[HttpRequest, bool, int]:
+        """The next request (inflated), whether the client keeps the connection alive, and the
+        bytes it holds (its body's, and the inflated body's)."""
         parsed = await self._next_parsed(stream, first, inbox, parser)
         inbox.scope.deadline = math.inf     # no deadline while inflating, in the handler, writing
         inbox.phase = _OTHER
         headers = parsed.headers
         body = parsed.body
+        taken = parsed.held
         encoding = headers.get("content-encoding")
         if encoding is not None and (encoding := encoding.strip().lower()) not in ("identity", ""):
             body = await self._inflate(body, encoding)
             held.take(len(body))            # the inflated body is held too, until answered
+            taken += len(body)
         path, _, query = parsed.target.partition("?")
-        return HttpRequest(parsed.method, path, query, headers, body, peer), parsed.keep_alive
+        return HttpRequest(parsed.method, path, query, headers, body, peer), parsed.keep_alive, taken
 
     async def _next_parsed(self, stream, first: bool, inbox: _Inbox, parser: _Parser) -> _Parsed:
         """Parse what arrives until a request is whole, each wait under its phase's deadline: a
