@@ -261,6 +261,12 @@ class _Parser:
                     inbox.pending = ([view[at:]] if at < n else []) + pending[i + 1:] + inbox.pending
                     return
 
+    def close(self) -> None:
+        """Drop llhttp's parser: it holds this object's callbacks, and this object holds it (a
+        cycle that would otherwise wait for the cyclic collector after each connection)."""
+        self.parser = None
+        self.ready.clear()
+
     def next(self) -> _Parsed | None:
         """The next whole request, or None; raises what :meth:`feed` kept once none is left."""
         if self.ready:
@@ -596,6 +602,7 @@ class Http1Server:
                 refusal = await self._serve_in_turn(stream, peer, inbox, held, parser)
         finally:
             held.release()
+            parser.close()
             self._idle.discard(inbox)
         if scope.cancelled_caught and not inbox.shut:
             limits = self.limits
