@@ -167,7 +167,9 @@ class WeightCache:
         self._models: dict[Key, ModelVersion] = {}
         self._versions: dict[str, set[Key]] = {}     # model name -> its keys in the book
         self._host: dict[Key, tuple] = {}
-        self._spans: dict[Key, object] = {}      # key -> its host copy's one span (packed_span)
+        # with the pool, key -> its host copy's layout, fixed while the copy lives: its one span
+        # (packed_span; None when its tensors do not lie as a slot's) and weights_signature
+        self._layouts: dict[Key, tuple[object, tuple]] = {}
         # Issue 5 (reload): a replaced version's host copy, kept for requests admitted to it
         # that have not run yet; they get a transient device copy. Re-reading by path would give
         # them the new file's weights. Kept for exactly as long as something (a request in a
@@ -270,19 +272,17 @@ class WeightCache:
         return self._device.host_store(model.weights.read())
 
     def _keep_host(self, key: Key, host: tuple) -> None:
-        """``host`` is ``key``'s host copy now; with the pool, its one span when its tensors lie
-        as a slot's do (the bundle reads them so), which a load copies at once."""
+        """``host`` is ``key``'s host copy now; with the pool, its layout is worked out once
+        here, not on every miss: its one span when its tensors lie as a slot's do (the bundle
+        reads them so), which a load copies at once, and the signature a slot must match."""
         self._host[key] = host
-        span = packed_span(host) if self._pool is not None else None
-        if span is not None:
-            self._spans[key] = span
-        else:
-            self._spans.pop(key, None)
+        if self._pool is not None:
+            self._layouts[key] = (packed_span(host), weights_signature(host))
         self._host_changes += 1
 
     def _drop_host(self, key: Key) -> None:
         self._host.pop(key, None)
-        self._spans.pop(key, None)
+        self._layouts.pop(key, None)
         self._host_changes += 1
 
     def log_budget(self) -> None:
@@ -432,7 +432,7 @@ class WeightCache:
                 try:
                     host = self._host[key]
                     # one step's worth: into an idle slot at once if there is one (no generator)
-                    span, signature = self._spans.get(key), weights_signature(host)
+                    span, signature = self._layouts[key]      # (inline: the pool and a host copy)
                     small = model.weight_bytes <= LOAD_STEP_BYTES
                     arrays = self._device.load_weights_into_slot(host, self._pool, signature, span) if small else None
                     if arrays is None:      # (a small one found no idle slot just now: not looked for again)
