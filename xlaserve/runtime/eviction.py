@@ -88,6 +88,10 @@ class LeastRecentlyUsed:
         return iter(list(self._order))
 
 
+_NEVER = object()
+"""A :class:`_Standing`'s cost generation before its cost per byte was first asked for."""
+
+
 @dataclass(slots=True)
 class _Standing:
     nbytes: int
@@ -95,7 +99,7 @@ class _Standing:
     clock: float         # the clock at its last reference
     seq: int             # order of the last reference: breaks ties, least recent first
     unit: float = 0.0    # cost / size, as the cost was in generation ``generation``
-    generation: object = None
+    generation: object = _NEVER
 
 
 class GreedyDualSizeFrequency:
@@ -166,8 +170,9 @@ class GreedyDualSizeFrequency:
         """``s``'s priority with the cost of ``generation``: the cost per byte is asked for once
         a generation and kept (a miss re-files each model referenced since the last one, and
         asking the learned cost costs more than the rest of the priority). Without
-        ``cost_generation`` the cost is taken to be fixed, so it is asked once."""
-        if s.generation != generation or s.generation is None and not s.unit:
+        ``cost_generation`` the generation is always None: the cost is taken to be fixed, so it
+        is asked once."""
+        if s.generation != generation:
             s.unit = self._cost(key, s.nbytes) / max(1, s.nbytes)
             s.generation = generation
         return s.clock + s.frequency * s.unit
