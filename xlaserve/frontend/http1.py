@@ -186,7 +186,7 @@ class _Parser:
     rest). Body bytes are counted in ``held`` (the server's total) as they arrive."""
 
     __slots__ = ("limits", "held", "parser", "ready", "url", "fields", "count", "head", "parts", "size", "headers",
-                 "head_done", "in_message", "head_fed", "continue_sent", "upgraded", "failed", "expected")
+                 "in_message", "head_fed", "continue_sent", "upgraded", "failed", "expected")
 
     def __init__(self, limits: HttpLimits, held: _Held) -> None:
         self.limits = limits
@@ -204,8 +204,7 @@ class _Parser:
         self.head = 0               #: bytes of the fields kept, as the head's size counts them
         self.parts: list[bytes] = []
         self.size = 0
-        self.headers: dict[str, str] | None = None
-        self.head_done = False
+        self.headers: dict[str, str] | None = None     #: once the head is read whole
         self.expected: int | None = None    #: the body's Content-Length, once the head is read
         self.in_message = False     #: a byte of the request being read has been parsed
         self.head_fed = 0           #: bytes fed while its head was incomplete
@@ -216,7 +215,7 @@ class _Parser:
         ends there) when requests before it are whole, to be raised once they are answered
         (:meth:`next`), else raised now as a :class:`_Refusal`."""
         limits = self.limits
-        if not self.head_done:
+        if self.headers is None:
             self.head_fed += len(data)
         try:
             try:
@@ -233,7 +232,7 @@ class _Parser:
                 return
             except httptools.HttpParserError as exc:
                 raise _Refusal(400, f"the request is not valid HTTP/1.1: {exc}") from None
-            if not self.head_done and self.in_message and self.head_fed > limits.max_header_bytes:
+            if self.headers is None and self.in_message and self.head_fed > limits.max_header_bytes:
                 raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
                                     f"({limits.key('max_header_bytes')})")
         except _Refusal as refusal:
@@ -246,19 +245,16 @@ class _Parser:
         :data:`PARSE_SLICE` bytes (a body whose length is known in one piece): what lies past
         is kept for after its answer. llhttp parses every request a feed holds, so slices bound
         how many are parsed ahead of their answers (a burst of pipelined requests in one read)."""
-        pending = inbox.pending
-        inbox.pending = []
+        pending, inbox.pending = inbox.pending, []
         for i, data in enumerate(pending):
-            at, n = 0, len(data)
-            view = memoryview(data) if n > PARSE_SLICE else data
+            view, at, n = memoryview(data), 0, len(data)
             while at < n:
-                step = PARSE_SLICE
-                if self.head_done and self.expected is not None:
-                    step = max(step, self.expected - self.size)
-                self.feed(view[at:at + step] if at or step < n else data)
+                expected = self.expected        # (known once the head of the request being read is)
+                step = PARSE_SLICE if expected is None else max(PARSE_SLICE, expected - self.size)
+                self.feed(view[at:at + step])
                 at += step
                 if self.ready or self.failed is not None or self.upgraded:
-                    inbox.pending = ([view[at:]] if at < n else []) + pending[i + 1:] + inbox.pending
+                    inbox.pending = ([view[at:]] if at < n else []) + pending[i + 1:]
                     return
 
     def close(self) -> None:
@@ -305,12 +301,12 @@ class _Parser:
             text = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-            raise _Refusal(413, f"the request body is {int(length)} bytes, the limit ({limits.key('max_body_bytes')}) "
+        expected = int(length) if length is not None and length.isascii() and length.isdigit() else None
+        if expected is not None and expected > limits.max_body_bytes:
+            raise _Refusal(413, f"the request body is {expected} bytes, the limit ({limits.key('max_body_bytes')}) "
                                 f"is {limits.max_body_bytes}; send large tensors through shared memory")
         self.headers = headers
-        self.head_done = True
-        self.expected = int(length) if length is not None and length.isdigit() else None
+        self.expected = expected
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
@@ -698,7 +694,7 @@ class Http1Server:
                     phase = inbox.phase = _IDLE
                     self._idle.add(inbox)       # close() ends a connection between requests at once
                     scope.deadline = deadline
-            elif not parser.head_done:
+            elif parser.headers is None:
                 if phase != _HEAD:
                     if phase == _IDLE:
                         self._idle.discard(inbox)
