@@ -1,24 +1,25 @@
 """The example ``img_mean``'s execution as the worker runs it (batch assembly, device put,
-execution, outputs on the host), old against new, in one process.
+execution, outputs on the host): the model's three formulations in one process.
 
     python -m benchmarks.img_mean_exec_bench [--rounds 7] [--batches 1/1,8/8,32/32,32/24]
 
-``old``: the requests' rows joined by ``np.concatenate`` (16-byte-aligned memory, which PJRT's
-cpu client copies again) and the model summing pixels in one int32 reduction. ``new``:
-:func:`xlaserve.worker.executor.assemble` (one copy into 64-byte-aligned memory the client
-wraps in place) and examples/export_examples.py's ``img_mean`` (uint16 partial sums of 256
-pixels, then int32). ``aligned``: the new assembly with the old model (what the assembly alone
-changed). All give bit-identical outputs (checked). Each request is its own
-``bytes`` object (as protobuf hands the codec ``raw_input_contents``), ``B/N`` is a compiled
-batch of B filled with N requests (the rest zero-padded). Within a round the two alternate, so a
-busy shared machine slows them alike. Prints CPU time of the whole process (XLA's threads
-included) and wall time per request: medians over the rounds and the range of the CPU time.
+``int32``: one int32 reduction over each image (the first example). ``reduce``: uint16 partial
+sums of 256 pixels by a reduce over the rows, then int32 (the example before the tree).
+``tree``: examples/export_examples.py's ``img_mean`` (the rows added pairwise in uint16, then
+int32). All three go through :func:`xlaserve.worker.executor.assemble` (one copy into 64-byte-
+aligned memory the client wraps in place) and give bit-identical outputs (checked). Each request
+is its own ``bytes`` object (as protobuf hands the codec ``raw_input_contents``), ``B/N`` is a
+compiled batch of B filled with N requests (the rest zero-padded). Within a round they
+alternate, so a busy shared machine slows them alike. Prints CPU time of the whole process
+(XLA's threads included) and wall time per request: medians over the rounds and the range of
+the CPU time.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import jax
@@ -32,20 +33,18 @@ from xlaserve.worker.executor import assemble
 
 
 def img_mean_int32(x):
-    """The example before: one int32 reduction over each image."""
+    """The first example: one int32 reduction over each image."""
     b = x.shape[0]
     total = jnp.sum(x.reshape(b, -1).astype(jnp.int32), axis=1)
     return ((total.astype(jnp.float32) / jnp.float32(x[0].size)).reshape(b, 1),)
 
 
-def concatenated(requests, size: int) -> list[np.ndarray]:
-    """The assembly before: ``np.concatenate`` of the rows and a zero block."""
-    parts = [r["input"] for r in requests]
-    if len(parts) == 1 and parts[0].shape[0] == size:
-        return [np.ascontiguousarray(parts[0])]
-    if len(parts) < size:
-        parts.append(np.zeros((size - len(parts), *reference.IMG_SHAPE), np.uint8))
-    return [np.concatenate(parts)]
+def img_mean_reduce(x):
+    """The example before the tree: uint16 partial sums of 256 pixels by a reduce over the rows."""
+    b = x.shape[0]
+    rows = x.reshape(b, 256, x[0].size // 256).astype(jnp.uint16)
+    total = jnp.sum(jnp.sum(rows, axis=1).astype(jnp.int32), axis=1)
+    return ((total.astype(jnp.float32) / jnp.float32(x[0].size)).reshape(b, 1),)
 
 
 def main() -> None:
@@ -57,9 +56,10 @@ def main() -> None:
     decl = SimpleNamespace(name="input", batch_axis=0, dtype=SimpleNamespace(numpy=np.dtype(np.uint8)))
     model = SimpleNamespace(manifest=SimpleNamespace(executable_inputs=[decl]))
     rng = np.random.default_rng(0)
-    print("| batch / requests | old CPU µs/req | aligned CPU µs/req | new CPU µs/req | new/old "
-          "| old wall µs/req | new wall µs/req |")
-    print("|---|---|---|---|---|---|---|")
+    names = ("int32", "reduce", "tree")
+    print("| batch / requests | " + " | ".join(f"{n} CPU µs/req" for n in names) + " | tree/reduce "
+          "| reduce wall µs/req | tree wall µs/req |")
+    print("|---" * (len(names) + 4) + "|")
     for item in args.batches.split(","):
         size, n = (int(v) for v in item.split("/"))
         pixels = int(np.prod(reference.IMG_SHAPE))
@@ -69,11 +69,12 @@ def main() -> None:
         def compiled(fn):
             spec = jax.ShapeDtypeStruct((size, *reference.IMG_SHAPE), jnp.uint8)
             return device.compile(jax.jit(fn).lower(spec).as_text(dialect="stablehlo").encode())
-        old_ex, new_ex = compiled(img_mean_int32), compiled(img_mean)
-        sides = {"old": lambda: device.execute(old_ex, concatenated(requests, size)),
-                 "aligned": lambda: device.execute(old_ex, assemble(model, requests, size)),
-                 "new": lambda: device.execute(new_ex, assemble(model, requests, size))}
-        if not all(np.array_equal(sides["old"]()[0], run()[0]) for run in sides.values()):
+
+        def run_on(executable):
+            return device.execute(executable, assemble(model, requests, size))
+        sides = {name: partial(run_on, compiled(fn)) for name, fn in
+                 zip(names, (img_mean_int32, img_mean_reduce, img_mean))}
+        if not all(np.array_equal(sides["int32"]()[0], run()[0]) for run in sides.values()):
             raise SystemExit(f"the outputs differ at {item}")
         samples: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
         calls = max(10, 600 // size)
@@ -91,10 +92,9 @@ def main() -> None:
 
         def wall(name):
             return statistics.median(w for _, w in samples[name])
-        (old, old_lo, old_hi), (mid, mid_lo, mid_hi), (new, new_lo, new_hi) = cpu("old"), cpu("aligned"), cpu("new")
-        print(f"| {size} / {n} | {old:.1f} ({old_lo:.1f}-{old_hi:.1f}) | {mid:.1f} ({mid_lo:.1f}-{mid_hi:.1f}) "
-              f"| {new:.1f} ({new_lo:.1f}-{new_hi:.1f}) | {new / old:.2f} | {wall('old'):.1f} | {wall('new'):.1f} |",
-              flush=True)
+        cells = " | ".join("{:.1f} ({:.1f}-{:.1f})".format(*cpu(name)) for name in names)
+        print(f"| {size} / {n} | {cells} | {cpu('tree')[0] / cpu('reduce')[0]:.2f} "
+              f"| {wall('reduce'):.1f} | {wall('tree'):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

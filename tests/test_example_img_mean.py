@@ -1,5 +1,5 @@
-"""The example ``img_mean`` sums pixels exactly (uint16 partial sums, then int32) before its one
-float32 division, whatever the pixels: all 255 is the largest each partial sum gets."""
+"""The example ``img_mean`` sums pixels exactly (rows added pairwise in uint16, then int32) before
+its one float32 division, whatever the pixels: all 255 is the largest each partial sum gets."""
 from __future__ import annotations
 
 import jax
