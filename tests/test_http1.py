@@ -215,6 +215,24 @@ def test_chunked_abuse_and_conflicting_lengths_are_400():
     run(test)
 
 
+def test_a_transfer_coding_other_than_chunked_alone_is_501_naming_it():
+    # llhttp takes "gzip, chunked" as chunked: without the check the body reached the handler
+    # still gzip-coded, as if it were plain
+    async def test(server, connect):
+        for coding in (b"gzip, chunked", b"transfer-encoding: gzip\r\ntransfer-encoding: chunked"):
+            field = coding if coding.startswith(b"transfer-encoding") else b"transfer-encoding: " + coding
+            client = connect()
+            await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\n" + field + b"\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+            reply = await read_all(client)
+            assert status_of(reply) == 501 and b"'gzip, chunked' is not supported" in reply, reply
+        client = connect()      # chunked alone, in any case and spacing, is served
+        await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding:  Chunked \r\n"
+                              b"connection: close\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+        reply = await read_all(client)
+        assert reply.startswith(b"HTTP/1.1 200") and b'"body": 3' in reply
+    run(test)
+
+
 def test_a_content_length_shorter_than_the_body_makes_the_rest_a_bad_next_request():
     async def test(server, connect):
         client = connect()

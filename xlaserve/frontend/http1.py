@@ -31,7 +31,8 @@ offender is answered with the status that names it (when it can still read one) 
   and closed);
 - anything llhttp refuses (a malformed request line, header or chunk, a second
   ``Content-Length``, ``Content-Length`` with ``Transfer-Encoding``, an unknown method) is 400
-  (after the answers to the requests whole before it).
+  (after the answers to the requests whole before it); a transfer coding other than ``chunked``
+  alone (``gzip, chunked``) is 501.
 
 The handler's faults stay in the request: a bug is logged once and answered 500, and the
 connection goes on.
@@ -300,6 +301,13 @@ class _Parser:
             key = name.decode("latin-1").lower()
             text = value.decode("latin-1")
             headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        coding = headers.get("transfer-encoding")
+        if coding is not None and coding.strip().lower() != "chunked":
+            # llhttp reads any coding list that ends in chunked (gzip, chunked) as chunked alone:
+            # the body would reach the handler still gzipped
+            raise _Refusal(501, f"Transfer-Encoding {coding[:100]!r} is not supported: send the body with "
+                                "Content-Length or 'Transfer-Encoding: chunked' alone (compress it with "
+                                "Content-Encoding: gzip or deflate)")
         length = headers.get("content-length")
         expected = int(length) if length is not None and length.isascii() and length.isdigit() else None
         if expected is not None and expected > limits.max_body_bytes:
