@@ -202,6 +202,28 @@ def test_a_body_past_the_limit_is_413_before_it_is_read_or_as_a_chunked_one_cros
     run(test)
 
 
+def test_chunk_extensions_and_trailers_are_bounded_as_a_head_is():
+    # llhttp skips both without a callback: before the bound, a client could stream them for as
+    # long as the body timeout allowed, unbounded in bytes
+    async def test(server, connect):
+        head = b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        extension = connect()
+        await extension.send_all(head + b"3;note=")
+        await extension.send_all(b"n" * 10000)
+        await refused(extension, 431, b"chunk extensions and trailer fields are larger than 2048 bytes")
+        trailers = connect()
+        await trailers.send_all(head + b"3\r\nabc\r\n0\r\n")
+        await trailers.send_all(b"".join(b"t%d: %s\r\n" % (i, b"v" * 90) for i in range(100)))
+        await refused(trailers, 431, b"chunk extensions and trailer fields")
+        # a body in one-byte chunks (framing five times its data) and a few trailers are served
+        patient = connect()
+        await patient.send_all(head + b"1\r\nz\r\n" * 900 + b"0\r\nt: 1\r\n\r\n")
+        status, _, body = await read_response(patient)
+        assert status == 200 and json.loads(body)["body"] == 900
+        await served(connect)
+    run(test)
+
+
 def test_chunked_abuse_and_conflicting_lengths_are_400():
     async def test(server, connect):
         for attack in (b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",

@@ -18,7 +18,8 @@ costs the worker under 200 us (docs/benchmarks.md, *REST against Triton's HTTP e
 Every resource a peer can make the server spend has a limit in :class:`HttpLimits`, and each
 offender is answered with the status that names it (when it can still read one) and closed:
 
-- header bytes (``max_header_bytes``, 431) and header count (``max_headers``, 431);
+- header bytes (``max_header_bytes``, 431) and header count (``max_headers``, 431); a chunked
+  body's chunk extensions and trailer fields together (``max_header_bytes`` again, 431);
 - the body (``max_body_bytes``, 413 before a byte of it is read when ``Content-Length`` says
   so, else as soon as a chunked body crosses it), the bodies all connections hold until they are
   answered (``max_total_body_bytes``, 503), and what a compressed body may inflate to
@@ -70,6 +71,10 @@ SERVER_HEADER = b"xlaserve"
 #: what the parser is fed at once unless a body's known rest is larger: pipelined requests are
 #: parsed ahead of their answers only as far as this reaches past the request being answered
 PARSE_SLICE = 4096
+#: the bytes of a chunk's framing without extensions: its size in hex (16 digits at most) and two
+#: CRLFs. A chunked body may carry max_header_bytes of chunk extensions and trailer fields besides
+#: (counted from the first slice fed after its head: up to a PARSE_SLICE more slip through).
+CHUNK_FRAMING = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +192,7 @@ class _Parser:
     rest). Body bytes are counted in ``held`` (the server's total) as they arrive."""
 
     __slots__ = ("limits", "held", "parser", "ready", "url", "fields", "count", "head", "parts", "size", "headers",
-                 "in_message", "head_fed", "continue_sent", "upgraded", "failed", "expected")
+                 "in_message", "head_fed", "continue_sent", "upgraded", "failed", "expected", "chunks", "chunked_fed")
 
     def __init__(self, limits: HttpLimits, held: _Held) -> None:
         self.limits = limits
@@ -209,6 +214,8 @@ class _Parser:
         self.expected: int | None = None    #: the body's Content-Length, once the head is read
         self.in_message = False     #: a byte of the request being read has been parsed
         self.head_fed = 0           #: bytes fed while its head was incomplete
+        self.chunks = 0             #: chunks of a chunked body begun
+        self.chunked_fed = 0        #: bytes fed while a chunked body was being read (its framing included)
         self.continue_sent = False
 
     def feed(self, data: bytes) -> None:
@@ -218,6 +225,8 @@ class _Parser:
         limits = self.limits
         if self.headers is None:
             self.head_fed += len(data)
+        elif self.expected is None:
+            self.chunked_fed += len(data)
         try:
             try:
                 self.parser.feed_data(data)
@@ -233,9 +242,15 @@ class _Parser:
                 return
             except httptools.HttpParserError as exc:
                 raise _Refusal(400, f"the request is not valid HTTP/1.1: {exc}") from None
-            if self.headers is None and self.in_message and self.head_fed > limits.max_header_bytes:
-                raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the limit "
-                                    f"({limits.key('max_header_bytes')})")
+            if self.headers is None:
+                if self.in_message and self.head_fed > limits.max_header_bytes:
+                    raise _Refusal(431, f"the request's head is larger than {limits.max_header_bytes} bytes, the "
+                                        f"limit ({limits.key('max_header_bytes')})")
+            elif self.chunked_fed - self.size > limits.max_header_bytes + CHUNK_FRAMING * self.chunks:
+                # what a chunked body carries besides its data: chunk extensions and trailer fields
+                # (llhttp skips both), bounded as a head is (RFC 9112 7.1.1)
+                raise _Refusal(431, f"the request's chunk extensions and trailer fields are larger than "
+                                    f"{limits.max_header_bytes} bytes, the limit ({limits.key('max_header_bytes')})")
         except _Refusal as refusal:
             if not self.ready:
                 raise
@@ -315,6 +330,9 @@ class _Parser:
                                 f"is {limits.max_body_bytes}; send large tensors through shared memory")
         self.headers = headers
         self.expected = expected
+
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
 
     def on_body(self, body: bytes) -> None:
         self.size += len(body)
