@@ -14,7 +14,9 @@ import logging
 import socket
 import struct
 import threading
+import time
 import urllib.request
+from functools import partial
 
 import pytest
 import trio
@@ -67,14 +69,15 @@ def test_connect_and_reset_flood_leaves_the_grpc_server_serving(make_server):
 class AdminThread(TrioServerThread):
     """serve_admin with one route that works and one that raises, from trio.run in a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_connections: int = 3) -> None:
+        self.max_connections = max_connections
         super().__init__()
 
     async def _serve(self, nursery: trio.Nursery) -> int:
         def broken():
             raise KeyError("a bug in a route")
         routes = {"/healthz": lambda: (200, "text/plain", b"ok\n"), "/broken": broken}
-        return await nursery.start(serve_admin, "127.0.0.1", 0, routes)
+        return await nursery.start(partial(serve_admin, "127.0.0.1", 0, routes, max_connections=self.max_connections))
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
@@ -101,6 +104,26 @@ def test_connect_and_reset_flood_leaves_the_admin_port_serving(admin):
     reset_flood(admin.port)
     assert admin.get("/healthz") == (200, b"ok\n")
     assert admin._thread.is_alive()
+
+
+def test_admin_connections_past_the_limit_are_answered_503_and_the_port_recovers(admin):
+    # before the limit, a flood of held connections could take every file descriptor the worker has
+    held = [socket.create_connection(("127.0.0.1", admin.port)) for _ in range(admin.max_connections)]
+    for s in held:
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")     # an unfinished head: each holds its slot
+    deadline = time.monotonic() + 5
+    while True:     # the server has accepted the held ones in its own time
+        status, body = admin.get("/healthz")
+        if status == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert status == 503 and b"serves 3 connections at once" in body
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 5
+    while admin.get("/healthz")[0] != 200:
+        assert time.monotonic() < deadline, "the held connections' slots were not released"
+        time.sleep(0.01)
 
 
 def test_admin_route_that_raises_is_answered_500_and_the_port_goes_on(admin, caplog):

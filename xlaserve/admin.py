@@ -16,20 +16,35 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Re
             503: "Service Unavailable"}
 _MAX_HEADER = 16 * 1024
 _SECONDS = 10.0         # a connection's whole exchange: request read and answer written
+#: connections answered at once (probes and scrapes need a few); one more is answered 503 and
+#: closed, so a flood of connections to this port cannot take the process's file descriptors
+MAX_CONNECTIONS = 64
 
 
 async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
-                      listeners: list[trio.SocketListener] | None = None,
+                      listeners: list[trio.SocketListener] | None = None, max_connections: int = MAX_CONNECTIONS,
                       task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Answer ``routes`` on ``host:port``, or on ``listeners`` already open. Reports the port
     served. Each connection runs inside its own guard (:mod:`xlaserve.frontend.guard`): a peer
     that resets, sends garbage or stalls, or a route that raises, costs that connection only
-    (a route's exception is answered 500 and logged, one line a second)."""
+    (a route's exception is answered 500 and logged, one line a second). At most
+    ``max_connections`` are served at once; one more is answered 503 and closed."""
     limiter = LineLimiter(log)
+    active = 0
 
     async def handle(stream: trio.SocketStream) -> None:
-        with trio.move_on_after(_SECONDS):
-            await _answer(stream, routes, limiter)
+        nonlocal active
+        if active >= max_connections:
+            with trio.move_on_after(1.0):
+                await _send(stream, 503, "text/plain", f"the admin port serves {max_connections} connections at "
+                                                       "once; try again\n".encode(), False)
+            return
+        active += 1
+        try:
+            with trio.move_on_after(_SECONDS):
+                await _answer(stream, routes, limiter)
+        finally:
+            active -= 1
 
     if listeners is None:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
