@@ -248,7 +248,7 @@ def test_registry_rejects_unusual_parameters(regions):
     with pytest.raises(InvalidArgument, match="without 'shared_memory_byte_size'"):
         registry.read_input("x", t.parameters)
     t.parameters["shared_memory_byte_size"].string_param = "8"
-    with pytest.raises(InvalidArgument, match="must be an integer"):
+    with pytest.raises(InvalidArgument, match=r"must be an integer, got a string \(string_param\)"):
         registry.read_input("x", t.parameters)
     assert registry.read_input("x", _params(name, 8, 56)).nbytes == 8
     registry.close()

@@ -228,6 +228,11 @@ def encode_output(array: np.ndarray, dtype: DType) -> bytes:
     return np.ascontiguousarray(array).tobytes()
 
 
+#: what each kind of InferParameter holds, as an error message says it
+_PARAMETER_KINDS = {"bool_param": "a boolean", "string_param": "a string",
+                    "double_param": "a number with a fraction or past 64 bits"}
+
+
 def int_parameter(parameters: Mapping, key: str, owner: str = "", unit: str = "") -> int | None:
     """A request parameter that must be a non-negative integer (``int64_param`` or
     ``uint64_param``): its value, or None when absent. ``owner`` prefixes the error messages
@@ -238,7 +243,8 @@ def int_parameter(parameters: Mapping, key: str, owner: str = "", unit: str = ""
     param = parameters[key]
     which = param.WhichOneof("parameter_choice")
     if which not in ("int64_param", "uint64_param"):
-        raise InvalidArgument(f"{prefix}parameter '{key}' must be an integer{unit}, got {which}")
+        raise InvalidArgument(f"{prefix}parameter '{key}' must be an integer{unit}, got "
+                              f"{_PARAMETER_KINDS.get(which, 'nothing')} ({which})")
     value = getattr(param, which)
     if value < 0:
         raise InvalidArgument(f"{prefix}parameter '{key}' must not be negative, got {value}")

@@ -95,6 +95,14 @@ def parameters_json(parameters) -> dict:
     return out
 
 
+def _flag(parameters: dict, key: str, owner: str) -> bool | None:
+    """A boolean parameter of Triton's binary data extension, or None when it is absent."""
+    value = parameters.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidArgument(f"{owner}: parameter '{key}' must be true or false, got {_kind(value)}")
+    return value
+
+
 def _kind(value: object) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
             type(None): "null"}.get(type(value), "a number")
@@ -180,6 +188,14 @@ def json_tensor_bytes(name: str, datatype: str, shape: list[int], data: object) 
     elif kind not in "iuf" or kind == "b":
         raise InvalidArgument(f"input '{name}': {datatype} 'data' holds numbers, got "
                               f"{'booleans' if kind == 'b' else 'non-numbers'}")
+    else:
+        with np.errstate(over="ignore"):        # a cast past the range is an error below, not a warning
+            array = np.ascontiguousarray(values, dtype=dtype.numpy)
+        # JSON carries no infinity, so one here is a number past the type's range (1e39 as FP32)
+        if array.dtype.itemsize < 8 and not np.isfinite(array).all():
+            raise InvalidArgument(f"input '{name}': a value in 'data' does not fit {datatype} (it would become "
+                                  "infinite)")
+        return array.tobytes()
     return np.ascontiguousarray(values, dtype=dtype.numpy).tobytes()
 
 
@@ -250,7 +266,7 @@ def _infer_request(body: bytes | memoryview, header_length: int | None, model: s
         request.id = rid
     set_parameters(request.parameters, doc.get("parameters"), "the request")
     params = doc.get("parameters") or {}
-    all_binary = params.get("binary_data_output") is True
+    all_binary = _flag(params, "binary_data_output", "the request") is True
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidArgument("'inputs' must be a non-empty array of tensors")
@@ -308,8 +324,8 @@ def _infer_request(body: bytes | memoryview, header_length: int | None, model: s
             out = request.outputs.add(name=spec["name"])
             out_params = spec.get("parameters") or {}
             set_parameters(out.parameters, out_params, f"output '{out.name}'")
-            flag = out_params.get("binary_data") if isinstance(out_params, dict) else None
-            if flag is True or (flag is None and all_binary):
+            flag = _flag(out_params, "binary_data", f"output '{out.name}'")
+            if flag or (flag is None and all_binary):
                 binary.add(out.name)
     return RestInfer(request, frozenset(binary), all_binary), sizes
 
