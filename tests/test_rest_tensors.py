@@ -92,6 +92,10 @@ def test_binary_and_json_inputs_mix_and_parameters_become_typed_parameters():
      "input 'x': BYTES 'data' holds strings, got a number"),
     ({"inputs": [{"name": "x", "datatype": "FP8", "shape": [2], "data": [1, 2]}]}, None,
      "input 'x': 'datatype' must be one of BOOL"),
+    ({"inputs": [{"name": "x", "datatype": ["FP32"], "shape": [2], "data": [1, 2]}]}, None,
+     "input 'x': 'datatype' must be one of BOOL"),      # a list (unhashable) was a TypeError: 500
+    ({"inputs": [{"name": "x", "datatype": {"a": 1}, "shape": [2], "data": [1, 2]}]}, None,
+     "got {\"a\": 1}"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, -1], "data": [1, 2]}]}, None,
      "input 'x': 'shape' [2, -1] has a negative dimension"),
     ({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2 ** 63, 1], "data": [1]}]}, None,

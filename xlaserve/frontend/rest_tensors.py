@@ -281,7 +281,7 @@ def _infer_request(body: bytes | memoryview, header_length: int | None, model: s
             raise InvalidArgument(f"inputs[{i}]: 'name' must be a non-empty string")
         where = f"input '{name}'"
         datatype = spec.get("datatype")
-        if datatype not in BY_KSERVE:
+        if not isinstance(datatype, str) or datatype not in BY_KSERVE:     # (a list or an object is unhashable)
             raise InvalidArgument(f"{where}: 'datatype' must be one of {', '.join(BY_KSERVE)}, got "
                                   f"{json.dumps(datatype)[:40]}")
         shape = _shape(spec.get("shape"), where)
