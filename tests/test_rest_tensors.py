@@ -7,6 +7,8 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve.codec import deserialize_bytes, serialize_bytes
@@ -259,3 +261,40 @@ def test_json_outputs_of_every_datatype_read_back_as_the_same_values(datatype, n
         assert data == raw.tolist()             # exact, up to 2**64 - 1
     else:
         assert (np.array(data).astype(numpy) == raw).all()     # a float32 reads back as itself
+
+
+# ---- any JSON where a request's fields go: translated, or refused naming what was wrong ------------
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from(["", "x", "FP32", "BYTES", "INT8", "BOOL", "a", "shared_memory_region"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
+        ["name", "datatype", "shape", "data", "parameters", "binary_data", "binary_data_size", "x"]), inner, max_size=4),
+    max_leaves=12)
+_TENSOR = st.fixed_dictionaries(
+    {"name": st.sampled_from(["a", "b"]) | _JSON, "datatype": st.sampled_from(["FP32", "INT8", "UINT64", "BOOL", "BYTES",
+                                                                                "FP16", "BF16"]) | _JSON,
+     "shape": st.lists(st.integers(0, 3), max_size=2) | _JSON},
+    optional={"data": st.lists(st.integers(-300, 2 ** 64) | st.floats(-1e40, 1e40) | st.booleans() | st.text(max_size=2),
+                               max_size=6) | _JSON,
+              "parameters": st.dictionaries(st.sampled_from(["binary_data_size", "shared_memory_region",
+                                                             "shared_memory_byte_size", "x"]), _JSON, max_size=2) | _JSON})
+_DOC = st.fixed_dictionaries(
+    {"inputs": st.lists(_TENSOR, max_size=3) | _JSON},
+    optional={"outputs": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["y"]) | _JSON},
+                                                        optional={"parameters": _JSON}), max_size=2) | _JSON,
+              "parameters": st.dictionaries(st.sampled_from(["binary_data_output", "timeout", "x"]), _JSON,
+                                            max_size=2) | _JSON,
+              "id": _JSON}) | _JSON
+
+
+@settings(max_examples=600, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_DOC, tail=st.none() | st.binary(max_size=16))
+def test_any_json_request_is_translated_or_refused_with_invalid_argument(doc, tail):
+    # a TypeError or KeyError here would be answered 500 (the handler's bug guard): every mistake
+    # a client can make must be a 400 naming it (a list as 'datatype' was one, found this way)
+    rest_tensors._HEADERS.clear()
+    header = json.dumps(doc).encode()
+    try:
+        infer_request(header + (tail or b""), len(header) if tail is not None else None, "m", "")
+    except InvalidArgument:
+        pass
