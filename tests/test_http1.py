@@ -255,6 +255,19 @@ def test_a_transfer_coding_other_than_chunked_alone_is_501_naming_it():
     run(test)
 
 
+def test_an_absolute_form_target_routes_by_its_path():
+    # what a forward proxy sends (RFC 9112 3.2.2: a server accepts it); it was routed as a path
+    # that began with "http:" and answered 404
+    async def test(server, connect):
+        client = connect()
+        for target, path in ((b"http://x:8000/echo?a=1", "/echo"), (b"HTTPS://x/echo", "/echo"),
+                             (b"http://x?q=1", "/"), (b"http://x", "/")):
+            await client.send_all(b"GET %s HTTP/1.1\r\nhost: x\r\n\r\n" % target)
+            status, _, body = await read_response(client)
+            assert status == 200 and json.loads(body)["path"] == path, (target, body)
+    run(test)
+
+
 def test_a_content_length_shorter_than_the_body_makes_the_rest_a_bad_next_request():
     async def test(server, connect):
         client = connect()
