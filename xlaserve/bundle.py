@@ -33,6 +33,7 @@ import numpy as np
 import yaml
 
 from xlaserve._hooks import Registration, collecting_registrations
+from xlaserve.bounded import expansion_problem
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
@@ -240,6 +241,11 @@ def read_manifest(path: Path) -> Manifest:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             raise BundleError(name, f"{MANIFEST} is not valid YAML: {exc}") from None
+        except RecursionError:      # libyaml refused the depth; the pure-Python loader recursed
+            raise BundleError(name, f"{MANIFEST} nests lists or mappings too deeply to be read") from None
+    problem = expansion_problem(data)
+    if problem is not None:
+        raise BundleError(name, f"{MANIFEST} cannot be read: {problem}")
     return parse_manifest(data, name)
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from xlaserve.bounded import shown
 from xlaserve.dtypes import BY_CODE, EXECUTABLE_CODES, DType
 from xlaserve.errors import BundleError
 
@@ -102,13 +103,13 @@ def parse_manifest(data: Any, bundle: str) -> Manifest:
     _known_keys(data, _TOP_KEYS, "", fail)
     version = data.get("format_version")
     if str(version) != FORMAT_VERSION:
-        raise fail(f"format_version: expected \"{FORMAT_VERSION}\", got {version!r}")
+        raise fail(f"format_version: expected \"{FORMAT_VERSION}\", got {shown(version)}")
     name = data.get("name")
     if name is not None and name != bundle:
         raise fail(f"name: '{name}' must equal the bundle's directory name '{bundle}'")
     kind = data.get("kind", "model")
     if kind not in ("model", "meta"):
-        raise fail(f"kind: expected 'model' or 'meta', got {kind!r}")
+        raise fail(f"kind: expected 'model' or 'meta', got {shown(kind)}")
 
     if kind == "meta":
         for key in ("executable_inputs", "executable_outputs", "weights", "batching"):
@@ -139,11 +140,11 @@ def parse_manifest(data: Any, bundle: str) -> Manifest:
         _known_keys(w, {"file", "order"}, "weights: ", fail)
         weights_file = w.get("file", DEFAULT_WEIGHTS_FILE)
         if not isinstance(weights_file, str) or "/" in weights_file or weights_file.startswith("."):
-            raise fail(f"weights.file: expected a file name inside the bundle, got {weights_file!r}")
+            raise fail(f"weights.file: expected a file name inside the bundle, got {shown(weights_file)}")
         if "order" in w:
             order = w["order"]
             if not isinstance(order, list) or not all(isinstance(o, str) for o in order):
-                raise fail(f"weights.order: expected a list of tensor names, got {order!r}")
+                raise fail(f"weights.order: expected a list of tensor names, got {shown(order)}")
             if len(set(order)) != len(order):
                 raise fail("weights.order: names repeat")
             weights_order = tuple(order)
@@ -159,7 +160,7 @@ def _batching(batching: Any, fail) -> tuple[int, ...]:
     sizes = batching.get("compiled_batch_sizes")
     if (not isinstance(sizes, list) or not sizes
             or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in sizes)):
-        raise fail(f"batching.compiled_batch_sizes: expected a non-empty list of positive integers, got {sizes!r}")
+        raise fail(f"batching.compiled_batch_sizes: expected a non-empty list of positive integers, got {shown(sizes)}")
     if len(set(sizes)) != len(sizes):
         raise fail(f"batching.compiled_batch_sizes: sizes repeat in {sizes}")
     return tuple(sorted(sizes))
@@ -172,26 +173,26 @@ def _tensors(items: Any, key: str, fail, *, executable: bool) -> tuple[TensorDec
     for i, item in enumerate(items):
         where = f"{key}[{i}]"
         if not isinstance(item, dict):
-            raise fail(f"{where}: expected a mapping {{name, dtype, shape, dims}}, got {item!r}")
+            raise fail(f"{where}: expected a mapping {{name, dtype, shape, dims}}, got {shown(item)}")
         _known_keys(item, _TENSOR_KEYS, f"{where}: ", fail)
         name = item.get("name")
         if not isinstance(name, str) or not name:
-            raise fail(f"{where}.name: expected a non-empty string, got {name!r}")
+            raise fail(f"{where}.name: expected a non-empty string, got {shown(name)}")
         where = f"{key}[{i}] ('{name}')"
         if any(t.name == name for t in out):
             raise fail(f"{where}: the name repeats")
         code = item.get("dtype")
         allowed = EXECUTABLE_CODES if executable else tuple(BY_CODE)
         if code not in allowed:
-            raise fail(f"{where}.dtype: expected one of {' '.join(allowed)}, got {code!r}")
+            raise fail(f"{where}.dtype: expected one of {' '.join(allowed)}, got {shown(code)}")
         shape = item.get("shape")
         if not isinstance(shape, str) or not shape.isascii() or not shape.isalpha() or not shape.islower():
-            raise fail(f"{where}.shape: expected lowercase axis letters such as \"whn\", got {shape!r}")
+            raise fail(f"{where}.shape: expected lowercase axis letters such as \"whn\", got {shown(shape)}")
         if len(set(shape)) != len(shape):
             raise fail(f"{where}.shape: axis letters repeat in \"{shape}\"")
         dims = item.get("dims", {}) or {}
         if not isinstance(dims, dict):
-            raise fail(f"{where}.dims: expected a mapping from axis letter to size, got {dims!r}")
+            raise fail(f"{where}.dims: expected a mapping from axis letter to size, got {shown(dims)}")
         if BATCH_AXIS in dims:
             raise fail(f"{where}.dims: '{BATCH_AXIS}' is the batch axis and takes no size")
         need = set(shape) - {BATCH_AXIS}
@@ -203,7 +204,7 @@ def _tensors(items: Any, key: str, fail, *, executable: bool) -> tuple[TensorDec
             raise fail(f"{where}.dims: axis {', '.join(sorted(map(str, extra)))} is not in shape \"{shape}\"")
         for axis, size in dims.items():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise fail(f"{where}.dims.{axis}: expected a positive integer, got {size!r}")
+                raise fail(f"{where}.dims.{axis}: expected a positive integer, got {shown(size)}")
         if executable and BATCH_AXIS not in shape:
             raise fail(f"{where}.shape: executable tensors need the batch axis '{BATCH_AXIS}', got \"{shape}\"")
         out.append(TensorDecl(name, BY_CODE[code], shape, MappingProxyType(dict(dims))))

@@ -27,6 +27,7 @@ from typing import Any, get_origin
 
 import yaml
 
+from xlaserve.bounded import expansion_problem
 from xlaserve.config.fields import (ConfigError, convert_value, field_specs, is_int, optional_inner,
                                     as_mapping, merge_partial, parse_partial, reject_unknown, show_value,
                                     field_value)
@@ -180,6 +181,11 @@ def load_yaml_file(path: Path, what: str, parse: Callable[[Any], Any]) -> Any:
         raise ConfigError(f"{path}:{error}") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}:{_yaml_problem(error)}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: lists or mappings are nested too deeply to be read") from None
+    problem = expansion_problem(data)
+    if problem is not None:
+        raise ConfigError(f"{path}: cannot be read: {problem}")
     try:
         return parse(data)
     except ConfigError as error:
