@@ -1,7 +1,9 @@
 """Bundle loading: the manifest and weights validated against each module's @main signature."""
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 import subprocess
 import sys
 
@@ -91,6 +93,32 @@ def test_weight_shape_mismatch(repo, device):
     msg = load_error(repo / "mlp", device)
     assert "weight 'w' (argument 0 of @main): expected tensor<512x256xf32>" in msg
     assert "found tensor<512x512xf32>" in msg
+
+
+def _safetensors(header, data: bytes = b"\0" * 64) -> bytes:
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@pytest.mark.parametrize("header,message", [
+    ([1, 2], "the header is not a JSON object of tensors (it is list)"),
+    ({"w": "x"}, "tensor 'w' is not described by a JSON object"),
+    ({"w": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, "tensor 'w' has dtype ['F32']"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-20, -12]}}, "'data_offsets' must be two integers"),
+    ({"w": {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]}}, "'shape' must be a list of integers >= 0"),
+    ({"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}}, "'shape' must be a list of integers >= 0"),
+    ({"w": {"dtype": "F32", "shape": [True, True], "data_offsets": [0, 4]}}, "'shape' must be a list"),
+    ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0.5, 8.5]}}, "'data_offsets' must be two integers"),
+    ({"w": {"dtype": "F32", "shape": [2 ** 62, 2 ** 62], "data_offsets": [0, 0]}}, "spans bytes 0..0 of the data"),
+    (b"[" * 100_000 + b"]" * 100_000, "nests JSON arrays or objects too deeply"),
+])
+def test_a_hostile_safetensors_header_is_refused_naming_what_is_wrong(repo, device, header, message):
+    # before: a list header or a non-object entry escaped as AttributeError, negative offsets
+    # pointed into the header (or before the file), and a shape whose int64 product wrapped to 0
+    # matched an empty span
+    (repo / "mlp" / "weights.safetensors").write_bytes(_safetensors(header))
+    error = load_error(repo / "mlp", device)
+    assert "cannot read weights.safetensors" in error and message in error, error
 
 
 def test_missing_and_truncated_weights(repo, device):

@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import math
 import os
 import re
 import struct
@@ -33,7 +34,7 @@ import numpy as np
 import yaml
 
 from xlaserve._hooks import Registration, collecting_registrations
-from xlaserve.bounded import expansion_problem
+from xlaserve.bounded import expansion_problem, shown
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
@@ -296,9 +297,16 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+#: the largest safetensors JSON header read (the safetensors library's own limit)
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
 def _read_safetensors_header(file: Path) -> dict[str, WeightTensor]:
     """The tensor table of a safetensors file: an 8-byte little-endian header length, a JSON
-    header, then the data; offsets in the header are relative to the data."""
+    header, then the data; offsets in the header are relative to the data. Everything in the
+    header is checked before it is used: each tensor a mapping with a known dtype, a shape of
+    integers >= 0 and two integer offsets with 0 <= begin <= end, its bytes exactly what the
+    shape needs, inside the file. ValueError names what is wrong."""
     with open(file, "rb") as f:
         head = f.read(8)
         if len(head) != 8:
@@ -307,22 +315,40 @@ def _read_safetensors_header(file: Path) -> dict[str, WeightTensor]:
         size = os.fstat(f.fileno()).st_size
         if length > size - 8:
             raise ValueError(f"header length {length} runs past the end of the {size}-byte file")
-        header = json.loads(f.read(length))
+        if length > MAX_SAFETENSORS_HEADER:
+            raise ValueError(f"the header is {length} bytes, more than the {MAX_SAFETENSORS_HEADER} a safetensors "
+                             "header may have")
+        try:
+            header = json.loads(f.read(length))
+        except RecursionError:
+            raise ValueError("the header nests JSON arrays or objects too deeply to be read") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is not a JSON object of tensors (it is {type(header).__name__})")
     data = 8 + length
     tensors: dict[str, WeightTensor] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {shown(name)} is not described by a JSON object (got {shown(info)})")
+        code = info.get("dtype")
+        dtype = _SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
         if dtype is None:
-            raise ValueError(f"tensor {name!r} has dtype {info.get('dtype')!r}; supported: "
+            raise ValueError(f"tensor {shown(name)} has dtype {shown(code)}; supported: "
                              f"{', '.join(_SAFETENSORS_DTYPES)}")
-        begin, end = info["data_offsets"]
-        t = WeightTensor(name, dtype, tuple(int(d) for d in info["shape"]), data + int(begin))
-        if end - begin != t.nbytes or data + end > size:
-            raise ValueError(f"tensor {name!r} spans bytes {begin}..{end} of the data but its shape "
-                             f"{list(t.shape)} of {info['dtype']} needs {t.nbytes} (file is {size} bytes)")
-        tensors[name] = t
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {shown(name)}: 'shape' must be a list of integers >= 0, got {shown(shape)}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"tensor {shown(name)}: 'data_offsets' must be two integers 0 <= begin <= end, got "
+                             f"{shown(offsets)}")
+        begin, end = offsets
+        needs = math.prod(shape) * dtype.itemsize       # exact: no int64 wrap-around
+        if end - begin != needs or data + end > size:
+            raise ValueError(f"tensor {shown(name)} spans bytes {begin}..{end} of the data but its shape "
+                             f"{shown(shape)} of {code} needs {needs} (file is {size} bytes)")
+        tensors[name] = WeightTensor(name, dtype, tuple(shape), data + begin)
     return tensors
 
 
