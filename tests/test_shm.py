@@ -17,7 +17,8 @@ from tritonclient.utils import InferenceServerException
 from examples import reference
 from tests.conftest import serve
 from xlaserve._proto import grpc_service_pb2 as pb
-from xlaserve.errors import InvalidArgument, NotFound
+from xlaserve.errors import InvalidArgument, NotFound, ResourceExhausted
+from xlaserve.frontend import shm as shm_module
 from xlaserve.frontend.shm import SharedMemoryRegistry
 
 _counter = itertools.count()
@@ -253,6 +254,23 @@ def test_registry_rejects_unusual_parameters(regions):
     assert registry.read_input("x", _params(name, 8, 56)).nbytes == 8
     registry.close()
     assert registry.status() == []
+
+
+def test_the_registry_holds_at_most_max_regions_with_names_of_bounded_length(regions, monkeypatch):
+    # each region is a mapping of the worker: before the cap, a peer could register regions until
+    # the process ran out of mappings (vm.max_map_count) for its own allocations too
+    monkeypatch.setattr(shm_module, "MAX_REGIONS", 3)
+    name, key, _ = regions("cap", 64)
+    registry = SharedMemoryRegistry()
+    for i in range(3):
+        registry.register(f"{name}-{i}", key, 0, 64)
+    with pytest.raises(ResourceExhausted, match="3 shared-memory regions are registered, the most this server keeps"):
+        registry.register(f"{name}-3", key, 0, 64)
+    registry.unregister(f"{name}-0")
+    registry.register(f"{name}-3", key, 0, 64)      # room again
+    with pytest.raises(InvalidArgument, match="is 300 characters long; at most 256"):
+        registry.register("r" * 300, key, 0, 64)
+    registry.close()
 
 
 def test_an_object_shrunk_after_registering_is_refused_not_faulted(regions):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xlaserve.codec import int_parameter, serialize_bytes
-from xlaserve.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from xlaserve.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from xlaserve.manifest import TensorDecl
 
 SHM_DIR = "/dev/shm"
@@ -34,6 +34,12 @@ ENABLE_HINT = ("client shared memory is disabled on this server; set endpoints.a
                "that you trust")
 CUDA_UNAVAILABLE = ("CUDA shared memory is not available: xlaserve takes system shared memory "
                     "(SystemSharedMemoryRegister) on every backend; CUDA IPC regions are not supported")
+
+#: regions registered at once: each is a mapping of the process, and a process has at most
+#: vm.max_map_count (65,530 by default) of them for everything it maps (its own allocations too)
+MAX_REGIONS = 1024
+#: the longest region name (Triton's clients name regions with a few words)
+MAX_REGION_NAME = 256
 
 # A POSIX shared-memory name: optional leading slashes (shm_open's convention, which tritonclient
 # keeps), then one path component of ordinary characters.
@@ -95,10 +101,16 @@ class SharedMemoryRegistry:
     def register(self, name: str, key: str, offset: int, byte_size: int) -> RegionStatus:
         if not name:
             raise InvalidArgument("a shared-memory region needs a non-empty name")
+        if len(name) > MAX_REGION_NAME:
+            raise InvalidArgument(f"shared-memory region name '{name[:40]}...' is {len(name)} characters long; "
+                                  f"at most {MAX_REGION_NAME}")
         if name in self._regions:
             have = self._regions[name].status
             raise InvalidArgument(f"shared-memory region '{name}' is already registered (key '{have.key}', "
                                   f"offset {have.offset}, byte_size {have.byte_size}); unregister it first")
+        if len(self._regions) >= MAX_REGIONS:
+            raise ResourceExhausted(f"{MAX_REGIONS} shared-memory regions are registered, the most this server "
+                                    f"keeps; unregister one before registering '{name}'")
         obj = _object_name(key)
         if offset < 0 or byte_size <= 0:
             raise InvalidArgument(f"shared-memory region '{name}': offset must be >= 0 and byte_size > 0, got "
@@ -121,7 +133,10 @@ class SharedMemoryRegistry:
                                       f"{offset + byte_size} runs past the end of shared-memory object '{key}' "
                                       f"({info.st_size} bytes)")
             start = offset % mmap.ALLOCATIONGRANULARITY
-            mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
+            try:
+                mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
+            except OSError as exc:     # the process's mappings or memory are exhausted
+                raise ResourceExhausted(f"shared-memory region '{name}': cannot map '{key}': {exc.strerror}") from None
         finally:
             os.close(fd)
         status = RegionStatus(name, key, offset, byte_size)
