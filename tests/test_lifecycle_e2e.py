@@ -245,6 +245,8 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
 def test_explicit_static_and_executable_cache(tmp_path):
     repo = tmp_path / "models"
     export_simple(repo, (1, 2))
+    outside = tmp_path / "outside"
+    export_simple(outside, (1,))
     cache = tmp_path / "cache"
     expected = 2 * np.arange(16).reshape(1, 16)
 
@@ -261,6 +263,13 @@ def test_explicit_static_and_executable_cache(tmp_path):
         with pytest.raises(InferenceServerException, match=r"^\[StatusCode.NOT_FOUND\] Request for unknown model: "
                                                            "'nope' is not found; model 'nope' is not in the repository"):
             client.load_model("nope")
+        # a name is joined to model_repo: before the check, these loaded the bundle outside it
+        # (and would have run its hooks)
+        for name in (str(outside / "simple"), "../outside/simple", "simple/../../outside/simple", ".."):
+            with pytest.raises(InferenceServerException, match=r"^\[StatusCode.INVALID_ARGUMENT\] model name .* is "
+                                                               "not a bundle name"):
+                client.load_model(name)
+        assert _index(client) == {}
         client.load_model("simple")
         assert client.is_model_ready("simple") and client.is_server_ready()
         assert server.get("/readyz") == (200, "ready READY=1\n")

@@ -212,6 +212,12 @@ def is_bundle(path: Path) -> bool:
     return path.is_dir() and (path / MANIFEST).is_file() and not path.name.startswith(".")
 
 
+def bundle_name_ok(name: str) -> bool:
+    """Whether ``name`` can name a bundle: a directory directly inside the repository that
+    :func:`is_bundle` would take, never a path (``../x``, ``/abs/x``)."""
+    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+
+
 def bundle_fingerprint(path: Path) -> str:
     """A digest of every file of the bundle (names, sizes, mtimes): changes when any file does."""
     h = hashlib.sha256()

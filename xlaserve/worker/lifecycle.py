@@ -32,9 +32,9 @@ from pathlib import Path
 
 import trio
 
-from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, is_bundle, load_bundle
+from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, bundle_name_ok, is_bundle, load_bundle
 from xlaserve.config import WorkerConfig
-from xlaserve.errors import BundleError, ModelNotFound, Unavailable
+from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, Unavailable
 from xlaserve.runtime.executables import ExecutableTable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.worker.messages import DropModel, SchedulerMessage
@@ -265,6 +265,11 @@ class Lifecycle:
                  hits, compiled, shared, len(distinct))
 
     async def _load_requested(self, name: str) -> Exception | None:
+        if not bundle_name_ok(name):
+            # a client's name is joined to model_repo: "../x" or "/abs/x" would load (and run the
+            # hooks of) a bundle from anywhere on the host
+            return InvalidArgument(f"model name {name[:200]!r} is not a bundle name: a bundle is a directory directly "
+                                   "inside model_repo, its name without '/', '\\' or NUL and not starting with '.'")
         if not self._included(name) or not is_bundle(self.repo / name):
             return ModelNotFound(name, self.discover())
         entry = await self.load(name)
