@@ -518,7 +518,8 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def TraceSetting(self, stream) -> None:
         await stream.recv_message()
-        raise Unimplemented("TraceSetting: request tracing is not supported by xlaserve")
+        raise Unimplemented("TraceSetting: Triton's trace settings are not supported; xlaserve traces requests with "
+                            "OpenTelemetry, set in the node file's tracing: block (docs/tracing.md)")
 
     @rpc
     async def LogSettings(self, stream) -> None:
