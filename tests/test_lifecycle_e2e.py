@@ -5,6 +5,7 @@ and the WorkerControl service."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import shutil
@@ -209,9 +210,10 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
             await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=3.0, max_batch_size=1,
                                                                 batch_delay_seconds=0.02, batch_target_rows=4))
             await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="mlp", residency="device"))
-            with pytest.raises(GRPCError) as bad:
-                await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=-1))
-            assert bad.value.status is Status.INVALID_ARGUMENT
+            for weight in (-1, math.inf, math.nan):
+                with pytest.raises(GRPCError) as bad:
+                    await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=weight))
+                assert bad.value.status is Status.INVALID_ARGUMENT and "finite number > 0" in bad.value.message
             with pytest.raises(GRPCError) as bad_hold:
                 await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", batch_delay_seconds=-0.5))
             assert bad_hold.value.status is Status.INVALID_ARGUMENT

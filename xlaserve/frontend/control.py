@@ -153,8 +153,8 @@ class WorkerControlService(WorkerControlBase):
         self._known(request.model)
         weight = request.weight if request.HasField("weight") else None
         max_batch = request.max_batch_size if request.HasField("max_batch_size") else None
-        if weight is not None and not weight > 0:
-            raise InvalidArgument(f"weight must be > 0 (a relative share of device time); got {weight}")
+        if weight is not None and not 0 < weight < math.inf:   # as the node file's weight (an infinite one starved the rest)
+            raise InvalidArgument(f"weight must be a finite number > 0 (a relative share of device time); got {weight}")
         if max_batch is not None and max_batch < 0:
             raise InvalidArgument(f"max_batch_size must be >= 1, or 0 for uncapped; got {max_batch}")
         delay = request.batch_delay_seconds if request.HasField("batch_delay_seconds") else None
