@@ -3,6 +3,7 @@ every example, and bad requests answered precisely while the server keeps servin
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
 import pytest
@@ -200,6 +201,15 @@ def test_metrics_endpoint_counts_requests(example_server):
     assert status == 200
     assert 'xlaserve_requests_total{model="mlp",status="OK"}' in body
     assert "xlaserve_request_duration_seconds_bucket" in body
+    # requests for models the worker does not have share one label: one per name a client sent
+    # would let any client grow /metrics without bound
+    for name in ("nope-1", "nope-2", "nope-3"):
+        with pytest.raises(InferenceServerException):
+            c.infer(name, [infer_input("input", np.zeros((1, 512), np.float32), "FP32")])
+    body = example_server.get("/metrics")[1]
+    assert "nope-" not in body
+    unknown = re.search(r'^xlaserve_requests_total\{model="",status="NOT_FOUND"\} (\S+)$', body, re.M)
+    assert unknown is not None and float(unknown.group(1)) >= 3, body
 
 
 @pytest.mark.parametrize("call", ["infer", "get_model_metadata", "get_model_config", "get_inference_statistics"])

@@ -357,7 +357,10 @@ class KServeService(GRPCInferenceServiceBase):
                     except XlaserveError as exc:
                         outcome = exc
                 status = outcome.status.name if isinstance(outcome, XlaserveError) else "OK"
-                worker.observe_request(request.model_name, status, (time.perf_counter_ns() - received_ns) / 1e9)
+                # a model the worker does not have is counted under "": a label per name a client
+                # sends would let any client grow /metrics (and the worker's memory) without bound
+                worker.observe_request(model.name if model is not None else "", status,
+                                       (time.perf_counter_ns() - received_ns) / 1e9)
             except Exception as exc:
                 log.exception("model '%s': answering request '%s' failed", request.model_name, request.id)
                 outcome = InternalError(f"model '{request.model_name}': "
