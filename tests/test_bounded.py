@@ -12,9 +12,14 @@ from xlaserve.bundle import read_manifest
 from xlaserve.config import ConfigError, load_node_config
 from xlaserve.errors import BundleError
 
-#: ten names of ten repeats each: 10^9 values in under 300 bytes of YAML
-BOMB = "[" + ", ".join(["&a0 [x, x, x, x, x, x, x, x, x, x]"] + [
-    f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]) + "]"
+def _yaml_bomb(levels: int) -> str:
+    """``levels`` names of ten repeats each, in one flow list: 10^levels values."""
+    return "[" + ", ".join(["&a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels)]) + "]"
+
+
+#: 10^9 values in under 300 bytes of YAML
+BOMB = _yaml_bomb(9)
 
 
 def _bomb(levels: int):
@@ -29,6 +34,7 @@ def test_shared_parts_are_counted_each_time_they_are_reached_but_walked_once():
     assert expansion_problem(_bomb(3)) is None                      # 11,111 lists and strings: under the bound
     assert "more than 100,000 values" in expansion_problem(_bomb(4))
     assert "more than 100,000 values" in expansion_problem({"k": _bomb(9)})     # 10^10: answered at once
+    assert "more than 100,000 values" in expansion_problem([("k", _bomb(9))])   # inside a tuple too
     assert expansion_problem(list(range(MAX_EXPANDED_VALUES - 1))) is None
     assert expansion_problem(list(range(MAX_EXPANDED_VALUES))) is not None
 
@@ -61,6 +67,12 @@ def test_a_manifest_with_an_alias_bomb_is_a_bundle_error_not_a_hang(tmp_path: Pa
         with pytest.raises(BundleError, match="manifest.yaml cannot be read: it expands to more than 100,000 "
                                               "values"):
             read_manifest(bundle)
+    # !!omap and !!pairs build tuples, which hold aliases like lists: once a way past the walk
+    wrapped = tmp_path / "wrapped"
+    wrapped.mkdir()
+    (wrapped / "manifest.yaml").write_text(f"format_version: !!omap [{{a: {_yaml_bomb(6)}}}]\n")
+    with pytest.raises(BundleError, match="it expands to more than 100,000 values"):
+        read_manifest(wrapped)
     looped = tmp_path / "looped"
     looped.mkdir()
     (looped / "manifest.yaml").write_text("format_version: &v ['2.0', *v]\n")

@@ -26,11 +26,16 @@ def shown(value: object) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
 
 
+#: what YAML's safe loader builds that holds other values (``!!omap`` and ``!!pairs`` are lists
+#: of tuples, and a tuple may hold an alias like any list)
+_CONTAINERS = (list, tuple, dict)
+
+
 def expansion_problem(data: object, limit: int = MAX_EXPANDED_VALUES) -> str | None:
-    """What is wrong with ``data`` (loaded YAML: lists, mappings and scalars) as data to walk:
+    """What is wrong with ``data`` (loaded YAML: lists, tuples, mappings and scalars) as data to walk:
     it holds itself, or more than ``limit`` values with every repeated part counted each time
     it is reached; None when neither. A part that several places share is counted once
-    (by identity) and reused, so this costs the distinct lists and mappings, not the expansion."""
+    (by identity) and reused, so this costs the distinct containers, not the expansion."""
     sizes: dict[int, int] = {}
     open_: set[int] = set()         # begun, not yet summed: reaching one again is a cycle
     stack: list[tuple[object, bool]] = [(data, False)]
@@ -39,18 +44,18 @@ def expansion_problem(data: object, limit: int = MAX_EXPANDED_VALUES) -> str | N
         key = id(node)
         items = node.values() if isinstance(node, dict) else node
         if summing:
-            total = 1 + sum(sizes[id(item)] if isinstance(item, (list, dict)) else 1 for item in items)
+            total = 1 + sum(sizes[id(item)] if isinstance(item, _CONTAINERS) else 1 for item in items)
             if total > limit:
                 return (f"it expands to more than {limit:,} values (YAML aliases repeat a part of it that many "
                         "times); write it out without them")
             sizes[key] = total
             open_.discard(key)
             continue
-        if not isinstance(node, (list, dict)) or key in sizes:
+        if not isinstance(node, _CONTAINERS) or key in sizes:
             continue
         if key in open_:
             return "it holds itself (a YAML alias inside the part it names)"
         open_.add(key)
         stack.append((node, True))
-        stack.extend((item, False) for item in items if isinstance(item, (list, dict)) and id(item) not in sizes)
+        stack.extend((item, False) for item in items if isinstance(item, _CONTAINERS) and id(item) not in sizes)
     return None
