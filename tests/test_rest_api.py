@@ -117,6 +117,27 @@ def test_a_response_past_the_send_limit_is_429_naming_the_key():
     assert "endpoints.max_send_msg_bytes) is 100" in json.loads(response.body)["error"]
 
 
+def test_json_past_its_limit_is_413_before_it_is_parsed_and_binary_data_does_not_count():
+    # a parse costs about 13x the JSON's size and holds the worker's thread: a 256 MiB body of
+    # numbers (the body limit) would take ~3.4 GB and seconds
+    fake = Fake()
+    api = RestApi(fake, max_json_bytes=2048)
+    doc = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1000], "data": [1] * 1000}]}
+    body = json.dumps(doc).encode()
+    refused = call(api, "POST", "/v2/models/m/infer", body)
+    assert refused.status == 413 and json.loads(refused.body)["error"].startswith(
+        f"the inference request's JSON is {len(body)} bytes, the limit (endpoints.rest_max_json_bytes) is 2048; "
+        "send large tensors as binary data")
+    header = json.dumps({"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [600],
+                                     "parameters": {"binary_data_size": 2400}}]}).encode()
+    served = call(api, "POST", "/v2/models/m/infer", header + bytes(2400), {"inference-header-content-length":
+                                                                          str(len(header))})
+    assert served.status == 200         # 2,400 bytes of binary data past a small header
+    big = call(api, "POST", "/v2/repository/index", b" " * 3000 + b"{}")
+    assert big.status == 413 and "the request's JSON is 3002 bytes" in json.loads(big.body)["error"]
+    assert [name for name, _, _ in fake.seen] == ["ModelInfer"]
+
+
 def test_a_load_with_a_configuration_override_is_refused_not_ignored():
     fake = Fake()
     api = RestApi(fake)

@@ -307,7 +307,8 @@ def compose_frontend(actors: Actors, *, draining: trio.Event) -> Frontend:
     rest = None
     if config.rest_port is not None:
         rest = Http1Server(RestApi(kserve, AccessPolicy.from_config(endpoints.restricted),
-                                   max_send_bytes=endpoints.max_send_msg_bytes),
+                                   max_send_bytes=endpoints.max_send_msg_bytes,
+                                   max_json_bytes=endpoints.rest_max_json_bytes),
                            rest_limits(endpoints), what="REST")
     return Frontend(server, rest)
 

@@ -412,6 +412,9 @@ class EndpointsConfig:
             may have (``listen.rest``), >= 1024; a larger one is answered 431 and its connection
             closed. Default 16 KiB.
         rest_max_headers: header fields one REST request may have, >= 1 (431 past it). Default 100.
+        rest_max_json_bytes: the JSON a REST request may carry (an inference's JSON header or whole
+            JSON body; any other route's body), >= 1024; past it 413 before it is parsed. Parsing
+            costs the worker's Trio thread and about 13x the JSON's size in memory. Default 32 MiB.
         rest_header_timeout_seconds: a REST request's head must arrive within this, counted from
             its first byte (from the connection's start for its first request); 408 and closed
             past it (slow headers, slowloris). Default 10.
@@ -457,6 +460,7 @@ class EndpointsConfig:
     max_inflate_bytes: int = config_key(256 * _MIB, low=1)
     rest_max_header_bytes: int = config_key(16 * 1024, low=1024)
     rest_max_headers: int = config_key(100, low=1)
+    rest_max_json_bytes: int = config_key(32 * _MIB, low=1024)
     rest_header_timeout_seconds: float = config_key(10.0, low=0.0, low_open=True)
     rest_body_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
     rest_idle_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)

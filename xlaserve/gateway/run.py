@@ -201,7 +201,8 @@ class Gateway:
             if rest is not None:
                 listeners = await trio.open_tcp_listeners(rest[1], host=rest[0] or None)
                 self.rest = Http1Server(RestApi(self.service, max_send_bytes=self.config.grpc.max_send_msg_bytes,
-                                                send_limit_key="gateway.grpc.max_send_msg_bytes"),
+                                                send_limit_key="gateway.grpc.max_send_msg_bytes",
+                                                json_limit_key="the default of endpoints.rest_max_json_bytes"),
                                         _rest_limits(self.config), what="REST")
                 self.rest_port = await nursery.start(self.rest.serve, listeners)
                 rest_line = f", KServe V2 REST on {rest[0]}:{self.rest_port}"
