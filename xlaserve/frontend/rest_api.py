@@ -185,8 +185,9 @@ class RestApi:
         return HttpResponse(status, error_json(message))
 
     def _too_much_json(self, size: int, what: str) -> HttpResponse:
-        """413 for JSON past the limit, before it is parsed: a parse costs the Trio thread about
-        17 ms and 13 bytes of memory per byte of JSON (a 64 MB body of numbers: 1.1 s, 860 MB)."""
+        """413 for JSON past the limit, before it is parsed: a parse holds the Trio thread about
+        17 ms a megabyte and takes about 13 times the JSON's size in memory (a 64 MB body of
+        numbers: 1.1 s and 860 MB)."""
         return self._error(413, f"{what}'s JSON is {size} bytes, the limit ({self._json_key}) is {self._max_json}; "
                                 "send large tensors as binary data (Inference-Header-Content-Length) or through "
                                 "shared memory")
