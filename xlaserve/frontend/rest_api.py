@@ -319,7 +319,8 @@ class RestApi:
             if not header.strip().isdigit():
                 raise InvalidArgument(f"Inference-Header-Content-Length must be a byte count, got {header!r}")
             header_length = int(header)
-        json_bytes = len(request.body) if header_length is None else header_length
+        # (a header length past the body is infer_request's error, which names both)
+        json_bytes = len(request.body) if header_length is None else min(header_length, len(request.body))
         if json_bytes > self._max_json:
             return self._too_much_json(json_bytes, "the inference request")
         wanted = infer_request(request.body, header_length, model, version)
