@@ -208,14 +208,14 @@ class ModelVersion:
         return self.manifest.kind == "meta"
 
 
-def is_bundle(path: Path) -> bool:
-    return path.is_dir() and (path / MANIFEST).is_file() and not path.name.startswith(".")
-
-
 def bundle_name_ok(name: str) -> bool:
-    """Whether ``name`` can name a bundle: a directory directly inside the repository that
-    :func:`is_bundle` would take, never a path (``../x``, ``/abs/x``)."""
+    """Whether ``name`` can name a bundle: one directory directly inside the repository, not a
+    hidden one, never a path (``../x``, ``/abs/x``)."""
     return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+
+
+def is_bundle(path: Path) -> bool:
+    return bundle_name_ok(path.name) and path.is_dir() and (path / MANIFEST).is_file()
 
 
 def bundle_fingerprint(path: Path) -> str:
