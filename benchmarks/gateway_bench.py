@@ -1,12 +1,15 @@
 """The gateway's overhead: one worker behind the gateway against the same worker direct.
 
-    python -m benchmarks.gateway_bench [--rounds 3] [--duration 5] [--concurrency 1,8,32]
+    python -m benchmarks.gateway_bench [--rounds 3] [--duration 5] [--concurrency 1,8,32] [--client native|triton]
 
 Exports the example ``mlp`` bundle (FP32 [1,512], compiled sizes 1..32), starts one worker
 (``xlaserve run``, default node settings on loopback) and one standalone gateway in front of it
 (``xlaserve gateway`` with that worker as its only endpoint, in its own process), then drives
 ``mlp`` at each concurrency with the load generator (:mod:`xlaserve.bench.loadgen`), alternating
-direct and through-the-gateway each round. Prints a JSON line per level, then the medians: req/s,
+direct and through-the-gateway each round. The load generator's requests go out on xlaserve's own
+HTTP/2 client by default (``--client native``, about 25 us of CPU a request; ``--client triton``:
+the Triton gRPC aio client, about 60): on a machine where it shares the cores with the worker and
+the gateway, its cost is taken from theirs. Prints a JSON line per level, then the medians: req/s,
 p50/p99, the worker's CPU per request and the gateway's CPU per request (its process's CPU time
 over the level divided by the answers), and the ratio gateway/direct. Gateway, worker and load
 generator share this machine's cores, as the issue's goal (>= 0.75x at c=32) says.
@@ -305,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--client", choices=["native", "triton"], default="native",
+                        help="the overhead levels' load generator: xlaserve's own HTTP/2 client (default; about "
+                             "25 us of CPU a request) or the Triton gRPC aio client (about 60)")
     parser.add_argument("--placement", action="store_true",
                         help="instead: lpt_packing vs round_robin on a memory-bound two-worker node")
     parser.add_argument("--models", type=int, default=40, help="--placement: bundles in the catalog")
@@ -344,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
                     for conc in levels:
                         plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(conc)]
                         w0, g0 = tree_cpu_seconds(worker_pid), tree_cpu_seconds(gw_pid)
-                        result = asyncio.run(loadgen.run_level(url, plans, INPUTS, duration=args.duration,
-                                                               warmup=args.warmup))
+                        result = loadgen.measure(url, plans, INPUTS, client=args.client, duration=args.duration,
+                                                 warmup=args.warmup)
                         w, g = tree_cpu_seconds(worker_pid) - w0, tree_cpu_seconds(gw_pid) - g0
                         row = result.rows()[0]
                         n = max(1, result.answered)
@@ -353,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                                    gateway_cpu_ms_per_request=round(1e3 * g / n, 3) if path == "gateway" else 0.0)
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each (mlp, FP32 [1,512]); CPU in ms per request; "
+    print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each (mlp, FP32 [1,512], the {args.client} client); "
+          "CPU in ms per request; "
           "ratio: of the medians; paired: each round's gateway req/s over that round's direct run (median, "
           "min..max)")
     print(f"{'c':>3} {'path':<8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'worker cpu':>10} {'gateway cpu':>11} "

@@ -26,7 +26,11 @@ Progress goes to stderr while a level runs; at the end a table (stderr) and one 
 level and model (stdout, with ``"model": "*"`` for the total) report throughput (requests/s and
 rows/s), latency p50/p90/p99/max in ms and errors by gRPC status.
 
-The Triton client (``tritonclient[grpc]``) is an extra: ``pip install 'xlaserve[bench]'``.
+The Triton client (``tritonclient[grpc]``) is an extra: ``pip install 'xlaserve[bench]'``. It
+finds the inputs and checks them, and by default sends the measured requests too. ``--client
+native`` sends those with xlaserve's own HTTP/2 client instead (:mod:`xlaserve.bench.native`): the
+same requests for about a third of the CPU, which matters where the load generator shares the
+cores with the servers it measures.
 
 The module is also a library: :func:`run_level` drives any list of :class:`ClientPlan` (the
 fairness benchmark pins clients to models that way).
@@ -291,6 +295,19 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
     return LevelResult(len(plans), duration, tallies, done[2])
 
 
+def measure(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[InputSpec]], *, client: str = "triton",
+            **level) -> LevelResult:
+    """One level, synchronously, on ``client``: ``"triton"`` (:func:`run_level`, the Triton gRPC
+    aio client) or ``"native"`` (:func:`xlaserve.bench.native.run_level`, xlaserve's own HTTP/2
+    client). ``level``: :func:`run_level`'s keyword arguments."""
+    if client == "native":
+        from xlaserve.bench import native
+        return native.run_level(url, plans, inputs, **level)
+    if client != "triton":
+        raise BenchError(f"client {client!r}: expected triton or native")
+    return asyncio.run(run_level(url, plans, inputs, **level))
+
+
 def format_table(results: Sequence[LevelResult]) -> str:
     head = f"{'c':>4} {'model':<16} {'req/s':>10} {'rows/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} " \
            f"{'max ms':>8}  errors"
@@ -320,6 +337,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-ms", type=float, help="deadline per request, in ms (default: none)")
     p.add_argument("--think-ms", type=float, default=0.0,
                    help="each client pauses this long after an answer before its next request (default 0)")
+    p.add_argument("--client", choices=["triton", "native"], default="triton",
+                   help="what sends the measured requests: the Triton gRPC aio client (default), or xlaserve's "
+                        "own HTTP/2 client, which costs about a third of its CPU a request (plain TCP only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -378,9 +398,8 @@ def _run(args: argparse.Namespace) -> int:
     results = []
     for conc in levels:
         plans = [ClientPlan(model_mix(args.model, args.mix, args.zipf_s, args.seed + i)) for i in range(conc)]
-        result = asyncio.run(run_level(args.url, plans, inputs, duration=args.duration, warmup=args.warmup,
-                                       timeout_ms=args.timeout_ms, progress=progress(f"c={conc}"),
-                                       think_ms=args.think_ms))
+        result = measure(args.url, plans, inputs, client=args.client, duration=args.duration, warmup=args.warmup,
+                         timeout_ms=args.timeout_ms, progress=progress(f"c={conc}"), think_ms=args.think_ms)
         if not args.quiet and sys.stderr.isatty():
             print(file=sys.stderr)
         results.append(result)
