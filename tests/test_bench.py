@@ -139,3 +139,51 @@ def test_no_module_of_the_package_imports_the_triton_client():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) > 20        # the walk found the package's modules, not an empty path
+
+
+def test_the_native_client_sends_the_same_requests_and_counts_rows_alike(echo_server):
+    """``--client native`` (xlaserve's own HTTP/2 client for the measured requests): answered
+    without errors, rows read on the batch axis as with the Triton client."""
+    row = rows(bench("--url", echo_server.url, "-m", "batch_last", "-b", "3", "--client", "native", *QUICK))
+    assert row["throughput_rows_s"] == pytest.approx(3 * row["throughput_rps"], abs=0.02)
+
+
+def test_the_native_client_counts_a_servers_errors_by_status(echo_server):
+    from xlaserve.bench import loadgen
+    spec = loadgen.InputSpec("x", "FP32", (3, 10), None)
+    result = loadgen.measure(echo_server.url, [loadgen.ClientPlan(lambda: "nope")] * 2, {"nope": [spec]},
+                             client="native", duration=0.3, warmup=0.05)
+    (row,) = result.rows()
+    assert row["requests"] == 0 and set(row["errors"]) == {"NOT_FOUND"} and row["errors"]["NOT_FOUND"] > 0
+
+
+def test_the_native_clients_request_is_a_model_infer_request_with_raw_contents_and_the_timeout():
+    import numpy as np
+
+    from xlaserve._proto import grpc_service_pb2 as pb
+    from xlaserve.bench import loadgen, native
+    specs = [loadgen.InputSpec("a", "FP32", (2, 3)), loadgen.InputSpec("b", "INT64", (2,))]
+    request = pb.ModelInferRequest.FromString(native.request_message("m", specs, np.random.default_rng(0), 2.5))
+    assert request.model_name == "m"
+    assert [(t.name, t.datatype, list(t.shape)) for t in request.inputs] == [("a", "FP32", [2, 3]),
+                                                                              ("b", "INT64", [2])]
+    assert [len(c) for c in request.raw_input_contents] == [24, 16]
+    assert request.parameters["timeout"].int64_param == 2500          # microseconds, as Triton's client sends it
+    untimed = pb.ModelInferRequest.FromString(native.request_message("m", specs, np.random.default_rng(0)))
+    assert "timeout" not in untimed.parameters
+
+
+def test_the_native_client_reads_an_outcome_as_a_status_name():
+    from grpclib.const import Status
+
+    from xlaserve._proto import grpc_service_pb2 as pb
+    from xlaserve.bench.native import outcome_status
+    from xlaserve.frontend.grpc_protocol import MESSAGE_PREFIX
+    from xlaserve.gateway.upstream import Reply, UpstreamError
+    good = pb.ModelInferResponse(model_name="m").SerializeToString()
+    assert outcome_status(Reply(0, "", MESSAGE_PREFIX.pack(0, len(good)) + good)) is None
+    assert outcome_status(Reply(5, "no such model", b"")) == "NOT_FOUND"
+    assert outcome_status(Reply(99, "", b"")) == "UNKNOWN"           # a code gRPC does not define
+    assert outcome_status(Reply(0, "", b"")) == "INTERNAL"           # OK without a message
+    assert outcome_status(Reply(0, "", MESSAGE_PREFIX.pack(0, 3) + b"\xff\xff\xff")) == "INTERNAL"   # not protobuf
+    assert outcome_status(UpstreamError(Status.UNAVAILABLE, "gone")) == "UNAVAILABLE"
