@@ -115,6 +115,44 @@ class LevelResult:
         return out
 
 
+class Window:
+    """One level's measured window, shared by both clients: :meth:`count` files each answer
+    under its model (those that arrive within ``duration`` after ``warmup``) and says how long
+    the client waits before its next request."""
+
+    __slots__ = ("tallies", "opens", "closes", "think", "ok", "failed", "answered")
+
+    def __init__(self, models, start: float, warmup: float, duration: float, think_ms: float = 0.0) -> None:
+        self.tallies = {m: ModelTally() for m in models}
+        self.opens = start + warmup
+        self.closes = self.opens + duration
+        self.think = think_ms / 1000
+        self.ok = self.failed = self.answered = 0
+
+    def count(self, model: str, rows: int, t0: float, t1: float, status: str | None) -> float | None:
+        """One answer (``status`` None: OK, else the gRPC status name) of a request sent at
+        ``t0``, received at ``t1``: the seconds to wait before the next request, or None once
+        the window has closed (the client stops)."""
+        self.answered += 1
+        if t1 >= self.closes:
+            return None
+        if t1 >= self.opens:
+            tally = self.tallies[model]
+            if status is None:
+                tally.latencies.append(t1 - t0)
+                tally.rows += rows
+                self.ok += 1
+            else:
+                tally.errors[status] = tally.errors.get(status, 0) + 1
+                self.failed += 1
+        if status in ("UNAVAILABLE", "UNKNOWN"):
+            return self.think + 0.01      # the server is gone or restarting: do not spin
+        return self.think
+
+    def result(self, clients: int, duration: float) -> LevelResult:
+        return LevelResult(clients, duration, self.tallies, self.answered)
+
+
 def parse_input(text: str) -> tuple[str | None, InputSpec]:
     """``[MODEL/]NAME:DTYPE:DIMS`` (DIMS like ``1x512``) -> (model or None, spec). The first
     dimension is taken as the batch axis until the model's metadata says otherwise."""
@@ -241,14 +279,12 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
 
     rng = np.random.default_rng(0)
     prepared = {model: (_prepare(aio, specs, rng), rows_per_request(specs)) for model, specs in inputs.items()}
-    tallies = {m: ModelTally() for m in inputs}
     kwargs = {}
     if timeout_ms is not None:
         kwargs = {"timeout": int(timeout_ms * 1000), "client_timeout": timeout_ms / 1000}
     loop = asyncio.get_running_loop()
     start = loop.time()
-    window_start, window_end = start + warmup, start + warmup + duration
-    done = [0, 0, 0]
+    window = Window(inputs, start, warmup, duration, think_ms)
 
     async def client(plan: ClientPlan, c) -> None:
         while True:
@@ -260,28 +296,16 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
                 await c.infer(model, tensors, **kwargs)
             except InferenceServerException as exc:
                 status = status_name(exc)
-            t1 = loop.time()
-            done[2] += 1
-            if t1 >= window_end:
+            pause = window.count(model, rows, t0, loop.time(), status)
+            if pause is None:
                 return
-            if t1 >= window_start:
-                tally = tallies[model]
-                if status is None:
-                    tally.latencies.append(t1 - t0)
-                    tally.rows += rows
-                    done[0] += 1
-                else:
-                    tally.errors[status] = tally.errors.get(status, 0) + 1
-                    done[1] += 1
-                    if status in ("UNAVAILABLE", "UNKNOWN"):
-                        await asyncio.sleep(0.01)     # the server is gone or restarting: do not spin
-            if think_ms:
-                await asyncio.sleep(think_ms / 1000)
+            if pause:
+                await asyncio.sleep(pause)
 
     async def report() -> None:
         while progress is not None:
             await asyncio.sleep(1.0)
-            progress(loop.time() - start, done[0], done[1])
+            progress(loop.time() - start, window.ok, window.failed)
 
     # one channel per 16 clients: one HTTP/2 connection serializes more than it should
     channels = [aio.InferenceServerClient(url) for _ in range((len(plans) + 15) // 16)]
@@ -292,7 +316,7 @@ async def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, lis
         reporter.cancel()
         for c in channels:
             await c.close()
-    return LevelResult(len(plans), duration, tallies, done[2])
+    return window.result(len(plans), duration)
 
 
 def measure(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[InputSpec]], *, client: str = "triton",

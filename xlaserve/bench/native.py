@@ -24,7 +24,7 @@ import numpy as np
 import trio
 
 from xlaserve._proto import grpc_service_pb2 as pb
-from xlaserve.bench.loadgen import ClientPlan, InputSpec, LevelResult, ModelTally, random_tensor, rows_per_request
+from xlaserve.bench.loadgen import ClientPlan, InputSpec, LevelResult, Window, random_tensor, rows_per_request
 from xlaserve.gateway.upstream import Upstream, UpstreamError, status_named
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
@@ -75,14 +75,12 @@ def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[Inpu
     prepared = {model: (request_message(model, specs, rng, timeout_ms), rows_per_request(specs))
                 for model, specs in inputs.items()}
     timeout = timeout_ms / 1000 if timeout_ms is not None else None
-    tallies = {m: ModelTally() for m in inputs}
-    done = [0, 0, 0]
     # the Upstream logs a lost connection as the gateway's; the end of a level is not one
     quiet = logging.getLogger("xlaserve.gateway")
     level_before = quiet.level
     quiet.setLevel(logging.ERROR)
 
-    async def main() -> None:
+    async def main() -> LevelResult:
         connections = [Upstream(f"bench-{i}", host.strip("[]"), int(port), max_streams=UNBOUNDED_STREAMS)
                        for i in range((len(plans) + CLIENTS_PER_CONNECTION - 1) // CLIENTS_PER_CONNECTION)]
         async with trio.open_nursery() as nursery:
@@ -92,7 +90,7 @@ def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[Inpu
                 for up in connections:
                     await up.connected.wait()
             start = trio.current_time()
-            window_start, window_end = start + warmup, start + warmup + duration
+            window = Window(inputs, start, warmup, duration, think_ms)
 
             async def client(plan: ClientPlan, up: Upstream) -> None:
                 while True:
@@ -100,28 +98,16 @@ def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[Inpu
                     message, rows = prepared[model]
                     t0 = trio.current_time()
                     status = outcome_status(await up.request(MODEL_INFER, message, timeout=timeout))
-                    t1 = trio.current_time()
-                    done[2] += 1
-                    if t1 >= window_end:
+                    pause = window.count(model, rows, t0, trio.current_time(), status)
+                    if pause is None:
                         return
-                    if t1 >= window_start:
-                        tally = tallies[model]
-                        if status is None:
-                            tally.latencies.append(t1 - t0)
-                            tally.rows += rows
-                            done[0] += 1
-                        else:
-                            tally.errors[status] = tally.errors.get(status, 0) + 1
-                            done[1] += 1
-                    if status in ("UNAVAILABLE", "UNKNOWN"):
-                        await trio.sleep(0.01)      # the server is gone or restarting: do not spin
-                    if think_ms:
-                        await trio.sleep(think_ms / 1000)
+                    if pause:
+                        await trio.sleep(pause)
 
             async def report() -> None:
                 while True:
                     await trio.sleep(1.0)
-                    progress(trio.current_time() - start, done[0], done[1])
+                    progress(trio.current_time() - start, window.ok, window.failed)
 
             if progress is not None:
                 nursery.start_soon(report)
@@ -129,9 +115,9 @@ def run_level(url: str, plans: Sequence[ClientPlan], inputs: dict[str, list[Inpu
                 for i, plan in enumerate(plans):
                     clients.start_soon(client, plan, connections[i % len(connections)])
             nursery.cancel_scope.cancel()
+        return window.result(len(plans), duration)
 
     try:
-        trio.run(main)
+        return trio.run(main)
     finally:
         quiet.setLevel(level_before)
-    return LevelResult(len(plans), duration, tallies, done[2])
