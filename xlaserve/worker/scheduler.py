@@ -58,6 +58,9 @@ MODEL_DROPPED = "model_dropped"
 EXECUTION_FAILED = "execution_failed"
 WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make the model resident
 CANCELLED = "cancelled"                   # its client went away (stream reset, connection closed) while queued
+#: turns the dispatch loop yields, at most, for a message run() holds (_message_in_hand): enough
+#: for the random order of a turn's tasks, few enough that a steady stream cannot hold it up
+IN_HAND_TURNS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,6 +231,14 @@ class Scheduler:
         if self._cancelled:
             self._remove_cancelled()
 
+    def _message_in_hand(self) -> bool:
+        """Whether :meth:`run` may hold a message it has not handled yet: the inbox is open and
+        run is not waiting on it. A message sent while its receiver waits goes to that task
+        directly, leaving the channel before the task runs, so a drain meanwhile takes the
+        messages sent after it (the rest of a burst) and not it."""
+        inbox = self._inbox
+        return inbox is not None and not self._closing and inbox.statistics().tasks_waiting_receive == 0
+
     def _admit(self, request: InferRequest) -> None:
         name = request.model.name
         now = trio.current_time()
@@ -392,6 +403,14 @@ class Scheduler:
                 await trio.lowlevel.cancel_shielded_checkpoint()
             woken = False
             self._drain_inbox()
+            for _ in range(IN_HAND_TURNS):
+                if not self._message_in_hand():
+                    break
+                # run() was handed the first message of a burst and has not admitted it yet:
+                # let it (Trio runs a turn's tasks in random order, so this may take more than
+                # one), or that request would run alone in a batch of its own after the rest
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                self._drain_inbox()
             backlog = {n: q for n, q in self._queues.items() if q}
             if not backlog:
                 if self._closing:
