@@ -189,6 +189,7 @@ class RawConnection:
         self.first_rst_at: float | None = None
         self.reset_stream_ids: set[int] = set()
         self.statuses: Counter[str] = Counter()          # trailers' grpc-status -> count
+        self.messages: list[str] = []                    # trailers' grpc-message values, decoded
         self.frames_received: Counter[int] = Counter()
         self.errors: list[str] = []
         self._buffer = bytearray()
@@ -343,6 +344,9 @@ class RawConnection:
         for name, value in fields:
             if name == b"grpc-status":
                 self.statuses[value.decode("latin-1")] += 1
+            elif name == b"grpc-message":
+                from urllib.parse import unquote
+                self.messages.append(unquote(value.decode("latin-1")))
 
     def _closed_by_server(self, how: str, error: str | None, notify: bool = True) -> None:
         with self._changed:

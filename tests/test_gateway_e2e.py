@@ -629,3 +629,37 @@ def test_a_malformed_metadata_request_is_invalid_argument_at_the_gateway(gateway
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a valid inference.ModelMetadataRequest message" in err.value.details()
     assert grpcclient.InferenceServerClient(gateway.url).is_server_live()
+
+
+def _worker_connects(gateway) -> int:
+    return trio.from_thread.run_sync(lambda: sum(u.connects for u in gateway.gateway.upstreams.values()),
+                                     trio_token=gateway.token)
+
+
+def test_metadata_that_fits_the_gateway_but_not_the_worker_fails_that_call_alone(gateway):
+    """A client's header block within the gateway's limits that crosses the worker's once the
+    gateway adds its own fields (``te``, a longer ``:authority``): the worker would end the
+    gateway's connection to it (GOAWAY ENHANCE_YOUR_CALM), failing every client's calls on it.
+    The call fails RESOURCE_EXHAUSTED naming the limit; the connection stays."""
+    from tests.h2attacks import RawConnection, data_frames, grpc_message, header_frames, literal, mlp_request
+    base = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/inference.GRPCInferenceService/ModelInfer"),
+            (b":authority", b"a"), (b"content-type", b"application/grpc")]
+    size = sum(len(n) + len(v) + 32 for n, v in base) + 32 + len(b"x-pad")
+    cases = {"100 fields (no te)": (base + [(b"x-%d" % i, b"v") for i in range(100 - len(base))],
+                                    "make 101 header fields", "endpoints.max_header_fields"),
+             "a header list 1 byte under 64 KiB": (base + [(b"x-pad", b"a" * (65535 - size))],
+                                                   "make a header list of 65", "endpoints.max_header_list_bytes")}
+    connects = _worker_connects(gateway)
+    for case, (fields, said, key) in cases.items():
+        conn = RawConnection.open(("127.0.0.1", int(gateway.url.rsplit(":", 1)[1])), deadline=time.monotonic() + TIMEOUT)
+        try:
+            block = b"".join(literal(n, v) for n, v in fields)
+            frame_size = conn.server.max_frame_size
+            conn.send(header_frames(1, block, frame_size) + data_frames(1, grpc_message(mlp_request(1)), frame_size))
+            assert conn.wait_for(lambda c: c.statuses, time.monotonic() + TIMEOUT), (case, conn.closed)
+            assert conn.statuses == {"8": 1} and conn.closed is None, (case, conn.statuses, conn.closed)
+            assert said in conn.messages[0] and key in conn.messages[0], (case, conn.messages)
+        finally:
+            conn.close()
+    assert _worker_connects(gateway) == connects          # the workers' connections were not closed
+    assert grpcclient.InferenceServerClient(gateway.url).infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1

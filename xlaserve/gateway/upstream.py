@@ -70,6 +70,10 @@ DEFAULT_MAX_REPLY = 256 * 1024 * 1024   # the default of gateway.grpc.max_send_m
 WORKER_LIMITS = H2Limits(idle_timeout_seconds=0.0)
 #: how a limit's message names it: not a node-file key (the gateway's limits for a worker are fixed)
 WORKER_LIMIT_NAMES = "the gateway's fixed limit for a worker; endpoints.{} is a client's"
+#: What a worker takes in one request's header block: its node file's defaults (only the header
+#: list's size is advertised, and the advertised value is used). A worker configured lower than
+#: these still ends the gateway's connection on a request that crosses its limit.
+WORKER_REQUEST_LIMITS = H2Limits()
 _PLAIN_HEAD = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
 
@@ -227,6 +231,7 @@ class Upstream(Handler):
         metadata = tuple(metadata)
         key = (path, wire_timeout, metadata)
         block = self._blocks.get(key)
+        too_large = None
         if block is None:
             headers = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", self._authority),
                        ("content-type", "application/grpc"), ("te", "trailers")]
@@ -234,13 +239,18 @@ class Upstream(Handler):
                 headers.append(("grpc-timeout", wire_timeout))
             headers.extend(metadata)
             block = encode(headers)
-            if len(self._blocks) >= 256:       # client deadlines vary: keep the cache small
-                self._blocks.clear()
-            self._blocks[key] = block
+            too_large = self._past_header_limits(headers, block)
+            if too_large is None:
+                if len(self._blocks) >= 256:       # client deadlines vary: keep the cache small
+                    self._blocks.clear()
+                self._blocks[key] = block
         call = _Call(block, MESSAGE_PREFIX.pack(0, len(message)) + message, on_done,
                      trio.current_time() + timeout, on_message)
         self.outstanding += 1
         self.streaming += on_message is not None
+        if too_large is not None:
+            self._finish(call, UpstreamError(Status.RESOURCE_EXHAUSTED, too_large))
+            return call
         if not self.up:
             self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
             return call
@@ -258,6 +268,29 @@ class Upstream(Handler):
         else:
             self._queue.append(call)
         return call
+
+    def _past_header_limits(self, headers: list[tuple[str, str]], block: bytes) -> str | None:
+        """Why the worker would refuse this request's header block, or None. The worker takes one
+        past its limits as a connection error (GOAWAY ENHANCE_YOUR_CALM), failing every call on
+        the connection, so a client's metadata that fits the gateway's own limits but not the
+        worker's, once the gateway's fields are added, fails that call alone, here."""
+        fields = len(headers)
+        if fields > WORKER_REQUEST_LIMITS.max_header_fields:
+            return (f"the request's metadata and the gateway's own fields make {fields} header fields; worker "
+                    f"{self.name} takes at most {WORKER_REQUEST_LIMITS.max_header_fields} "
+                    "(endpoints.max_header_fields): send fewer metadata fields")
+        limit = self._h2.peer_max_header_list if self._h2 is not None else None
+        limit = WORKER_REQUEST_LIMITS.max_header_list_bytes if limit is None else limit
+        size = sum(len(name) + len(value) + 32 for name, value in headers)
+        if size > limit:
+            return (f"the request's metadata and the gateway's own fields make a header list of {size} bytes "
+                    f"(RFC 9113 sizes: name, value and 32 per field); worker {self.name} takes at most {limit} "
+                    "(its SETTINGS_MAX_HEADER_LIST_SIZE, endpoints.max_header_list_bytes): send less metadata")
+        if len(block) > WORKER_REQUEST_LIMITS.max_header_block_bytes:
+            return (f"the request's metadata and the gateway's own fields encode to a header block of {len(block)} "
+                    f"bytes; worker {self.name} takes at most {WORKER_REQUEST_LIMITS.max_header_block_bytes} "
+                    "(endpoints.max_header_block_bytes): send less metadata")
+        return None
 
     async def request(self, path: str, message: bytes, *, metadata: Iterable[tuple[str, str]] = (),
                       timeout: float | None = None) -> Reply | UpstreamError:
@@ -360,6 +393,7 @@ class Upstream(Handler):
 
     def _reset_state(self) -> H2Connection:
         """A new connection's HTTP/2 state (the engine, client mode)."""
+        self._blocks.clear()        # checked against the last connection's advertised limit
         self._h2 = H2Connection(self, client=True, limits=self.limits, clock=trio.current_time,
                                 stream_window=OUR_WINDOW, conn_window=OUR_WINDOW, max_frame=MAX_REPLY_FRAME,
                                 limit_names=WORKER_LIMIT_NAMES)

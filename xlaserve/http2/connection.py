@@ -166,6 +166,7 @@ class H2Connection:
         self.peer_initial_window = DEFAULT_WINDOW
         self.peer_max_frame = DEFAULT_FRAME
         self.peer_max_streams = MAX_WINDOW
+        self.peer_max_header_list: int | None = None   # advertised (SETTINGS_MAX_HEADER_LIST_SIZE), if it was
         self.send_window = DEFAULT_WINDOW
         self.recv_unacked = 0                       # connection-level bytes received, not yet returned
         self._conn_half = conn_window // 2          # returned (WINDOW_UPDATE) once this much arrived...
@@ -558,7 +559,9 @@ class H2Connection:
                     raise ConnectionError_(PROTOCOL_ERROR, "a server sent ENABLE_PUSH 1 (RFC 9113 6.5.2)")
             elif key == MAX_CONCURRENT_STREAMS:
                 self.peer_max_streams = value
-            # HEADER_TABLE_SIZE: our encoder never uses the dynamic table; the rest are advisory
+            elif key == MAX_HEADER_LIST_SIZE:
+                self.peer_max_header_list = value   # advisory: the layer above keeps to it
+            # HEADER_TABLE_SIZE: our encoder never uses the dynamic table
         delta = window - self.peer_initial_window
         if delta:
             self.peer_initial_window = window
