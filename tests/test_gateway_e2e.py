@@ -663,3 +663,39 @@ def test_metadata_that_fits_the_gateway_but_not_the_worker_fails_that_call_alone
             conn.close()
     assert _worker_connects(gateway) == connects          # the workers' connections were not closed
     assert grpcclient.InferenceServerClient(gateway.url).infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+
+
+
+def test_clients_that_cancel_many_calls_do_not_get_the_workers_connection_closed(examples_repo, tmp_path):
+    """Each call a client resets, the gateway resets at the worker, and a worker counts every reset
+    it receives against its glitch bucket (1000, refilled at 33/s): three clients each resetting 720
+    calls (within the gateway's bucket for each) would empty it, and the worker would close the
+    gateway's connection (GOAWAY ENHANCE_YOUR_CALM), failing every client's calls. The gateway
+    paces its resets to a worker instead; the connection stays. (``mlp`` is held at the worker, so
+    each call is still open there when its client resets it.)"""
+    from tests.h2attacks import (RST_STREAM, RawConnection, data_frames, frame, grpc_message, header_frames,
+                                 mlp_request, request_block)
+    held = {"models": {"mlp": {"batch_delay_seconds": 60.0, "batch_target_rows": 32}}}
+    with serve(tmp_path / "held", examples_repo, {"scheduler": held}) as worker, ExitStack() as stack:
+        streams = 16        # calls open to the worker at once: fewer than the rows that end the hold
+        gateway = gateway_over(stack, [worker], config(max_concurrent_streams=streams))
+        gateway.wait_ready(models=4)
+        connects = _worker_connects(gateway)
+        address = ("127.0.0.1", int(gateway.url.rsplit(":", 1)[1]))
+        block = request_block("/inference.GRPCInferenceService/ModelInfer")
+        body = grpc_message(mlp_request(1))
+        for _ in range(3):
+            conn = RawConnection.open(address, deadline=time.monotonic() + TIMEOUT)
+            try:
+                size = conn.server.max_frame_size
+                for first in range(1, 1 + 2 * 720, 2 * streams):    # sent, forwarded, then reset
+                    sids = range(first, first + 2 * streams, 2)
+                    conn.send(b"".join(header_frames(sid, block, size) + data_frames(sid, body, size) for sid in sids))
+                    time.sleep(0.03)
+                    conn.send(b"".join(frame(RST_STREAM, 0, sid, (8).to_bytes(4, "big")) for sid in sids))
+                assert conn.closed is None, (conn.closed, conn.goaway_debug)
+            finally:
+                conn.close()
+        assert _worker_connects(gateway) == connects, "the worker closed the gateway's connection"
+        simple = [infer_input(f"INPUT{i}", np.arange(16, dtype=np.int32).reshape(1, 16), "INT32") for i in (0, 1)]
+        assert grpcclient.InferenceServerClient(gateway.url).infer("simple", simple).as_numpy("OUTPUT0").shape == (1, 16)

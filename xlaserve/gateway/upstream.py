@@ -70,6 +70,13 @@ DEFAULT_MAX_REPLY = 256 * 1024 * 1024   # the default of gateway.grpc.max_send_m
 WORKER_LIMITS = H2Limits(idle_timeout_seconds=0.0)
 #: how a limit's message names it: not a node-file key (the gateway's limits for a worker are fixed)
 WORKER_LIMIT_NAMES = "the gateway's fixed limit for a worker; endpoints.{} is a client's"
+#: The resets (RST_STREAM) the gateway sends one worker's connection: a burst, refilled at a rate.
+#: A worker counts each reset it receives against its glitch bucket (endpoints.glitch_burst 1000,
+#: glitches_per_second 33 by default) and ends the connection when it is empty, failing every
+#: call on it: resets made for clients (cancelled calls, deadlines, replies cut off) stay within
+#: half of it. Past it a reset waits, its stream open at the worker (the call is answered already).
+RESET_BURST = 500
+RESETS_PER_SECOND = 16.0
 #: What a worker takes in one request's header block: its node file's defaults (only the header
 #: list's size is advertised, and the advertised value is used). A worker configured lower than
 #: these still ends the gateway's connection on a request that crosses its limit.
@@ -209,6 +216,11 @@ class Upstream(Handler):
         self._timer_seq = itertools.count()
         self._timer_wake = trio.Event()
         self._retry = trio.Event()
+        # the resets of this connection (_reset): a token bucket, and those held back past it
+        self._reset_tokens = float(RESET_BURST)
+        self._reset_at = 0.0
+        self._held_resets: deque[_Call] = deque()
+        self._reset_wake = trio.Event()
         self._faults = LineLimiter(log)     # one line a second for connections that fail
 
     # ---- the caller's side ---------------------------------------------------------------
@@ -373,6 +385,7 @@ class Upstream(Handler):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._writer, stream)
                 nursery.start_soon(self._clock, h2)
+                nursery.start_soon(self._paced_resets, h2)
                 h2.initiate()
                 try:
                     with read_scope:
@@ -394,6 +407,8 @@ class Upstream(Handler):
     def _reset_state(self) -> H2Connection:
         """A new connection's HTTP/2 state (the engine, client mode)."""
         self._blocks.clear()        # checked against the last connection's advertised limit
+        self._reset_tokens, self._reset_at = float(RESET_BURST), trio.current_time()
+        self._held_resets.clear()
         self._h2 = H2Connection(self, client=True, limits=self.limits, clock=trio.current_time,
                                 stream_window=OUR_WINDOW, conn_window=OUR_WINDOW, max_frame=MAX_REPLY_FRAME,
                                 limit_names=WORKER_LIMIT_NAMES)
@@ -687,10 +702,43 @@ class Upstream(Handler):
             self._reset(call)               # answered before the request was all sent: the rest is not
 
     def _reset(self, call: _Call) -> None:
-        """Reset ``call``'s stream (CANCEL). The engine does not count a reset this end asks for
-        against ``max_queued_control_frames`` (it cannot raise); a worker that reads none of what
-        this end sends is ended by the write timeout."""
-        self._h2.reset(call, CANCEL)
+        """Reset ``call``'s stream (CANCEL), within :data:`RESET_BURST` and :data:`RESETS_PER_SECOND`:
+        past them the reset waits (:meth:`_paced_resets`) and the stream stays open, counted against
+        ``max_streams``, until the budget refills or the worker ends it. The engine does not count a
+        reset this end asks for against ``max_queued_control_frames`` (it cannot raise); a worker
+        that reads none of what this end sends is ended by the write timeout."""
+        now = trio.current_time()
+        tokens = min(float(RESET_BURST), self._reset_tokens + (now - self._reset_at) * RESETS_PER_SECOND)
+        self._reset_at = now
+        if tokens >= 1.0 and not self._held_resets:
+            self._reset_tokens = tokens - 1.0
+            self._h2.reset(call, CANCEL)
+            return
+        self._reset_tokens = tokens
+        self._held_resets.append(call)
+        self._reset_wake.set()
+
+    async def _paced_resets(self, h2: H2Connection) -> None:
+        """Send the resets :meth:`_reset` held back, in order, as the budget refills; a stream the
+        worker ended meanwhile needs none."""
+        held = self._held_resets
+        while True:
+            while not held:
+                self._reset_wake = trio.Event()
+                await self._reset_wake.wait()
+            now = trio.current_time()
+            tokens = min(float(RESET_BURST), self._reset_tokens + (now - self._reset_at) * RESETS_PER_SECOND)
+            if tokens < 1.0:
+                await trio.sleep((1.0 - tokens) / RESETS_PER_SECOND)
+                continue
+            self._reset_tokens, self._reset_at = tokens, now
+            while held and self._reset_tokens >= 1.0:
+                call = held.popleft()
+                if h2.streams.get(call.id) is call:
+                    self._reset_tokens -= 1.0
+                    h2.reset(call, CANCEL)
+            if h2.out:
+                self.output_ready()
 
     def _open_queued(self) -> None:
         h2 = self._h2
