@@ -1,12 +1,12 @@
 """The worker's own CPU per ModelInfer, in-process and without a client or sockets: the real
 actors (device, weight cache, scheduler, inference service) serving the reference ``mlp``, and
 the KServe service's request path called directly with decoded ``ModelInferRequest`` messages,
-32 at a time (one coalesced batch). What it measures is ``time.process_time()`` per request,
+32 at a time (one coalesced batch; ``--batch`` sets how many). What it measures is ``time.process_time()`` per request,
 the CPU of every thread of the process (the export thread's included), which another tenant's
 load disturbs far less than a throughput measured through sockets (benchmarks/tracing_bench.py).
 
     python -m benchmarks.tracing_path_bench [--variants off,memory,null,file,records] [--rounds 20]
-        [--requests 2400] [--ratio 1.0]
+        [--requests 2400] [--ratio 1.0] [--batch 32]
 
 The variants, each its own set of actors, all started in this one process:
 
@@ -102,21 +102,22 @@ class Variant:
     """One variant's worker: its actors (started in the caller's nursery), the KServe service
     over them, and its tracing (None: off) and in-process exporter (None: none, or ``file``)."""
 
-    def __init__(self, name: str, service: KServeService, tracing, exporter) -> None:
+    def __init__(self, name: str, service: KServeService, tracing, exporter, batch: int = BATCH) -> None:
         self.name = name
         self.service = service
         self.tracing = tracing
         self.exporter = exporter
         self.stream = _Stream({"te": "trailers", "content-type": "application/grpc"})
-        self.messages = [_request(i) for i in range(BATCH)]
+        self.messages = [_request(i) for i in range(batch)]
+        self.batch = batch
 
     async def window(self, requests: int) -> float:
-        """Serve ``requests`` (32 at a time) and export their spans: CPU microseconds a request."""
+        """Serve ``requests`` (``batch`` at a time) and export their spans: CPU microseconds a request."""
         started = time.process_time()
         answered = 0
         while answered < requests:
             done = trio.Event()
-            left = [BATCH]
+            left = [self.batch]
 
             def finish(outcome, done=done, left=left) -> None:
                 if not isinstance(outcome, pb.ModelInferResponse):
@@ -127,7 +128,7 @@ class Variant:
             for message in self.messages:
                 self.service._start_infer(message, self.stream, finish)
             await done.wait()
-            answered += BATCH
+            answered += self.batch
         if self.tracing is not None:
             # what is still queued is exported inside the window that made it, by this thread
             flush = getattr(self.tracing, "flush", None) or self.tracing._exporter.flush    # or: before this API
@@ -138,7 +139,8 @@ class Variant:
         return cpu / answered * 1e6
 
 
-async def start_variant(nursery: trio.Nursery, repo: Path, name: str, ratio: float, spans: Path) -> Variant:
+async def start_variant(nursery: trio.Nursery, repo: Path, name: str, ratio: float, spans: Path,
+                        batch: int = BATCH) -> Variant:
     node = {"model_repo": str(repo), "listen": {"grpc": "127.0.0.1:0", "http": "127.0.0.1:0"},
             "global": {"runtime": {"backend": "cpu"}, "model_control_mode": "static", "cache_dir": None}}
     if name != "off":
@@ -154,15 +156,15 @@ async def start_variant(nursery: trio.Nursery, repo: Path, name: str, ratio: flo
     if name == "records":       # the export thread (and a window's flush) only takes and drops the records
         tracing._exporter.flush = tracing.take
     extra = (tracing,) if hasattr(actors, "tracing") else ()       # the checkout before tracing
-    return Variant(name, KServeService(port, config.endpoints, *extra), tracing, exporter)
+    return Variant(name, KServeService(port, config.endpoints, *extra), tracing, exporter, batch)
 
 
 async def measure(repo: Path, names: list[str], rounds: int, requests: int, ratio: float,
-                  spans: Path) -> dict[str, list[float]]:
+                  spans: Path, batch: int = BATCH) -> dict[str, list[float]]:
     """Each variant's CPU per request in each round (the first window of each is warm-up)."""
     results: dict[str, list[float]] = {name: [] for name in names}
     async with trio.open_nursery() as nursery:
-        variants = [await start_variant(nursery, repo, name, ratio, spans) for name in names]
+        variants = [await start_variant(nursery, repo, name, ratio, spans, batch) for name in names]
         for variant in variants:
             await variant.window(requests)
         for round_ in range(rounds):
@@ -185,7 +187,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--requests", type=int, default=2_400, help="requests a variant serves in a round")
     p.add_argument("--ratio", type=float, default=1.0, help="tracing.sampling_ratio of the traced variants")
+    p.add_argument("--batch", type=int, default=BATCH,
+                   help="requests handed over at once, without yielding (one burst; the largest compiled size is 32)")
     args = p.parse_args()
+    if not 1 <= args.batch <= 32:
+        p.error(f"--batch {args.batch}: expected 1 to 32")
     names = args.variants.split(",")
     unknown = set(names) - {"off", "memory", "null", "file", "records"}
     if unknown or len(set(names)) != len(names):
@@ -194,7 +200,8 @@ def main() -> None:
         repo = Path(tmp) / "models"
         repo.mkdir()
         export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
-        results = trio.run(measure, repo, names, args.rounds, args.requests, args.ratio, Path(tmp) / "spans.jsonl")
+        results = trio.run(measure, repo, names, args.rounds, args.requests // args.batch * args.batch, args.ratio,
+                           Path(tmp) / "spans.jsonl", args.batch)
     print(f"{'variant':8s} {'cpu us/request: median (range)':32s} off/variant in the same round: median (range)")
     for name in names:
         us = results[name]
