@@ -24,7 +24,7 @@ import numpy as np
 import trio
 
 from xlaserve._proto import grpc_service_pb2 as pb
-from xlaserve.bench.loadgen import ClientPlan, InputSpec, LevelResult, Window, random_tensor, rows_per_request
+from xlaserve.bench.level import ClientPlan, InputSpec, LevelResult, Window, random_tensor, rows_per_request
 from xlaserve.gateway.upstream import Upstream, UpstreamError, status_named
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
