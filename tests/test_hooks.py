@@ -150,6 +150,26 @@ def test_import_hooks_errors_name_the_bundle(tmp_path):
         import_hooks(no_run, meta, 1)
 
 
+@pytest.mark.parametrize("source, message", [
+    ("import sys\nsys.exit(3)\n", "model.py raised SystemExit: 3"),
+    ("raise KeyboardInterrupt('stop')\n", "model.py raised KeyboardInterrupt: stop"),
+    ("class Stop(BaseException): pass\nraise Stop('now')\n", "model.py raised Stop: now"),
+    ("class Odd(Exception):\n    def __str__(self): raise RuntimeError\nraise Odd()\n",
+     "model.py raised Odd: <Odd whose str() raised>"),
+    ("x = " + "-" * 100_000 + "1\n", "model.py cannot be compiled (MemoryError): it nests expressions too deeply"),
+    ("x = 1" + "+1" * 1_000_000 + "\n", "model.py cannot be compiled (RecursionError): it nests expressions too deeply"),
+    ("x = 1\0\n", "model.py: source code string cannot contain null bytes"),
+], ids=["sys.exit", "KeyboardInterrupt", "BaseException", "str-raises", "deep-unary", "deep-sum", "NUL"])
+def test_whatever_model_py_raises_fails_the_load_only(tmp_path, source, message):
+    """Escaping import_hooks, these ended the lifecycle actor and with it the worker (sys.exit in
+    a bundle's model.py stopped the server)."""
+    bundle = _bundle(tmp_path, "g", "")
+    (bundle / "model.py").write_text(source)
+    with pytest.raises(BundleError) as info:
+        import_hooks(bundle, _manifest("g"), 1)
+    assert str(info.value).startswith(f"bundle 'g': {message}")
+
+
 # ---- the CORAL postprocess of severity_grader -------------------------------------------
 @pytest.fixture(scope="module")
 def grader_postprocess(tmp_path_factory):

@@ -36,7 +36,7 @@ import yaml
 from xlaserve._hooks import Registration, collecting_registrations
 from xlaserve.bounded import expansion_problem, shown
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
-from xlaserve.errors import BundleError
+from xlaserve.errors import BundleError, describe_exception
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
 from xlaserve.progress import Step
 from xlaserve.runtime.pool import aligned_bytes, packed_offsets
@@ -476,13 +476,21 @@ def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration |
     except OSError as exc:
         raise BundleError(manifest.bundle, f"cannot read {HOOKS_FILE}: {exc.strerror}") from None
     except SyntaxError as exc:
-        raise BundleError(manifest.bundle, f"{HOOKS_FILE} line {exc.lineno}: {exc.msg}") from None
+        line = f" line {exc.lineno}" if exc.lineno else ""   # none for a NUL byte
+        raise BundleError(manifest.bundle, f"{HOOKS_FILE}{line}: {exc.msg}") from None
+    except (MemoryError, RecursionError) as exc:    # past the compiler's own limits, e.g. `- - - ... 1`
+        raise BundleError(manifest.bundle, f"{HOOKS_FILE} cannot be compiled ({type(exc).__name__}): it nests "
+                          "expressions too deeply or is too large; expected Python source within the "
+                          "compiler's limits") from None
     sys.modules[module_name] = module
     with collecting_registrations() as table:
         try:
             exec(code, module.__dict__)
-        except Exception as exc:
-            raise BundleError(manifest.bundle, f"{HOOKS_FILE} raised {type(exc).__name__}: {exc}") from None
+        except BaseException as exc:
+            # SystemExit, KeyboardInterrupt or any BaseException: user code fails this load only;
+            # let through, it ended the lifecycle actor and with it the worker
+            raise BundleError(manifest.bundle, f"{HOOKS_FILE} raised {type(exc).__name__}: "
+                              f"{describe_exception(exc)}") from None
         finally:
             for loaded in [m for m in sys.modules if m == module_name or m.startswith(module_name + ".")]:
                 del sys.modules[loaded]
