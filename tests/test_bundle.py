@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import os
 import struct
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -140,6 +142,45 @@ def test_missing_module_and_unlisted_module(repo, device):
 def test_garbage_module(repo, device):
     (repo / "simple" / "model.b2.mlir").write_text("this is not mlir")
     assert "model.b2.mlir: not a parsable StableHLO module" in load_error(repo / "simple", device)
+
+
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _dev_null(path):
+    os.symlink("/dev/null", path)   # the same as /dev/zero, which was read until memory ran out
+
+
+@pytest.mark.parametrize("bundle, name, make, found", [
+    ("simple", "model.b2.mlir", _fifo, "a FIFO (named pipe)"),           # blocked the load for good
+    ("simple", "model.b2.mlir", _dev_null, "a character device"),
+    ("mlp", "weights.safetensors", _fifo, "a FIFO (named pipe)"),        # "is missing"
+    ("simple", "model.py", _fifo, "a FIFO (named pipe)"),                # skipped: loaded without hooks
+    ("simple", "model.py", os.mkdir, "a directory"),                     # skipped likewise
+], ids=["fifo-module", "device-module", "fifo-weights", "fifo-model.py", "directory-model.py"])
+def test_a_bundle_file_that_is_not_a_regular_file_is_refused_without_reading_it(repo, device, bundle, name,
+                                                                               make, found):
+    path = repo / bundle / name
+    path.unlink(missing_ok=True)
+    make(path)
+    outcome = []
+
+    def load():
+        try:
+            load_bundle(repo / bundle, 1, device)
+            outcome.append("loaded")
+        except BundleError as exc:
+            outcome.append(str(exc))
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():           # blocked opening the FIFO: a writer that comes and goes ends it
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(30)
+        pytest.fail(f"load_bundle blocked on {name}, {found}")
+    assert outcome == [f"bundle '{bundle}': {name} is {found}; expected a regular file (or a link to one)"]
 
 
 def test_model_py_registering_another_name(repo, device):

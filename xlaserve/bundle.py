@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import sys
 import time
@@ -66,6 +67,34 @@ class WeightTensor:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _open_regular(file: Path, bundle: str):
+    """``file`` opened for reading in binary, if it is a regular file (or a link to one); else
+    BundleError naming what it is. Never blocks: a FIFO would hold the open until some writer
+    came, and a link to ``/dev/zero`` or ``/dev/urandom`` would be read until memory ran out,
+    either holding the lifecycle actor, and the worker's shutdown, for good. OSError when it
+    cannot be opened."""
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+            raise BundleError(bundle, f"{file.name} is {kind}; expected a regular file (or a link to one)")
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_regular(file: Path, bundle: str) -> bytes:
+    """The bytes of a regular file of a bundle (see :func:`_open_regular`)."""
+    with _open_regular(file, bundle) as f:
+        return f.read()
 
 
 def _read_at(fd: int, into: memoryview, offset: int) -> int:
@@ -236,7 +265,7 @@ _FAST_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 def read_manifest(path: Path) -> Manifest:
     name = path.name
     try:
-        text = (path / MANIFEST).read_text()
+        text = _read_regular(path / MANIFEST, name).decode()
     except OSError as exc:
         raise BundleError(name, f"cannot read {MANIFEST}: {exc.strerror}") from None
     try:
@@ -307,13 +336,14 @@ _SAFETENSORS_DTYPES = {
 MAX_SAFETENSORS_HEADER = 100_000_000
 
 
-def _read_safetensors_header(file: Path) -> dict[str, WeightTensor]:
+def _read_safetensors_header(file: Path, bundle: str) -> dict[str, WeightTensor]:
     """The tensor table of a safetensors file: an 8-byte little-endian header length, a JSON
     header, then the data; offsets in the header are relative to the data. Everything in the
     header is checked before it is used: each tensor a mapping with a known dtype, a shape of
     integers >= 0 and two integer offsets with 0 <= begin <= end, its bytes exactly what the
-    shape needs, inside the file. ValueError names what is wrong."""
-    with open(file, "rb") as f:
+    shape needs, inside the file. ValueError names what is wrong; BundleError (of ``bundle``)
+    when it is not a regular file."""
+    with _open_regular(file, bundle) as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("shorter than the 8-byte safetensors header length")
@@ -370,12 +400,12 @@ def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
     declared = manifest.weights_file is not None
     name = manifest.weights_file if declared else DEFAULT_WEIGHTS_FILE
     file = path / name
-    if not file.is_file():
+    if not os.path.lexists(file):       # anything else there is read, or refused as what it is
         if not declared:
             return None
         raise BundleError(manifest.bundle, f"weights file {name} is missing (the manifest's weights: key asks for it)")
     try:
-        table = _read_safetensors_header(file)
+        table = _read_safetensors_header(file, manifest.bundle)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BundleError(manifest.bundle, f"cannot read {name}: {exc}") from None
     names = list(table)
@@ -458,7 +488,7 @@ _hook_loads = itertools.count(1)
 def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration | None:
     """Import the bundle's model.py in isolation and return what it registered for this bundle."""
     file = path / HOOKS_FILE
-    if not file.is_file():
+    if not os.path.lexists(file):       # a FIFO or a directory there is refused, never skipped
         if manifest.kind == "meta":
             raise BundleError(manifest.bundle, f"kind: meta needs a {HOOKS_FILE} that calls register_model(..., run=...)")
         return None
@@ -472,7 +502,7 @@ def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration |
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
     try:
-        code = compile(file.read_bytes(), str(file), "exec", dont_inherit=True)
+        code = compile(_read_regular(file, manifest.bundle), str(file), "exec", dont_inherit=True)
     except OSError as exc:
         raise BundleError(manifest.bundle, f"cannot read {HOOKS_FILE}: {exc.strerror}") from None
     except SyntaxError as exc:
@@ -572,7 +602,7 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
         # dynamic, then each specialization is validated like a module of that size.
         file = next(iter(module_files.values()))
         try:
-            source = file.read_bytes()
+            source = _read_regular(file, manifest.bundle)
             sig = executables.signature(source)
         except OSError as exc:
             raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
@@ -582,7 +612,7 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
     for size, file in module_files.items():
         try:
             texts[size] = (executables.specialize(source, _argument_types(manifest, weights, size)) if dynamic
-                           else file.read_bytes())
+                           else _read_regular(file, manifest.bundle))
             sig = executables.signature(texts[size])
         except OSError as exc:
             raise BundleError(manifest.bundle, f"cannot read {file.name}: {exc.strerror}") from None
