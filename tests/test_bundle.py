@@ -183,6 +183,16 @@ def test_a_bundle_file_that_is_not_a_regular_file_is_refused_without_reading_it(
     assert outcome == [f"bundle '{bundle}': {name} is {found}; expected a regular file (or a link to one)"]
 
 
+def test_a_manifest_that_is_not_utf8_is_refused_naming_the_byte_and_line(repo, device):
+    # its UnicodeDecodeError escaped the loader and ended the worker
+    manifest = repo / "simple" / "manifest.yaml"
+    lines = manifest.read_bytes().count(b"\n")
+    manifest.write_bytes(manifest.read_bytes() + b"# caf\xe9\n")
+    assert load_error(repo / "simple", device) == (
+        f"bundle 'simple': manifest.yaml is not UTF-8 text: byte 0xe9 on line {lines + 1} (invalid continuation "
+        "byte); expected a YAML document in UTF-8")
+
+
 def test_model_py_registering_another_name(repo, device):
     (repo / "simple" / "model.py").write_text(
         "from xlaserve import register_model\nregister_model('other', postprocess=lambda t: t)\n")

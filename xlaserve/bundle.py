@@ -265,9 +265,15 @@ _FAST_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 def read_manifest(path: Path) -> Manifest:
     name = path.name
     try:
-        text = _read_regular(path / MANIFEST, name).decode()
+        raw = _read_regular(path / MANIFEST, name)
     except OSError as exc:
         raise BundleError(name, f"cannot read {MANIFEST}: {exc.strerror}") from None
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise BundleError(name, f"{MANIFEST} is not UTF-8 text: byte {raw[exc.start]:#04x} on line {line} "
+                          f"({exc.reason}); expected a YAML document in UTF-8") from None
     try:
         data = yaml.load(text, Loader=_FAST_SAFE_LOADER)
     except yaml.YAMLError:
