@@ -296,7 +296,10 @@ class Lifecycle:
                 self._load_blocking, path, version, limiter=self._compile_limiter)
         except (BundleError, OSError) as exc:
             return self._failed(name, exc)
-        refused = await self._weights.admit(model, during_startup=not self._table.startup_done.is_set())
+        try:
+            refused = await self._weights.admit(model, during_startup=not self._table.startup_done.is_set())
+        except OSError as exc:    # the file changed since its header was read: cp truncates before it writes
+            return self._failed(name, BundleError(name, f"cannot read its weights into memory: {exc}"))
         if refused:       # its weights can never fit the device weight budget
             return self._failed(name, BundleError(name, refused))
         seconds = time.perf_counter() - started

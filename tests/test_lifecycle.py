@@ -1,0 +1,41 @@
+"""The lifecycle actor's loads without a server: the real bundle loader, weight cache and CPU
+device, driven through :meth:`Lifecycle.load`."""
+from __future__ import annotations
+
+import trio
+
+from examples.export_examples import export_mlp
+from xlaserve.config.resolve import parse_node_config, resolve_worker
+from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.weights import WeightCache
+from xlaserve.worker.lifecycle import Lifecycle
+from xlaserve.worker.registry import ModelState, ModelTable
+
+
+def test_weights_cut_short_while_the_bundle_compiles_fail_that_load_only(tmp_path):
+    """``cp`` of new weights over a bundle truncates the file first: when that lands between the
+    header read and the weight cache's read of the data (the modules compile in between), the
+    OSError escaped the lifecycle actor and ended the worker."""
+    repo = tmp_path / "models"
+    export_mlp(repo, (1,))
+    weights = repo / "mlp" / "weights.safetensors"
+    device = Device("cpu")
+
+    def compile_and_cut_the_weights(path, module):
+        with open(weights, "r+b") as f:
+            f.truncate(100)
+        return device.compile(module), False
+
+    config = resolve_worker(parse_node_config({"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}}},
+                                              tmp_path))
+
+    async def main():
+        scheduler, _ = trio.open_memory_channel(1)
+        lifecycle = Lifecycle(config, device, ModelTable(), scheduler, WeightCache(device, trio.CapacityLimiter(1)),
+                              compile_and_cut_the_weights)
+        return await lifecycle.load("mlp")
+
+    entry = trio.run(main)
+    assert entry.state is ModelState.UNAVAILABLE and entry.serving is None
+    assert entry.reason.startswith(f"bundle 'mlp': cannot read its weights into memory: {weights.resolve()} is 100 "
+                                   "bytes but its tensors end at byte ")
