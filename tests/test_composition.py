@@ -331,6 +331,17 @@ def test_repository_load_and_unload_go_through_the_port():
             assert (refused.value.status, refused.value.message) == (
                 Status.FAILED_PRECONDITION, "cannot load 'mlp': model_control_mode is static")
             await _call(kserve.RepositoryModelUnload, pb.RepositoryModelUnloadRequest(model_name="cnn"))
+            # what tritonclient's load_model(config=..., files=...) sends; loading the bundle as it is
+            # on disk would answer OK for a model the client did not ask for
+            overrides = pb.RepositoryModelLoadRequest(model_name="mlp", parameters={
+                "config": pb.ModelRepositoryParameter(string_param='{"max_batch_size": 64}'),
+                "file:1/model.b1.mlir": pb.ModelRepositoryParameter(bytes_param=b"module {}")})
+            with pytest.raises(GRPCError) as refused:
+                await _call(kserve.RepositoryModelLoad, overrides)
+            assert (refused.value.status, refused.value.message) == (
+                Status.INVALID_ARGUMENT, "cannot load 'mlp' with 'config', 'file:1/model.b1.mlir': xlaserve does not "
+                "override a model's configuration at load time (its bundle's manifest and compiled batch sizes fix "
+                "it); load it without them")
     trio.run(main)
     assert asked == [("load", "mlp"), ("unload", "cnn")]
 

@@ -25,6 +25,7 @@ from xlaserve.errors import (Cancelled, FailedPrecondition, InternalError, Inval
 from xlaserve.frontend.access import shm_peer_denial
 from xlaserve.frontend.admission import Admission, output_bytes_per_row
 from xlaserve.frontend.port import WorkerPort
+from xlaserve.frontend.rest_api import refuse_load_overrides
 from xlaserve.frontend.shm import cuda_unavailable
 from xlaserve.frontend.shm import disabled as shm_disabled
 from xlaserve.frontend.statuses import rpc
@@ -284,6 +285,7 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def RepositoryModelLoad(self, stream) -> None:
         request = await stream.recv_message()
+        refuse_load_overrides(request.model_name, request.parameters)
         await self._worker.load_model(request.model_name)
         await stream.send_message(pb.RepositoryModelLoadResponse())
 

@@ -13,7 +13,7 @@ with (:data:`HTTP_STATUS`), the message in ``{"error": "..."}``.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from urllib.parse import unquote
 
 import orjson
@@ -121,6 +121,17 @@ class _Call:
 #: the JSON a REST request may carry (the inference header, or a whole JSON body): parsing it
 #: holds the worker's Trio thread and about 13 times its size in memory
 MAX_JSON_BYTES = 32 * 1024 * 1024
+
+
+def refuse_load_overrides(model: str, parameters: Iterable[str]) -> None:
+    """Triton's RepositoryModelLoad overrides (``config``, ``file:<path>``) are refused, over REST
+    and gRPC alike (:class:`~xlaserve.frontend.kserve.KServeService`): loaded without them, the
+    model would not be the one the client asked for, and nothing would tell it so."""
+    overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+    if overrides:
+        raise InvalidArgument(f"cannot load '{model}' with {', '.join(repr(k) for k in overrides)}: xlaserve does "
+                              "not override a model's configuration at load time (its bundle's manifest and "
+                              "compiled batch sizes fix it); load it without them")
 
 
 def _json(doc: object, status: int = 200) -> HttpResponse:
@@ -295,12 +306,7 @@ class RestApi:
     async def _load(self, request, model):
         doc = loads_object(request.body, "the load request")
         parameters = doc.get("parameters") or {}
-        overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:")) \
-            if isinstance(parameters, dict) else []
-        if overrides:
-            raise InvalidArgument(f"cannot load '{model}' with {', '.join(repr(k) for k in overrides)}: xlaserve does "
-                                  "not override a model's configuration at load time (its bundle's manifest and "
-                                  "compiled batch sizes fix it); load it without them")
+        refuse_load_overrides(model, parameters if isinstance(parameters, dict) else ())
         await self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model), request,
                          pb.RepositoryModelLoadResponse)
         return HttpResponse(200)
