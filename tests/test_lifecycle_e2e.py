@@ -382,3 +382,19 @@ def test_sigterm_ends_an_open_status_stream_with_ok_instead_of_waiting_out_the_d
         assert server.process.wait(20) == 0
     log = server.log()
     assert "draining: no new calls" in log and "drain timed out" not in log
+
+
+def test_sigterm_stops_the_worker_while_a_bundle_hangs_in_its_model_py(tmp_path, repo):
+    """The load runs in a thread nothing can interrupt; unless the lifecycle abandons it when the
+    worker stops, a model.py that never returns from its import held the shutdown for good."""
+    (repo / "simple" / "model.py").write_text("import time\ntime.sleep(3600)\n")
+    with serve(tmp_path / "srv", repo, {"model_control_mode": "explicit", "cache_dir": None},
+               wait_ready=False) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        client.load_model("mlp")
+        with pytest.raises(InferenceServerException, match="Deadline"):
+            client.load_model("simple", client_timeout=1)
+        assert client.is_model_ready("mlp")       # the hang holds the lifecycle, never the serving
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(20) == 0
+    assert "drain timed out" not in server.log()

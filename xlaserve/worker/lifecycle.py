@@ -292,8 +292,10 @@ class Lifecycle:
         version = self._versions.get(name, 0) + 1
         started = time.perf_counter()
         try:
+            # abandoned when the worker stops: a model.py that never returns from its import (or a
+            # compile that never ends) would otherwise hold the shutdown for good
             model: ModelVersion = await trio.to_thread.run_sync(
-                self._load_blocking, path, version, limiter=self._compile_limiter)
+                self._load_blocking, path, version, limiter=self._compile_limiter, abandon_on_cancel=True)
         except (BundleError, OSError) as exc:
             return self._failed(name, exc)
         try:
