@@ -39,3 +39,28 @@ def test_weights_cut_short_while_the_bundle_compiles_fail_that_load_only(tmp_pat
     assert entry.state is ModelState.UNAVAILABLE and entry.serving is None
     assert entry.reason.startswith(f"bundle 'mlp': cannot read its weights into memory: {weights.resolve()} is 100 "
                                    "bytes but its tensors end at byte ")
+
+
+def test_whatever_else_a_load_raises_fails_that_load_only(tmp_path, caplog):
+    """Past the loader's own checks (a bug, or MemoryError reading a huge module file), an
+    exception fails the load of that bundle, logged with its traceback; it ended the lifecycle
+    actor, and with it the worker."""
+    repo = tmp_path / "models"
+    export_mlp(repo, (1,))
+    device = Device("cpu")
+    config = resolve_worker(parse_node_config({"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}}},
+                                              tmp_path))
+
+    def out_of_memory(path, version):
+        raise MemoryError()
+
+    async def main():
+        scheduler, _ = trio.open_memory_channel(1)
+        lifecycle = Lifecycle(config, device, ModelTable(), scheduler, WeightCache(device, trio.CapacityLimiter(1)))
+        lifecycle._load_blocking = out_of_memory        # what the loader's own checks do not turn into BundleError
+        return await lifecycle.load("mlp")
+
+    entry = trio.run(main)
+    assert entry.state is ModelState.UNAVAILABLE and entry.serving is None
+    assert entry.reason == "bundle 'mlp': loading it failed: MemoryError", entry.reason
+    assert any(r.exc_info and r.exc_info[0] is MemoryError for r in caplog.records)

@@ -34,7 +34,7 @@ import trio
 
 from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, bundle_name_ok, is_bundle, load_bundle
 from xlaserve.config import WorkerConfig
-from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, Unavailable
+from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, Unavailable, describe_exception
 from xlaserve.runtime.executables import ExecutableTable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.worker.messages import DropModel, SchedulerMessage
@@ -298,10 +298,14 @@ class Lifecycle:
                 self._load_blocking, path, version, limiter=self._compile_limiter, abandon_on_cancel=True)
         except (BundleError, OSError) as exc:
             return self._failed(name, exc)
+        except Exception as exc:      # a bug, or MemoryError on a huge file: this load fails, not the worker
+            return self._failed(name, self._unexpected(name, "loading it", exc))
         try:
             refused = await self._weights.admit(model, during_startup=not self._table.startup_done.is_set())
         except OSError as exc:    # the file changed since its header was read: cp truncates before it writes
             return self._failed(name, BundleError(name, f"cannot read its weights into memory: {exc}"))
+        except Exception as exc:
+            return self._failed(name, self._unexpected(name, "taking its weights into host memory", exc))
         if refused:       # its weights can never fit the device weight budget
             return self._failed(name, BundleError(name, refused))
         seconds = time.perf_counter() - started
@@ -320,6 +324,13 @@ class Lifecycle:
             self._weights.release(name, old.serving.version)
             log.info("%s version %d retired; requests admitted to it finish on it", name, old.serving.version)
         return entry
+
+    @staticmethod
+    def _unexpected(name: str, doing: str, exc: Exception) -> BundleError:
+        """A load's failure that no check foresaw, logged with its traceback, as the load's error."""
+        log.error("bundle '%s': %s failed", name, doing, exc_info=exc)
+        detail = describe_exception(exc)
+        return BundleError(name, f"{doing} failed: {type(exc).__name__}" + (f": {detail}" if detail else ""))
 
     def _failed(self, name: str, exc: Exception) -> ModelEntry:
         reason = str(exc) if isinstance(exc, BundleError) else \
