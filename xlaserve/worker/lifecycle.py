@@ -34,7 +34,7 @@ import trio
 
 from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, bundle_name_ok, is_bundle, load_bundle
 from xlaserve.config import WorkerConfig
-from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, Unavailable, describe_exception
+from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, StartupError, Unavailable, describe_exception
 from xlaserve.runtime.executables import ExecutableTable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.worker.messages import DropModel, SchedulerMessage
@@ -298,12 +298,16 @@ class Lifecycle:
                 self._load_blocking, path, version, limiter=self._compile_limiter, abandon_on_cancel=True)
         except (BundleError, OSError) as exc:
             return self._failed(name, exc)
+        except StartupError:
+            raise                     # the node cannot start as configured: the worker says so and exits
         except Exception as exc:      # a bug, or MemoryError on a huge file: this load fails, not the worker
             return self._failed(name, self._unexpected(name, "loading it", exc))
         try:
             refused = await self._weights.admit(model, during_startup=not self._table.startup_done.is_set())
         except OSError as exc:    # the file changed since its header was read: cp truncates before it writes
             return self._failed(name, BundleError(name, f"cannot read its weights into memory: {exc}"))
+        except StartupError:
+            raise                     # an all-resident catalog that does not fit: start-up fails, naming sizes
         except Exception as exc:
             return self._failed(name, self._unexpected(name, "taking its weights into host memory", exc))
         if refused:       # its weights can never fit the device weight budget
