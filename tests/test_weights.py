@@ -171,6 +171,34 @@ def test_device_copy_is_a_separate_buffer_with_the_weights(tmp_path, device):
     run(main)
 
 
+def test_a_weights_file_replaced_by_a_fifo_after_the_load_is_refused_without_blocking(tmp_path):
+    """A fresh host copy opens the file again: replaced by a FIFO since the load, the open (and
+    the weight cache's thread with it) blocked until some writer came."""
+    import os
+    import threading
+    model = make_model(tmp_path, "m", MB)
+    file = tmp_path / "m" / "weights.safetensors"
+    file.unlink()
+    os.mkfifo(file)
+    outcome: list = []
+
+    def read() -> None:
+        try:
+            model.weights.read()
+        except OSError as exc:
+            outcome.append(exc)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(5.0)
+    if reader.is_alive():       # blocked in open(): a writer lets it go, then the test fails
+        os.close(os.open(file, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5.0)
+        pytest.fail("reading the weights blocked on the FIFO")
+    (error,) = outcome
+    assert "weights.safetensors is no longer a regular file; it changed on disk after the model was loaded" in \
+        str(error)
+
+
 def test_host_copy_survives_the_file_being_rewritten_in_place(tmp_path, device):
     """`cp new weights.safetensors` truncates the file in place: the host copy must not be a
     mapping of it (a truncated shared mapping faults and would kill the worker)."""

@@ -160,8 +160,14 @@ class HostWeights:
         offsets = packed_offsets([t.nbytes for t in self.tensors])
         size = offsets[-1] + self.tensors[-1].nbytes
         buffer = aligned_bytes(size, 4096)
-        with open(self.file, "rb") as f:
-            self._check_size(os.fstat(f.fileno()).st_size)
+        # non-blocking and checked, as at load (_open_regular): a file replaced by a FIFO since
+        # would hold this read, and the weight cache's thread, until some writer came
+        with open(os.open(self.file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise OSError(f"{self.file} is no longer a regular file; it changed on disk after the model was "
+                              "loaded")
+            self._check_size(info.st_size)
             fd, view = f.fileno(), memoryview(buffer)
             for t, at in zip(self.tensors, offsets):
                 got = _read_at(fd, view[at:at + t.nbytes], t.offset)
