@@ -342,6 +342,16 @@ def test_repository_load_and_unload_go_through_the_port():
                 Status.INVALID_ARGUMENT, "cannot load 'mlp' with 'config', 'file:1/model.b1.mlir': xlaserve does not "
                 "override a model's configuration at load time (its bundle's manifest and compiled batch sizes fix "
                 "it); load it without them")
+            # a worker serves one repository: a load or unload naming another would act on this one
+            for rpc, request in ((kserve.RepositoryModelLoad, pb.RepositoryModelLoadRequest),
+                                 (kserve.RepositoryModelUnload, pb.RepositoryModelUnloadRequest),
+                                 (kserve.RepositoryIndex, pb.RepositoryIndexRequest)):
+                fields = {"model_name": "mlp"} if request is not pb.RepositoryIndexRequest else {}
+                with pytest.raises(GRPCError) as refused:
+                    await _call(rpc, request(repository_name="staging", **fields))
+                assert (refused.value.status, refused.value.message) == (
+                    Status.NOT_FOUND, "repository 'staging' is unknown; this worker serves one repository (leave "
+                    "repository_name empty)")
     trio.run(main)
     assert asked == [("load", "mlp"), ("unload", "cnn")]
 

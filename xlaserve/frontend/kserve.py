@@ -152,6 +152,14 @@ class ModelInferWire:
             raise InvalidArgument(f"the request is not a valid inference.ModelInferRequest message: {exc}") from None
 
 
+def _one_repository(name: str) -> None:
+    """A repository request names no repository, or NotFound: a worker serves one (``model_repo``);
+    a load or unload naming another would act on this one."""
+    if name:
+        raise NotFound(f"repository '{name}' is unknown; this worker serves one repository (leave repository_name "
+                       "empty)")
+
+
 class KServeService(GRPCInferenceServiceBase):
     """The KServe V2 service of one worker, reached through ``worker``; ``endpoints`` gives the
     admission limits. :attr:`admission` is public so that its counts can be exported as gauges."""
@@ -271,9 +279,7 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def RepositoryIndex(self, stream) -> None:
         request = await stream.recv_message()
-        if request.repository_name:
-            raise NotFound(f"repository '{request.repository_name}' is unknown; this worker serves one "
-                           "repository (leave repository_name empty)")
+        _one_repository(request.repository_name)
         models = []
         for entry in self._worker.models.snapshot.values():
             if request.ready and entry.state is not ModelState.READY:
@@ -285,6 +291,7 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def RepositoryModelLoad(self, stream) -> None:
         request = await stream.recv_message()
+        _one_repository(request.repository_name)
         refuse_load_overrides(request.model_name, request.parameters)
         await self._worker.load_model(request.model_name)
         await stream.send_message(pb.RepositoryModelLoadResponse())
@@ -292,6 +299,7 @@ class KServeService(GRPCInferenceServiceBase):
     @rpc
     async def RepositoryModelUnload(self, stream) -> None:
         request = await stream.recv_message()
+        _one_repository(request.repository_name)
         await self._worker.unload_model(request.model_name)
         await stream.send_message(pb.RepositoryModelUnloadResponse())
 
