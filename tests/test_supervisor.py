@@ -808,3 +808,38 @@ for level, fmt in ((None, None), ("debug", None), ("error", "text")):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[:3] == ["WARNING JsonFormatter", "DEBUG JsonFormatter", "ERROR Formatter"]
     assert LoggingConfig() == LoggingConfig(level="info", format="text")
+
+
+def _gone(pid: int) -> bool:
+    """The process exited (a zombie not yet reaped by whoever adopted it counts as exited)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_the_workers_stop_when_their_supervisor_is_killed(tmp_path):
+    """SIGKILL (the OOM killer) leaves the supervisor no time to stop its workers, and they run
+    in a session of their own, so no SIGHUP reaches them either: each reads the end of the pipe
+    only the supervisor wrote to and stops, freeing its ports for the node's next start."""
+    from benchmarks._servers import consecutive_free_pair, free_ports
+    from benchmarks.gateway_bench import _child
+    from tests.conftest import serve
+    repo = tmp_path / "models"
+    repo.mkdir()
+    grpc0, grpc1 = free_ports(2)
+    with serve(tmp_path, repo, wait_ready=False, metrics_base_port=consecutive_free_pair(),
+               workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}]) as node:
+        deadline = time.monotonic() + 60
+        while node.log().count("INFO xlaserve.worker: serving:") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        workers = [_child(node.process.pid, ["--worker", name]) for name in "ab"]
+        node.process.kill()
+        node.process.wait()
+        deadline = time.monotonic() + 15
+        while not all(map(_gone, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [pid for pid in workers if not _gone(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their supervisor"

@@ -18,7 +18,8 @@ import trio
 
 from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_count
 from xlaserve.config.schema import split_address
-from xlaserve.supervisor import DEVICE_ISOLATED_ENV, READY_FD_ENV, ready_writer
+from xlaserve.supervisor import (DEVICE_ISOLATED_ENV, READY_FD_ENV, SUPERVISOR_FD_ENV, ready_writer,
+                                 supervisor_exited)
 
 log = logging.getLogger("xlaserve.node")
 
@@ -128,8 +129,9 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
     before anything else starts: an address in use, a missing repository, an unusable ``cuda``.
 
     Started by a supervisor (:mod:`xlaserve.supervisor`), the worker also writes its ports to
-    the descriptor in ``XLASERVE_READY_FD``, and opens device ordinal 0 when the supervisor made
-    its device the only one visible (``XLASERVE_DEVICE_ISOLATED``)."""
+    the descriptor in ``XLASERVE_READY_FD``, stops (as on SIGTERM) once the supervisor has
+    exited (``XLASERVE_SUPERVISOR_FD``), and opens device ordinal 0 when the supervisor made its
+    device the only one visible (``XLASERVE_DEVICE_ISOLATED``)."""
     from xlaserve.app.preflight import claim
     if os.environ.get(DEVICE_ISOLATED_ENV) == "1":
         config = dataclasses.replace(config, gpu=0)
@@ -141,8 +143,23 @@ def run_worker(config: WorkerConfig, ready_file: str | None = None, note: str = 
         config = dataclasses.replace(config, runtime=open_backend(config.runtime))
         from xlaserve.app.server import serve
         ready = ready_writer(ready_file, os.environ.get(READY_FD_ENV))
-        trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=ready))
+        watch = _supervisor_watch(os.environ.pop(SUPERVISOR_FD_ENV, None))
+        trio.run(functools.partial(serve, config, claimed=claimed, ready_callback=ready,
+                                   supervisor_exited=watch))
     finally:
         claimed.close()
 
 
+def _supervisor_watch(fd: str | None):
+    """What :func:`~xlaserve.app.server.serve` awaits to learn that this worker's supervisor
+    exited, from ``XLASERVE_SUPERVISOR_FD``; None without a usable descriptor (one warning)."""
+    if fd is None:
+        return None
+    try:
+        number = int(fd)
+        os.set_inheritable(number, False)    # for this worker alone, not the processes it starts
+    except (ValueError, OSError) as exc:
+        log.warning("%s=%r is not an open descriptor (%s); this worker will not stop when its "
+                    "supervisor exits", SUPERVISOR_FD_ENV, fd, exc)
+        return None
+    return functools.partial(supervisor_exited, number)

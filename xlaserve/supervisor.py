@@ -45,6 +45,10 @@ from xlaserve.supervision import (MAX_LINE_BYTES, GiveUp, LineSplitter, RestartP
 log = logging.getLogger("xlaserve.supervisor")
 
 READY_FD_ENV = "XLASERVE_READY_FD"
+# The read end of a pipe whose only write end the supervisor holds: it reads end-of-file once the
+# supervisor has exited, however it ended (SIGKILL, the OOM killer), and the worker then stops.
+# Workers run in a session of their own, so nothing else would tell them.
+SUPERVISOR_FD_ENV = "XLASERVE_SUPERVISOR_FD"
 # Set for a worker whose device the supervisor made the only one it sees (CUDA_VISIBLE_DEVICES):
 # the worker then opens ordinal 0, whatever ordinal its node-file entry names.
 DEVICE_ISOLATED_ENV = "XLASERVE_DEVICE_ISOLATED"
@@ -93,6 +97,16 @@ def ready_writer(path: str | None, fd: str | None = None):
                 log.warning("cannot write the ready report to %s=%s: %s", READY_FD_ENV, fd, exc)
             fd = None   # the descriptor is closed now; its number may be reused by another file
     return write
+
+
+async def supervisor_exited(fd: int) -> None:
+    """Return once the supervisor that started this worker has exited: ``fd`` (from
+    ``SUPERVISOR_FD_ENV``) is the read end of a pipe whose write end only the supervisor holds,
+    so it reads end-of-file then. Raises OSError when ``fd`` is not an open descriptor."""
+    while True:
+        await trio.lowlevel.wait_readable(fd)
+        if not os.read(fd, 4096):   # readable, so it does not block; the supervisor never writes
+            return
 
 
 # --- what to run ---------------------------------------------------------------------------------
@@ -278,6 +292,7 @@ class Supervisor:
         self._subscribers: list[trio.MemorySendChannel[SupervisorEvent]] = []
         self._stop_requested = trio.Event()
         self._exit_code = 0
+        self._lifeline: int | None = None   # SUPERVISOR_FD_ENV's descriptor, while run() runs
 
     # -- what others may ask --
 
@@ -319,6 +334,9 @@ class Supervisor:
             relay = LineRelay(1, notice=lambda count, stream: process_line(drop_notice(count, stream),
                                                                            self.log_format))
             self._out = relay.put
+        # Its write end stays in this process only (not inheritable): when the process ends, by
+        # any means, every worker reads end-of-file on its copy of the read end and stops.
+        self._lifeline, lifeline_write = os.pipe()
         try:
             async with trio.open_nursery() as nursery:
                 for worker in self._workers:
@@ -327,6 +345,9 @@ class Supervisor:
                 await self._stop_requested.wait()
                 await self._shut_down()
         finally:
+            os.close(self._lifeline)
+            os.close(lifeline_write)
+            self._lifeline = None
             for send in self._subscribers:
                 send.close()
             if relay is not None:
@@ -425,11 +446,12 @@ class Supervisor:
         spec = worker.spec
         ready_read, ready_write = os.pipe()
         try:
-            env = {**os.environ, **spec.env, READY_FD_ENV: str(ready_write)}
+            env = {**os.environ, **spec.env, READY_FD_ENV: str(ready_write),
+                   SUPERVISOR_FD_ENV: str(self._lifeline)}
             try:
                 process = await trio.lowlevel.open_process(
                     list(spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT, env=env, pass_fds=(ready_write,),
+                    stderr=subprocess.STDOUT, env=env, pass_fds=(ready_write, self._lifeline),
                     start_new_session=True)
             except OSError as exc:
                 os.close(ready_read)

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -27,10 +28,12 @@ log = logging.getLogger("xlaserve.worker")
 DRAIN_SECONDS = 30.0
 
 
-async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_callback=None) -> None:
-    """Run one worker until SIGTERM/SIGINT. ``claimed`` holds its addresses already bound (see
-    :mod:`xlaserve.app.preflight`); without it they are claimed here. ``ready_callback(grpc_port,
-    http_port)`` is for tests and scripts."""
+async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_callback=None,
+                supervisor_exited: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run one worker until SIGTERM/SIGINT, or until ``supervisor_exited()`` returns (a worker
+    started by a supervisor stops with it; see :func:`xlaserve.supervisor.supervisor_exited`).
+    ``claimed`` holds its addresses already bound (see :mod:`xlaserve.app.preflight`); without it
+    they are claimed here. ``ready_callback(grpc_port, http_port)`` is for tests and scripts."""
     if claimed is None:
         claimed = claim(config)
     config = dataclasses.replace(config, grpc_port=claimed.grpc.port, http_port=claimed.http.port,
@@ -59,8 +62,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                     ready_callback(claimed.grpc.port, claimed.http.port, claimed.rest.port)
                 else:
                     ready_callback(claimed.grpc.port, claimed.http.port)
-            async for _ in signals:
-                break
+            await _stop_requested(signals, supervisor_exited)
             log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
             draining.set()
             server.close()
@@ -74,3 +76,21 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
                 log.warning("drain timed out; cancelling what is left")
             nursery.cancel_scope.cancel()
     log.info("worker %s stopped", config.name)
+
+
+async def _stop_requested(signals, supervisor_exited: Callable[[], Awaitable[None]] | None) -> None:
+    """Return at the first SIGTERM/SIGINT, or once ``supervisor_exited()`` returns."""
+    async with trio.open_nursery() as nursery:
+        async def on_signal() -> None:
+            async for _ in signals:
+                break
+            nursery.cancel_scope.cancel()
+
+        async def on_supervisor_exit() -> None:
+            await supervisor_exited()
+            log.warning("the supervisor that started this worker exited; stopping")
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(on_signal)
+        if supervisor_exited is not None:
+            nursery.start_soon(on_supervisor_exit)
