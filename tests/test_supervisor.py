@@ -59,6 +59,18 @@ def test_a_worker_line_is_a_line_whatever_the_worker_printed():
     assert json.loads(worker_line("w0", hostile[2], "json")) == {"worker": "w0", "m": "\ud800"}
 
 
+def test_a_worker_line_with_nan_or_an_infinite_number_is_still_json():
+    # Python reads these, but written back as they were they are not JSON: a log shipper (Go's
+    # encoding/json, jq, Loki) rejects the line. Such a line is kept as text in `message`.
+    def strict(line: str) -> dict:
+        def refuse(constant: str):
+            raise ValueError(f"not JSON: {constant}")
+        return json.loads(line, parse_constant=refuse)
+    for text in ('{"loss": NaN}', '{"a": 1e999}', '{"b": -Infinity, "c": [Infinity]}'):
+        assert strict(worker_line("w0", text, "json")) == {"worker": "w0", "message": text}
+    assert strict(worker_line("w0", '{"a": 1e308}', "json")) == {"worker": "w0", "a": 1e308}
+
+
 def test_the_count_of_dropped_lines_is_a_line_in_the_nodes_format():
     text = drop_notice(3, "stdout")
     assert text == "xlaserve: 3 log lines dropped: stdout was not being read"

@@ -52,7 +52,8 @@ def worker_line(worker: str, text: str, log_format: str) -> str:
 
     ``text`` format: ``[worker] text``. ``json``: a line that is itself a JSON object gets a
     ``worker`` field (first; replacing any the worker wrote, since the supervisor knows which
-    process printed it); any other line becomes ``{"worker": ..., "message": text}``. Total:
+    process printed it); any other line (one with NaN or an infinite number included, which
+    JSON has no word for) becomes ``{"worker": ..., "message": text}``. Total:
     whatever a worker prints (JSON nested past the recursion limit, lone surrogates, control
     characters) gives a line, never an exception."""
     if log_format != "json":
@@ -62,9 +63,12 @@ def worker_line(worker: str, text: str, log_format: str) -> str:
             parsed = json.loads(text)
             if isinstance(parsed, dict):
                 parsed.pop("worker", None)
-                return json.dumps({"worker": worker, **parsed}, ensure_ascii=False)
+                # allow_nan=False: Python reads NaN, Infinity and 1e999, but written back they
+                # would make a line that is not JSON, which a log shipper rejects
+                return json.dumps({"worker": worker, **parsed}, ensure_ascii=False, allow_nan=False)
         except (ValueError, RecursionError):
-            # not JSON, or nested deeper than the parser recurses: the line is kept as text
+            # not JSON (or not as JSON defines it: NaN, Infinity), or nested deeper than the parser
+            # recurses: the line is kept as text
             pass
     return json.dumps({"worker": worker, "message": text}, ensure_ascii=False)
 
