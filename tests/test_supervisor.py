@@ -855,3 +855,33 @@ def test_the_workers_stop_when_their_supervisor_is_killed(tmp_path):
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their supervisor"
+
+
+def test_a_gateway_address_in_use_is_one_line_naming_its_key_not_a_traceback(tmp_path):
+    # the embedded gateway of a two-worker node, and the standalone gateway: as a worker's
+    # address in use is (exit status 2, `xlaserve: cannot start: KEY ADDRESS: address already in use`)
+    import socket
+
+    from benchmarks._servers import consecutive_free_pair, free_ports
+    (tmp_path / "models").mkdir()
+    grpc0, grpc1 = free_ports(2)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        node = tmp_path / "node.yaml"
+        node.write_text(json.dumps({
+            "model_repo": str(tmp_path / "models"), "global": {"runtime": {"backend": "cpu"}},
+            "listen": {"grpc": "127.0.0.1:0", "http": f"127.0.0.1:{port}"},
+            "workers": [{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
+            "metrics_base_port": consecutive_free_pair()}))
+        gateway = tmp_path / "gateway.yaml"
+        gateway.write_text(json.dumps({"listen": {"grpc": f"127.0.0.1:{port}", "metrics": "127.0.0.1:0"},
+                                       "endpoints": ["127.0.0.1:1"]}))
+        for command, expected in ((["run", str(node)], f"listen.http 127.0.0.1:{port}"),
+                                  (["gateway", str(gateway)], f"listen.grpc 127.0.0.1:{port}")):
+            done = subprocess.run([sys.executable, "-m", "xlaserve", *command], capture_output=True, text=True,
+                                  timeout=60)
+            assert done.returncode == 2, done.stderr
+            assert f"xlaserve: cannot start: {expected}: address already in use" in done.stderr
+            assert "Traceback" not in done.stderr

@@ -12,6 +12,7 @@ around until it speaks again; its requests in flight end with DEADLINE_EXCEEDED 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -24,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily
 from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.admin import serve_admin
+from xlaserve.app.preflight import BoundAddress, bind
 from xlaserve.config.gateway import GatewayConfig
 from xlaserve.errors import StartupError
 from xlaserve.frontend.grpc_server import GrpcServer
@@ -175,18 +177,22 @@ class Gateway:
                 nursery.start_soon(self._discover, name, upstream)
 
     async def run(self, grpc_host: str = "127.0.0.1", grpc_port: int = 0, http_host: str = "127.0.0.1",
-                  http_port: int = 0, rest: tuple[str, int] | None = None, *,
+                  http_port: int = 0, rest: tuple[str, int] | None = None, *, http_key: str = "listen.metrics",
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve gRPC and the admin HTTP port, and REST on ``rest`` (host, port) when given;
-        reports (gRPC port, HTTP port) once serving (:attr:`rest_port` holds the REST one)."""
+        reports (gRPC port, HTTP port) once serving (:attr:`rest_port` holds the REST one). All
+        three are bound first: one that cannot be (in use, not an address of this machine) raises
+        :class:`~xlaserve.errors.StartupError` naming its key (``listen.grpc``, ``http_key``,
+        ``listen.rest``) and address, with nothing served."""
         try:
-            await self._run(grpc_host, grpc_port, http_host, http_port, rest, task_status)
+            await self._run(grpc_host, grpc_port, http_host, http_port, rest, http_key, task_status)
         finally:
             if self.tracing is not None:
                 self.tracing.close()        # what is queued is exported before the gateway stops
 
     async def _run(self, grpc_host: str, grpc_port: int, http_host: str, http_port: int,
-                   rest: tuple[str, int] | None, task_status) -> None:
+                   rest: tuple[str, int] | None, http_key: str, task_status) -> None:
+        grpc, http, rest_address = _claim_listen(grpc_host, grpc_port, http_key, http_host, http_port, rest)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             for name in list(self.upstreams):
@@ -195,11 +201,13 @@ class Gateway:
                 nursery.start_soon(self._placement_loop)
             for name, endpoint in zip(self._metrics_names, self.config.metrics_endpoints):
                 nursery.start_soon(self._scrape_loop, name, endpoint)
-            self.grpc_port = await nursery.start(self.server.serve, grpc_host, grpc_port)
-            self.http_port = await nursery.start(serve_admin, http_host, http_port, self.routes())
+            self.grpc_port = await nursery.start(functools.partial(self.server.serve,
+                                                                   listeners=grpc.trio_listeners()))
+            self.http_port = await nursery.start(functools.partial(serve_admin, http_host, http_port, self.routes(),
+                                                                   listeners=http.trio_listeners()))
             rest_line = ""
-            if rest is not None:
-                listeners = await trio.open_tcp_listeners(rest[1], host=rest[0] or None)
+            if rest is not None and rest_address is not None:
+                listeners = rest_address.trio_listeners()
                 self.rest = Http1Server(RestApi(self.service, max_send_bytes=self.config.grpc.max_send_msg_bytes,
                                                 send_limit_key="gateway.grpc.max_send_msg_bytes",
                                                 json_limit_key="the default of endpoints.rest_max_json_bytes"),
@@ -469,6 +477,23 @@ class Gateway:
         return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics}
 
 
+def _claim_listen(grpc_host: str, grpc_port: int, http_key: str, http_host: str, http_port: int,
+                  rest: tuple[str, int] | None) -> tuple[BoundAddress, BoundAddress, BoundAddress | None]:
+    """The gateway's addresses, bound; StartupError naming the key and address of the first one
+    that cannot be, with those already bound closed."""
+    grpc = bind("listen.grpc", grpc_host, grpc_port)
+    bound = [grpc]
+    try:
+        http = bind(http_key, http_host, http_port)
+        bound.append(http)
+        rest_address = bind("listen.rest", rest[0], rest[1]) if rest is not None else None
+    except BaseException:
+        for address in bound:
+            address.close()
+        raise
+    return grpc, http, rest_address
+
+
 async def serve_gateway(config: GatewayConfig, workers: list[WorkerAddress] | None = None, *,
                         ready_file: str | None = None, drain_seconds: float = 30.0) -> None:
     """Serve a gateway until SIGTERM or SIGINT, then stop accepting, let the calls in flight
@@ -532,8 +557,8 @@ def embedded_gateway(config: GatewayConfig, workers: list[WorkerAddress], *, rea
         grpc_host, grpc_port = split_address(config.listen.grpc)
         http_host, http_port = split_address(config.listen.metrics)
         async with trio.open_nursery() as nursery:
-            ports = await nursery.start(gateway.run, grpc_host, grpc_port, http_host, http_port,
-                                        _rest_address(config))
+            ports = await nursery.start(functools.partial(gateway.run, grpc_host, grpc_port, http_host, http_port,
+                                                          _rest_address(config), http_key="listen.http"))
             if ready_file:
                 ready_writer(ready_file)(*ports, gateway.rest_port)
             async with events:
