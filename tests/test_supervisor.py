@@ -421,6 +421,38 @@ def test_a_worker_in_its_back_off_is_not_restarted_once_the_node_stops():
     assert rest == [] and time.monotonic() - started < 5
 
 
+def test_processes_a_worker_started_do_not_outlive_it(tmp_path, caplog):
+    """A worker runs in a session of its own; what it starts (a hook's subprocess) is in its
+    process group, and is killed once the worker has exited, instead of outliving the node."""
+    pid_file = tmp_path / "child.pid"
+    specs = [fake("w0", "import subprocess; child = subprocess.Popen(['sleep', '300']); "
+                        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); " + SERVES)]
+
+    async def main():
+        supervisor = Supervisor(specs, FAST, write=lambda line: None)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            await wait_for(events, 1, WorkerReady)
+            supervisor.stop()
+
+    trio.run(main)
+    child = int(pid_file.read_text())
+
+    def running(pid: int) -> bool:      # a zombie (killed, its new parent not reaping) counts as ended
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rpartition(")")[2].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    for _ in range(100):
+        if not running(child):
+            break
+        time.sleep(0.02)
+    assert not running(child)
+    assert any("left processes of its own running; they were killed" in r.getMessage() for r in caplog.records)
+
+
 def test_cancelling_the_supervisor_still_stops_its_workers():
     specs = [fake("w0", SERVES), fake("w1", SERVES)]
 

@@ -99,6 +99,17 @@ def ready_writer(path: str | None, fd: str | None = None):
     return write
 
 
+def _end_leftovers(pid: int) -> None:
+    """SIGKILL what is left of an exited worker's process group (it ran in a session of its own,
+    so the group is its ``pid``): processes a hook started, which would otherwise outlive the
+    worker and the node. Nothing left is the usual case."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    log.warning("worker process %d left processes of its own running; they were killed (SIGKILL)", pid)
+
+
 async def supervisor_exited(fd: int) -> None:
     """Return once the supervisor that started this worker has exited: ``fd`` (from
     ``SUPERVISOR_FD_ENV``) is the read end of a pipe whose write end only the supervisor holds,
@@ -485,6 +496,7 @@ class Supervisor:
                     if process.returncode is None:
                         process.kill()
                         await process.wait()
+                _end_leftovers(process.pid)
                 await process.stdout.aclose()
                 await ready.aclose()
             worker.process = None
