@@ -271,6 +271,15 @@ def test_explicit_static_and_executable_cache(tmp_path):
             with pytest.raises(InferenceServerException, match=r"^\[StatusCode.INVALID_ARGUMENT\] model name .* is "
                                                                "not a bundle name"):
                 client.load_model(name)
+        # a name longer than a file name may be (NAME_MAX, 255 bytes): os.stat raised ENAMETOOLONG
+        # in the lifecycle actor, and the worker exited
+        with pytest.raises(InferenceServerException, match=r"^\[StatusCode.INVALID_ARGUMENT\] model name 'a{40}\.\.\.' "
+                                                           r"is 256 bytes long \(UTF-8\); a bundle's directory name "
+                                                           r"is at most 255 bytes"):
+            client.load_model("a" * 256)
+        with pytest.raises(InferenceServerException, match="is 400 bytes long") as info:
+            httpclient.InferenceServerClient(server.rest).load_model("\u00e9" * 200)
+        assert info.value.status() == "400"
         assert _index(client) == {}
         client.load_model("simple")
         assert client.is_model_ready("simple") and client.is_server_ready()

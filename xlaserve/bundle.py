@@ -243,10 +243,21 @@ class ModelVersion:
         return self.manifest.kind == "meta"
 
 
+#: the longest name a directory may have (the file systems' NAME_MAX): a longer one is no bundle,
+#: and os.stat raises ENAMETOOLONG for it instead of answering that nothing is there
+MAX_BUNDLE_NAME_BYTES = 255
+
+
+def name_bytes(name: str) -> int:
+    """The length of ``name`` as a file name, in bytes (UTF-8)."""
+    return len(name.encode("utf-8", "surrogatepass"))
+
+
 def bundle_name_ok(name: str) -> bool:
     """Whether ``name`` can name a bundle: one directory directly inside the repository, not a
-    hidden one, never a path (``../x``, ``/abs/x``)."""
-    return bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+    hidden one, never a path (``../x``, ``/abs/x``), at most ``MAX_BUNDLE_NAME_BYTES`` long."""
+    return (bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
+            and name_bytes(name) <= MAX_BUNDLE_NAME_BYTES)
 
 
 def is_bundle(path: Path) -> bool:

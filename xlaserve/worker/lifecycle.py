@@ -32,7 +32,8 @@ from pathlib import Path
 
 import trio
 
-from xlaserve.bundle import MANIFEST, ModelVersion, bundle_fingerprint, bundle_name_ok, is_bundle, load_bundle
+from xlaserve.bundle import (MANIFEST, MAX_BUNDLE_NAME_BYTES, ModelVersion, bundle_fingerprint, bundle_name_ok,
+                             is_bundle, load_bundle, name_bytes)
 from xlaserve.config import WorkerConfig
 from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, StartupError, Unavailable, describe_exception
 from xlaserve.runtime.executables import ExecutableTable
@@ -265,6 +266,9 @@ class Lifecycle:
                  hits, compiled, shared, len(distinct))
 
     async def _load_requested(self, name: str) -> Exception | None:
+        if (size := name_bytes(name)) > MAX_BUNDLE_NAME_BYTES:
+            return InvalidArgument(f"model name '{name[:40]}...' is {size} bytes long (UTF-8); a bundle's directory "
+                                   f"name is at most {MAX_BUNDLE_NAME_BYTES} bytes")
         if not bundle_name_ok(name):
             # a client's name is joined to model_repo: "../x" or "/abs/x" would load (and run the
             # hooks of) a bundle from anywhere on the host
