@@ -127,6 +127,11 @@ def test_output_selection_and_statistics(rest_server):
     stats = c.get_inference_statistics("simple")["model_stats"][0]
     assert stats["inference_count"] == before + 1
     assert stats["inference_stats"]["success"]["count"] >= 1
+    # every model's (GET /v2/models/stats, as Triton routes it): this was model_metadata of a
+    # model named 'stats', 404
+    every = {m["name"]: m for m in c.get_inference_statistics()["model_stats"]}
+    assert {"simple", "mlp", "cnn", "img_mean"} <= set(every)
+    assert every["simple"]["inference_count"] == before + 1
 
 
 def test_mlp_fp32_with_compression_both_ways(rest_server):

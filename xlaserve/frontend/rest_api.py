@@ -52,10 +52,12 @@ _ROUTES: list[tuple[str, re.Pattern, str]] = [(method, re.compile(pattern + r"\Z
     ("GET", r"/v2/health/live", "live"),
     ("GET", r"/v2/health/ready", "ready"),
     ("GET", r"/v2", "server_metadata"),
+    # before model_metadata: /v2/models/stats is every model's statistics (Triton's route, which
+    # tritonclient's get_inference_statistics() asks), not the metadata of a model named 'stats'
+    ("GET", r"/v2/models(?:/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?)?/stats", "statistics"),
     ("GET", _MODEL, "model_metadata"),
     ("GET", _MODEL + r"/ready", "model_ready"),
     ("GET", _MODEL + r"/config", "model_config"),
-    ("GET", r"/v2/models(?:/(?P<model>[^/]+)(?:/versions/(?P<version>[^/]+))?)?/stats", "statistics"),
     ("POST", r"/v2/repository/index", "index"),
     ("POST", r"/v2/repository/models/(?P<model>[^/]+)/load", "load"),
     ("POST", r"/v2/repository/models/(?P<model>[^/]+)/unload", "unload"),
