@@ -390,6 +390,21 @@ def test_a_compressed_stream_cut_short_is_invalid_argument(encoding, compress):
     assert budget.used == server.used == 0
 
 
+@pytest.mark.parametrize("encoding, compress", [("gzip", gzip.compress), ("deflate", zlib.compress)])
+def test_bytes_after_the_compressed_stream_are_invalid_argument(encoding, compress):
+    """Inflating stops at the stream's end: a second gzip member or stray bytes were dropped unseen
+    and the message parsed from the first part alone."""
+    budget, server = budgets()
+    second = compress(b"b" * 300)
+    with pytest.raises(GRPCError) as caught:
+        inflate(compress(b"a" * 300) + second, encoding, 100_000, budget, too_large)
+    assert caught.value.status is Status.INVALID_ARGUMENT
+    assert caught.value.message == (f"the request message is not valid {encoding} data: {len(second)} bytes follow "
+                                    "the end of the compressed stream (a second gzip member, or stray bytes); send "
+                                    "one gzip member or deflate stream")
+    assert budget.used == server.used == 0
+
+
 def test_with_inline_a_large_compressed_message_is_queued_unfinished_and_cutting_stops_there():
     big = bytes(range(256)) * 4096                              # 1 MiB
     body = message(gzip.compress(b"small"), flag=1) + message(gzip.compress(big), flag=1) + message(b"after")

@@ -8,6 +8,7 @@ import gzip
 import json
 import socket
 import struct
+import zlib
 
 import trio
 import trio.testing
@@ -372,6 +373,27 @@ def test_gzip_bodies_inflate_within_the_limit_and_responses_compress_when_accept
         bad = connect()
         await bad.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\ncontent-length: 5\r\n\r\nnope!")
         await refused(bad, 400)
+        await served(connect)
+    run(test)
+
+
+def test_compressed_bodies_with_bytes_after_their_end_or_cut_short_are_400_saying_so():
+    # Each body was inflated up to the end of its first gzip member (or deflate stream) and the
+    # rest dropped unseen: two members reached the handler as the first alone, stray bytes vanished.
+    second = gzip.compress(b"b" * 300)
+    cases = ((b"gzip", gzip.compress(b"a" * 300) + second,
+              b"%d bytes follow the end of the compressed stream" % len(second)),
+             (b"gzip", gzip.compress(b"a" * 300) + b"junk", b"4 bytes follow the end of the compressed stream"),
+             (b"deflate", zlib.compress(b"a" * 300) + b"\0", b"1 bytes follow the end of the compressed stream"),
+             (b"gzip", gzip.compress(b"a" * 300)[:-3], b"the compressed stream ends early"),
+             (b"gzip", b"nope!", b"incorrect header check"))
+
+    async def test(server, connect):
+        for coding, body, note in cases:
+            client = connect()
+            await client.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: %s\r\n"
+                                  b"content-length: %d\r\n\r\n" % (coding, len(body)) + body)
+            await refused(client, 400, b"the request body is not valid " + coding + b" data", note)
         await served(connect)
     run(test)
 

@@ -278,8 +278,12 @@ class Inflation:
         reservation, naming the limit that set it and the figures."""
         budget, cap = self.budget, self.cap
         error = self.error
-        if error is None and len(self.out) <= cap and not self.inflater.eof:
-            error = "the compressed stream ends early"
+        if error is None and len(self.out) <= cap:
+            if not self.inflater.eof:
+                error = "the compressed stream ends early"
+            elif self.inflater.unused_data:     # inflating stops at the end: they would be dropped unseen
+                error = (f"{len(self.inflater.unused_data)} bytes follow the end of the compressed stream (a second "
+                         "gzip member, or stray bytes); send one gzip member or deflate stream")
         if error is not None:
             budget.release(cap)
             raise GRPCError(Status.INVALID_ARGUMENT, f"the request message is not valid {self.encoding} data: "

@@ -769,8 +769,8 @@ class Http1Server:
                 out = _inflate(body, wbits, room)
         finally:
             budget.used -= room
-        if out is None:
-            raise _Refusal(400, f"the request body is not valid {encoding} data")
+        if isinstance(out, str):
+            raise _Refusal(400, f"the request body is not valid {encoding} data: {out}")
         if len(out) > room:
             raise _Refusal(413, f"the {encoding} request body inflates past {room} bytes, the limit "
                                 f"({limits.key('max_inflate_bytes')} and {limits.key('max_body_bytes')}); send it "
@@ -905,17 +905,24 @@ def _raw_response(status: int, message: str) -> bytes:
             b"connection: close\r\n\r\n" % (status, _reason(status), SERVER_HEADER, len(body))) + body
 
 
-def _inflate(body: bytes, wbits: int, limit: int) -> bytes | None:
-    """``body`` inflated to at most ``limit + 1`` bytes (more says it is too large); None when
-    it is not valid compressed data."""
+def _inflate(body: bytes, wbits: int, limit: int) -> bytes | str:
+    """``body`` inflated to at most ``limit + 1`` bytes (more says it is too large), or what is
+    wrong with it when it is not one whole gzip member or deflate stream. Bytes after its end
+    (a second gzip member, stray bytes) are an error: inflating stops at the end, so they would
+    be dropped unseen and the handler would get part of what the client sent."""
+    d = zlib.decompressobj(wbits)
     try:
-        d = zlib.decompressobj(wbits)
         out = d.decompress(body, limit + 1)
-        if len(out) <= limit and not d.eof:
-            return None
+    except zlib.error as exc:
+        return str(exc)
+    if len(out) > limit:
         return out
-    except zlib.error:
-        return None
+    if not d.eof:
+        return "the compressed stream ends early"
+    if d.unused_data:
+        return (f"{len(d.unused_data)} bytes follow the end of the compressed stream (a second gzip member, or "
+                "stray bytes); send one gzip member or deflate stream")
+    return out
 
 
 def _deflate(body: bytes, encoding: str) -> bytes:
