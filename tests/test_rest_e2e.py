@@ -276,6 +276,19 @@ def test_json_errors_name_the_field(rest_server, body, status, message):
     assert message in json.loads(text)["error"]
 
 
+@pytest.mark.parametrize("body", [
+    {"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 64},
+    {"device_id": 0, "byte_size": -5},                  # was 500: protobuf's ValueError
+    {"device_id": 2 ** 63, "byte_size": 64},            # past int64: was 500
+    {"device_id": -1, "byte_size": 2 ** 64 - 1},
+    {"device_id": "0", "byte_size": 64.5},
+])
+def test_cuda_shared_memory_register_is_503_whatever_its_numbers(rest_server, body):
+    status, _, text = _post(rest_server, "/v2/cudasharedmemory/region/c/register", body)
+    assert status == 503, text
+    assert "CUDA shared memory is not available" in json.loads(text)["error"]
+
+
 def test_unknown_model_route_and_method(rest_server):
     status, _, body = _post(rest_server, "/v2/models/nope/infer", _simple_json([1] * 16))
     assert status == 404 and "nope" in json.loads(body)["error"]

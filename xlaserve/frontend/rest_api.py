@@ -381,10 +381,15 @@ class RestApi:
 
     async def _cuda_register(self, request, region):
         doc = loads_object(request.body, "the register request")
+
+        def number(key: str, low: int, high: int) -> int:
+            # the answer is UNAVAILABLE whatever the numbers: one the message cannot hold is 0
+            # (protobuf raised ValueError on it, answered 500)
+            value = doc.get(key, 0)
+            return value if isinstance(value, int) and low <= value <= high else 0
         await self._call("CudaSharedMemoryRegister", pb.CudaSharedMemoryRegisterRequest(
-            name=region, device_id=doc.get("device_id", 0) if isinstance(doc.get("device_id", 0), int) else 0,
-            byte_size=doc.get("byte_size", 0) if isinstance(doc.get("byte_size", 0), int) else 0),
-            request, pb.CudaSharedMemoryRegisterResponse)
+            name=region, device_id=number("device_id", -2 ** 63, 2 ** 63 - 1),
+            byte_size=number("byte_size", 0, 2 ** 64 - 1)), request, pb.CudaSharedMemoryRegisterResponse)
         return HttpResponse(200)
 
     async def _cuda_unregister(self, request, region=""):
