@@ -35,7 +35,8 @@ import trio
 from xlaserve.bundle import (MANIFEST, MAX_BUNDLE_NAME_BYTES, ModelVersion, bundle_fingerprint, bundle_name_ok,
                              is_bundle, load_bundle, name_bytes)
 from xlaserve.config import WorkerConfig
-from xlaserve.errors import BundleError, InvalidArgument, ModelNotFound, StartupError, Unavailable, describe_exception
+from xlaserve.errors import (BundleError, InternalError, InvalidArgument, ModelNotFound, StartupError, Unavailable,
+                             describe_exception)
 from xlaserve.runtime.executables import ExecutableTable
 from xlaserve.runtime.pjrt import Device
 from xlaserve.worker.messages import DropModel, SchedulerMessage
@@ -167,18 +168,35 @@ class Lifecycle:
             async with inbox:
                 async for message in inbox:
                     async with self._turn:
-                        match message:
-                            case LoadModel(name=name, reply=reply):
-                                reply(await self._load_requested(name))
-                            case UnloadModel(name=name, reply=reply):
-                                reply(await self.unload(name))
+                        message.reply(await self._answer(message))
             nursery.cancel_scope.cancel()
+
+    async def _answer(self, message: LifecycleMessage) -> Exception | None:
+        """A client's load or unload, done: its error, or None. Whatever else it raises (a bug,
+        an OSError no check foresaw) is that request's INTERNAL answer, logged, never the end
+        of this actor and with it the worker."""
+        action = "loading" if isinstance(message, LoadModel) else "unloading"
+        try:
+            if isinstance(message, LoadModel):
+                return await self._load_requested(message.name)
+            return await self.unload(message.name)
+        except StartupError:
+            raise
+        except Exception as exc:
+            log.exception("%s model %r failed", action, message.name[:200])
+            return InternalError(f"{action} model {message.name[:200]!r} failed: {type(exc).__name__}: "
+                                 f"{describe_exception(exc)}")
 
     async def _serve_rescans(self, rescans: trio.MemoryReceiveChannel[None]) -> None:
         async with rescans:
             async for _ in rescans:
                 async with self._turn:
-                    await self.rescan()
+                    try:
+                        await self.rescan()
+                    except StartupError:
+                        raise
+                    except Exception:       # the next rescan tries again; serving goes on
+                        log.exception("rescanning %s failed", self.repo)
 
     async def _watch(self, rescans: trio.MemorySendChannel[None]) -> None:
         """File events from watchfiles, each group one rescan request (requests coalesce).
