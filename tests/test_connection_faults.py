@@ -134,6 +134,18 @@ def test_admin_route_that_raises_is_answered_500_and_the_port_goes_on(admin, cap
     assert admin.get("/healthz") == (200, b"ok\n")
 
 
+def test_admin_takes_bare_lf_lines_and_a_proxys_absolute_form_target(admin):
+    """A head whose lines end in a bare LF was never seen to end (no answer; closed after 10 s),
+    and ``GET http://host/healthz`` (a proxy's absolute form) was 404."""
+    for request in (b"GET /healthz HTTP/1.1\nHost: x\n\n", b"GET http://x:1/healthz?probe HTTP/1.1\r\nHost: x\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", admin.port), timeout=5) as s:
+            s.sendall(request)
+            reply = b""
+            while chunk := s.recv(4096):
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 200 OK\r\n") and reply.endswith(b"\r\n\r\nok\n"), reply
+
+
 def test_admin_peer_that_sends_garbage_and_resets_costs_its_connection_only(admin):
     for payload in (b"\xff\xfe\x00garbage\r\n\r\n", b"GET /healthz HTTP/1.1\r\n", b"x" * 20000):
         s = socket.create_connection(("127.0.0.1", admin.port))

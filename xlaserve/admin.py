@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import trio
 
-from xlaserve.frontend.guard import LineLimiter, describe, serve_guarded
+from xlaserve.frontend.guard import LineLimiter, describe, origin_form, serve_guarded
 
 log = logging.getLogger("xlaserve.admin")
 
@@ -60,7 +60,8 @@ async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
 
 async def _answer(stream: trio.SocketStream, routes: dict[str, Route], limiter: LineLimiter) -> None:
     data = b""
-    while b"\r\n\r\n" not in data:
+    # the head ends at an empty line; lines may end in a bare LF (RFC 9112 2.2: a server may take it)
+    while b"\r\n\r\n" not in data and b"\n\n" not in data:
         chunk = await stream.receive_some(4096)
         if not chunk:
             return
@@ -68,13 +69,13 @@ async def _answer(stream: trio.SocketStream, routes: dict[str, Route], limiter: 
         if len(data) > _MAX_HEADER:
             await _send(stream, 400, "text/plain", b"request header too large\n", False)
             return
-    request_line = data.split(b"\r\n", 1)[0].decode("latin-1")
+    request_line = data.split(b"\n", 1)[0].decode("latin-1")
     parts = request_line.split()
     if len(parts) != 3:
         await _send(stream, 400, "text/plain", b"malformed request line\n", False)
         return
     method, target, _ = parts
-    path = target.split("?", 1)[0]
+    path = origin_form(target).split("?", 1)[0]
     route = routes.get(path)
     if route is None:
         await _send(stream, 404, "text/plain", f"no such path {path}; try {' '.join(routes)}\n".encode(), False)

@@ -11,6 +11,9 @@ most one a second, never reaching the nursery that serves the others. Cancellati
 ``ENFILE``, ``ENOBUFS``, ``ENOMEM``) back off (0.1 s doubling to 1 s) and retry; any other
 ``accept`` error does the same (a listener that cannot accept is still better than a process that
 exits); a closed listener ends its loop.
+
+Also :func:`origin_form`, the request target every HTTP/1.1 port routes by (the REST listener's
+and the admin port's).
 """
 from __future__ import annotations
 
@@ -143,3 +146,14 @@ async def serve_guarded(handler, listeners: list[trio.abc.Listener], *, nursery:
     async with trio.open_nursery() as accepting:
         for listener in listeners:
             accepting.start_soon(accept_loop, listener, nursery, handler, limiter, what)
+
+
+def origin_form(target: str) -> str:
+    """A request target in origin form (``/path?query``): the absolute form a proxy sends
+    (``http://host/path?query``; RFC 9112 3.2.2, servers accept it) cut to its path and query,
+    anything else as it is."""
+    if target[:1] != "/" and target[:7].lower() in ("http://", "https:/"):
+        rest = target.split("//", 1)[1]
+        cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+        return rest[cut:] if rest[cut:cut + 1] == "/" else "/" + rest[cut:]
+    return target

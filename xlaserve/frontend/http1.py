@@ -57,7 +57,7 @@ import trio
 
 from xlaserve.errors import internal_message
 from xlaserve.frontend.access import peer_address
-from xlaserve.frontend.guard import LineLimiter, guarded, serve_guarded
+from xlaserve.frontend.guard import LineLimiter, guarded, origin_form, serve_guarded
 from xlaserve.frontend.sockread import read_when_ready
 
 log = logging.getLogger("xlaserve.http")
@@ -693,13 +693,7 @@ class Http1Server:
             body = await self._inflate(body, encoding)
             held.take(len(body))            # the inflated body is held too, until answered
             taken += len(body)
-        target = parsed.target
-        if target[:1] != "/" and target[:7].lower() in ("http://", "https:/"):
-            # the absolute form (a proxy's, RFC 9112 3.2.2: servers accept it): its path is what routes
-            rest = target.split("//", 1)[1]
-            cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-            target = rest[cut:] if rest[cut:cut + 1] == "/" else "/" + rest[cut:]
-        path, _, query = target.partition("?")
+        path, _, query = origin_form(parsed.target).partition("?")
         return HttpRequest(parsed.method, path, query, headers, body, peer), parsed.keep_alive, taken
 
     async def _next_parsed(self, stream, first: bool, inbox: _Inbox, parser: _Parser) -> _Parsed:
