@@ -144,6 +144,9 @@ def test_a_load_with_a_configuration_override_is_refused_not_ignored():
     refused = call(api, "POST", "/v2/repository/models/m/load", b'{"parameters": {"config": "{\\"max_batch_size\\": 16}"}}')
     assert refused.status == 400 and "does not override a model's configuration" in json.loads(refused.body)["error"]
     assert call(api, "POST", "/v2/repository/models/m/load", b"").status == 200
+    malformed = call(api, "POST", "/v2/repository/models/m/load", b'{"parameters": [1]}')      # was loaded, 200
+    assert malformed.status == 400 and json.loads(malformed.body)["error"] == (
+        "the load request's 'parameters' must be a JSON object of parameter names, got an array")
     assert [name for name, _, _ in fake.seen] == ["RepositoryModelLoad"]
 
 

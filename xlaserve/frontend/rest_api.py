@@ -307,8 +307,13 @@ class RestApi:
 
     async def _load(self, request, model):
         doc = loads_object(request.body, "the load request")
-        parameters = doc.get("parameters") or {}
-        refuse_load_overrides(model, parameters if isinstance(parameters, dict) else ())
+        parameters = doc.get("parameters")
+        if parameters is None:
+            parameters = {}
+        elif not isinstance(parameters, dict):      # a load must not go ahead on what it did not read
+            got = "an array" if isinstance(parameters, list) else type(parameters).__name__
+            raise InvalidArgument(f"the load request's 'parameters' must be a JSON object of parameter names, got {got}")
+        refuse_load_overrides(model, parameters)
         await self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model), request,
                          pb.RepositoryModelLoadResponse)
         return HttpResponse(200)
