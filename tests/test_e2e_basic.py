@@ -172,6 +172,18 @@ def test_bad_requests_get_precise_errors_and_server_keeps_serving(example_server
     assert ok.as_numpy("output").shape == (1, 512)
 
 
+def test_an_unknown_model_with_a_long_name_is_not_found_for_the_triton_client(example_server):
+    """Its message echoes the name: uncut, its trailers passed the 8 KiB gRPC's C core accepts,
+    and the client saw RESOURCE_EXHAUSTED ("received metadata size exceeds soft limit")."""
+    c = grpcclient.InferenceServerClient(example_server.url)
+    with pytest.raises(InferenceServerException) as info:
+        c.get_model_metadata("x" * 20_000)
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    assert info.value.message().startswith("Request for unknown model: 'xxxx")
+    assert "characters cut" in info.value.message()
+    assert c.is_model_ready("mlp")
+
+
 def test_statistics_count_requests_and_executions(example_server):
     c = grpcclient.InferenceServerClient(example_server.url)
     before = c.get_inference_statistics("cnn").model_stats[0]

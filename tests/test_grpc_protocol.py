@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import struct
 import zlib
+from urllib.parse import unquote
 from collections import deque
 
 import pytest
@@ -11,7 +12,7 @@ from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from xlaserve.frontend.grpc_protocol import (
-    CONNECTION_INFLATE_KEY, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY, InflateBudget, InflatedMessage,
+    CONNECTION_INFLATE_KEY, MAX_GRPC_MESSAGE_BYTES, OK_TRAILERS, RESPONSE_HEADERS, SERVER_INFLATE_KEY, InflateBudget, InflatedMessage,
     Inflation, Refusal, begin_inflate, cut_messages, framed, inflate, message_end, parse_timeout, read_head,
     release_all, trailers,
 )
@@ -143,6 +144,22 @@ def test_trailers():
         ("grpc-status", "5"), ("grpc-message", "model 'm' %E2%9C%93%0A"))
     assert decoded(trailers(Status.CANCELLED, "")) == (("grpc-status", "1"),)
     assert decoded(trailers(Status.OK, "fine")) == (("grpc-status", "0"), ("grpc-message", "fine"))
+
+
+@pytest.mark.parametrize("char", ["x", "✓"])
+def test_a_long_message_is_cut_to_what_clients_accept_and_says_so(char):
+    """A message echoing a client's 100 000-character model name: gRPC's C core refuses trailers
+    past 8 KiB (RESOURCE_EXHAUSTED instead of NOT_FOUND) and grpclib's client drops the connection."""
+    name = char * 100_000
+    (_, (_, value)) = decoded(trailers(Status.NOT_FOUND, f"model '{name}' is not found"))
+    assert MAX_GRPC_MESSAGE_BYTES - 100 < len(value) <= MAX_GRPC_MESSAGE_BYTES
+    text = unquote(value)
+    assert text.startswith("model '" + char * 10) and text.endswith(
+        f"more characters cut: the message passed {MAX_GRPC_MESSAGE_BYTES} bytes)")
+    kept = text.index("...")
+    assert int(text[kept + 5:].split()[0]) == len(f"model '{name}' is not found") - kept
+    # a refusal's block (its message may echo the request's path) is cut the same way
+    assert len(Refusal(Status.UNIMPLEMENTED, name, 415).block()) < 2 * MAX_GRPC_MESSAGE_BYTES
 
 
 def test_framed():

@@ -39,6 +39,14 @@ OK_TRAILERS = encode([("grpc-status", "0")])
 CONNECTION_INFLATE_KEY = "endpoints.max_connection_inflate_bytes"
 SERVER_INFLATE_KEY = "endpoints.max_inflate_bytes"
 
+#: The longest ``grpc-message`` value sent (percent-encoded bytes); a longer message is cut, and
+#: says so. Messages echo what a client sent (a model name, a version, a path) and list the
+#: repository's models, so without a cap a client could make one as long as its request: gRPC's
+#: C core (Triton's clients, grpcio) refuses trailers past 8 KiB ("received metadata size
+#: exceeds soft limit", RESOURCE_EXHAUSTED instead of the status), and grpclib's client drops
+#: the whole connection past 64 KiB.
+MAX_GRPC_MESSAGE_BYTES = 4096
+
 
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
@@ -67,7 +75,7 @@ class Refusal:
         if self.http_status != 200:
             return encode([(":status", str(self.http_status)), ("content-type", "text/plain"),
                            ("grpc-status", str(self.status.value)),
-                           ("grpc-message", encode_grpc_message(self.message))])
+                           ("grpc-message", grpc_message_value(self.message))])
         return RESPONSE_HEADERS + trailers(self.status, self.message)
 
 
@@ -138,14 +146,31 @@ def check_head(method: str, known: bool, path: str, content_type: str, encoding:
 
 
 # ---- replies ---------------------------------------------------------------------------------------
+def grpc_message_value(message: str) -> str:
+    """``message`` as a ``grpc-message`` value: percent-encoded, at most
+    :data:`MAX_GRPC_MESSAGE_BYTES` (a longer one keeps its start and says how much was cut)."""
+    value = encode_grpc_message(message)
+    if len(value) <= MAX_GRPC_MESSAGE_BYTES:
+        return value
+    room = MAX_GRPC_MESSAGE_BYTES - 100      # for the note below
+    kept = size = 0
+    for char in message:
+        size += len(encode_grpc_message(char))
+        if size > room:
+            break
+        kept += 1
+    note = f"... ({len(message) - kept} more characters cut: the message passed {MAX_GRPC_MESSAGE_BYTES} bytes)"
+    return encode_grpc_message(message[:kept]) + encode_grpc_message(note)
+
+
 def trailers(status: Status, message: str | None) -> bytes:
-    """The trailer block that ends a call with ``status``; ``grpc-message`` percent-encoded,
-    left out when ``message`` is empty."""
+    """The trailer block that ends a call with ``status``; ``grpc-message`` percent-encoded
+    (:func:`grpc_message_value`), left out when ``message`` is empty."""
     if status is Status.OK and not message:
         return OK_TRAILERS
     fields = [("grpc-status", str(status.value))]
     if message:
-        fields.append(("grpc-message", encode_grpc_message(message)))
+        fields.append(("grpc-message", grpc_message_value(message)))
     return encode(fields)
 
 
