@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -20,8 +21,8 @@ from tests.conftest import infer_input, serve
 from tui import connection
 from tui.app import ConfirmScreen, HelpScreen, TopApp, ValueScreen, _number
 from tui.connection import Address, next_backoff, parse_address
-from tui.status import (COLUMNS, cells, changes, derive, human_bytes, percentile, snapshot_dict, spark,
-                        visible)
+from tui.status import (COLUMNS, cells, changes, derive, human_bytes, once_text, percentile, snapshot_dict,
+                        spark, visible)
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve.cli import main
 
@@ -575,6 +576,30 @@ def test_a_gateway_worker_that_goes_quiet_is_marked_silent_and_keeps_its_rows():
             assert lines[2].startswith("worker1 cpu fair  silent 4 s  budget")
             assert len(app.rows) == 8          # its rows stay, with their last figures
     asyncio.run(run())
+
+
+def test_a_status_whose_uptime_is_no_number_is_shown_not_a_crash():
+    """NaN or an infinite uptime from a hostile or broken peer: int() of it raised, ending
+    ``xlaserve top --once`` with a traceback and the dashboard with its watch worker."""
+    for uptime in (math.nan, math.inf, -math.inf):
+        status = _status(_model("a"))
+        status.uptime_seconds = uptime
+        assert ", up -" in once_text(status, "w:1")
+
+        async def run() -> None:
+            app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=_fixed_statuses(status))
+            async with app.run_test(size=(120, 30)):
+                await _until(app, lambda: "up -" in app.status_line)
+                assert [r.name for r in app.rows] == ["a"]
+        asyncio.run(run())
+
+
+def _fixed_statuses(*statuses: pb.ModelControlStatusResponse):
+    async def source(address, interval):
+        for status in statuses:
+            yield status
+        await asyncio.Event().wait()
+    return source
 
 
 def test_misses_per_request_and_eviction_rank_show_in_the_row_and_the_json():

@@ -425,7 +425,10 @@ def once_text(status: pb.ModelControlStatusResponse, address: str) -> str:
 
 def human_duration(seconds: float) -> str:
     """An uptime to the minute (so that a line showing it changes once a minute, not at every
-    update): ``<1m``, ``12m``, ``5h02m``, ``3d04h``."""
+    update): ``<1m``, ``12m``, ``5h02m``, ``3d04h``; ``-`` for a figure that is no time (NaN, infinite:
+    the number comes from the network)."""
+    if not math.isfinite(seconds):
+        return "-"
     whole = int(seconds)
     if whole < 60:
         return "<1m"
