@@ -594,6 +594,24 @@ def test_a_status_whose_uptime_is_no_number_is_shown_not_a_crash():
         asyncio.run(run())
 
 
+def test_a_status_naming_a_model_twice_is_shown_not_a_crash():
+    """Two models of one name (in one worker's status, or through a gateway 'a/b' + 'c' and 'a' +
+    'b/c'): the table's second row of one key raised DuplicateKey and ended the dashboard."""
+    twice = _status(_model("a"), _model("a", state="LOADING"), _model("b"))
+    through_gateway = (pb.ModelControlStatusResponse(workers=[pb.ModelControlStatusResponse(
+                           worker="a/b", models=[_model("c")])]),
+                       pb.ModelControlStatusResponse(workers=[pb.ModelControlStatusResponse(
+                           worker="a", models=[_model("b/c")])]))
+    for statuses, shown in (((twice,), 2), (through_gateway, 1)):
+        async def run() -> None:
+            app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=_fixed_statuses(*statuses))
+            async with app.run_test(size=(120, 30)) as pilot:
+                await _until(app, lambda: len(app.rows) == 3 if len(statuses) == 1 else len(app.worker_views) == 2)
+                await pilot.pause()
+                assert app.query_one("#models").row_count == shown and app.return_code is None
+        asyncio.run(run())
+
+
 def _fixed_statuses(*statuses: pb.ModelControlStatusResponse):
     async def source(address, interval):
         for status in statuses:

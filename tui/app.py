@@ -386,12 +386,16 @@ class TopApp(App[None]):
             self.sort_key = "name"
         rows = visible(self.rows, self.name_filter, self.sort_key, self.descending)
         table.clear()
+        keys: dict[str, None] = {}      # the rows' keys, in order
         for row in rows:
+            key = self._key(row)
+            if key in keys:     # a peer that names a model twice: its first row only (a key is one row)
+                continue
+            keys[key] = None
             texts = ((row.worker,) if self._worker_column else ()) + cells(row)
-            table.add_row(*(escape(text) for text in texts), key=self._key(row))
-        keys = [self._key(r) for r in rows]
+            table.add_row(*(escape(text) for text in texts), key=key)
         if chosen in keys:
-            table.move_cursor(row=keys.index(chosen), animate=False)
+            table.move_cursor(row=list(keys).index(chosen), animate=False)
         for key, heading in self._columns():
             marker = (" v" if self.descending else " ^") if key == self.sort_key else ""
             table.columns[key].label = Text(heading + marker)  # type: ignore[index]
