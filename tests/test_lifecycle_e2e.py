@@ -210,7 +210,7 @@ def test_dynamic_reload_break_remove_and_control(tmp_path, repo):
             await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=3.0, max_batch_size=1,
                                                                 batch_delay_seconds=0.02, batch_target_rows=4))
             await stub.SetModelResidency(cpb.SetModelResidencyRequest(model="mlp", residency="device"))
-            for weight in (-1, math.inf, math.nan):
+            for weight in (-1, math.inf, math.nan, 5e-324, 1e9):       # 5e-324 took every dispatch
                 with pytest.raises(GRPCError) as bad:
                     await stub.SetModelPolicy(cpb.SetModelPolicyRequest(model="mlp", weight=weight))
                 assert bad.value.status is Status.INVALID_ARGUMENT and "finite number > 0" in bad.value.message

@@ -24,6 +24,11 @@ _MIB = 1024 * 1024
 
 _PORT = {"low": 0, "high": MAX_PORT}
 _BASE_PORT = {"low": 1, "high": MAX_PORT}
+#: A model's ``fair`` weight: a relative share, within twelve orders of magnitude of another's.
+#: Outside it the fair policy's cost/weight overflowed (5e-324 made a model's credit infinite:
+#: it took every dispatch) or underflowed to nothing.
+MIN_WEIGHT = 1e-6
+MAX_WEIGHT = 1e6
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
@@ -229,7 +234,7 @@ class ModelSchedConfig:
     # ``pin_to_gpu: true`` is accepted as an alias of ``residency: device``
     ALIASES: ClassVar[Mapping[str, Callable[..., Mapping[str, Any]]]]
 
-    weight: float = config_key(1.0, low=0.0, low_open=True)
+    weight: float = config_key(1.0, low=MIN_WEIGHT, high=MAX_WEIGHT)
     residency: str = config_key("system", choices=("device", "system", "unpinned"))
     max_batch_size: int | None = config_key(None, low=1)
     batch_delay_seconds: float = config_key(0.0, low=0.0)

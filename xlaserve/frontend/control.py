@@ -18,6 +18,7 @@ import trio
 
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
+from xlaserve.config.schema import MAX_WEIGHT, MIN_WEIGHT
 from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError, internal_message
 from xlaserve.frontend.admission import Admission
 from xlaserve.frontend.port import WorkerPort
@@ -153,8 +154,10 @@ class WorkerControlService(WorkerControlBase):
         self._known(request.model)
         weight = request.weight if request.HasField("weight") else None
         max_batch = request.max_batch_size if request.HasField("max_batch_size") else None
-        if weight is not None and not 0 < weight < math.inf:   # as the node file's weight (an infinite one starved the rest)
-            raise InvalidArgument(f"weight must be a finite number > 0 (a relative share of device time); got {weight}")
+        if weight is not None and not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            # as the node file's weight: an infinite one starved the rest, a tiny one took every dispatch
+            raise InvalidArgument(f"weight must be a finite number > 0 in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}] (a relative "
+                                  f"share of device time); got {weight}")
         if max_batch is not None and max_batch < 0:
             raise InvalidArgument(f"max_batch_size must be >= 1, or 0 for uncapped; got {max_batch}")
         delay = request.batch_delay_seconds if request.HasField("batch_delay_seconds") else None

@@ -37,6 +37,7 @@ import trio
 
 from xlaserve.bundle import ModelVersion
 from xlaserve.config import SchedulerConfig
+from xlaserve.config.schema import MAX_WEIGHT, MIN_WEIGHT
 from xlaserve.errors import (Cancelled, DeadlineExceeded, InternalError, QueueFull, XlaserveError,
                              describe_exception)
 from xlaserve.runtime.weights import WeightCache
@@ -156,8 +157,8 @@ class Scheduler:
 
         A new weight changes the ``fair`` shares from the next dispatch on; a new hold applies
         from the next time the dispatch loop looks at the model."""
-        if weight is not None and not weight > 0:
-            raise ValueError(f"weight of model '{model}' must be > 0, got {weight}")
+        if weight is not None and not MIN_WEIGHT <= weight <= MAX_WEIGHT:
+            raise ValueError(f"weight of model '{model}' must be in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}], got {weight}")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size of model '{model}' must be >= 1, got {max_batch_size}")
         if batch_delay_seconds is not None and not 0 <= batch_delay_seconds < math.inf:
