@@ -19,6 +19,7 @@ import trio.testing
 from examples import reference
 from xlaserve._hooks import NamedTensor, conform
 from xlaserve.bundle import ModelVersion, import_hooks
+from xlaserve.codec import serialize_bytes
 from xlaserve.errors import BundleError, Cancelled, DeadlineExceeded, InternalError, XlaserveError
 from xlaserve.manifest import parse_manifest
 from xlaserve.worker.inference import ClientRequest, InferenceService, SubCallError, call_hook
@@ -71,6 +72,44 @@ def test_conform_names_the_tensor_expected_and_found(returned, message):
     assert str(info.value).startswith("model 'g': postprocess hook output: ")
     assert message in str(info.value)
 
+
+
+class _LoudStr(str):
+    def __str__(self):
+        raise AssertionError("a BYTES element's __str__ ran after conform: user code where the reply is encoded")
+
+
+class _LoudBytes(bytes):
+    def __len__(self):
+        raise AssertionError("a BYTES element's __len__ ran after conform: user code where the reply is encoded")
+
+
+class _LoudArray(np.ndarray):
+    @property
+    def shape(self):
+        raise AssertionError("an ndarray subclass's shape ran after conform: user code where the reply is encoded")
+
+
+def test_conform_hands_on_plain_arrays_and_bytes_so_encoding_the_reply_runs_no_user_code():
+    """The reply is encoded on the Trio thread: what a hook returned must not run code there (a
+    ``__str__`` that sleeps stalled every model of the worker) nor fail there (a lone surrogate
+    was INTERNAL 'answering the request failed', logged with a traceback on every request)."""
+    grade = np.arange(3, dtype=np.int64).reshape(3, 1)
+    label = np.array([[_LoudStr("a")], [_LoudBytes(b"b")], ["c"]], dtype=object)
+    out, _ = conform([NamedTensor("grade", grade.view(_LoudArray)), NamedTensor("label", label)],
+                     GRADE_OUT.client_outputs, where="w", rows=3)
+    assert type(out["grade"]) is np.ndarray and out["grade"].tolist() == [[0], [1], [2]]
+    assert [type(b) for b in out["label"].reshape(-1)] == [bytes] * 3
+    assert serialize_bytes(out["label"]) == b"\x01\x00\x00\x00a\x01\x00\x00\x00b\x01\x00\x00\x00c"
+    out, _ = conform([NamedTensor("grade", np.ma.masked_array(grade, mask=True)), NamedTensor("label", np.array([["é"]] * 3))],
+                     GRADE_OUT.client_outputs, where="w", rows=3)
+    assert type(out["grade"]) is np.ndarray and out["label"].tolist() == [["é".encode()]] * 3
+    with pytest.raises(InternalError) as info:
+        conform([NamedTensor("grade", grade), NamedTensor("label", np.array([["ok"], ["\udc80"], ["x"]]))],
+                GRADE_OUT.client_outputs, where="model 'g': postprocess hook output", rows=3)
+    assert str(info.value) == ("model 'g': postprocess hook output: tensor 'label': element 1 is a str that UTF-8 "
+                               "cannot encode (surrogates not allowed at position 0); expected bytes or a str of "
+                               "Unicode characters")
 
 def test_conform_rows_from_the_batch_axis_and_free_rows_for_meta_outputs():
     decls = _manifest("m").executable_inputs

@@ -79,7 +79,9 @@ def conform(tensors: Any, decls: Sequence[TensorDecl], *, where: str, rows: int 
     ``rows`` is the length every batch axis must have; None takes it from the first batched
     tensor (all must agree, at least 1, at most ``max_rows``); ``any_rows`` lets each batch axis
     have any length, zero included (a meta model's outputs). Returns the arrays in declaration
-    order and the rows.
+    order and the rows: plain ``numpy.ndarray`` (a subclass is copied into one), BYTES as object
+    arrays of ``bytes`` (``str`` encoded as UTF-8) or ``S`` arrays, so that encoding the reply
+    runs no user code and cannot fail.
 
     Raises :class:`InternalError` only, whatever ``tensors`` is (user code made it: a name that
     is a list, an object whose ``__eq__`` or ``__len__`` raises): its message starts with
@@ -144,6 +146,12 @@ def _conform(tensors: Any, decls: Sequence[TensorDecl], where: str, rows: int | 
         if not isinstance(data, np.ndarray):
             raise InternalError(f"{where}: tensor '{decl.name}': expected a NumPy array {decl.describe(rows or 'B')}, "
                                 f"found {type(data).__name__}")
+        if type(data) is not np.ndarray:
+            # a subclass's methods and properties (shape, __array_function__) are user code: they
+            # run here, in the hook's thread, never where the reply is encoded (the Trio thread)
+            data = np.array(data, subok=False)
+        if decl.dtype.kserve == "BYTES":
+            data = _plain_bytes(decl, data, where)
         if not _dtype_ok(decl, data):
             raise InternalError(f"{where}: tensor '{decl.name}': expected dtype {decl.dtype.kserve} "
                                 f"({decl.describe(rows or 'B')}), found {_found(data)}")
@@ -171,10 +179,32 @@ def _conform(tensors: Any, decls: Sequence[TensorDecl], where: str, rows: int | 
 
 def _dtype_ok(decl: TensorDecl, data: np.ndarray) -> bool:
     if decl.dtype.kserve == "BYTES":
-        if data.dtype.kind in "SU":
-            return True
-        return data.dtype.kind == "O" and all(isinstance(x, (bytes, str)) for x in data.reshape(-1))
+        return data.dtype.kind == "S" or (data.dtype.kind == "O" and all(type(x) is bytes for x in data.reshape(-1)))
     return data.dtype == decl.dtype.numpy
+
+
+def _plain_bytes(decl: TensorDecl, data: np.ndarray, where: str) -> np.ndarray:
+    """A BYTES tensor's elements as plain ``bytes`` (``str`` encoded as UTF-8), in an object
+    array of the same shape; ``S`` arrays and arrays with other elements as they are (the dtype
+    check refuses the latter). Encoding the reply then runs no user code (a ``str`` subclass's
+    ``__str__``) and cannot fail (a ``str`` holding a lone surrogate, which UTF-8 cannot encode)."""
+    if data.dtype.kind not in "UO":
+        return data
+    flat = data.reshape(-1)
+    out = np.empty(flat.shape, dtype=object)
+    for i, item in enumerate(flat):
+        if isinstance(item, bytes):
+            out[i] = bytes.__getitem__(item, slice(None))   # the bytes themselves, whatever the subclass says
+        elif isinstance(item, str):
+            try:
+                out[i] = str.encode(item, "utf-8")
+            except UnicodeEncodeError as exc:
+                raise InternalError(f"{where}: tensor '{decl.name}': element {i} is a str that UTF-8 cannot encode "
+                                    f"({exc.reason} at position {exc.start}); expected bytes or a str of Unicode "
+                                    "characters") from None
+        else:
+            return data
+    return out.reshape(data.shape)
 
 
 def _found(data: np.ndarray) -> str:
