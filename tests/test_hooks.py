@@ -4,10 +4,12 @@ enter the scheduler with the meta request's deadline."""
 from __future__ import annotations
 
 import functools
+import gc
 import shutil
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from types import MappingProxyType, SimpleNamespace
 
@@ -637,3 +639,59 @@ def test_meta_run_raising_anything_or_a_sub_model_hook_failing_is_counted_where_
     assert isinstance(out, InternalError) and "model 'meta': run hook output (checked against client_outputs): " \
         "a tensor's name must be a str, found list ['y']" in str(out)
     assert failures == [("meta", "run")]
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
+def test_requests_answered_while_waiting_for_a_hook_thread_leave_the_queue(stage):
+    """A hook that never returns holds the pool's one thread; each later request is answered
+    DEADLINE_EXCEEDED while it waits for a thread, and its work item leaves the pool's queue
+    then, letting go of the request's tensors. It stayed queued for good before: 150 KB a request
+    kept by a worker whose 16 hook threads hung (76 MB per 500 requests with 20 ms deadlines)."""
+    hung, release = threading.Event(), threading.Event()
+    tensors_made: list[weakref.ref] = []    # what a waiting hook would get: the inputs, or the outputs
+
+    def hook(tensors):
+        if tensors[0].data.flat[0] < 0:
+            hung.set()
+            release.wait(30)
+        return tensors
+
+    async def main():
+        replies: list = []
+        to_scheduler, inbox = trio.open_memory_channel(100)
+
+        async def scheduler():
+            async for message in inbox:
+                y = message.inputs["x"] * 2
+                if stage == "postprocess" and y.flat[0] > 0:
+                    tensors_made.append(weakref.ref(y))
+                message.reply(InferResult({"y": y}, 4, 0, 0, 0, 0))
+                del y
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler)
+            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1)
+            model = _hooked(**{stage: hook})
+            for i in range(21):
+                x = np.full((1, 4), -1 if i == 0 else 1, np.float32)
+                if stage == "preprocess" and i:
+                    tensors_made.append(weakref.ref(x))
+                service.submit(ClientRequest(model, {"x": x}, 1, f"r{i}", None if i == 0 else 0.05, replies.append,
+                                             time.perf_counter_ns()))
+                if i == 0:
+                    await trio.to_thread.run_sync(hung.wait, 10)
+            del x
+            with trio.move_on_after(10):
+                while len(replies) < 20:
+                    await trio.sleep(0.01)
+            gc.collect()
+            kept = sum(ref() is not None for ref in tensors_made)
+            release.set()
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return replies, kept
+
+    replies, kept = trio.run(main)
+    assert len(replies) == 21 and all(isinstance(r, DeadlineExceeded) for r in replies[:20]), replies
+    assert len(tensors_made) == 20
+    assert kept == 0, f"the tensors of {kept} of 20 requests already answered are still held, waiting for a hook thread"

@@ -25,11 +25,11 @@ deadline, an unexpected error (logged, INTERNAL) or the worker stopping (UNAVAIL
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -127,35 +127,57 @@ class HookPool:
 
     A work item is a callable that handles its own errors; one that raises anyway (even
     ``SystemExit``) is logged and its thread goes on. A hook that never returns keeps its thread
-    for good: the pool never grows past ``size``, so later work waits for another thread. The
-    threads are daemons, so such a thread does not hold the process open at exit."""
+    for good: the pool never grows past ``size``, so later work waits for another thread. Work
+    whose request was answered while it waited is :meth:`withdraw`-n, so that what it holds (the
+    request's tensors) goes with the answer: with every thread held by hung hooks, the queue
+    would otherwise keep each later request's tensors for good. The threads are daemons, so such
+    a thread does not hold the process open at exit."""
 
     def __init__(self, size: int, name: str = "xlaserve-hook") -> None:
         self._size = size
         self._name = name
-        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
+        self._work: collections.deque[Callable[[], None]] = collections.deque()
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._idle = 0              # threads waiting for work that no submit has woken yet
         self.threads = 0
 
     def submit(self, work: Callable[[], None]) -> None:
-        self._work.put(work)
-        if self._idle.acquire(blocking=False):
-            return
         with self._lock:
-            if self.threads < self._size:
+            self._work.append(work)
+            if self._idle:
+                self._idle -= 1
+                self._arrived.notify()
+            elif self.threads < self._size:
                 self.threads += 1
                 threading.Thread(target=self._serve, name=f"{self._name}-{self.threads}", daemon=True).start()
 
+    def withdraw(self, work: Callable[[], None]) -> bool:
+        """Take ``work`` out of the queue unless a thread has taken it; whether this did."""
+        with self._lock:
+            try:
+                self._work.remove(work)
+            except ValueError:
+                return False
+            return True
+
+    @property
+    def queued(self) -> int:
+        """Work items waiting for a thread."""
+        return len(self._work)
+
     def _serve(self) -> None:
         while True:
-            work = self._work.get()
+            with self._lock:
+                while not self._work:
+                    self._idle += 1
+                    self._arrived.wait()    # whoever wakes this thread took it off the idle count
+                work = self._work.popleft()
             try:
                 work()
             except BaseException:           # a work item's bug must not end the thread
                 log.exception("a hook work item failed")
             del work
-            self._idle.release()
 
 
 class _FailureLog:
@@ -226,15 +248,18 @@ class _Expiry:
     answered by their deadline. One task for all of them: a heap of deadlines, entries of
     requests already answered dropped when they come up (or when they outnumber the rest)."""
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, _Answer, str, str]] = []
+    def __init__(self, pool: HookPool) -> None:
+        self._pool = pool
+        self._heap: list[tuple[float, int, _Answer, str, str, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._wake = trio.Event()
         self._compact_at = 1024
 
-    def add(self, deadline: float, answer: _Answer, model: str, request_id: str) -> None:
+    def add(self, deadline: float, answer: _Answer, model: str, request_id: str, work: Callable[[], None]) -> None:
+        """Answer DEADLINE_EXCEEDED at ``deadline`` unless answered, and take ``work`` (the
+        request's postprocess) out of the hook pool's queue if it still waits there."""
         heap = self._heap
-        heapq.heappush(heap, (deadline, next(self._seq), answer, model, request_id))
+        heapq.heappush(heap, (deadline, next(self._seq), answer, model, request_id, work))
         if heap[0][0] == deadline:
             self._wake.set()
         if len(heap) >= self._compact_at:
@@ -250,9 +275,13 @@ class _Expiry:
             self._wake = trio.Event()
             now = trio.current_time()
             while heap and heap[0][0] <= now:
-                _, _, answer, model, request_id = heapq.heappop(heap)
-                if not answer.done:
-                    answer(_late(model, request_id, "postprocess"))
+                self._expire(*heapq.heappop(heap))
+
+    def _expire(self, deadline: float, seq: int, answer: _Answer, model: str, request_id: str,
+                work: Callable[[], None]) -> None:
+        if not answer.done:
+            answer(_late(model, request_id, "postprocess"))
+            self._pool.withdraw(work)
 
 
 _LATE = object()    # a hook stage the deadline answered
@@ -371,8 +400,6 @@ class InferenceService:
                 if deadline <= trio.current_time():
                     answer(_late(model.name, request.request_id, "postprocess"))
                     return
-                if deadline < math.inf:
-                    self._expiring().add(deadline, answer, model.name, request.request_id)
                 result = outcome
 
                 def work() -> None:
@@ -390,6 +417,8 @@ class InferenceService:
                     if request.trace is not None:
                         _record_hook(request.trace, "postprocess", started_ns, done)
                     answer(done)            # a ClientRequest's reply is thread-safe
+                if deadline < math.inf:
+                    self._expiring().add(deadline, answer, model.name, request.request_id, work)
                 self._hook_pool.submit(work)
             except Exception as exc:
                 log.exception("model '%s': request '%s' failed after its execution", model.name,
@@ -399,7 +428,7 @@ class InferenceService:
 
     def _expiring(self) -> _Expiry:
         if self._expiry is None:
-            self._expiry = _Expiry()
+            self._expiry = _Expiry(self._hook_pool)
             self._nursery.start_soon(self._expiry.run, name="hook deadlines")
         return self._expiry
 
@@ -465,6 +494,7 @@ class InferenceService:
             with trio.move_on_at(deadline):
                 await done.wait()
                 return result[0].unwrap()
+            self._hook_pool.withdraw(work)
         answer(_late(request.model.name, request.request_id, hook))
         return _LATE
 
