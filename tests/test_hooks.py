@@ -695,3 +695,33 @@ def test_requests_answered_while_waiting_for_a_hook_thread_leave_the_queue(stage
     assert len(replies) == 21 and all(isinstance(r, DeadlineExceeded) for r in replies[:20]), replies
     assert len(tensors_made) == 20
     assert kept == 0, f"the tensors of {kept} of 20 requests already answered are still held, waiting for a hook thread"
+
+
+def test_the_deadline_watcher_keeps_no_finished_postprocess_alive():
+    """The watcher of postprocess deadlines holds each request's work item weakly: once a hook
+    thread has run it, what it held (the execution's outputs) goes with it, not when its
+    deadline comes up (a minute later, say, with thousands of requests in between)."""
+    import gc
+    import weakref
+
+    from xlaserve.worker.inference import HookPool, _Answer, _Expiry
+    pool = HookPool(1)
+    expiry = _Expiry(pool)
+    outputs = np.zeros(1000, np.float32)
+    kept = weakref.ref(outputs)
+    ran = threading.Event()
+
+    def work(held=outputs) -> None:
+        ran.set()
+    answer = _Answer(lambda outcome: None)
+    expiry.add(1e9, answer, "m", "r1", work)
+    pool.submit(work)
+    assert ran.wait(5)
+    answer(None)                    # the hook's result answered it
+    del work, outputs
+    for _ in range(50):             # the pool's thread lets its work item go right after running it
+        gc.collect()
+        if kept() is None:
+            break
+        time.sleep(0.01)
+    assert kept() is None, "the deadline watcher kept the outputs of a postprocess that had run"

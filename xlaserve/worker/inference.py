@@ -32,6 +32,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -250,16 +251,18 @@ class _Expiry:
 
     def __init__(self, pool: HookPool) -> None:
         self._pool = pool
-        self._heap: list[tuple[float, int, _Answer, str, str, Callable[[], None]]] = []
+        self._heap: list[tuple[float, int, _Answer, str, str, weakref.ref]] = []
         self._seq = itertools.count()
         self._wake = trio.Event()
         self._compact_at = 1024
 
     def add(self, deadline: float, answer: _Answer, model: str, request_id: str, work: Callable[[], None]) -> None:
         """Answer DEADLINE_EXCEEDED at ``deadline`` unless answered, and take ``work`` (the
-        request's postprocess) out of the hook pool's queue if it still waits there."""
+        request's postprocess) out of the hook pool's queue if it still waits there. ``work`` is
+        held weakly: once a thread has run it (and the pool let it go), what it holds (the
+        execution's outputs) goes, not when its deadline comes up here."""
         heap = self._heap
-        heapq.heappush(heap, (deadline, next(self._seq), answer, model, request_id, work))
+        heapq.heappush(heap, (deadline, next(self._seq), answer, model, request_id, weakref.ref(work)))
         if heap[0][0] == deadline:
             self._wake.set()
         if len(heap) >= self._compact_at:
@@ -278,10 +281,12 @@ class _Expiry:
                 self._expire(*heapq.heappop(heap))
 
     def _expire(self, deadline: float, seq: int, answer: _Answer, model: str, request_id: str,
-                work: Callable[[], None]) -> None:
+                work: weakref.ref) -> None:
         if not answer.done:
             answer(_late(model, request_id, "postprocess"))
-            self._pool.withdraw(work)
+            queued = work()
+            if queued is not None:
+                self._pool.withdraw(queued)
 
 
 _LATE = object()    # a hook stage the deadline answered
