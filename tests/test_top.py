@@ -21,7 +21,7 @@ from tests.conftest import infer_input, serve
 from tui import connection
 from tui.app import ConfirmScreen, HelpScreen, TopApp, ValueScreen, _number
 from tui.connection import Address, next_backoff, parse_address
-from tui.status import (COLUMNS, cells, changes, derive, human_bytes, once_text, percentile, snapshot_dict,
+from tui.status import (COLUMNS, cells, changes, derive, human_bytes, json_ready, once_text, percentile, snapshot_dict,
                         spark, visible)
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve.cli import main
@@ -639,3 +639,27 @@ def test_misses_per_request_and_eviction_rank_show_in_the_row_and_the_json():
     data = snapshot_dict(after)
     assert data["eviction_policy"] == "gdsf"
     assert [(m["weight_misses"], m["eviction_rank"]) for m in data["models"]] == [(20, 1), (0, 0), (4, 3)]
+
+
+def test_a_peers_control_characters_are_shown_as_text_never_sent_to_the_terminal():
+    """Names, reasons and map keys come from the worker or gateway at the other end: an ESC in
+    one was printed raw by ``--once`` and the dashboard (a peer could move the cursor, clear the
+    screen or retitle the window). Every status received is made displayable first."""
+    from tui.connection import displayable
+    status = displayable(pb.ModelControlStatusResponse(
+        worker="w\x1b]0;owned\x07", models=[_model("m\x1b[2J", reason="bad\r\nline", rejections={"q\x1bx": 3})],
+        workers=[pb.ModelControlStatusResponse(worker="\x9bz")]))
+    assert status.worker == "w\\x1b]0;owned\\x07" and status.workers[0].worker == "\\x9bz"
+    assert (status.models[0].name, status.models[0].reason) == ("m\\x1b[2J", "bad\\x0d\\x0aline")
+    assert dict(status.models[0].rejections) == {"q\\x1bx": 3}
+    text = once_text(displayable(pb.ModelControlStatusResponse(worker="w\x1b[2J", models=[_model("m\x1b[2J")])),
+                     "host:1")
+    assert "m\\x1b[2J" in text and not any(ord(c) < 32 and c != "\n" for c in text)
+
+
+def test_once_json_is_strict_json_whatever_numbers_a_peer_sent():
+    import json
+    data = json_ready(snapshot_dict(pb.ModelControlStatusResponse(uptime_seconds=math.nan,
+                                                                  models=[_model("a", device_seconds=math.inf)])))
+    assert data["uptime_seconds"] is None and data["models"][0]["device_seconds"] is None
+    json.loads(json.dumps(data, allow_nan=False))       # NaN and Infinity were written bare

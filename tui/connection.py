@@ -5,6 +5,7 @@ grpclib's client and Textual's event loop."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -28,6 +29,42 @@ MAX_BACKOFF_SECONDS = 10.0
 # refused or reset connections, no answer in time, a peer that closes the connection or speaks
 # something other than HTTP/2. A worker's refusal is grpclib's GRPCError, handled apart.
 CONNECTION_ERRORS = (OSError, TimeoutError, StreamTerminatedError, ProtocolError)
+
+
+# Control characters (C0, DEL, C1): a peer's names and reasons are shown on a terminal, where an
+# ESC starts an escape sequence (moving the cursor, retitling the window, clearing the screen)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _shown(text: str) -> str:
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def displayable(message):
+    """``message`` (a status from a peer) with every control character in its strings, map keys
+    included, written as ``\\xNN``: what the dashboard and ``--once`` print is text, never a
+    terminal escape a worker or gateway sent. Changed in place; returned."""
+    for field, value in message.ListFields():
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key, val = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            if key.type == key.TYPE_STRING and any(_CONTROL.search(k) for k in value):
+                items = dict(value)
+                value.clear()
+                for k, v in items.items():
+                    value[_shown(k)] = v
+            if val.message_type is not None:
+                for v in value.values():
+                    displayable(v)
+        elif field.type == field.TYPE_STRING:
+            if isinstance(value, str):
+                if _CONTROL.search(value):
+                    setattr(message, field.name, _shown(value))
+            else:                           # a repeated string field
+                value[:] = [_shown(v) for v in value]
+        elif field.type == field.TYPE_MESSAGE:
+            for item in (value if not hasattr(value, "ListFields") else (value,)):
+                displayable(item)
+    return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +110,8 @@ async def fetch_status(address: Address, timeout: float = CALL_TIMEOUT_SECONDS) 
     :data:`CONNECTION_ERRORS` (``TimeoutError`` after ``timeout`` s); its refusals raise grpclib's
     ``GRPCError``."""
     async with Channel(address.host, address.port) as channel:
-        return await WorkerControlStub(channel).ModelControlStatus(
-            pb.ModelControlStatusRequest(), timeout=timeout)
+        return displayable(await WorkerControlStub(channel).ModelControlStatus(
+            pb.ModelControlStatusRequest(), timeout=timeout))
 
 
 async def watch_status(address: Address, interval: float) -> AsyncIterator[pb.ModelControlStatusResponse]:
@@ -91,7 +128,7 @@ async def watch_status(address: Address, interval: float) -> AsyncIterator[pb.Mo
                     status = await stream.recv_message()
                 if status is None:
                     return
-                yield status
+                yield displayable(status)
 
 
 async def call(address: Address, method: str, request) -> object:

@@ -403,6 +403,18 @@ def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
             "latency_bucket_bounds": list(status.latency_bucket_bounds), "models": models}
 
 
+def json_ready(data: Any) -> Any:
+    """:func:`snapshot_dict`'s data with every number JSON has no word for (NaN, an infinity a
+    peer sent) as null, so ``--once --json`` prints JSON that strict parsers read."""
+    if isinstance(data, dict):
+        return {k: json_ready(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [json_ready(v) for v in data]
+    if isinstance(data, float) and not math.isfinite(data):
+        return None
+    return data
+
+
 def once_text(status: pb.ModelControlStatusResponse, address: str) -> str:
     """``xlaserve top --once`` without ``--json``: for each worker (a gateway's answer has
     several) its line, then its models as a text table."""

@@ -143,7 +143,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         return 0
     from grpclib.exceptions import GRPCError
 
-    from tui.status import once_text, snapshot_dict
+    from tui.status import json_ready, once_text, snapshot_dict
     try:
         status = asyncio.run(connection.fetch_status(address))
     except GRPCError as exc:
@@ -153,7 +153,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         print(f"xlaserve top: cannot reach {address}: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(snapshot_dict(status), indent=2))
+        print(json.dumps(json_ready(snapshot_dict(status)), indent=2, allow_nan=False))
         return 0
     print(once_text(status, str(address)))
     return 0
