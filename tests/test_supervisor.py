@@ -179,6 +179,18 @@ async def wait_for(receive, count: int, kind: type) -> list:
     raise AssertionError(f"events ended before {count} {kind.__name__}: {seen}")
 
 
+def run_until_ready(specs: list[WorkerSpec], **supervisor) -> None:
+    """A supervisor over ``specs`` (FAST), stopped once every worker has reported ready."""
+    async def main():
+        running = Supervisor(specs, FAST, **supervisor)
+        events = running.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(running.run)
+            await wait_for(events, len(specs), WorkerReady)
+            running.stop()
+    trio.run(main)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -220,15 +232,7 @@ def test_json_log_format_gives_every_worker_line_a_worker_field():
     record = json.dumps({"level": "info", "message": "model mlp ready"})
     specs = [fake("w0", f"print({record!r}); print('plain text', flush=True); ready(); time.sleep(60)")]
 
-    async def main():
-        supervisor = Supervisor(specs, FAST, log_format="json", write=lines.append)
-        events = supervisor.subscribe()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(supervisor.run)
-            await wait_for(events, 1, WorkerReady)
-            supervisor.stop()
-
-    trio.run(main)
+    run_until_ready(specs, log_format="json", write=lines.append)
     assert [json.loads(line) for line in lines] == [
         {"worker": "w0", "level": "info", "message": "model mlp ready"},
         {"worker": "w0", "message": "plain text"}]
@@ -428,15 +432,7 @@ def test_processes_a_worker_started_do_not_outlive_it(tmp_path, caplog):
     specs = [fake("w0", "import subprocess; child = subprocess.Popen(['sleep', '300']); "
                         f"open({str(pid_file)!r}, 'w').write(str(child.pid)); " + SERVES)]
 
-    async def main():
-        supervisor = Supervisor(specs, FAST, write=lambda line: None)
-        events = supervisor.subscribe()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(supervisor.run)
-            await wait_for(events, 1, WorkerReady)
-            supervisor.stop()
-
-    trio.run(main)
+    run_until_ready(specs, write=lambda line: None)
     child = int(pid_file.read_text())
 
     def running(pid: int) -> bool:      # a zombie (killed, its new parent not reaping) counts as ended
