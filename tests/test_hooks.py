@@ -605,10 +605,14 @@ def test_a_hook_past_the_deadline_is_answered_then_and_its_late_result_dropped(s
     # deadline once the Trio side has idled 0.5 s of real time, long after two threads took work.
     replies, failures = trio.run(functools.partial(_serve_hooked, model, 3, 5.0, release),
                                  clock=trio.testing.MockClock(autojump_threshold=0.5))
+    messages = []
     for calls in replies.values():
         (outcome,) = calls
         assert isinstance(outcome, DeadlineExceeded), outcome
-        assert f"the deadline passed before its {stage} hook returned" in str(outcome)
+        messages.append(str(outcome))
+    # two hooks ran past the deadline; the third never got a thread, and its answer says so
+    assert sum(f"the deadline passed before its {stage} hook returned" in m for m in messages) == 2
+    assert sum(f"waited for a thread: all 2 hook threads are busy" in m for m in messages) == 1
     assert len(ran) == 2 and failures == []
 
 
@@ -693,6 +697,10 @@ def test_requests_answered_while_waiting_for_a_hook_thread_leave_the_queue(stage
 
     replies, kept = trio.run(main)
     assert len(replies) == 21 and all(isinstance(r, DeadlineExceeded) for r in replies[:20]), replies
+    # the answer says the hook never ran for want of a thread (it blamed a hook that never started)
+    assert sorted(str(r) for r in replies[:20]) == sorted(
+        f"model 'h': request 'r{i}': the deadline passed while its {stage} hook waited for a thread: all 1 hook "
+        "threads are busy with hooks that have not returned; it never ran" for i in range(1, 21))
     assert len(tensors_made) == 20
     assert kept == 0, f"the tensors of {kept} of 20 requests already answered are still held, waiting for a hook thread"
 

@@ -163,6 +163,11 @@ class HookPool:
             return True
 
     @property
+    def size(self) -> int:
+        """The most threads the pool runs."""
+        return self._size
+
+    @property
     def queued(self) -> int:
         """Work items waiting for a thread."""
         return len(self._work)
@@ -283,10 +288,10 @@ class _Expiry:
     def _expire(self, deadline: float, seq: int, answer: _Answer, model: str, request_id: str,
                 work: weakref.ref) -> None:
         if not answer.done:
-            answer(_late(model, request_id, "postprocess"))
             queued = work()
-            if queued is not None:
-                self._pool.withdraw(queued)
+            never_ran = queued is not None and self._pool.withdraw(queued)
+            answer(_waited(model, request_id, "postprocess", self._pool) if never_ran
+                   else _late(model, request_id, "postprocess"))
 
 
 _LATE = object()    # a hook stage the deadline answered
@@ -499,7 +504,9 @@ class InferenceService:
             with trio.move_on_at(deadline):
                 await done.wait()
                 return result[0].unwrap()
-            self._hook_pool.withdraw(work)
+            if self._hook_pool.withdraw(work):
+                answer(_waited(request.model.name, request.request_id, hook, self._hook_pool))
+                return _LATE
         answer(_late(request.model.name, request.request_id, hook))
         return _LATE
 
@@ -585,6 +592,17 @@ class InferenceService:
         if entry.serving.is_meta:
             raise InternalError(f"{where}: '{name}' is a meta model; a meta model calls compiled models only")
         return entry.serving
+
+
+def _waited(model: str, request_id: str, hook: str, pool: HookPool) -> DeadlineExceeded:
+    """DEADLINE_EXCEEDED for a request whose ``hook`` never got a thread of ``pool`` (every one
+    held by hooks that have not returned), logged at most every 10 s: the operator's sign that
+    hung hooks starve every hooked model."""
+    message = (f"model '{model}': request '{request_id}': the deadline passed while its {hook} hook waited for a "
+               f"thread: all {pool.size} hook threads are busy with hooks that have not returned; it never ran")
+    _failure_log(("", "hook threads", "busy"), f"hook threads: all {pool.size} are busy with hooks that have not "
+                 f"returned; requests of hooked models wait and time out (model '{model}', {hook})", None)
+    return DeadlineExceeded(message)
 
 
 def _late(model: str, request_id: str, hook: str) -> DeadlineExceeded:
