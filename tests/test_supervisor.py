@@ -913,3 +913,28 @@ def test_a_gateway_address_in_use_is_one_line_naming_its_key_not_a_traceback(tmp
             assert done.returncode == 2, done.stderr
             assert f"xlaserve: cannot start: {expected}: address already in use" in done.stderr
             assert "Traceback" not in done.stderr
+
+
+def test_a_worker_whose_supervisor_watch_fails_keeps_serving_until_a_signal(caplog):
+    """The watch on the supervisor's pipe raising (its descriptor gone bad) ends the watch, not
+    the worker: it serves on, and a signal still stops it."""
+    from xlaserve.app.server import _stop_requested
+
+    async def broken_watch() -> None:
+        raise OSError(9, "Bad file descriptor")
+
+    class Signals:          # what trio.open_signal_receiver gives: a SIGTERM 50 ms in
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await trio.sleep(0.05)
+            return signal.SIGTERM
+
+    async def main():
+        with trio.fail_after(5):
+            await _stop_requested(Signals(), broken_watch)
+        return trio.current_time()
+
+    assert trio.run(main) >= 0.05       # returned at the signal, not at the watch's failure
+    assert any("cannot watch for this worker's supervisor exiting" in r.getMessage() for r in caplog.records)

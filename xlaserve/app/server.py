@@ -87,7 +87,12 @@ async def _stop_requested(signals, supervisor_exited: Callable[[], Awaitable[Non
             nursery.cancel_scope.cancel()
 
         async def on_supervisor_exit() -> None:
-            await supervisor_exited()
+            try:
+                await supervisor_exited()
+            except OSError as exc:      # the descriptor went bad: stop watching; signals still stop it
+                log.warning("cannot watch for this worker's supervisor exiting any more (%s); a signal still stops it",
+                            exc)
+                return
             log.warning("the supervisor that started this worker exited; stopping")
             nursery.cancel_scope.cancel()
 
