@@ -707,16 +707,19 @@ class Upstream(Handler):
         ``max_streams``, until the budget refills or the worker ends it. The engine does not count a
         reset this end asks for against ``max_queued_control_frames`` (it cannot raise); a worker
         that reads none of what this end sends is ended by the write timeout."""
-        now = trio.current_time()
-        tokens = min(float(RESET_BURST), self._reset_tokens + (now - self._reset_at) * RESETS_PER_SECOND)
-        self._reset_at = now
-        if tokens >= 1.0 and not self._held_resets:
-            self._reset_tokens = tokens - 1.0
+        self._refill_resets()
+        if self._reset_tokens >= 1.0 and not self._held_resets:
+            self._reset_tokens -= 1.0
             self._h2.reset(call, CANCEL)
             return
-        self._reset_tokens = tokens
         self._held_resets.append(call)
         self._reset_wake.set()
+
+    def _refill_resets(self) -> None:
+        """The reset budget, refilled for the time since it was last looked at (capped at the burst)."""
+        now = trio.current_time()
+        self._reset_tokens = min(float(RESET_BURST), self._reset_tokens + (now - self._reset_at) * RESETS_PER_SECOND)
+        self._reset_at = now
 
     async def _paced_resets(self, h2: H2Connection) -> None:
         """Send the resets :meth:`_reset` held back, in order, as the budget refills; a stream the
@@ -726,12 +729,10 @@ class Upstream(Handler):
             while not held:
                 self._reset_wake = trio.Event()
                 await self._reset_wake.wait()
-            now = trio.current_time()
-            tokens = min(float(RESET_BURST), self._reset_tokens + (now - self._reset_at) * RESETS_PER_SECOND)
-            if tokens < 1.0:
-                await trio.sleep((1.0 - tokens) / RESETS_PER_SECOND)
+            self._refill_resets()
+            if self._reset_tokens < 1.0:
+                await trio.sleep((1.0 - self._reset_tokens) / RESETS_PER_SECOND)
                 continue
-            self._reset_tokens, self._reset_at = tokens, now
             while held and self._reset_tokens >= 1.0:
                 call = held.popleft()
                 if h2.streams.get(call.id) is call:
