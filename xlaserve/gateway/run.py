@@ -206,7 +206,7 @@ class Gateway:
             self.http_port = await nursery.start(functools.partial(serve_admin, http_host, http_port, self.routes(),
                                                                    listeners=http.trio_listeners()))
             rest_line = ""
-            if rest is not None and rest_address is not None:
+            if rest_address is not None:        # (bound exactly when rest was given)
                 listeners = rest_address.trio_listeners()
                 self.rest = Http1Server(RestApi(self.service, max_send_bytes=self.config.grpc.max_send_msg_bytes,
                                                 send_limit_key="gateway.grpc.max_send_msg_bytes",
