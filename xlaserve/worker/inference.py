@@ -167,11 +167,6 @@ class HookPool:
         """The most threads the pool runs."""
         return self._size
 
-    @property
-    def queued(self) -> int:
-        """Work items waiting for a thread."""
-        return len(self._work)
-
     def _serve(self) -> None:
         while True:
             with self._lock:
@@ -606,8 +601,9 @@ def _waited(model: str, request_id: str, hook: str, pool: HookPool) -> DeadlineE
 
 
 def _late(model: str, request_id: str, hook: str) -> DeadlineExceeded:
-    """DEADLINE_EXCEEDED for a request whose ``hook`` had not returned by its deadline (it ran,
-    or waited for a thread of its pool)."""
+    """DEADLINE_EXCEEDED for a request whose ``hook`` had not returned by its deadline: it was
+    running (or the deadline had passed before it was handed to the pool); one that never got a
+    thread is :func:`_waited`."""
     return DeadlineExceeded(f"model '{model}': request '{request_id}': the deadline passed before its {hook} hook "
                             "returned; what it returns is dropped")
 
