@@ -73,27 +73,37 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pip
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _open_regular(file: Path, bundle: str):
-    """``file`` opened for reading in binary, if it is a regular file (or a link to one); else
-    BundleError naming what it is. Never blocks: a FIFO would hold the open until some writer
-    came, and a link to ``/dev/zero`` or ``/dev/urandom`` would be read until memory ran out,
-    either holding the lifecycle actor, and the worker's shutdown, for good. OSError when it
-    cannot be opened."""
+def _open_checked(file: Path):
+    """``(file opened for reading in binary, its size)`` if it is a regular file (or a link to
+    one); else ``(None, what it is)``, nothing left open. Never blocks: a FIFO would hold the
+    open until some writer came, and a link to ``/dev/zero`` or ``/dev/urandom`` would be read
+    until memory ran out, either holding the lifecycle actor (or a weight-cache thread), and the
+    worker's shutdown, for good. OSError when it cannot be opened."""
     fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-            raise BundleError(bundle, f"{file.name} is {kind}; expected a regular file (or a link to one)")
-        return open(fd, "rb")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            return None, next((name for test, name in _FILE_KINDS if test(info.st_mode)), "not a regular file")
+        return open(fd, "rb"), info.st_size
     except BaseException:
         os.close(fd)
         raise
 
 
+def _open_regular(file: Path, bundle: str):
+    """``(file opened for reading in binary, its size)`` (:func:`_open_checked`); BundleError
+    naming what it is when it is not a regular file."""
+    opened, size_or_kind = _open_checked(file)
+    if opened is None:
+        raise BundleError(bundle, f"{file.name} is {size_or_kind}; expected a regular file (or a link to one)")
+    return opened, size_or_kind
+
+
 def _read_regular(file: Path, bundle: str) -> bytes:
     """The bytes of a regular file of a bundle (see :func:`_open_regular`)."""
-    with _open_regular(file, bundle) as f:
+    f, _ = _open_regular(file, bundle)
+    with f:
         return f.read()
 
 
@@ -160,14 +170,13 @@ class HostWeights:
         offsets = packed_offsets([t.nbytes for t in self.tensors])
         size = offsets[-1] + self.tensors[-1].nbytes
         buffer = aligned_bytes(size, 4096)
-        # non-blocking and checked, as at load (_open_regular): a file replaced by a FIFO since
-        # would hold this read, and the weight cache's thread, until some writer came
-        with open(os.open(self.file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-            info = os.fstat(f.fileno())
-            if not stat.S_ISREG(info.st_mode):
-                raise OSError(f"{self.file} is no longer a regular file; it changed on disk after the model was "
-                              "loaded")
-            self._check_size(info.st_size)
+        # checked as at load: a file replaced by a FIFO since would hold this read, and the weight
+        # cache's thread, until some writer came
+        f, file_size = _open_checked(self.file)
+        if f is None:
+            raise OSError(f"{self.file} is no longer a regular file; it changed on disk after the model was loaded")
+        with f:
+            self._check_size(file_size)
             fd, view = f.fileno(), memoryview(buffer)
             for t, at in zip(self.tensors, offsets):
                 got = _read_at(fd, view[at:at + t.nbytes], t.offset)
@@ -366,12 +375,12 @@ def _read_safetensors_header(file: Path, bundle: str) -> dict[str, WeightTensor]
     integers >= 0 and two integer offsets with 0 <= begin <= end, its bytes exactly what the
     shape needs, inside the file. ValueError names what is wrong; BundleError (of ``bundle``)
     when it is not a regular file."""
-    with _open_regular(file, bundle) as f:
+    f, size = _open_regular(file, bundle)
+    with f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError("shorter than the 8-byte safetensors header length")
         (length,) = struct.unpack("<Q", head)
-        size = os.fstat(f.fileno()).st_size
         if length > size - 8:
             raise ValueError(f"header length {length} runs past the end of the {size}-byte file")
         if length > MAX_SAFETENSORS_HEADER:
