@@ -57,6 +57,7 @@ def test_minimal_file_gets_every_default():
     assert node.cache_dir == Path.home() / ".cache" / "xlaserve"
     assert node.model_control_mode == "dynamic"
     assert node.model_poll_seconds == 15.0
+    assert node.model_import_timeout_seconds == 60.0
     assert node.models_include == ()
     assert node.runtime == RuntimeConfig()
     assert node.scheduler == SchedulerConfig()
@@ -791,3 +792,15 @@ def test_split_address():
     assert split_address("[::]:8001") == ("::", 8001)
     with pytest.raises(ValueError):
         split_address(":8001")
+
+
+def test_model_import_timeout_seconds_is_a_positive_number_every_worker_gets():
+    """The bound on a load's import of model.py (docs/hooks-and-meta.md): 0 or less would fail
+    every bundle with hooks, so it is refused with the key's path."""
+    for bad in (0, -1, "x", True):
+        with pytest.raises(ConfigError, match=r"^global.model_import_timeout_seconds: expected a positive number, "
+                                              "got "):
+            parse({"global": {"model_import_timeout_seconds": bad}})
+    assert resolve_worker(parse({"global": {"model_import_timeout_seconds": 2}})).model_import_timeout_seconds == 2.0
+    env = {"INFERENCE_SERVER_MODEL_IMPORT_TIMEOUT_SECONDS": "5"}
+    assert resolve_worker(parse({}, env)).model_import_timeout_seconds == 5.0

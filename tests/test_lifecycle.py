@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import trio
 
-from examples.export_examples import export_mlp
+from examples.export_examples import export_mlp, export_simple
 from xlaserve.config.resolve import parse_node_config, resolve_worker
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.weights import WeightCache
@@ -51,7 +51,7 @@ def test_whatever_else_a_load_raises_fails_that_load_only(tmp_path, caplog):
     config = resolve_worker(parse_node_config({"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}}},
                                               tmp_path))
 
-    def out_of_memory(path, version):
+    def out_of_memory(path, version, head):
         raise MemoryError()
 
     async def main():
@@ -109,3 +109,71 @@ def test_a_request_that_fails_unforeseen_is_answered_internal_and_the_actor_goes
     assert str(answers[0]) == "loading model 'x' failed: OSError: [Errno 36] File name too long"
     assert answers[1] is None and "'nope'" in str(answers[2])       # the actor went on answering
     assert any(r.exc_info and r.exc_info[0] is OSError for r in caplog.records)
+
+
+def test_a_model_py_that_never_finishes_importing_fails_its_load_and_later_loads_go_on(tmp_path, caplog):
+    """A model.py whose top level never returns (here: a read of a pipe no one writes) held the
+    lifecycle actor, and with it every later load, unload and rescan of every model, for good;
+    its thread also held the one compile slot. Now the import is bounded by
+    ``model_import_timeout_seconds`` (default 60 s): the reload fails naming the bound, the
+    version serving keeps serving, and another model then loads (compiles) normally. When the
+    import does end, what it registered is dropped: nothing is published."""
+    import os
+    import sys
+    import time
+
+    from trio.testing import MockClock
+    repo = tmp_path / "models"
+    export_simple(repo, (1,))
+    export_mlp(repo, (1,))
+    device = Device("cpu")
+    config = resolve_worker(parse_node_config({"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}}},
+                                              tmp_path))
+    gate, release = os.pipe()
+    seen: dict[str, object] = {}
+
+    async def main():
+        scheduler, _ = trio.open_memory_channel(1)
+        table = ModelTable()
+        lifecycle = Lifecycle(config, device, table, scheduler, WeightCache(device, trio.CapacityLimiter(1)))
+        # bounded in virtual time: before the fix the reload below never returned
+        with trio.fail_after(600):
+            assert (await lifecycle.load("simple")).state is ModelState.READY
+            (repo / "simple" / "model.py").write_text(
+                f"import os\nos.read({gate}, 1)\nfrom xlaserve import register_model\nregister_model('simple')\n")
+            started = trio.current_time()
+            seen["reload"] = await lifecycle.load("simple")
+            seen["waited"] = trio.current_time() - started
+            seen["mlp"] = await lifecycle.load("mlp")
+            seen["running"] = lifecycle.model_imports_running
+        os.close(release)        # the import ends now (its read sees EOF); what it does is dropped
+        seen["released"] = True
+        for _ in range(2000):
+            if not lifecycle.model_imports_running:
+                break
+            await trio.to_thread.run_sync(time.sleep, 0.005)
+        seen["running after"] = lifecycle.model_imports_running
+        seen["simple after"] = table.snapshot["simple"]
+
+    try:
+        # The loads run in real threads: a threshold of 0 would jump virtual time past the bound
+        # while a well-behaved import or a compile is still in its thread. 5 real seconds with
+        # nothing to do stands for "hung".
+        trio.run(main, clock=MockClock(autojump_threshold=5))
+    finally:
+        os.close(gate)
+        if "released" not in seen:
+            os.close(release)
+    reload, mlp = seen["reload"], seen["mlp"]
+    assert reload.state is ModelState.READY and reload.serving.version == 1
+    assert reload.reason == ("reload failed, still serving version 1: bundle 'simple': model.py did not finish "
+                             "importing within 60 s (global.model_import_timeout_seconds); the load is abandoned, "
+                             "and whatever the import does if it ever ends is dropped"), reload.reason
+    assert seen["waited"] == 60
+    assert mlp.state is ModelState.READY and not mlp.reason
+    assert seen["running"] == 1 and seen["running after"] == 0
+    after = seen["simple after"]
+    assert after.serving.version == 1 and after.reason == reload.reason       # the late import published nothing
+    assert not [m for m in sys.modules if m.startswith("_xlaserve_bundle_simple")]
+    assert any("the model.py import abandoned at model_import_timeout_seconds ended after" in r.getMessage()
+               for r in caplog.records)

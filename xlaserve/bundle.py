@@ -568,6 +568,26 @@ def import_hooks(path: Path, manifest: Manifest, version: int) -> Registration |
     return reg
 
 
+@dataclass(frozen=True, slots=True)
+class BundleHead:
+    """What a load reads before it compiles anything: the manifest, and what ``model.py``
+    registered. Reading it runs the bundle author's code (the import of ``model.py``), which may
+    never return; the lifecycle bounds this stage alone (``model_import_timeout_seconds``), not
+    the compilation after it, which holds nothing a later load needs if it is abandoned."""
+
+    manifest: Manifest
+    hooks: Registration | None
+
+
+def read_head(path: Path, version: int) -> BundleHead:
+    """The manifest, then ``model.py`` imported (:func:`import_hooks`); BundleError naming what
+    is wrong. Acquires nothing: a caller that gives up on it has nothing to give back."""
+    if not (path / MANIFEST).is_file():
+        raise BundleError(path.name, f"{MANIFEST} is missing (a bundle directory needs one)")
+    manifest = read_manifest(path)
+    return BundleHead(manifest, import_hooks(path, manifest, version))
+
+
 Compile = Callable[[Path, bytes], tuple[object, bool]]
 
 
@@ -593,7 +613,7 @@ def _permute_kernels(weights: HostWeights, texts: dict[int, bytes],
 
 def load_bundle(path: Path, version: int, device: Device, compile_module: Compile | None = None,
                 progress: Callable[[str], None] | None = None, fingerprint: str | None = None,
-                executables: ExecutableTable | None = None) -> ModelVersion:
+                executables: ExecutableTable | None = None, head: BundleHead | None = None) -> ModelVersion:
     """Read, validate and compile one bundle.
 
     ``executables``: the worker's :class:`~xlaserve.runtime.executables.ExecutableTable`, which
@@ -612,15 +632,19 @@ def load_bundle(path: Path, version: int, device: Device, compile_module: Compil
     module. ``progress`` hears one :class:`~xlaserve.progress.Step` per module XLA compiled (the
     slow part; executable-cache hits and shared executables are left to the caller's summary).
     ``fingerprint``: the bundle's :func:`bundle_fingerprint` when the caller has just taken it
-    (else taken here)."""
+    (else taken here). ``head``: the bundle's :func:`read_head` when the caller has read it
+    (the lifecycle does, in its own time-bounded step; else read here)."""
     if executables is None:
         from xlaserve.runtime.executables import ExecutableTable
         executables = ExecutableTable(device, compile_module)
     elif compile_module is not None:
         raise TypeError("load_bundle: pass compile_module or executables, not both (the table compiles)")
     fingerprint = fingerprint or bundle_fingerprint(path)
-    manifest = read_manifest(path)
-    hooks = import_hooks(path, manifest, version)
+    if head is None:
+        manifest = read_manifest(path)
+        hooks = import_hooks(path, manifest, version)
+    else:
+        manifest, hooks = head.manifest, head.hooks
     if manifest.kind == "meta":
         return ModelVersion(manifest.bundle, version, path, manifest, fingerprint, None, 0,
                             MappingProxyType({}), hooks, time.time())

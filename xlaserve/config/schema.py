@@ -660,6 +660,11 @@ class NodeConfig:
         model_poll_seconds: (``global.``) interval of the repository rescan that ``dynamic``
             mode runs beside file events (it notices changes where events are unavailable),
             > 0. Default 15.0.
+        model_import_timeout_seconds: (``global.``) how long a load may spend importing a
+            bundle's ``model.py`` (its top-level code), > 0. Past it that load fails and the
+            lifecycle goes on to the next; the import's thread, which Python cannot stop, is
+            abandoned and whatever it gives back is dropped. Compiling is not bounded by it.
+            Default 60.0.
         models_include: (``global.``) allowlist of model names to load; empty (the default)
             loads every bundle in the repository.
         runtime, scheduler, endpoints: the ``global:`` blocks, with environment overrides
@@ -692,6 +697,7 @@ class NodeConfig:
     cache_dir: Path | None = field(default_factory=_default_cache_dir)
     model_control_mode: str = config_key("dynamic", choices=("dynamic", "static", "explicit"))
     model_poll_seconds: float = config_key(15.0, low=0.0, low_open=True)
+    model_import_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
     models_include: tuple[str, ...] = config_key(())
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -737,6 +743,7 @@ class WorkerConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
     rest_host: str | None = None     #: None: no REST port (``listen.rest`` unset, or a gateway serves it)
     rest_port: int | None = None
+    model_import_timeout_seconds: float = 60.0
 
     @property
     def grpc_address(self) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import trio
 
-from xlaserve.bundle import (MANIFEST, MAX_BUNDLE_NAME_BYTES, ModelVersion, bundle_fingerprint, bundle_name_ok,
-                             is_bundle, load_bundle, name_bytes)
+from xlaserve.bundle import (HOOKS_FILE, MAX_BUNDLE_NAME_BYTES, BundleHead, ModelVersion, bundle_fingerprint,
+                             bundle_name_ok, is_bundle, load_bundle, name_bytes, read_head)
 from xlaserve.config import WorkerConfig
 from xlaserve.errors import (BundleError, InternalError, InvalidArgument, ModelNotFound, StartupError, Unavailable,
                              describe_exception)
@@ -47,6 +48,11 @@ log = logging.getLogger("xlaserve.lifecycle")
 WATCH_STEP_MS = 200          # quiet time that ends a group of file events
 QUEUED = "queued: start-up loads one bundle at a time"   # a LOADING entry whose turn has not come
 WATCH_DEBOUNCE_MS = 1600     # longest a group of events is held before a rescan
+#: model.py imports past ``model_import_timeout_seconds`` that may still be running before loads
+#: stop starting new ones. Python cannot stop a thread, so each keeps one until its import ends;
+#: without a cap, asking again and again for a bundle whose model.py never returns would pile
+#: up threads (and what they hold) for as long as the worker lives.
+MAX_ABANDONED_IMPORTS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +131,16 @@ class Lifecycle:
         self._versions: dict[str, int] = {}
         self._seen: dict[str, str] = {}   # bundle -> fingerprint at its last load attempt or unload
         self._compile_limiter = trio.CapacityLimiter(1)
+        # Its own limiter, never the compile one: an import abandoned at its timeout keeps its
+        # token until its thread ends, which may be never (see _read_head).
+        self._import_limiter = trio.CapacityLimiter(MAX_ABANDONED_IMPORTS)
         self._turn = trio.Lock()
+
+    @property
+    def model_imports_running(self) -> int:
+        """Threads importing a bundle's model.py now; between loads, exactly the imports abandoned
+        at ``model_import_timeout_seconds`` that have not ended yet."""
+        return self._import_limiter.borrowed_tokens
 
     @property
     def repo(self) -> Path:
@@ -314,10 +329,11 @@ class Lifecycle:
         version = self._versions.get(name, 0) + 1
         started = time.perf_counter()
         try:
-            # abandoned when the worker stops: a model.py that never returns from its import (or a
-            # compile that never ends) would otherwise hold the shutdown for good
+            head = await self._read_head(path, version)
+            # abandoned when the worker stops: a compile that never ends would otherwise hold the
+            # shutdown for good
             model: ModelVersion = await trio.to_thread.run_sync(
-                self._load_blocking, path, version, limiter=self._compile_limiter, abandon_on_cancel=True)
+                self._load_blocking, path, version, head, limiter=self._compile_limiter, abandon_on_cancel=True)
         except (BundleError, OSError) as exc:
             return self._failed(name, exc)
         except StartupError:
@@ -371,12 +387,48 @@ class Lifecycle:
         log.error("%s", reason)
         return self._table.update(name, state=ModelState.UNAVAILABLE, reason=reason)
 
-    def _load_blocking(self, path: Path, version: int) -> ModelVersion:
-        if not (path / MANIFEST).is_file():
-            raise BundleError(path.name, f"{MANIFEST} is missing (a bundle directory needs one)")
+    async def _read_head(self, path: Path, version: int) -> BundleHead:
+        """The bundle's manifest and what its model.py registered (:func:`read_head`), in a thread
+        bounded by ``model_import_timeout_seconds``: a model.py whose top level never returns
+        (``time.sleep(10**9)``, a read of a pipe no one writes) held the lifecycle actor, and with it
+        every later load, unload and rescan of every model, for good.
+
+        Past the bound the thread is abandoned: it keeps running (Python cannot stop it) and
+        whatever it returns or raises is dropped, so it publishes nothing; what it registers lands
+        in its own table and its modules leave ``sys.modules`` when it ends. It holds a token of
+        the import limiter until then, never the compile limiter's one slot, so later compiles do
+        not wait on it; once ``MAX_ABANDONED_IMPORTS`` such threads run, loads fail at once
+        instead of starting more."""
+        name = path.name
+        timeout = self._config.model_import_timeout_seconds
+        if not self._import_limiter.available_tokens:
+            raise BundleError(name, f"{HOOKS_FILE} is not imported: {self.model_imports_running} earlier "
+                              f"{HOOKS_FILE} imports passed model_import_timeout_seconds ({timeout:g} s) and are still "
+                              f"running, the most a worker lets run ({MAX_ABANDONED_IMPORTS}); each holds a thread "
+                              "that only the end of its import or a restart of the worker frees")
+        abandoned = threading.Event()
+        with trio.move_on_after(timeout):
+            return await trio.to_thread.run_sync(self._read_head_blocking, path, version, abandoned,
+                                                 limiter=self._import_limiter, abandon_on_cancel=True)
+        abandoned.set()
+        raise BundleError(name, f"{HOOKS_FILE} did not finish importing within {timeout:g} s "
+                          "(global.model_import_timeout_seconds); the load is abandoned, and whatever the import "
+                          "does if it ever ends is dropped")
+
+    @staticmethod
+    def _read_head_blocking(path: Path, version: int, abandoned: threading.Event) -> BundleHead:
+        started = time.perf_counter()
+        try:
+            return read_head(path, version)
+        finally:
+            if abandoned.is_set():
+                log.warning("bundle '%s': the %s import abandoned at model_import_timeout_seconds ended after "
+                            "%.1fs; what it did is dropped", path.name, HOOKS_FILE, time.perf_counter() - started)
+
+    def _load_blocking(self, path: Path, version: int, head: BundleHead) -> ModelVersion:
         # load() has just fingerprinted it; "" when that failed, and load_bundle tries again
         return load_bundle(path, version, self._device, progress=log.info,
-                           fingerprint=self._seen.get(path.name), executables=self.executables)
+                           fingerprint=self._seen.get(path.name), executables=self.executables, head=head)
 
     async def unload(self, name: str) -> Exception | None:
         entry = self._table.snapshot.get(name)
