@@ -407,3 +407,42 @@ def test_sigterm_stops_the_worker_while_a_bundle_hangs_in_its_model_py(tmp_path,
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(20) == 0
     assert "drain timed out" not in server.log()
+
+
+def test_a_model_py_hung_in_its_import_fails_its_load_and_later_loads_and_unloads_answer(tmp_path, repo):
+    """A model.py that blocks at its top level (here: reading a FIFO no one writes) held the
+    lifecycle actor for good: every later RepositoryModelLoad/Unload of any model waited behind
+    it. Past global.model_import_timeout_seconds the load now fails naming the key, and the next
+    load and unload answer; when the import finally ends, it publishes nothing."""
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    (repo / "simple" / "model.py").write_text(f"open({str(gate)!r}, 'rb').read()\n"
+                                              "from xlaserve import register_model\nregister_model('simple')\n")
+
+    def release() -> bool:
+        """End the hung import: open the FIFO's writing end and close it (the read sees EOF)."""
+        try:
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:          # ENXIO: no reader (the import is not there, or over)
+            return False
+        return True
+
+    try:
+        with serve(tmp_path / "srv", repo, {"model_control_mode": "explicit", "cache_dir": None,
+                                            "model_import_timeout_seconds": 1}, wait_ready=False) as server:
+            client = grpcclient.InferenceServerClient(server.url)
+            with pytest.raises(InferenceServerException, match=re.escape(
+                    "[StatusCode.UNAVAILABLE] model 'simple' failed to load: bundle 'simple': model.py did not finish "
+                    "importing within 1 s (global.model_import_timeout_seconds); the load is abandoned")):
+                client.load_model("simple", client_timeout=30)
+            client.load_model("mlp", client_timeout=30)
+            assert client.is_model_ready("mlp")
+            client.unload_model("mlp", client_timeout=30)
+            assert not client.is_model_ready("mlp")
+            assert release()
+            _wait(lambda: "import abandoned at model_import_timeout_seconds ended after" in server.log(),
+                  "the abandoned import's end")
+            assert not client.is_model_ready("simple")      # what it registered was dropped
+            assert _index(client)["simple"].state == "UNAVAILABLE"
+    finally:
+        release()
