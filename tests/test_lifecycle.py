@@ -177,3 +177,44 @@ def test_a_model_py_that_never_finishes_importing_fails_its_load_and_later_loads
     assert not [m for m in sys.modules if m.startswith("_xlaserve_bundle_simple")]
     assert any("the model.py import abandoned at model_import_timeout_seconds ended after" in r.getMessage()
                for r in caplog.records)
+
+
+def test_abandoned_model_py_imports_are_capped(tmp_path, monkeypatch):
+    """Python cannot stop a hung import's thread: asking again and again for a bundle whose
+    model.py never returns would pile up threads for as long as the worker lives. Once
+    MAX_ABANDONED_IMPORTS of them run (1 here), a load fails at once, saying why."""
+    import os
+
+    from trio.testing import MockClock
+
+    from xlaserve.worker import lifecycle as lifecycle_module
+    monkeypatch.setattr(lifecycle_module, "MAX_ABANDONED_IMPORTS", 1)
+    repo = tmp_path / "models"
+    export_simple(repo, (1,))
+    device = Device("cpu")
+    config = resolve_worker(parse_node_config(
+        {"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}, "model_import_timeout_seconds": 5}},
+        tmp_path))
+    gate, release = os.pipe()
+    (repo / "simple" / "model.py").write_text(f"import os\nos.read({gate}, 1)\n")
+    entries = []
+
+    async def main():
+        scheduler, _ = trio.open_memory_channel(1)
+        lifecycle = Lifecycle(config, device, ModelTable(), scheduler, WeightCache(device, trio.CapacityLimiter(1)))
+        with trio.fail_after(600):
+            entries.append(await lifecycle.load("simple"))
+            started = trio.current_time()
+            entries.append(await lifecycle.load("simple"))
+            assert trio.current_time() == started       # refused at once, no second thread
+
+    try:
+        trio.run(main, clock=MockClock(autojump_threshold=5))
+    finally:
+        os.close(release)
+        os.close(gate)
+    assert "model.py did not finish importing within 5 s" in entries[0].reason
+    assert entries[1].reason == (
+        "bundle 'simple': model.py is not imported: 1 earlier model.py imports passed model_import_timeout_seconds "
+        "(5 s) and are still running, the most a worker lets run (1); each holds a thread that only the end of its "
+        "import or a restart of the worker frees"), entries[1].reason
