@@ -191,6 +191,7 @@ def test_abandoned_model_py_imports_are_capped(tmp_path, monkeypatch):
     monkeypatch.setattr(lifecycle_module, "MAX_ABANDONED_IMPORTS", 1)
     repo = tmp_path / "models"
     export_simple(repo, (1,))
+    export_mlp(repo, (1,))          # no model.py: the cap does not concern it
     device = Device("cpu")
     config = resolve_worker(parse_node_config(
         {"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}, "model_import_timeout_seconds": 5}},
@@ -207,6 +208,7 @@ def test_abandoned_model_py_imports_are_capped(tmp_path, monkeypatch):
             started = trio.current_time()
             entries.append(await lifecycle.load("simple"))
             assert trio.current_time() == started       # refused at once, no second thread
+            entries.append(await lifecycle.load("mlp"))
 
     try:
         trio.run(main, clock=MockClock(autojump_threshold=5))
@@ -218,3 +220,4 @@ def test_abandoned_model_py_imports_are_capped(tmp_path, monkeypatch):
         "bundle 'simple': model.py is not imported: 1 earlier model.py imports passed model_import_timeout_seconds "
         "(5 s) and are still running, the most a worker lets run (1); each holds a thread that only the end of its "
         "import or a restart of the worker frees"), entries[1].reason
+    assert entries[2].state is ModelState.READY, entries[2].reason

@@ -579,13 +579,14 @@ class BundleHead:
     hooks: Registration | None
 
 
-def read_head(path: Path, version: int) -> BundleHead:
-    """The manifest, then ``model.py`` imported (:func:`import_hooks`); BundleError naming what
-    is wrong. Acquires nothing: a caller that gives up on it has nothing to give back."""
+def read_head(path: Path, version: int, hooks: bool = True) -> BundleHead:
+    """The manifest, then ``model.py`` imported (:func:`import_hooks`; not with ``hooks=False``);
+    BundleError naming what is wrong. Acquires nothing: a caller that gives up on it has nothing
+    to give back."""
     if not (path / MANIFEST).is_file():
         raise BundleError(path.name, f"{MANIFEST} is missing (a bundle directory needs one)")
     manifest = read_manifest(path)
-    return BundleHead(manifest, import_hooks(path, manifest, version))
+    return BundleHead(manifest, import_hooks(path, manifest, version) if hooks else None)
 
 
 Compile = Callable[[Path, bytes], tuple[object, bool]]
