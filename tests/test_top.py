@@ -276,7 +276,7 @@ async def _dashboard(repo, tmp_path) -> None:
                          and all(row.state == "READY" for row in app.rows))
             table = app._table
             assert table.row_count == 4
-            assert table.get_row("mlp")[:2] == ["mlp", "READY"]
+            assert [str(cell) for cell in table.get_row("mlp")[:2]] == ["mlp", "READY"]
             assert app.status_line.startswith("connected worker0 cpu")
             assert "connected to 127.0.0.1:" in "\n".join(app.events)
             # 80x24: every model's row is on screen; a larger terminal gives the table the room
@@ -655,6 +655,71 @@ def test_a_peers_control_characters_are_shown_as_text_never_sent_to_the_terminal
     text = once_text(displayable(pb.ModelControlStatusResponse(worker="w\x1b[2J", models=[_model("m\x1b[2J")])),
                      "host:1")
     assert "m\\x1b[2J" in text and not any(ord(c) < 32 and c != "\n" for c in text)
+
+
+# Peer text that Textual or Rich would read as markup: a style, the auto-closing tag, a link
+# (whose value Textual's parser rejects), an unbalanced bracket, a Textual variable and a tag
+# that textual.markup.escape leaves alone, and a trailing backslash (which escaping doubled).
+MARKUP = ["[bold]x[/bold]", "[/]", "[link=http://evil]", "[", "[$accent]", "[B]y[/B]", "z\\"]
+
+
+@pytest.mark.parametrize("text", MARKUP)
+@pytest.mark.parametrize("gateway", [False, True])
+def test_a_peers_markup_is_shown_as_text_never_read_as_markup(text, gateway):
+    """Model, worker and backend names, states, reasons, rejection reasons and hook names come
+    from the worker or gateway at the other end. Put into the header, the detail pane and the
+    table as markup, '[/]', a link or a lone '[' raised MarkupError and ended the dashboard, and
+    '[bold]x[/bold]' or '[$accent]' restyled the pane and vanished from it (the rejection reasons
+    and hook names were not escaped at all; Textual's escape misses '[$accent]' and '[B]')."""
+    from grpclib.const import Status
+    from grpclib.exceptions import GRPCError
+    from textual.widgets import Label, Static
+    worker = pb.ModelControlStatusResponse(
+        worker=f"w{text}", backend=f"cpu{text}", discipline=f"fair{text}", eviction_policy=f"gdsf{text}",
+        budget_bytes=100, models=[_model(f"m{text}", state=f"READY{text}", reason=f"r{text}",
+                                         residency=f"system{text}", eviction_rank=1, rejections={f"q{text}": 3},
+                                         hook_failures={f"h{text}": 2})])
+    fail = asyncio.Event()
+
+    async def source(address, interval):
+        yield pb.ModelControlStatusResponse(workers=[worker]) if gateway else worker
+        await fail.wait()
+        raise GRPCError(Status.UNAVAILABLE, f"gone{text}")
+
+    async def run() -> None:
+        app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=source, max_backoff=60.0)
+        async with app.run_test(size=(200, 50)) as pilot:
+            await _until(app, lambda: len(app.rows) == 1)
+            await pilot.pause()
+            assert app.return_code is None
+            detail = app.query_one("#detail", Static).visual
+            on = f" on w{text}" if gateway else ""
+            assert detail.plain.splitlines()[:3] == [
+                f"m{text}{on} READY{text} v1", f"reason: r{text}",
+                f"residency system{text}: 0 B of 0 B on the device; loads/evictions 0/0"]
+            assert f"eviction rank 1 (gdsf{text}): next to go" in detail.plain
+            assert detail.plain.endswith(f"rejected: 3 q{text}; hook failures: 2 h{text}")
+            # the styles are the dashboard's own: the name in bold, the warning in red, nothing else
+            assert {str(span.style) for span in detail.spans} == {"b", "b red"}
+            assert detail.plain[slice(*next((s.start, s.end) for s in detail.spans if str(s.style) == "b"))] \
+                == f"m{text}"
+            assert f"w{text} cpu{text} fair{text}  budget" in app.status_line
+            cells = [str(cell) for cell in app.query_one("#models").get_row_at(0)]
+            assert cells[:2] == [f"m{text}", f"READY{text}"]
+            assert f"m{text}" in _screen_text(app)
+            fail.set()
+            await _until(app, lambda: not app.connected)
+            await pilot.pause()
+            assert app.status_line.startswith(f"disconnected from 10.0.0.7:8001: UNAVAILABLE: gone{text}; ")
+            assert app.return_code is None
+            # what an operator types comes back in the dialog's complaint, as typed
+            app.push_screen(ValueScreen("weight", "", _number(float, 0.0)))
+            await pilot.pause()
+            app.screen.query_one("#value").value = text
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.screen.query_one("#problem", Label).visual.plain == f"{text!r} is not a number"
+    asyncio.run(run())
 
 
 def test_once_json_is_strict_json_whatever_numbers_a_peer_sent():

@@ -145,8 +145,8 @@ async def _dashboard(address: Address, first, second) -> None:
         await _until(app, lambda: app.gateway and len(app.rows) == 8)
         assert sorted(app.worker_views) == ["worker0", "worker1"]
         table = app._table
-        assert table.get_row("worker1/mlp")[:3] == ["worker1", "mlp", "READY"]
-        assert table.get_row("worker0/mlp")[:3] == ["worker0", "mlp", "READY"]
+        assert [str(cell) for cell in table.get_row("worker1/mlp")[:3]] == ["worker1", "mlp", "READY"]
+        assert [str(cell) for cell in table.get_row("worker0/mlp")[:3]] == ["worker0", "mlp", "READY"]
         assert "gateway" in app.status_line and "worker1 cpu fair" in app.status_line
 
         # pin mlp on worker1 (the row chosen): worker1 pins it, worker0 does not

@@ -20,7 +20,6 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.content import Content
 from textual.logging import TextualHandler
-from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Sparkline, Static
 
@@ -127,7 +126,7 @@ class ValueScreen(ModalScreen[object]):
         try:
             value = self.parse(event.value)
         except ValueError as exc:
-            self.query_one("#problem", Label).update(f"[red]{escape(str(exc))}[/red]")
+            self.query_one("#problem", Label).update(Content.from_markup("[red]$problem[/red]", problem=str(exc)))
             return
         self.dismiss(value)
 
@@ -335,20 +334,20 @@ class TopApp(App[None]):
         if self.connected:
             self._log_event(f"disconnected: {reason}")
         self.connected = False
-        # reasons, names and answers come from the network: escaped, never read as markup
-        self._set_header(f"[b red]disconnected[/b red] from {escape(str(self.address))}: {escape(reason)}; "
-                     f"retrying in {retry_in:.1f} s")
+        # reasons, names and answers come from the network: template variables, never markup
+        self._set_header(Content.from_markup(f"[b red]disconnected[/b red] from $address: $reason; "
+                                             f"retrying in {retry_in:.1f} s", address=str(self.address),
+                                             reason=reason))
         await self._notify_change()
 
-    def _set_header(self, markup: str) -> None:
-        plain = Content.from_markup(markup).plain
-        if plain != self.status_line:
-            self.status_line = plain
-            self._header.update(markup)
+    def _set_header(self, content: Content) -> None:
+        if content.plain != self.status_line:
+            self.status_line = content.plain
+            self._header.update(content)
 
     # ---- rendering
 
-    def _worker_text(self, w: WorkerView, now: float) -> str:
+    def _worker_text(self, w: WorkerView, now: float) -> Content:
         rate = "-" if w.rows_per_second is None else f"{w.rows_per_second:.1f}"
         cache = f"  cache {w.cache_hits}/{w.cache_lookups}" if w.cache_lookups else ""
         seen = self._seen.get(w.worker)
@@ -356,21 +355,23 @@ class TopApp(App[None]):
         stale = (f"  [b red]silent {silent:.0f} s[/b red]"
                  if silent > max(self.STALE_UPDATES * self.interval, 2.0) else "")
         # what matters first, so that an 80-column terminal cuts only the least useful end
-        return (f"[b]{escape(w.worker)}[/b] {escape(w.backend)} {escape(w.discipline)}{stale}  "
-                f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
-                f"{rate} rows/s  {w.in_flight} in flight  up {human_duration(w.uptime_seconds)}{cache}")
+        return Content.from_markup(
+            f"[b]$worker[/b] $backend $discipline{stale}  "
+            f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
+            f"{rate} rows/s  {w.in_flight} in flight  up {human_duration(w.uptime_seconds)}{cache}",
+            worker=w.worker, backend=w.backend, discipline=w.discipline)
 
     def _render_worker(self, now: float) -> None:
         if not self.gateway:
             assert self.worker is not None
-            self._set_header(f"[green]connected[/green] {self._worker_text(self.worker, now)}  "
-                             f"{escape(str(self.address))}")
+            self._set_header(Content.assemble(Content.from_markup("[green]connected[/green] "),
+                                              self._worker_text(self.worker, now), f"  {self.address}"))
             return
         total = math.fsum(w.rows_per_second or 0.0 for w in self.worker_views.values())
-        lines = [f"[green]connected[/green] gateway {escape(str(self.address))}: {len(self.worker_views)} "
-                 f"worker(s)  {total:.1f} rows/s"]
+        lines = [Content.from_markup(f"[green]connected[/green] gateway $address: {len(self.worker_views)} "
+                                     f"worker(s)  {total:.1f} rows/s", address=str(self.address))]
         lines += [self._worker_text(self.worker_views[name], now) for name in sorted(self.worker_views)]
-        self._set_header("\n".join(lines))
+        self._set_header(Content("\n").join(lines))
 
     def _key(self, row: ModelRow) -> str:
         return f"{row.worker}/{row.name}" if self.gateway else row.name
@@ -393,7 +394,8 @@ class TopApp(App[None]):
                 continue
             keys[key] = None
             texts = ((row.worker,) if self._worker_column else ()) + cells(row)
-            table.add_row(*(escape(text) for text in texts), key=key)
+            # a str cell is read as Rich markup: peer names go in as Text, shown as they are
+            table.add_row(*(Text(text) for text in texts), key=key)
         if chosen in keys:
             table.move_cursor(row=list(keys).index(chosen), animate=False)
         for key, heading in self._columns():
@@ -433,28 +435,32 @@ class TopApp(App[None]):
         rejected = ", ".join(f"{n} {reason}" for reason, n in row.rejections) or "none"
         hooks = ", ".join(f"{n} {hook}" for hook, n in row.hook_failures)
         thrash = "  [b red]thrashing[/b red]: loaded and evicted within the last update" if row.thrashing else ""
-        on = f" on {escape(row.worker)}" if self.gateway else ""
+        on = f" on {row.worker}" if self.gateway else ""
         per_request = ("" if row.misses_per_request is None
                        else f" ({row.misses_per_request:.2f} per request last update)")
-        policy = f" ({escape(row.eviction_policy)})" if row.eviction_policy else ""
+        policy = f" ({row.eviction_policy})" if row.eviction_policy else ""
         evict = ("not evictable now" if row.eviction_rank is None
                  else f"eviction rank {row.eviction_rank}{policy}" + (": next to go" if row.eviction_rank == 1 else ""))
         history = spark(self._model_rates.get(self._key(row), ()))
-        detail.update(
-            f"[b]{escape(row.name)}[/b]{on} {escape(row.state)} v{row.version}"
+        # names, states, reasons and map keys come from the network: template variables, shown
+        # as they are; only this method's own tags are markup
+        detail.update(Content.from_markup(
+            f"[b]$name[/b]$on $state v{row.version}"
             + (f"  rows/s {history}" if history else "") + "\n"
-            + (f"reason: {escape(row.reason)}\n" if row.reason else "")
-            + f"residency {escape(row.residency)}: {human_bytes(row.resident_bytes)} of "
+            + ("reason: $reason\n" if row.reason else "")
+            + f"residency $residency: {human_bytes(row.resident_bytes)} of "
               f"{human_bytes(row.weight_bytes)} on the device; loads/evictions {loads_text(row)}{thrash}\n"
-              f"weight misses {row.weight_misses}{per_request}; {evict}\n"
+              f"weight misses {row.weight_misses}{per_request}; $evict\n"
               f"queue {row.queue_depth}, in flight {row.in_flight}; weight {row.weight:g} "
               f"(device share/due {share_text(row)}); max_batch_size {row.max_batch_size or 'uncapped'}\n"
               f"batch hold: {hold}\n"
               f"learned cost by batch size: {costs}\n"
               f"last update: {latency}; batch sizes run: {mix}\n"
               f"since start: {row.requests} rows in {row.executions} executions; "
-              f"{row.successes} answered, {row.failures} failed; rejected: {rejected}"
-            + (f"; [b red]hook failures[/b red]: {hooks}" if hooks else ""))
+              f"{row.successes} answered, {row.failures} failed; rejected: $rejected"
+            + ("; [b red]hook failures[/b red]: $hooks" if hooks else ""),
+            name=row.name, on=on, state=row.state, reason=row.reason, residency=row.residency, evict=evict,
+            rejected=rejected, hooks=hooks))
 
     @on(DataTable.RowHighlighted)
     def _highlighted(self) -> None:
