@@ -10,10 +10,12 @@ import socket
 import struct
 import zlib
 
+import pytest
 import trio
 import trio.testing
 
-from xlaserve.frontend.http1 import Http1Server, HttpLimits, HttpRequest, HttpResponse
+from xlaserve.frontend.http1 import (Http1Server, HttpLimits, HttpRequest, HttpResponse, accepted_codings,
+                                     response_coding)
 
 LIMITS = HttpLimits(max_header_bytes=2048, max_headers=20, max_body_bytes=1000, max_inflate_bytes=4000,
                     max_total_body_bytes=1500,
@@ -373,6 +375,60 @@ def test_gzip_bodies_inflate_within_the_limit_and_responses_compress_when_accept
         bad = connect()
         await bad.send_all(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-encoding: gzip\r\ncontent-length: 5\r\n\r\nnope!")
         await refused(bad, 400)
+        await served(connect)
+    run(test)
+
+
+@pytest.mark.parametrize("header, coding", [
+    ("gzip", "gzip"),
+    ("deflate;q=0.1, gzip;q=0.9", "gzip"),          # the higher q, not the first listed
+    ("gzip;q=0.2, deflate;q=0.8", "deflate"),
+    ("deflate, gzip", "gzip"),                      # a tie: the server's preference
+    ("br, gzip;q=0.5", "gzip"),                     # identity unlisted: acceptable, the last choice
+    ("gzip;q=0, identity", None),                   # q=0: not acceptable
+    ("GZIP;Q=0, identity", None),                   # coding and parameter names ignore case
+    ("gzip; q=0 ,deflate;q=0", None),
+    ("gzip;level=9;q=0", None),                     # another parameter does not hide the q
+    ("gzip;q=0.5, identity", None),                 # identity listed at 1 outweighs gzip at 0.5
+    ("identity;q=0.5, deflate;q=0.5", "deflate"),
+    ("*", "gzip"),
+    ("*;q=0.5, gzip;q=0", "deflate"),               # the wildcard gives what is not listed its q
+    ("*;q=0, deflate;q=0.3", "deflate"),
+    ("*;q=0", None),                                # nothing acceptable, identity excluded: sent as it is
+    ("identity;q=0", None),
+    ("x-gzip;q=0.7", "gzip"),
+    ("", None), (" , ;q=1, ", None), ("br, zstd", None),
+    # a malformed q leaves its element out, never raises: here only the wildcard is left
+    ("gzip;q=abc, *;q=0.1", "gzip"), ("gzip;q=2", None), ("gzip;q=inf", None), ("gzip;q=nan", None),
+    ("gzip;q=-1", None), ("gzip;q=0.5000", None), ("gzip;q=", None), ("gzip;q=1;q=0", None),
+    ("gzip;q=1.000, deflate;q=0.999", "gzip"),
+    ("gzip, gzip;q=0", None),                       # listed twice: its lowest q
+])
+def test_response_coding_follows_rfc_9110_quality_values(header, coding):
+    assert response_coding(header) == coding
+
+
+def test_accepted_codings_parses_q_values_and_leaves_out_malformed_elements():
+    assert accepted_codings("gzip;q=0.5, Deflate;Q=1.0, *;q=0, identity, br;q=x") == {
+        "gzip": 0.5, "deflate": 1.0, "*": 0.0, "identity": 1.0}
+    assert accepted_codings("gzip;q=" + "9" * 10_000) == {}
+    assert accepted_codings(",;" * 10_000) == {}
+
+
+def test_responses_honour_the_clients_quality_values():
+    """q=0 excludes a coding and the highest q wins: 'GZIP;Q=0, identity' got a gzip body (the
+    parameter name was matched in lower case only) and 'deflate;q=0.1, gzip;q=0.9' a deflate one
+    (the first listed won)."""
+    async def test(server, connect):
+        client = connect()
+        for accept, coding in ((b"GZIP;Q=0, identity", None), (b"deflate;q=0.1, gzip;q=0.9", "gzip"),
+                               (b"gzip;q=0.2, deflate", "deflate"), (b"*;q=0", None), (b"gzip;q=bad", None)):
+            await client.send_all(b"GET /big HTTP/1.1\r\nhost: x\r\naccept-encoding: %s\r\n\r\n" % accept)
+            status, headers, reply = await read_response(client)
+            assert status == 200 and headers.get("content-encoding") == coding, accept
+            inflated = zlib.decompress(reply, 16 + zlib.MAX_WBITS if coding == "gzip" else zlib.MAX_WBITS) \
+                if coding else reply
+            assert inflated == b"x" * 5000
         await served(connect)
     run(test)
 

@@ -309,6 +309,28 @@ def test_gzip_body_that_inflates_past_the_limit_is_413(rest_server):
 
 # ---- attacks on the HTTP/1.1 port ------------------------------------------------------------
 
+def test_a_coding_the_client_gives_q_0_is_never_sent(rest_server):
+    """RFC 9110 quality values through the real server: 'GZIP;Q=0, identity' got a gzip body
+    (the q was read only in lower case) and 'deflate;q=0.1, gzip;q=0.9' a deflate one (the
+    first coding listed won, whatever its q)."""
+    def get(accept: str) -> tuple[str | None, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", rest_server.rest_port, timeout=30)
+        try:
+            conn.request("GET", "/v2/models/stats", headers={"Accept-Encoding": accept})
+            r = conn.getresponse()
+            assert r.status == 200
+            return r.getheader("content-encoding"), r.read()
+        finally:
+            conn.close()
+    coding, plain = get("identity")
+    assert coding is None and len(plain) >= 1024       # large enough to be compressed when accepted
+    assert json.loads(plain)["model_stats"]
+    coding, body = get("GZIP;Q=0, identity")
+    assert coding is None and json.loads(body)["model_stats"]
+    coding, body = get("deflate;q=0.1, gzip;q=0.9")
+    assert coding == "gzip" and json.loads(gzip.decompress(body))["model_stats"]
+
+
 def _raw(server, data: bytes, read: bool = True) -> bytes:
     with socket.create_connection(("127.0.0.1", server.rest_port), timeout=10) as s:
         s.sendall(data)

@@ -67,6 +67,9 @@ RECEIVE_BYTES = 64 * 1024
 INFLATE_INLINE = 256 * 1024
 #: responses at least this large are compressed when the client accepts gzip or deflate
 COMPRESS_MIN = 1024
+#: the content codings a response may be compressed with, in the server's order of preference:
+#: a tie in the client's q-values goes to the first, and either goes before identity
+RESPONSE_CODINGS = ("gzip", "deflate")
 SERVER_HEADER = b"xlaserve"
 #: what the parser is fed at once unless a body's known rest is larger: pipelined requests are
 #: parsed ahead of their answers only as far as this reaches past the request being answered
@@ -789,7 +792,7 @@ class Http1Server:
         for name, value in response.headers:
             head += b"%s: %s\r\n" % (_header_name(name), _header_value(value))
         if len(body) >= COMPRESS_MIN and (accepting := request.headers.get("accept-encoding")) is not None:
-            accepted = _accepted_encoding(accepting)
+            accepted = response_coding(accepting)
             if accepted is not None:
                 body = await self._compress(body, accepted)
                 head += b"content-encoding: %s\r\n" % accepted.encode()
@@ -927,19 +930,58 @@ def _deflate(body: bytes, encoding: str) -> bytes:
     return c.compress(body) + c.flush()
 
 
-def _accepted_encoding(header: str) -> str | None:
-    """gzip or deflate when the client's Accept-Encoding lists one (with a q above 0)."""
-    best = None
-    for item in header.split(","):
-        name, _, params = item.strip().partition(";")
-        name = name.strip().lower()
-        q = 1.0
-        params = params.strip()
-        if params.startswith("q="):
-            try:
-                q = float(params[2:])
-            except ValueError:
-                q = 0.0
-        if name in ("gzip", "deflate") and q > 0 and best is None:
-            best = name
-    return best
+# RFC 9110 section 12.4.2: a qvalue is 0 to 1 with at most three decimals
+_QVALUE = re.compile(r"(?:0(?:\.[0-9]{0,3})?|1(?:\.0{0,3})?)\Z")
+
+
+def accepted_codings(header: str) -> dict[str, float]:
+    """An ``Accept-Encoding`` value as {coding: q} (RFC 9110 section 12.5.3), codings in lower
+    case, ``x-gzip`` read as ``gzip``, ``*`` kept as it is. An element whose q is not a qvalue
+    (``q=abc``, ``q=2``, ``q=0.5000``, two of them) is left out, as if the client had not sent it:
+    the header comes from the peer, so a malformed one never raises. A coding listed twice keeps
+    its lowest q, so that one exclusion is never outweighed by a repetition."""
+    weights: dict[str, float] = {}
+    for element in header.split(","):
+        coding, *params = element.split(";")
+        coding = coding.strip().lower()
+        if not coding:
+            continue
+        q: float | None = 1.0
+        seen_q = False
+        for param in params:
+            name, _, value = param.partition("=")
+            if name.strip().lower() != "q":
+                continue    # the grammar has no other parameter: ignored rather than refused
+            value = value.strip()
+            q = float(value) if not seen_q and _QVALUE.match(value) else None
+            seen_q = True
+        if q is None:
+            continue
+        coding = "gzip" if coding == "x-gzip" else coding
+        weights[coding] = min(q, weights.get(coding, q))
+    return weights
+
+
+def response_coding(header: str) -> str | None:
+    """The coding of :data:`RESPONSE_CODINGS` to compress a response with for a client that sent
+    ``Accept-Encoding: header``, or None to send it as it is (identity).
+
+    RFC 9110 section 12.5.3: a coding is acceptable with the q it is listed with, else with the
+    q of ``*``, else not at all; q=0 means "not acceptable". The acceptable coding of highest q
+    wins, a tie going to the server's order of preference. identity, unlisted and not
+    excluded by ``*``, is acceptable but the last choice; listed (itself or through ``*``), it
+    is weighed like the others and wins only with a higher q than every offered coding. When
+    nothing is acceptable (``gzip;q=0, identity;q=0``, ``*;q=0``) the response goes without
+    coding all the same: the RFC's advice for a response, where a 406 would only lose the
+    answer."""
+    weights = accepted_codings(header)
+    anything = weights.get("*")
+    chosen, chosen_q = None, 0.0
+    for coding in RESPONSE_CODINGS:
+        q = weights.get(coding, anything if anything is not None else 0.0)
+        if q > chosen_q:
+            chosen, chosen_q = coding, q
+    identity = weights.get("identity", anything)
+    if chosen is not None and identity is not None and identity > chosen_q:
+        return None
+    return chosen
