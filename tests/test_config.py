@@ -647,6 +647,71 @@ def test_env_port_on_a_multi_worker_node_collides():
     assert message.startswith("INFERENCE_SERVER_ENDPOINTS_PORT: port 9100")
 
 
+# --- one GPU, one cuda worker ----------------------------------------------------------------------
+
+CUDA = {"global": {"runtime": {"backend": "cuda"}}}
+SHARED_GPU = ("two workers on one GPU would each claim its memory (runtime.mem_fraction) and fail with "
+              "out-of-memory errors while serving: give each cuda worker a GPU of its own")
+
+
+@pytest.mark.parametrize("data, message", [
+    # the same gpu: twice
+    ({**CUDA, "workers": [{"name": "a", "gpu": 1}, {"name": "b", "gpu": 1}]},
+     "workers[1].gpu: GPU 1 for cuda worker b is already used by cuda worker a (workers[0].gpu)"),
+    # a gpu: that is another worker's entry of the gpus: list
+    ({**CUDA, "gpus": [2, 3], "workers": [{"name": "a"}, {"name": "b", "gpu": 2}]},
+     "workers[1].gpu: GPU 2 for cuda worker b is already used by cuda worker a (gpus[0])"),
+    # a worker that names no GPU uses its index: 1 here, which worker a named
+    ({**CUDA, "workers": [{"name": "a", "gpu": 1}, {"name": "b"}]},
+     "workers[1]: GPU 1 (its index: it sets no gpu:) for cuda worker b is already used by cuda worker a "
+     "(workers[0].gpu)"),
+    # past the end of a gpus: list, the index again
+    ({**CUDA, "gpus": [1], "workers": [{"name": "a"}, {"name": "b"}]},
+     "workers[1]: GPU 1 (its index: it sets no gpu:) for cuda worker b is already used by cuda worker a "
+     "(gpus[0])"),
+    # gpus: N (or auto) does not place an explicit workers: list: each worker's index does
+    ({**CUDA, "gpus": 4, "workers": [{"name": "a"}, {"name": "b", "gpu": 0}]},
+     "workers[1].gpu: GPU 0 for cuda worker b is already used by cuda worker a (workers[0])"),
+    # the backend set per worker, or by the environment, counts
+    ({"workers": [{"name": "a", "gpu": 0, "runtime": {"backend": "cuda"}},
+                  {"name": "b", "gpu": 0, "runtime": {"backend": "cuda"}}]},
+     "workers[1].gpu: GPU 0 for cuda worker b is already used by cuda worker a (workers[0].gpu)"),
+])
+def test_two_cuda_workers_may_not_share_a_gpu(data: dict, message: str):
+    assert error_of(data) == f"{message}; {SHARED_GPU}"
+
+
+def test_the_environment_backend_counts_for_a_shared_gpu():
+    data = {"workers": [{"name": "a", "gpu": 0}, {"name": "b", "gpu": 0}]}
+    parse(data)                   # cpu workers: the ordinal is not used
+    assert error_of(data, {"INFERENCE_SERVER_RUNTIME_BACKEND": "cuda"}).startswith(
+        "workers[1].gpu: GPU 0 for cuda worker b is already used by cuda worker a")
+
+
+@pytest.mark.parametrize("data", [
+    {**CUDA, "gpus": 3}, {**CUDA, "gpus": [4, 1, 0]}, {**CUDA},
+    {**CUDA, "workers": [{"name": "a"}, {"name": "b"}, {"name": "c", "gpu": 7}]},
+    {**CUDA, "gpus": [1, 0], "workers": [{"name": "a"}, {"name": "b"}]},
+    # a cpu worker uses no GPU, whatever ordinal it names
+    {**CUDA, "workers": [{"name": "a", "gpu": 0}, {"name": "b", "gpu": 0, "runtime": {"backend": "cpu"}}]},
+    {"workers": [{"name": "a", "gpu": 0}, {"name": "b", "gpu": 0}]},
+])
+def test_cuda_workers_on_distinct_gpus_and_cpu_workers_are_accepted(data: dict):
+    node = parse(data)
+    workers = [resolve_worker(node, i) for i in range(worker_count(node))]
+    on_cuda = [w.device_ordinal for w in workers if w.runtime.backend == "cuda"]
+    assert len(set(on_cuda)) == len(on_cuda)
+
+
+def test_a_worker_without_an_ordinal_uses_its_index():
+    """What the supervisor and a worker run on its own open, and what the check above counts."""
+    node = parse({**CUDA, "workers": [{"name": "a", "gpu": 3}, {"name": "b"}, {"name": "c"}]})
+    workers = [resolve_worker(node, i) for i in range(3)]
+    assert [(w.gpu, w.device_ordinal) for w in workers] == [(3, 3), (None, 1), (None, 2)]
+    cpu = parse({"workers": [{"name": "a"}, {"name": "b"}, {"name": "c", "gpu": 0}]})
+    assert [resolve_worker(cpu, i).device_ordinal for i in range(3)] == [0, 0, 0], "one cpu device"
+
+
 @pytest.mark.parametrize("data, count", [
     ({}, 1), ({"gpus": "auto"}, 1), ({"gpus": 1}, 1), ({"gpus": 3}, 3), ({"gpus": [0, 5]}, 2),
     ({"gpus": 4, "workers": [{"name": "only"}]}, 1),          # an explicit list fixes the count

@@ -137,6 +137,22 @@ def test_on_cuda_each_worker_sees_only_its_device():
         worker_specs(NODE_PATH, node, python="/py", environ={"CUDA_VISIBLE_DEVICES": "4,5"})
 
 
+def test_a_filter_that_lists_one_device_twice_gives_it_to_one_worker_only():
+    node = node_of({"global": {"runtime": {"backend": "cuda"}}, "gpus": 2})
+    with pytest.raises(ConfigError, match=r"^worker worker1: device ordinal 1 is CUDA_VISIBLE_DEVICES entry "
+                                          r"'3', which worker worker0 already has \(CUDA_VISIBLE_DEVICES='3,3'\)"):
+        worker_specs(NODE_PATH, node, python="/py", environ={"CUDA_VISIBLE_DEVICES": "3,3"})
+
+
+def test_run_refuses_a_device_the_filter_does_not_show_with_one_line(caplog, monkeypatch):
+    from xlaserve.node import run_node
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    node = node_of({"global": {"runtime": {"backend": "cuda"}}, "gpus": 2})
+    with caplog.at_level("ERROR", logger="xlaserve.node"):
+        assert run_node(node, node_path=str(NODE_PATH)) == 2
+    assert "worker worker1: device ordinal 1: CUDA_VISIBLE_DEVICES='5' shows 1 device" in caplog.text
+
+
 def test_visible_device_keeps_uuids():
     assert visible_device(1, "GPU-aaa, GPU-bbb") == "GPU-bbb"
     assert visible_device(1, "") == "1"

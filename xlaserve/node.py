@@ -114,7 +114,13 @@ def run_node(node: NodeConfig, ready_file: str | None = None, node_path: str | N
     log.info("node: %d workers (%s) behind the gateway on %s, routing %s", plan.count, plan.origin,
              gateway.listen.grpc, gateway.scheduling.mode)
     count = plan.count if not node.workers_explicit and node.gpus == "auto" else None
-    return trio.run(functools.partial(supervise, node_path, node, count=count,
+    from xlaserve.supervisor import worker_specs
+    try:
+        specs = worker_specs(node_path, node, count)
+    except ConfigError as exc:     # a device the supervisor's CUDA_VISIBLE_DEVICES does not show
+        log.error("%s", exc)
+        return 2
+    return trio.run(functools.partial(supervise, node_path, node, count=count, specs=specs,
                                       gateway=embedded_gateway(gateway, workers, ready_file=ready_file)))
 
 

@@ -160,12 +160,16 @@ def worker_specs(node_path: str | Path, node: NodeConfig, count: int | None = No
     worker sees only its device: ``CUDA_VISIBLE_DEVICES`` is set to its ordinal (its ``gpu:``,
     else its index) as :func:`visible_device` maps it through ``environ``'s filter, and the
     worker opens ordinal 0 of that view. On ``cpu`` nothing is set. ConfigError when a worker
-    cannot be resolved or its device is not visible."""
+    cannot be resolved, its device is not visible, or two workers would see the same device
+    (distinct ordinals that the filter maps onto one entry, as ``CUDA_VISIBLE_DEVICES=3,3``
+    does; the node file itself never names one GPU twice, see
+    :func:`~xlaserve.config.resolve.parse_node_config`)."""
     explicit_count = node.workers_explicit or count is None
     count = worker_count(node) if count is None else count
     level = log_level or node.logging.level
     fmt = log_format or node.logging.format
     specs = []
+    devices: dict[str, str] = {}    # CUDA_VISIBLE_DEVICES value -> the worker given it
     for index in range(count):
         config = resolve_worker(node, index, None if node.workers_explicit else count)
         argv = [python, "-m", "xlaserve", "--log-level", level, "--log-format", fmt,
@@ -174,11 +178,19 @@ def worker_specs(node_path: str | Path, node: NodeConfig, count: int | None = No
             argv += ["--worker-count", str(count)]
         env = {}
         if config.runtime.backend == "cuda":
-            ordinal = config.gpu if config.gpu is not None else config.index
+            ordinal = config.device_ordinal
             try:
                 env["CUDA_VISIBLE_DEVICES"] = visible_device(ordinal, environ.get("CUDA_VISIBLE_DEVICES"))
             except ConfigError as exc:
                 raise ConfigError(f"worker {config.name}: {exc}") from None
+            device = env["CUDA_VISIBLE_DEVICES"]
+            if device in devices:
+                raise ConfigError(
+                    f"worker {config.name}: device ordinal {ordinal} is CUDA_VISIBLE_DEVICES entry "
+                    f"{device!r}, which worker {devices[device]} already has (CUDA_VISIBLE_DEVICES="
+                    f"{environ.get('CUDA_VISIBLE_DEVICES')!r}); two cuda workers on one GPU would each "
+                    "claim its memory: list each device once")
+            devices[device] = config.name
             env[DEVICE_ISOLATED_ENV] = "1"
         specs.append(WorkerSpec(config.name, tuple(argv), MappingProxyType(env)))
     return tuple(specs)

@@ -166,7 +166,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
     ``SpanExporter`` for the spans instead of ``config.tracing``'s exporter (when tracing is
     enabled; benchmarks and tests use an in-process one)."""
     started = time.monotonic()
-    device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.gpu or 0)
+    device = await trio.to_thread.run_sync(Device, config.runtime.backend, config.device_ordinal)
     log.info("device: %s (%s), jax PJRT %s; host copies of weights in %s memory", device.backend, device.kind,
              device.platform_version, device.host_memory_kind)
     device_limiter = trio.CapacityLimiter(1)

@@ -253,7 +253,9 @@ def parse_node_config(data: Any, base_dir: str | Path,
     node_fields["env_overrides"] = MappingProxyType(
         {section: MappingProxyType(values) for section, values in env.items()})
     node = NodeConfig(**node_fields)
-    _check_ports(node, _worker_entries(node, None))
+    entries = _worker_entries(node, None)
+    _check_ports(node, entries)
+    _check_devices(node, entries)
     for check in NODE_CHECKS:
         check(node, environ)
     return node
@@ -443,6 +445,45 @@ def _check_ports(node: NodeConfig, entries: tuple[WorkerEntry, ...]) -> None:
             claim(binding.rest_port, f"worker {entry.name}'s REST", "listen.rest")
 
 
+def _named_device(node: NodeConfig, entry: WorkerEntry, index: int) -> tuple[int, str] | None:
+    """The GPU ordinal the node file names for worker ``index`` and the key that names it (its
+    ``gpu:``, else its entry of a ``gpus:`` list); None when nothing does, and the worker then
+    uses the ordinal equal to its index (:attr:`~xlaserve.config.schema.WorkerConfig.device_ordinal`)."""
+    if entry.gpu is not None:
+        return entry.gpu, f"workers[{index}].gpu"
+    if isinstance(node.gpus, tuple) and index < len(node.gpus):
+        return node.gpus[index], f"gpus[{index}]"
+    return None
+
+
+def _check_devices(node: NodeConfig, entries: tuple[WorkerEntry, ...]) -> None:
+    """No two ``cuda`` workers use the same GPU. Each sizes its allocator's pool and its weight
+    budget from the whole device (``runtime.mem_fraction``), so two on one GPU claim nearly twice
+    its memory and fail with out-of-memory errors while serving, far from the cause; refused here
+    instead. A worker's GPU is its ``gpu:``, else its entry of a ``gpus:`` list, else its index
+    (what the supervisor and a worker run on its own use). ``cpu`` workers use no GPU and are
+    not counted, whatever ordinal they name."""
+    used: dict[int, str] = {}
+    runtime_env = node.env_overrides.get("runtime", {})
+    for index, entry in enumerate(entries):
+        backend = merge_partial(merge_partial(node.runtime, entry.runtime), runtime_env).backend
+        if backend != "cuda":
+            continue
+        named = _named_device(node, entry, index)
+        if named is not None:
+            ordinal, origin = named
+            what = f"GPU {ordinal}"
+        else:
+            ordinal, origin = index, f"workers[{index}]"
+            what = f"GPU {ordinal} (its index: it sets no gpu:)"
+        if ordinal in used:
+            raise ConfigError(
+                f"{origin}: {what} for cuda worker {entry.name} is already used by {used[ordinal]}; "
+                "two workers on one GPU would each claim its memory (runtime.mem_fraction) and fail "
+                "with out-of-memory errors while serving: give each cuda worker a GPU of its own")
+        used[ordinal] = f"cuda worker {entry.name} ({origin})"
+
+
 def resolve_worker(node: NodeConfig, which: int | str = 0,
                    worker_count: int | None = None) -> WorkerConfig:
     """The configuration worker ``which`` (an index or a name) runs with.
@@ -492,9 +533,8 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
     models_include = node.models_include
     if entry.models_include is not None and "models_include" not in env.get("node", {}):
         models_include = entry.models_include
-    gpu = entry.gpu
-    if gpu is None and isinstance(node.gpus, tuple) and index < len(node.gpus):
-        gpu = node.gpus[index]
+    named = _named_device(node, entry, index)
+    gpu = named[0] if named is not None else None
     binding = _binding(node, entries, index)
     return WorkerConfig(
         name=entry.name,

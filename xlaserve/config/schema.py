@@ -612,7 +612,8 @@ class WorkerEntry:
             ``.``, ``-``. Required.
         port: explicit gRPC port (the same as ``endpoints: {port: ...}`` in this entry).
         gpu: device ordinal this worker uses, >= 0. Default null: the worker's entry of a
-            ``gpus:`` list when there is one, else ordinal 0.
+            ``gpus:`` list when there is one, else (on ``cuda``) the ordinal equal to its index
+            in ``workers:``. Two ``cuda`` workers may not use the same ordinal.
         runtime, scheduler, endpoints: the keys this worker sets in those blocks (a read-only
             mapping of key to value; ``scheduler["models"]`` maps model name to its keys). They
             merge over ``global:`` key by key, and per model for ``scheduler.models``.
@@ -720,7 +721,8 @@ class WorkerConfig:
 
     ``index`` is the worker's position in the node and ``worker_count`` the node's number of
     workers (two or more: the port rules of a multi-worker node apply). ``gpu`` is null when
-    nothing names an ordinal; the worker then uses ordinal 0. ``grpc_*`` and ``http_*`` are
+    nothing names an ordinal; the worker then uses the ordinal equal to its index on ``cuda``,
+    0 on ``cpu`` (:attr:`device_ordinal`). ``grpc_*`` and ``http_*`` are
     the addresses to bind. ``tracing`` is the node's ``tracing:`` block.
     """
 
@@ -744,6 +746,16 @@ class WorkerConfig:
     rest_host: str | None = None     #: None: no REST port (``listen.rest`` unset, or a gateway serves it)
     rest_port: int | None = None
     model_import_timeout_seconds: float = 60.0
+
+    @property
+    def device_ordinal(self) -> int:
+        """The device this worker opens: its ``gpu``; else, on ``cuda``, its index in the node (so
+        the workers of a node that names no ordinals use GPUs 0, 1, ... in order, whether the
+        supervisor starts them or each is run on its own; the node file's check that no two
+        ``cuda`` workers share a GPU counts the same way); else 0 (the one ``cpu`` device)."""
+        if self.gpu is not None:
+            return self.gpu
+        return self.index if self.runtime.backend == "cuda" else 0
 
     @property
     def grpc_address(self) -> str:
