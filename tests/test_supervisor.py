@@ -21,7 +21,7 @@ import trio.testing
 from trio.testing import MockClock
 
 from xlaserve.config import ConfigError, LoggingConfig, SupervisorConfig, parse_node_config
-from xlaserve.logformat import JsonFormatter, process_line, worker_line
+from xlaserve.logformat import JsonFormatter, formatter, process_line, worker_line
 from xlaserve.logrelay import ENTRY_OVERHEAD_BYTES, LineRelay, RelayStatistics, drop_notice
 from xlaserve.supervision import MAX_LINE_BYTES
 from xlaserve.supervisor import (DEVICE_ISOLATED_ENV, READY_FD_ENV, TAIL_LINES, Supervisor, WorkerExited,
@@ -52,11 +52,43 @@ def test_a_worker_line_is_a_line_whatever_the_worker_printed():
     hostile = ['{"a":' + "[" * 100_000, "[" * 100_000, '{"m": "\\ud800"}', "\x00\x1b[2J\r",
                "\ufffd\ufffd", '{"a": 1e999}', "{" * 50_000]
     for text in hostile:
-        assert worker_line("w0", text, "text") == f"[w0] {text}"
+        assert worker_line("w0", text, "text").startswith("[w0] ")
         entry = json.loads(worker_line("w0", text, "json"))
         assert entry["worker"] == "w0"
     assert json.loads(worker_line("w0", hostile[0], "json"))["message"] == hostile[0]
     assert json.loads(worker_line("w0", hostile[2], "json")) == {"worker": "w0", "m": "\ud800"}
+
+
+# ESC [ 2 J clears the screen, ESC ] 0 ; ... BEL retitles the window, CR hides what came before on
+# the line, U+009B is a one-character CSI, U+0085 a newline to some terminals
+HOSTILE = "clear\x1b[2J title\x1b]0;pwned\x07 hide\rshown \x7f\x9b\x85\x00 tab\tkept"
+SHOWN = r"clear\x1b[2J title\x1b]0;pwned\x07 hide\x0dshown \x7f\x9b\x85\x00 tab" + "\tkept"
+TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")     # every control character but tab
+
+
+def test_a_worker_line_in_text_shows_control_characters_as_escapes():
+    assert worker_line("w0", HOSTILE, "text") == f"[w0] {SHOWN}"
+    assert worker_line("w0", "plain line", "text") == "[w0] plain line"
+
+
+def test_a_worker_line_in_json_escapes_every_control_character():
+    for text in (HOSTILE, json.dumps({"message": HOSTILE})):
+        line = worker_line("w0", text, "json")
+        assert not TERMINAL_CONTROLS.search(line) and "\t" not in line
+        assert json.loads(line)["message"] == HOSTILE
+    entry = json.loads(process_line(HOSTILE, "json"))
+    assert entry["message"] == HOSTILE
+
+
+def test_the_processs_own_records_show_what_they_quote_as_text():
+    """The crash report quotes a worker's last lines; a message may quote a model's name."""
+    record = logging.LogRecord("xlaserve.supervisor", logging.ERROR, __file__, 1,
+                               "worker %s exited. Its last lines:\n  %s", ("w0", HOSTILE), None)
+    text = formatter("text").format(record)
+    assert text.endswith(f"worker w0 exited. Its last lines:\n  {SHOWN}")
+    json_line = formatter("json").format(record)
+    assert not TERMINAL_CONTROLS.search(json_line) and "\t" not in json_line
+    assert json.loads(json_line)["message"].endswith(HOSTILE)
 
 
 def test_a_worker_line_with_nan_or_an_infinite_number_is_still_json():
@@ -312,6 +344,24 @@ def test_a_crashing_worker_is_restarted_with_back_off_then_the_node_stops_naming
     assert message.count("attempt line") == 3
     assert len(lines.of("w0")) == 3
     assert elapsed < 5
+
+
+def test_a_workers_control_characters_never_reach_the_supervisors_terminal(capfd, caplog):
+    """Two real processes: a worker prints escape sequences, then crashes; its lines go through the
+    supervisor's relay to its stdout, and the crash report that quotes them through its logging."""
+    specs = [fake("w0", f"print({HOSTILE!r}, flush=True); sys.exit(3)")]
+
+    async def main():
+        return await Supervisor(specs, SupervisorConfig(max_restarts=0, stop_timeout_seconds=1.0)).run()
+
+    with caplog.at_level(logging.ERROR, logger="xlaserve.supervisor"):
+        assert trio.run(main) == 1
+    out = capfd.readouterr().out
+    assert out == f"[w0] {SHOWN}\n"
+    (report,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    shown = formatter("text").format(report)
+    assert shown.endswith(f"Its last 1 lines:\n  {SHOWN}")
+    assert not TERMINAL_CONTROLS.search(shown.replace("\n", ""))
 
 
 def test_a_worker_killed_by_a_signal_is_reported_by_the_signals_name(caplog):
@@ -862,7 +912,7 @@ for level, fmt in ((None, None), ("debug", None), ("error", "text")):
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[:3] == ["WARNING JsonFormatter", "DEBUG JsonFormatter", "ERROR Formatter"]
+    assert out.stdout.split("\n")[:3] == ["WARNING JsonFormatter", "DEBUG JsonFormatter", "ERROR TextFormatter"]
     assert LoggingConfig() == LoggingConfig(level="info", format="text")
 
 

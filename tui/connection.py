@@ -5,7 +5,6 @@ grpclib's client and Textual's event loop."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,6 +14,7 @@ from grpclib.exceptions import ProtocolError, StreamTerminatedError
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.grpc_service_grpc import GRPCInferenceServiceStub
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlStub
+from xlaserve.controlchars import CONTROL_CHARACTERS, show_controls
 
 DEFAULT_ADDRESS = "localhost:8001"
 DEFAULT_PORT = 8001
@@ -31,36 +31,28 @@ MAX_BACKOFF_SECONDS = 10.0
 CONNECTION_ERRORS = (OSError, TimeoutError, StreamTerminatedError, ProtocolError)
 
 
-# Control characters (C0, DEL, C1): a peer's names and reasons are shown on a terminal, where an
-# ESC starts an escape sequence (moving the cursor, retitling the window, clearing the screen)
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-def _shown(text: str) -> str:
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
 def displayable(message):
     """``message`` (a status from a peer) with every control character in its strings, map keys
-    included, written as ``\\xNN``: what the dashboard and ``--once`` print is text, never a
-    terminal escape a worker or gateway sent. Changed in place; returned."""
+    included, written as ``\\xNN`` (:func:`~xlaserve.controlchars.show_controls`): what the
+    dashboard and ``--once`` print is text, never a terminal escape a worker or gateway sent.
+    Changed in place; returned."""
     for field, value in message.ListFields():
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
             key, val = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
-            if key.type == key.TYPE_STRING and any(_CONTROL.search(k) for k in value):
+            if key.type == key.TYPE_STRING and any(CONTROL_CHARACTERS.search(k) for k in value):
                 items = dict(value)
                 value.clear()
                 for k, v in items.items():
-                    value[_shown(k)] = v
+                    value[show_controls(k)] = v
             if val.message_type is not None:
                 for v in value.values():
                     displayable(v)
         elif field.type == field.TYPE_STRING:
             if isinstance(value, str):
-                if _CONTROL.search(value):
-                    setattr(message, field.name, _shown(value))
+                if CONTROL_CHARACTERS.search(value):
+                    setattr(message, field.name, show_controls(value))
             else:                           # a repeated string field
-                value[:] = [_shown(v) for v in value]
+                value[:] = [show_controls(v) for v in value]
         elif field.type == field.TYPE_MESSAGE:
             for item in (value if not hasattr(value, "ListFields") else (value,)):
                 displayable(item)

@@ -536,8 +536,9 @@ class LoggingConfig:
         format: ``text`` (one ``time LEVEL logger: message`` line a record; a supervised worker's
             lines prefixed ``[name] ``) or ``json`` (one JSON object a line, with ``time``,
             ``level``, ``logger`` and ``message``; a supervised worker's lines carry a
-            ``worker`` field). Default ``text``. The command line's ``--log-format`` wins
-            over it.
+            ``worker`` field). Default ``text``. Control characters (an ESC a worker printed)
+            are written ``\\xNN`` in ``text`` (tab and a record's newlines kept) and as JSON
+            escapes in ``json``. The command line's ``--log-format`` wins over it.
     """
 
     level: str = config_key("info", choices=LOG_LEVELS)
