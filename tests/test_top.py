@@ -419,6 +419,16 @@ def test_once_reports_an_unreachable_worker_and_bad_arguments(capsys, monkeypatc
     port = free_port()      # nothing listens on it
     assert main(["top", "--once", "--json", f"127.0.0.1:{port}"]) == 1
     assert f"xlaserve top: cannot reach 127.0.0.1:{port}: " in capsys.readouterr().err
+
+    async def refusing(address):
+        from grpclib.const import Status
+        from grpclib.exceptions import GRPCError
+        raise GRPCError(Status.UNAVAILABLE, "draining\x1b[2J\x9b")
+
+    monkeypatch.setattr(connection, "fetch_status", refusing)
+    assert main(["top", "--once", "localhost:1"]) == 1
+    # the peer's message is printed as text: an ESC in it never reaches the terminal
+    assert capsys.readouterr().err == "xlaserve top: localhost:1 answered UNAVAILABLE: draining\\x1b[2J\\x9b\n"
     assert main(["top", "--once", "host:99999"]) == 2
     assert "bad address 'host:99999': the port must be 1-65535" in capsys.readouterr().err
     assert main(["top", "--json", "localhost:1"]) == 2
@@ -655,6 +665,41 @@ def test_a_peers_control_characters_are_shown_as_text_never_sent_to_the_terminal
     text = once_text(displayable(pb.ModelControlStatusResponse(worker="w\x1b[2J", models=[_model("m\x1b[2J")])),
                      "host:1")
     assert "m\\x1b[2J" in text and not any(ord(c) < 32 and c != "\n" for c in text)
+
+
+def test_a_peers_error_messages_and_answers_are_shown_without_their_control_characters(monkeypatch):
+    """A refusal's message (a gRPC status message), the reason a stream ended and CompactMemory's
+    answer come from the peer too, outside the statuses displayable() cleans: an ESC in one went
+    to the header, the event log and the notification as it was."""
+    from grpclib.const import Status
+    from grpclib.exceptions import GRPCError
+    fail = asyncio.Event()
+
+    async def source(address, interval):
+        yield pb.ModelControlStatusResponse(worker="w", models=[_model("m")])
+        await fail.wait()
+        raise GRPCError(Status.UNAVAILABLE, "gone\x1b[2J\x07")
+
+    async def refuse(address, method, request):
+        raise GRPCError(Status.INTERNAL, "no\x1b]0;owned\x07")
+
+    monkeypatch.setattr(connection, "call", refuse)
+
+    async def run() -> None:
+        app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=source, max_backoff=60.0)
+        async with app.run_test(size=(200, 50)) as pilot:
+            await _until(app, lambda: len(app.rows) == 1)
+            app._send("CompactMemory", pb.CompactMemoryRequest(), "done")
+            await _until(app, lambda: app.last_answer != "")
+            assert app.last_answer == "CompactMemory refused: INTERNAL: no\\x1b]0;owned\\x07"
+            fail.set()
+            await _until(app, lambda: not app.connected)
+            await pilot.pause()
+            assert "UNAVAILABLE: gone\\x1b[2J\\x07; " in app.status_line
+            logged = "\n".join(app.events)
+            assert "no\\x1b]0;owned" in logged and "gone\\x1b[2J" in logged
+            assert not any(c in logged + app.status_line for c in "\x1b\x07")
+    asyncio.run(run())
 
 
 # Peer text that Textual or Rich would read as markup: a style, the auto-closing tag, a link

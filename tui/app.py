@@ -29,6 +29,7 @@ from tui.status import (COLUMNS, WORKER_COLUMN, ModelRow, WorkerView, cells, cha
                         human_bytes, human_duration, human_seconds, loads_text, share_text, spark, visible)
 from xlaserve._proto import grpc_service_pb2 as kpb
 from xlaserve._proto import xlaserve_control_pb2 as pb
+from xlaserve.controlchars import show_controls
 
 # Samples the worker's sparkline keeps: two minutes at the default interval.
 SPARKLINE_SAMPLES = 120
@@ -331,6 +332,7 @@ class TopApp(App[None]):
         await self._notify_change()
 
     async def _lost(self, reason: str, retry_in: float) -> None:
+        reason = show_controls(reason)      # a peer's error message: text, never a terminal escape
         if self.connected:
             self._log_event(f"disconnected: {reason}")
         self.connected = False
@@ -548,7 +550,8 @@ class TopApp(App[None]):
             answer = f"{method}: {done}"
             if isinstance(response, pb.CompactMemoryResponse):
                 answer += f": {response.message} ({human_bytes(response.freed_bytes)} freed)"
-        self.last_answer = answer
+        # a refusal's message and CompactMemory's answer come from the peer, like its statuses
+        answer = self.last_answer = show_controls(answer)
         self._log_event(answer)
         failed = not answer.startswith(f"{method}: ")
         self.notify(answer, markup=False, severity="error" if failed else "information")

@@ -147,7 +147,9 @@ def cmd_top(args: argparse.Namespace) -> int:
     try:
         status = asyncio.run(connection.fetch_status(address))
     except GRPCError as exc:
-        print(f"xlaserve top: {address} answered {exc.status.name}: {exc.message or ''}", file=sys.stderr)
+        from xlaserve.controlchars import show_controls      # the peer's message: text, never an escape
+        print(f"xlaserve top: {address} answered {exc.status.name}: {show_controls(exc.message or '')}",
+              file=sys.stderr)
         return 1
     except connection.CONNECTION_ERRORS as exc:
         print(f"xlaserve top: cannot reach {address}: {exc or type(exc).__name__}", file=sys.stderr)
