@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,17 @@ def device() -> Device:
 def _run(device: Device, executable) -> np.ndarray:
     x = np.arange(6, dtype=np.int32).reshape(2, 3)
     return device.execute(executable, [x, np.full((2, 3), 10, np.int32)])[0]
+
+
+def _within(seconds: float, function, *args):
+    """``function(*args)``, failing the test (not hanging it) when it has not returned in time."""
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(function(*args)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), f"{function.__name__} still blocked after {seconds}s"
+    assert result, f"{function.__name__} raised (see the thread's traceback above)"
+    return result[0]
 
 
 def _private(path: Path) -> Path:
@@ -120,3 +132,26 @@ def test_disabled_when_cache_dir_is_null(device):
 def test_new_directory_is_created_private(device, tmp_path):
     cache = ExecutableCache(tmp_path / "a" / "b", device)
     assert cache.directory.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "directory"])
+def test_entry_that_is_not_a_regular_file_is_ignored_and_replaced(device, tmp_path, caplog, kind):
+    """A FIFO in place of an entry held the load (and every load after it, one compile at a
+    time) in open() for good; a link to /dev/zero was read until memory ran out."""
+    cache = ExecutableCache(_private(tmp_path / "c"), device)
+    entry = cache.entry_path(cache.key(MODULE))
+    entry.parent.mkdir(mode=0o700)
+    if kind == "fifo":
+        os.mkfifo(entry, 0o600)
+    elif kind == "dev_zero":
+        entry.symlink_to("/dev/zero")
+    else:
+        entry.mkdir()
+    with caplog.at_level(logging.WARNING, "xlaserve.excache"):
+        exe, hit = _within(30, cache.compile_module, Path("m.mlir"), MODULE)
+    assert not hit and cache.statistics().rejected == 1
+    expected = {"fifo": "a FIFO (named pipe)", "dev_zero": "a character device", "directory": "a directory"}[kind]
+    assert f"it is {expected}; expected a regular file" in caplog.text and "recompiling" in caplog.text
+    np.testing.assert_array_equal(_run(device, exe), np.arange(6).reshape(2, 3) + 10)
+    if kind != "directory":   # replaced by a real entry: the next start hits
+        assert ExecutableCache(tmp_path / "c", device).compile_module(Path("m.mlir"), MODULE)[1]

@@ -73,7 +73,7 @@ _FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pip
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def _open_checked(file: Path):
+def open_checked(file: Path):
     """``(file opened for reading in binary, its size)`` if it is a regular file (or a link to
     one); else ``(None, what it is)``, nothing left open. Never blocks: a FIFO would hold the
     open until some writer came, and a link to ``/dev/zero`` or ``/dev/urandom`` would be read
@@ -92,9 +92,9 @@ def _open_checked(file: Path):
 
 
 def _open_regular(file: Path, bundle: str):
-    """``(file opened for reading in binary, its size)`` (:func:`_open_checked`); BundleError
+    """``(file opened for reading in binary, its size)`` (:func:`open_checked`); BundleError
     naming what it is when it is not a regular file."""
-    opened, size_or_kind = _open_checked(file)
+    opened, size_or_kind = open_checked(file)
     if opened is None:
         raise BundleError(bundle, f"{file.name} is {size_or_kind}; expected a regular file (or a link to one)")
     return opened, size_or_kind
@@ -172,7 +172,7 @@ class HostWeights:
         buffer = aligned_bytes(size, 4096)
         # checked as at load: a file replaced by a FIFO since would hold this read, and the weight
         # cache's thread, until some writer came
-        f, file_size = _open_checked(self.file)
+        f, file_size = open_checked(self.file)
         if f is None:
             raise OSError(f"{self.file} is no longer a regular file; it changed on disk after the model was loaded")
         with f:

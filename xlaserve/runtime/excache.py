@@ -5,7 +5,8 @@ serialized executable fits this device (:meth:`Device.cache_key_parts`: jax and 
 backend, device kind, platform version, compile options). Entries are written to a temporary
 file and renamed into place, so a reader never sees half an entry. An entry that is truncated,
 corrupt, written for another key or that the backend refuses to deserialize is ignored, rebuilt
-and overwritten.
+and overwritten; so is anything in an entry's place that is not a regular file, checked before it
+is read (a FIFO would block the load for good, a link to ``/dev/zero`` would be read without end).
 
 An entry holds the executable and the name of the compile options it was compiled with: a module
 with convolutions gets them by a trial when it is first compiled
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from xlaserve.bundle import open_checked
 from xlaserve.runtime.pjrt import Device
 from xlaserve.runtime.tuning import compile_tuned
 
@@ -145,7 +147,11 @@ class ExecutableCache:
         """The entry's payload and compile options, or (None, '', why it is unusable);
         why is '' when there is no entry."""
         try:
-            data = entry.read_bytes()
+            opened, size_or_kind = open_checked(entry)
+            if opened is None:    # a FIFO would block the open, /dev/zero would be read for good
+                return None, "", f"it is {size_or_kind}; expected a regular file"
+            with opened:
+                data = opened.read(size_or_kind)
         except FileNotFoundError:
             return None, "", ""
         except OSError as exc:
