@@ -869,3 +869,13 @@ def test_model_import_timeout_seconds_is_a_positive_number_every_worker_gets():
     assert resolve_worker(parse({"global": {"model_import_timeout_seconds": 2}})).model_import_timeout_seconds == 2.0
     env = {"INFERENCE_SERVER_MODEL_IMPORT_TIMEOUT_SECONDS": "5"}
     assert resolve_worker(parse({}, env)).model_import_timeout_seconds == 5.0
+
+
+def test_cache_max_bytes_bounds_the_executable_cache_by_default_and_every_worker_gets_it():
+    """Without a bound every re-export and jax upgrade left its executables in cache_dir for good."""
+    assert resolve_worker(parse({})).cache_max_bytes == 16 * 1024**3
+    for bad in (-1, "x", True, 1.5):
+        with pytest.raises(ConfigError, match=r"^global.cache_max_bytes: "):
+            parse({"global": {"cache_max_bytes": bad}})
+    assert resolve_worker(parse({"global": {"cache_max_bytes": 0}})).cache_max_bytes == 0
+    assert resolve_worker(parse({}, {"INFERENCE_SERVER_CACHE_MAX_BYTES": "1000"})).cache_max_bytes == 1000

@@ -155,3 +155,39 @@ def test_entry_that_is_not_a_regular_file_is_ignored_and_replaced(device, tmp_pa
     np.testing.assert_array_equal(_run(device, exe), np.arange(6).reshape(2, 3) + 10)
     if kind != "directory":   # replaced by a real entry: the next start hits
         assert ExecutableCache(tmp_path / "c", device).compile_module(Path("m.mlir"), MODULE)[1]
+
+
+def _modules(count: int) -> list[bytes]:
+    return [MODULE.replace(b"@add", f"@add{i}".encode()) for i in range(count)]
+
+
+def test_cache_max_bytes_removes_the_least_recently_used_entries(device, tmp_path, caplog):
+    """Every re-export and jax upgrade added entries that stayed on the disk for good."""
+    directory = _private(tmp_path / "c")
+    probe = ExecutableCache(directory, device)
+    probe.compile_module(Path("m.mlir"), MODULE)
+    size = probe.entry_path(probe.key(MODULE)).stat().st_size
+    probe.entry_path(probe.key(MODULE)).unlink()
+    cache = ExecutableCache(directory, device, max_bytes=3 * size + size // 2)   # room for 3 entries
+    a, b, c, d = _modules(4)
+    for index, module in enumerate((a, b, c)):
+        cache.compile_module(Path("m.mlir"), module)
+        os.utime(cache.entry_path(cache.key(module)), (1000 + index, 1000 + index))
+    assert cache.compile_module(Path("m.mlir"), a)[1]     # a hit: a is now the most recent
+    with caplog.at_level(logging.INFO, "xlaserve.excache"):
+        cache.compile_module(Path("m.mlir"), d)
+    left = {p.name for p in directory.rglob("*.xlaexe")}
+    assert left == {cache.entry_path(cache.key(m)).name for m in (a, c, d)}
+    assert "removed 1 least recently used entry " in caplog.text and "cache_max_bytes" in caplog.text
+
+
+def test_stale_temporary_files_of_killed_writers_are_removed(device, tmp_path):
+    cache = ExecutableCache(_private(tmp_path / "c"), device)
+    cache.compile_module(Path("m.mlir"), MODULE)
+    shard = cache.entry_path(cache.key(MODULE)).parent
+    stale, live = shard / ".x.xlaexe.abc.tmp", shard / ".y.xlaexe.def.tmp"
+    stale.write_bytes(b"half an entry")
+    live.write_bytes(b"being written")
+    os.utime(stale, (1, 1))
+    cache.compile_module(Path("o.mlir"), OTHER)
+    assert not stale.exists() and live.exists()

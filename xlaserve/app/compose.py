@@ -196,7 +196,7 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
             lifecycle_metrics = LifecycleMetrics(metrics.registry)
             excache = await trio.to_thread.run_sync(
                 open_executable_cache, config.cache_dir, device,
-                lambda result: lifecycle_metrics.executable_cache.labels(result).inc())
+                lambda result: lifecycle_metrics.executable_cache.labels(result).inc(), config.cache_max_bytes)
             lifecycle = Lifecycle(config, device, table, to_scheduler.clone(), weights,
                                   excache.compile_module if excache else None, lifecycle_metrics)
             http_port = await nursery.start(functools.partial(

@@ -44,7 +44,7 @@ GATEWAY_ENV_PREFIX = f"{ENV_PREFIX}GATEWAY_"
 
 _BLOCKS: dict[str, type] = {"runtime": RuntimeConfig, "scheduler": SchedulerConfig,
                             "endpoints": EndpointsConfig}
-_NODE_ENV_FIELDS = ("model_repo", "base_port", "metrics_base_port", "cache_dir",
+_NODE_ENV_FIELDS = ("model_repo", "base_port", "metrics_base_port", "cache_dir", "cache_max_bytes",
                     "model_control_mode", "model_poll_seconds", "model_import_timeout_seconds", "models_include")
 # Top-level blocks read whole by the node (never per worker), like ``listen:``.
 _NODE_BLOCKS: dict[str, type] = {"listen": ListenConfig, "supervisor": SupervisorConfig,
@@ -129,7 +129,7 @@ def _parse_environ(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
 
 _TOP_KEYS = frozenset({"model_repo", "base_port", "metrics_base_port", "gpus", "global",
                        "workers", "models", "gateway", *_NODE_BLOCKS})
-_GLOBAL_SCALARS = ("cache_dir", "model_control_mode", "model_poll_seconds", "model_import_timeout_seconds",
+_GLOBAL_SCALARS = ("cache_dir", "cache_max_bytes", "model_control_mode", "model_poll_seconds", "model_import_timeout_seconds",
                    "models_include")
 _GLOBAL_KEYS = frozenset({*_GLOBAL_SCALARS, *_BLOCKS})
 _IMPLICIT_WORKER = re.compile(r"worker(0|[1-9][0-9]*)\Z")
@@ -545,6 +545,7 @@ def resolve_worker(node: NodeConfig, which: int | str = 0,
         model_control_mode=node.model_control_mode,
         model_poll_seconds=node.model_poll_seconds,
         model_import_timeout_seconds=node.model_import_timeout_seconds,
+        cache_max_bytes=node.cache_max_bytes,
         models_include=models_include,
         runtime=merge_partial(merge_partial(node.runtime, entry.runtime), env.get("runtime", {})),
         scheduler=scheduler,

@@ -656,6 +656,9 @@ class NodeConfig:
         cache_dir: (``global.cache_dir``) where compiled executables are cached across
             restarts; null disables the cache. Default ``~/.cache/xlaserve``. Relative paths
             resolve like ``model_repo``.
+        cache_max_bytes: (``global.``) the most bytes the executable cache's entries may take
+            in ``cache_dir``; past it the least recently used entries are removed after each
+            write. 0 leaves it unbounded. Default 16 GiB.
         model_control_mode: (``global.``) ``dynamic`` watches the repository and loads,
             reloads and unloads bundles as files change; ``static`` loads the startup set once;
             ``explicit`` acts only on control RPCs. Default ``dynamic``.
@@ -697,6 +700,7 @@ class NodeConfig:
         "auto", parse=_parse_gpus, env=False,
         describe="'auto', a positive integer or a list of distinct device ordinals")
     cache_dir: Path | None = field(default_factory=_default_cache_dir)
+    cache_max_bytes: int = config_key(16 * 1024 * _MIB, low=0)
     model_control_mode: str = config_key("dynamic", choices=("dynamic", "static", "explicit"))
     model_poll_seconds: float = config_key(15.0, low=0.0, low_open=True)
     model_import_timeout_seconds: float = config_key(60.0, low=0.0, low_open=True)
@@ -747,6 +751,7 @@ class WorkerConfig:
     rest_host: str | None = None     #: None: no REST port (``listen.rest`` unset, or a gateway serves it)
     rest_port: int | None = None
     model_import_timeout_seconds: float = 60.0
+    cache_max_bytes: int = 16 * 1024 * 1024 * 1024
 
     @property
     def device_ordinal(self) -> int:

@@ -13,6 +13,11 @@ with convolutions gets them by a trial when it is first compiled
 (:mod:`xlaserve.runtime.tuning`), and a hit deserializes it with the same options, without a
 new trial.
 
+The directory is bounded by ``cache_max_bytes``: after each write the least recently used
+entries (a hit refreshes an entry's modification time) are removed until the rest fit, and a
+temporary file that a killed writer left behind is removed once it is an hour old. Without the
+bound every re-export and every jax upgrade would leave its entries on the disk for good.
+
 Deserializing an executable can run the code in it, so the cache refuses a directory that
 another user could write to (:class:`CacheDirRefused`): the directory, and every ancestor
 without the sticky bit, must be owned by this user or root and not group- or world-writable.
@@ -28,6 +33,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +48,9 @@ log = logging.getLogger("xlaserve.excache")
 MAGIC = b"XLASERVE-EXECUTABLE 2\n"
 _CHOICE_MAX = 64
 _DIGEST_LEN = 64  # hex sha256
+_ENTRY_SUFFIX = ".xlaexe"
+# A temporary file this old is a killed writer's: a live one renames its file within seconds.
+_STALE_TEMPORARY_SECONDS = 3600.0
 
 
 class CacheDirRefused(Exception):
@@ -87,10 +96,11 @@ class ExecutableCache:
     """Compiled executables of one device, stored under ``directory``.
 
     ``on_result(kind)`` is called with ``"hit"``, ``"miss"`` or ``"rejected"`` for each module
-    (for metrics)."""
+    (for metrics). ``max_bytes`` bounds the entries' total size (``cache_max_bytes``); 0 leaves
+    it unbounded."""
 
     def __init__(self, directory: Path, device: Device,
-                 on_result: Callable[[str], None] | None = None) -> None:
+                 on_result: Callable[[str], None] | None = None, max_bytes: int = 0) -> None:
         directory = Path(directory)
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -102,6 +112,7 @@ class ExecutableCache:
         parts = device.cache_key_parts()
         self._salt = "\n".join(f"{k}={parts[k]}" for k in sorted(parts)).encode()
         self._on_result = on_result
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
         self._counts = {"hit": 0, "miss": 0, "rejected": 0, "write_error": 0}
 
@@ -113,7 +124,7 @@ class ExecutableCache:
         return h.hexdigest()
 
     def entry_path(self, key: str) -> Path:
-        return self.directory / key[:2] / f"{key}.xlaexe"
+        return self.directory / key[:2] / f"{key}{_ENTRY_SUFFIX}"
 
     def statistics(self) -> CacheStatistics:
         with self._lock:
@@ -133,6 +144,10 @@ class ExecutableCache:
                 why = f"the backend cannot deserialize it ({' '.join(str(exc).split())[:200]})"
             else:
                 self._count("hit")
+                try:
+                    os.utime(entry)       # recently used: the last to be removed by the bound
+                except OSError:
+                    pass
                 return executable, True
         if why:
             log.warning("executable cache: ignoring entry %s for %s: %s; recompiling", entry.name, path.name, why)
@@ -140,7 +155,8 @@ class ExecutableCache:
         else:
             self._count("miss")
         tuned = compile_tuned(self._device, module, path)
-        self._write(entry, key, tuned.executable, tuned.choice)
+        if self._write(entry, key, tuned.executable, tuned.choice):
+            self._trim(keep=entry)
         return tuned.executable, False
 
     def _read(self, entry: Path, key: str) -> tuple[bytes | None, str, str]:
@@ -177,7 +193,7 @@ class ExecutableCache:
             return None, "", f"it names compile options this server does not have ({choice[:_CHOICE_MAX]!r})"
         return payload, choice, ""
 
-    def _write(self, entry: Path, key: str, executable, choice: str) -> None:
+    def _write(self, entry: Path, key: str, executable, choice: str) -> bool:
         try:
             payload = choice.encode("ascii") + b"\n" + self._device.serialize(executable)
             entry.parent.mkdir(mode=0o700, exist_ok=True)
@@ -195,6 +211,57 @@ class ExecutableCache:
         except Exception as exc:  # a full disk or a backend that cannot serialize: serve uncached
             log.warning("executable cache: cannot store %s: %s: %s", entry.name, type(exc).__name__, exc)
             self._count("write_error")
+            return False
+        return True
+
+    def _trim(self, keep: Path) -> None:
+        """Remove killed writers' stale temporary files, then the least recently used entries
+        (never ``keep``, just written) until the rest fit ``max_bytes``. Another worker sharing
+        the directory may remove the same files at the same time: a file already gone is fine."""
+        now = time.time()
+        entries: list[tuple[float, int, Path]] = []
+        try:
+            shards = [d for d in self.directory.iterdir() if len(d.name) == 2 and d.is_dir()]
+            for shard in shards:
+                for file in shard.iterdir():
+                    info = file.lstat()
+                    if not stat.S_ISREG(info.st_mode):
+                        continue
+                    if file.name.startswith(".") and file.name.endswith(".tmp"):
+                        if now - info.st_mtime > _STALE_TEMPORARY_SECONDS:
+                            file.unlink(missing_ok=True)
+                            log.info("executable cache: removed %s, left by a writer that did not finish",
+                                     file.name)
+                    elif file.name.endswith(_ENTRY_SUFFIX) and file != keep:
+                        entries.append((info.st_mtime, info.st_size, file))
+        except OSError as exc:     # listing is best-effort: the next write tries again
+            log.warning("executable cache: cannot list %s to keep it under cache_max_bytes: %s",
+                        self.directory, exc.strerror or exc)
+            return
+        if not self._max_bytes:
+            return
+        try:
+            total = keep.stat().st_size + sum(size for _, size, _ in entries)
+        except OSError:
+            return
+        removed = freed = 0
+        for _, size, file in sorted(entries, key=lambda e: e[0]):
+            if total <= self._max_bytes:
+                break
+            try:
+                file.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("executable cache: cannot remove %s: %s", file.name, exc.strerror or exc)
+                continue
+            total -= size
+            removed += 1
+            freed += size
+        if removed:
+            log.info("executable cache: removed %d least recently used entr%s (%d bytes) to keep %s "
+                     "under cache_max_bytes (%d bytes)", removed, "y" if removed == 1 else "ies", freed,
+                     self.directory, self._max_bytes)
 
     def _count(self, kind: str) -> None:
         with self._lock:
@@ -204,14 +271,15 @@ class ExecutableCache:
 
 
 def open_executable_cache(cache_dir: Path | None, device: Device,
-                          on_result: Callable[[str], None] | None = None) -> ExecutableCache | None:
+                          on_result: Callable[[str], None] | None = None,
+                          max_bytes: int = 0) -> ExecutableCache | None:
     """The worker's cache, or None when ``cache_dir`` is null or refused (the reason is logged
     as an error; the worker then compiles every module)."""
     if cache_dir is None:
         log.info("executable cache: disabled (cache_dir is null)")
         return None
     try:
-        cache = ExecutableCache(cache_dir, device, on_result)
+        cache = ExecutableCache(cache_dir, device, on_result, max_bytes)
     except CacheDirRefused as exc:
         log.error("executable cache: disabled: %s", exc)
         return None
