@@ -323,6 +323,28 @@ def test_explicit_static_and_executable_cache(tmp_path):
         assert _metric(server, "xlaserve_executable_cache_total", result="rejected") == 1
 
 
+def test_a_fifo_in_place_of_a_cache_entry_is_ignored_and_the_bound_trims_the_rest(tmp_path):
+    """A FIFO where an entry belongs held the load in open() for good (and every later load with
+    it): the worker never became ready. Now it is named, recompiled and replaced, and with
+    cache_max_bytes: 1 the other entry is removed after that write."""
+    repo = tmp_path / "models"
+    export_simple(repo, (1, 4))
+    cache = tmp_path / "cache"
+    with serve(tmp_path / "fill", repo, {"cache_dir": str(cache)}):
+        pass
+    entries = sorted(cache.rglob("*.xlaexe"))
+    assert len(entries) == 2
+    entries[0].unlink()
+    os.mkfifo(entries[0], 0o600)
+    with serve(tmp_path / "fifo", repo, {"cache_dir": str(cache), "cache_max_bytes": 1}, timeout=60) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        np.testing.assert_array_equal(_simple(client), 2 * np.arange(16).reshape(1, 16))
+        log = server.log()
+        assert "it is a FIFO (named pipe); expected a regular file; recompiling" in log
+        assert "removed 1 least recently used entry" in log and "cache_max_bytes (1 bytes)" in log
+    assert sorted(cache.rglob("*.xlaexe")) == [entries[0]] and entries[0].is_file()
+
+
 def test_cache_dir_writable_by_others_is_refused(tmp_path):
     repo = tmp_path / "models"
     export_simple(repo, (1,))
