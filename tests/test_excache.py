@@ -75,6 +75,20 @@ def test_key_covers_module_bytes_and_device(device, tmp_path):
     assert {"jaxlib", "backend", "device_kind", "platform_version", "compile_options"} <= set(parts)
 
 
+def test_an_entry_written_on_a_host_with_other_cpu_features_is_not_used(device, tmp_path, monkeypatch):
+    """XLA's cpu code is compiled for the host's instruction set: an entry from a host with
+    other extensions (a cache_dir on a shared home directory) could stop the worker with SIGILL.
+    The host's features are part of the key, so such an entry is a miss, never a hit."""
+    from xlaserve.runtime import pjrt
+    results = []
+    ExecutableCache(_private(tmp_path / "c"), device, results.append).compile_module(Path("m.b2.mlir"), MODULE)
+    assert "cpu_features" in device.cache_key_parts()
+    monkeypatch.setattr(pjrt, "host_cpu_features", lambda: "another host")
+    exe, hit = ExecutableCache(tmp_path / "c", device, results.append).compile_module(Path("m.b2.mlir"), MODULE)
+    assert not hit and results == ["miss", "miss"]
+    np.testing.assert_array_equal(_run(device, exe), np.arange(6).reshape(2, 3) + 10)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "foreign_key"])
 def test_damaged_entry_is_ignored_and_rebuilt(device, tmp_path, caplog, damage):
     cache = ExecutableCache(_private(tmp_path / "c"), device)

@@ -224,7 +224,10 @@ class ExecutableCache:
             shards = [d for d in self.directory.iterdir() if len(d.name) == 2 and d.is_dir()]
             for shard in shards:
                 for file in shard.iterdir():
-                    info = file.lstat()
+                    try:
+                        info = file.lstat()
+                    except FileNotFoundError:   # another worker sharing the directory removed it
+                        continue
                     if not stat.S_ISREG(info.st_mode):
                         continue
                     if file.name.startswith(".") and file.name.endswith(".tmp"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import platform
 import re
 import sys
 import threading
@@ -813,6 +814,24 @@ def _first_line(exc: BaseException) -> str:
     return re.sub(r"\s+", " ", text)[:300] or type(exc).__name__
 
 
+@functools.cache
+def host_cpu_features() -> str:
+    """This host's machine and instruction-set extensions, as a short digest: the ``flags`` (x86)
+    or ``Features`` (Arm) line of ``/proc/cpuinfo``, sorted; the machine name alone where there
+    is no such file. Two hosts that can run each other's XLA cpu code give the same digest."""
+    features = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("flags", "Features"):
+                    features = " ".join(sorted(set(value.split())))
+                    break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()}\n{features}".encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledMemory:
     """What XLA says an executable needs, in bytes."""
@@ -1026,8 +1045,14 @@ class Device:
         for name in COMPILE_CHOICES.get(self.backend, {}):
             options.update(f"\0{name}\0".encode())
             options.update(self._compile_options(name).SerializeAsString())
-        return {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
-                "platform_version": self.platform_version, "compile_options": options.hexdigest()}
+        parts = {"jax": JAX_VERSION, "jaxlib": JAXLIB_VERSION, "backend": self.backend, "device_kind": self.kind,
+                 "platform_version": self.platform_version, "compile_options": options.hexdigest()}
+        if self.backend == "cpu":
+            # XLA's cpu code is compiled for this host's instruction set: an entry written on a
+            # host with AVX-512 (a cache_dir on a shared home directory) would stop a worker on
+            # one without it with SIGILL, so the host's set is part of the key
+            parts["cpu_features"] = host_cpu_features()
+        return parts
 
     @property
     def host_memory_kind(self) -> str:
