@@ -263,8 +263,10 @@ def test_a_bad_tls_file_stops_start_up_with_exit_2(certs, tmp_path):
 
 # --- the handshake, in-process on loopback (MockClock: timeouts are exact) ------------------------
 
-def _run_with_server(certs: Certs, client, *, client_ca: Path | None = None, **limits) -> None:
-    """Serve (no services) over TLS on loopback and run ``client(port)`` against it."""
+def _run_with_server(certs: Certs, client, *, client_ca: Path | None = None, clock: MockClock | None = None,
+                     **limits) -> None:
+    """Serve (no services) over TLS on loopback and run ``client(port)`` against it. ``clock``:
+    the MockClock to run under (default: one that jumps whenever every task waits)."""
     context = server_context(TlsConfig(certs.server, certs.server_key, client_ca))
 
     async def main() -> None:
@@ -277,7 +279,7 @@ def _run_with_server(certs: Certs, client, *, client_ca: Path | None = None, **l
             server.close()
             await server.wait_closed()
 
-    trio.run(main, clock=MockClock(autojump_threshold=0))
+    trio.run(main, clock=clock or MockClock(autojump_threshold=0))
 
 
 async def _tls_client(port: int, context: ssl.SSLContext) -> trio.SSLStream:
@@ -343,6 +345,7 @@ def test_a_client_that_does_not_negotiate_h2_is_refused_with_a_log_line(certs, c
         assert stream.selected_alpn_protocol() is None
         assert await _read_until_closed(stream) == b""
         await stream.aclose()
+        await trio.sleep(1.5)       # past the one-line-a-second limit on these lines
         # one that offers no ALPN at all is refused the same way
         stream = await _tls_client(port, client_context(certs, alpn=[]))
         assert await _read_until_closed(stream) == b""
@@ -365,6 +368,36 @@ def test_a_cleartext_http2_client_is_closed_during_the_handshake(certs, caplog):
     with caplog.at_level(logging.INFO, logger="xlaserve.grpc"):
         _run_with_server(certs, client)
     assert "the TLS handshake failed" in caplog.text
+
+
+def test_a_flood_of_failed_handshakes_logs_one_line_a_second(certs, caplog):
+    """Cleartext bytes on the TLS port fail the handshake at once: a client opening connection
+    after connection must not make the server write a log line for each (2,000 lines in 0.7 s
+    before this limit). Under a clock that stands still, 40 failures are one line; a second
+    later the next line counts the others."""
+    clock = MockClock()
+
+    async def garbage() -> None:
+        tcp = await trio.open_tcp_stream("127.0.0.1", port_box[0])
+        await tcp.send_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await _read_until_closed(tcp)
+        await tcp.aclose()
+
+    port_box: list[int] = []
+
+    async def client(port: int) -> None:
+        port_box.append(port)
+        async with trio.open_nursery() as nursery:
+            for _ in range(40):
+                nursery.start_soon(garbage)
+        clock.jump(1.5)
+        await garbage()
+
+    with caplog.at_level(logging.INFO, logger="xlaserve.grpc"):
+        _run_with_server(certs, client, clock=clock)
+    lines = [r.getMessage() for r in caplog.records if "the TLS handshake failed" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[1].endswith("(39 more such lines left out since the last)"), lines[1]
 
 
 def test_a_connection_past_max_connections_gets_goaway_over_tls(certs):
@@ -402,6 +435,7 @@ def test_mutual_tls_refuses_clients_without_a_certificate_from_the_ca(certs, cap
 
     async def client(port: int) -> None:
         await refused(port, client_context(certs))
+        await trio.sleep(1.5)       # past the one-line-a-second limit on these lines
         await refused(port, client_context(certs, cert=certs.stranger, key=certs.stranger_key))
         good = await _tls_client(port, client_context(certs, cert=certs.client, key=certs.client_key))
         await good.send_all(PREFACE + frame(SETTINGS, 0, 0) + frame(PING, 0, 0, b"mutual!!"))
@@ -413,6 +447,8 @@ def test_mutual_tls_refuses_clients_without_a_certificate_from_the_ca(certs, cap
     with caplog.at_level(logging.INFO, logger="xlaserve.grpc"):
         _run_with_server(certs, client, client_ca=certs.ca)
     assert caplog.text.count("the TLS handshake failed") == 2, caplog.text
+    assert "peer did not return a certificate" in caplog.text
+    assert "certificate verify failed" in caplog.text
 
 
 # --- end to end with the Triton client ------------------------------------------------------------
@@ -504,5 +540,6 @@ def test_triton_client_with_mutual_tls(certs, examples_repo, tmp_path):
     log = server.log()
     assert server.process.returncode == 0, log
     assert "gRPC over TLS, client certificates required; HTTP in cleartext" in log
+    # the first refusal's line; the next, within a second, are counted on a later line (at most
+    # one a second: test_a_flood_of_failed_handshakes_logs_one_line_a_second)
     assert "the TLS handshake failed: peer did not return a certificate" in log
-    assert "the TLS handshake failed: certificate verify failed" in log

@@ -364,7 +364,7 @@ class Connection(Handler):
     # ---- tasks ---------------------------------------------------------------------------
     async def run(self) -> None:
         try:
-            if self.tls and not await tls_handshake(self.sock):
+            if self.tls and not await tls_handshake(self.sock, self.server.handshake_lines):
                 return
             async with trio.open_nursery() as nursery:
                 self.nursery = nursery
@@ -1003,6 +1003,8 @@ class GrpcServer:
         #: one line a second for connections that fail (accept errors, resets during set-up, bugs)
         self._faults = LineLimiter(log)
         self._closings = LineLimiter(log)
+        #: TLS handshakes that fail, time out or refuse ALPN: at most one line a second
+        self.handshake_lines = LineLimiter(log)
         self._connections: set[Connection] = set()
         self._none_left = trio.Event()
         self.ssl_context: ssl.SSLContext | None = None     # set by serve()

@@ -21,6 +21,7 @@ import trio
 
 from xlaserve.config.schema import TlsConfig
 from xlaserve.errors import StartupError
+from xlaserve.frontend.guard import LineLimiter
 
 log = logging.getLogger("xlaserve.grpc")
 
@@ -115,9 +116,11 @@ def describe(tls: TlsConfig | None) -> str:
     return "gRPC over TLS; HTTP in cleartext"
 
 
-async def handshake(stream: trio.SSLStream) -> bool:
+async def handshake(stream: trio.SSLStream, lines: LineLimiter) -> bool:
     """Complete the TLS handshake of a new connection within :data:`TLS_HANDSHAKE_SECONDS` and
-    check it chose ALPN ``h2``. False (one line logged) when the connection must be closed."""
+    check it chose ALPN ``h2``. False when the connection must be closed, with one line logged
+    through ``lines``: a flood of clients that fail their handshakes (cleartext bytes, stalled
+    hellos) is when it happens, and it must not write a line per connection."""
     peer = _peer(stream)
     with trio.move_on_after(TLS_HANDSHAKE_SECONDS) as timer:
         try:
@@ -125,16 +128,17 @@ async def handshake(stream: trio.SSLStream) -> bool:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             cause = exc.__cause__
             why = _reason(cause) if isinstance(cause, ssl.SSLError) else "the client closed the connection"
-            log.info("closing a gRPC connection from %s: the TLS handshake failed: %s", peer, why)
+            lines.line(logging.INFO, "closing a gRPC connection from %s: the TLS handshake failed: %s", peer, why)
             return False
     if timer.cancelled_caught:
-        log.info("closing a gRPC connection from %s: no TLS handshake within %.0f s", peer, TLS_HANDSHAKE_SECONDS)
+        lines.line(logging.INFO, "closing a gRPC connection from %s: no TLS handshake within %.0f s", peer,
+                   TLS_HANDSHAKE_SECONDS)
         return False
     protocol = stream.selected_alpn_protocol()
     if protocol != "h2":
         offered = f"negotiated {protocol!r}" if protocol else "offered no protocol this server speaks"
-        log.warning("refusing a gRPC connection from %s: the client %s over ALPN; this endpoint speaks "
-                    "only HTTP/2 ('h2')", peer, offered)
+        lines.line(logging.WARNING, "refusing a gRPC connection from %s: the client %s over ALPN; this endpoint "
+                   "speaks only HTTP/2 ('h2')", peer, offered)
         return False
     return True
 
