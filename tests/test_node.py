@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from xlaserve.config import NodeConfig, parse_node_config
-from xlaserve.node import WorkerPlan, detect_gpus, lpt_refusal, plan_workers
+from xlaserve.node import WorkerPlan, detect_gpus, lpt_refusal, plan_workers, tls_refusal
 
 
 def parse(data: dict) -> NodeConfig:
@@ -63,3 +63,20 @@ def test_lpt_packing_refuses_workers_that_run_fair_naming_them():
     assert lpt_refusal(node, "round_robin", 2) == ""
     fifo = parse({"workers": [{"name": "a"}, {"name": "b"}], "global": {"scheduler": {"discipline": "edf"}}})
     assert lpt_refusal(fifo, "lpt_packing", 2) == ""
+
+
+def test_tls_refuses_a_node_of_several_workers_naming_them():
+    """The embedded gateway speaks cleartext to its workers: a node that set endpoints.tls for
+    them started, never reached one (each connection failed its TLS handshake, ten log lines a
+    second) and answered 'no model is served yet' forever."""
+    tls = {"tls": {"cert_file": "server.pem", "key_file": "server.key"}}
+    node = parse({"workers": [{"name": "a"}, {"name": "b"}], "global": {"endpoints": tls}})
+    assert tls_refusal(node, 2) == (
+        "endpoints.tls is set for a, b, but this node runs 2 workers behind its embedded gateway, which has no "
+        "TLS on either side: it could not reach a TLS worker, and its public port would be cleartext; serve TLS "
+        "from a one-worker node, or terminate TLS in front of the gateway (docs/deployment.md) and remove "
+        "endpoints.tls")
+    one = parse({"workers": [{"name": "b", "endpoints": tls}, {"name": "c"}]})
+    assert tls_refusal(one, 2).startswith("endpoints.tls is set for b, but")
+    assert tls_refusal(parse({"global": {"endpoints": tls}}), 1) == ""
+    assert tls_refusal(parse({"workers": [{"name": "a"}, {"name": "b"}]}), 2) == ""

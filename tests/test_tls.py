@@ -261,6 +261,20 @@ def test_a_bad_tls_file_stops_start_up_with_exit_2(certs, tmp_path):
                                f"does not match the certificate in endpoints.tls.cert_file {certs.server}\n")
 
 
+def test_a_node_of_several_workers_with_tls_stops_start_up_with_exit_2(certs, tmp_path):
+    """Its embedded gateway has no TLS: before, the node started and never served a request."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    tls = {"cert_file": str(certs.server), "key_file": str(certs.server_key)}
+    node = write_node(tmp_path / "node.yaml", repo, {"endpoints": {"tls": tls}},
+                      workers=[{"name": "w0"}, {"name": "w1"}])
+    done = subprocess.run([sys.executable, "-m", "xlaserve", "run", str(node)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert ("endpoints.tls is set for w0, w1, but this node runs 2 workers behind its embedded gateway"
+            in done.stderr), done.stderr
+
+
 # --- the handshake, in-process on loopback (MockClock: timeouts are exact) ------------------------
 
 def _run_with_server(certs: Certs, client, *, client_ca: Path | None = None, clock: MockClock | None = None,

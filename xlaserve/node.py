@@ -82,6 +82,22 @@ def lpt_refusal(node: NodeConfig, mode: str, count: int) -> str:
             f"run{'s' if len(fair) == 1 else ''} fair: set global.scheduler.discipline: fifo")
 
 
+def tls_refusal(node: NodeConfig, count: int) -> str:
+    """Why a node of ``count`` workers cannot serve with ``endpoints.tls`` ('' when it can): its
+    embedded gateway has no TLS on either side, so it could neither reach a TLS worker (every
+    connection fails its handshake, and the node never serves a request) nor give clients the
+    TLS they were promised on its own public port."""
+    if count <= 1:
+        return ""
+    tls = [w.name for w in (resolve_worker(node, i, count) for i in range(count)) if w.endpoints.tls is not None]
+    if not tls:
+        return ""
+    return (f"endpoints.tls is set for {', '.join(tls)}, but this node runs {count} workers behind its embedded "
+            "gateway, which has no TLS on either side: it could not reach a TLS worker, and its public port "
+            "would be cleartext; serve TLS from a one-worker node, or terminate TLS in front of the gateway "
+            "(docs/deployment.md) and remove endpoints.tls")
+
+
 def run_node(node: NodeConfig, ready_file: str | None = None, node_path: str | None = None) -> int:
     """Serve a node until it is stopped. One worker: in this process, on the node's public
     ports. Two or more: a supervisor runs one worker process each (``xlaserve worker``, from the
@@ -102,7 +118,7 @@ def run_node(node: NodeConfig, ready_file: str | None = None, node_path: str | N
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    problem = lpt_refusal(node, gateway.scheduling.mode, plan.count)
+    problem = lpt_refusal(node, gateway.scheduling.mode, plan.count) or tls_refusal(node, plan.count)
     if problem:
         log.error("%s", problem)
         return 2
