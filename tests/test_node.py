@@ -80,3 +80,22 @@ def test_tls_refuses_a_node_of_several_workers_naming_them():
     assert tls_refusal(one, 2).startswith("endpoints.tls is set for b, but")
     assert tls_refusal(parse({"global": {"endpoints": tls}}), 1) == ""
     assert tls_refusal(parse({"workers": [{"name": "a"}, {"name": "b"}]}), 2) == ""
+
+
+def test_a_serving_process_raises_its_open_files_soft_limit_to_the_hard_one():
+    """Started at a soft limit of 1,024 (common), one client's shared-memory regions or the
+    default max_connections alone would exhaust a worker's descriptors: every accept, model load
+    and log file then fails with EMFILE. The soft limit is raised toward the hard one."""
+    import subprocess
+    import sys
+    code = ("import resource\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+            "from xlaserve.cli import OPEN_FILES_WANTED, raise_open_files_limit\n"
+            "raise_open_files_limit()\n"
+            "now, hard2 = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)\n"
+            "assert hard2 == hard and now == want and now > 256, (now, hard, want)\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "ok", done.stderr

@@ -283,3 +283,48 @@ def test_an_object_shrunk_after_registering_is_refused_not_faulted(regions):
     with pytest.raises(InvalidArgument, match=r"is now 1024 bytes, but the tensor ends at byte 8192"):
         registry.read_input("x", _params(name, 4096, 4096))
     registry.close()
+
+
+def test_an_output_is_written_through_the_descriptor_and_a_full_file_system_is_an_error(regions, monkeypatch):
+    """A client may register a sparse object (ftruncate makes one: no page of it written yet).
+    Storing an output through the map allocates its pages, and with /dev/shm full that store
+    killed the worker with SIGBUS. Outputs are written with pwrite on the object's descriptor:
+    the bytes land where the client reads them, and a full file system is RESOURCE_EXHAUSTED."""
+    from xlaserve.dtypes import BY_CODE
+    from xlaserve.manifest import TensorDecl
+    name, key, _ = regions("sparse", 1 << 20)
+    path = "/dev/shm" + key
+    os.truncate(path, 0)
+    os.truncate(path, 1 << 20)              # sparse again: no page allocated
+    registry = SharedMemoryRegistry()
+    registry.register(name, key, 4096, 8192)
+    decl = TensorDecl("y", BY_CODE["f32"], "cn", {"c": 4})
+    out = np.arange(8, dtype=np.float32).reshape(2, 4)
+    tensor = pb.ModelInferResponse.InferOutputTensor()
+    registry.write_output(decl, out, _params(name, 64, 128), tensor)
+    with open(path, "rb") as f:
+        f.seek(4096 + 128)
+        assert np.frombuffer(f.read(32), np.float32).tolist() == out.ravel().tolist()
+    assert tensor.parameters["shared_memory_byte_size"].int64_param == 32
+
+    def full(fd, data, position):
+        raise OSError(28, os.strerror(28))
+    monkeypatch.setattr(shm_module.os, "pwrite", full)
+    with pytest.raises(ResourceExhausted, match=rf"output 'y': cannot write 32 bytes into shared-memory region "
+                                                rf"'{name}' .*No space left on device; the shared-memory file "
+                                                r"system may be full"):
+        registry.write_output(decl, out, _params(name, 64), pb.ModelInferResponse.InferOutputTensor())
+    registry.close()
+
+
+def test_a_region_holds_one_descriptor_and_gives_it_back(regions):
+    """Each region keeps its object's descriptor open (outputs are written through it); one
+    region costs the worker one descriptor besides its map's, and unregistering frees both."""
+    registry = SharedMemoryRegistry()
+    made = [regions(f"fd{i}", 4096)[:2] for i in range(20)]       # (the client's handles hold their own)
+    after_client = len(os.listdir("/proc/self/fd"))
+    for name, key in made:
+        registry.register(name, key, 0, 4096)
+    assert len(os.listdir("/proc/self/fd")) - after_client == 2 * 20
+    registry.close()
+    assert len(os.listdir("/proc/self/fd")) == after_client

@@ -44,11 +44,32 @@ def _node_logging(args: argparse.Namespace, node) -> None:
         _logging(args.log_level or node.logging.level, args.log_format or node.logging.format)
 
 
+#: the open-files limit a serving process raises its soft limit to, where the hard one allows
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit on open files toward its hard limit (at most
+    :data:`OPEN_FILES_WANTED`). Many systems start processes at a soft limit of 1,024, which one
+    client's shared-memory regions (each holds a descriptor, ``MAX_REGIONS`` 1,024) or the
+    default ``endpoints.max_connections`` (1,024) reach alone: past it every accept, model load
+    and log file fails with EMFILE. The hard limit is the operator's, and stays as it is."""
+    import resource
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (OSError, ValueError):       # not allowed here: the limit stays as it was
+        pass
+
+
 def _serving(run) -> int:
     """Run a server; a start-up error is one line on stderr (``xlaserve: cannot start: ...``)
     and exit status 2, like a mistake in the node file, never a traceback. After a clean stop
     the process exits at once (``os._exit``), with its logs flushed."""
     from xlaserve.errors import find_startup_error
+    raise_open_files_limit()
     try:
         result = run()
     except BaseException as exc:

@@ -4,7 +4,8 @@ objects by name and pass tensors through them instead of through the gRPC messag
 The registry is frontend state, used on the worker's Trio thread only (no locks). A region is an
 ``mmap`` of ``[offset, offset + byte_size)`` of ``/dev/shm/<key>``. Inputs are handed to the codec
 as ``memoryview`` slices of that map, so ``np.frombuffer`` reads the client's bytes in place; outputs
-are copied straight from the result array into the map.
+are written from the result array with ``pwrite`` on the object's descriptor (one copy, as into the
+map, but a full ``/dev/shm`` is then an error answer, not a SIGBUS).
 
 Unregistering a region that requests are still reading is safe: the region leaves the table at
 once (new requests get NOT_FOUND), but the mapping itself is released only when the last view of
@@ -15,6 +16,7 @@ freed). Nothing ever reads unmapped memory.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -57,22 +59,27 @@ class RegionStatus:
 
 
 class _Region:
-    """One mapped region. Owned by the registry; ``view`` covers exactly the registered bytes."""
+    """One mapped region. Owned by the registry; ``view`` covers exactly the registered bytes
+    (inputs are read through it); ``fd`` is the object's descriptor (outputs are written through
+    it: see :meth:`SharedMemoryRegistry.write_output`)."""
 
-    __slots__ = ("_map", "status", "view")
+    __slots__ = ("_map", "fd", "status", "view")
 
-    def __init__(self, status: RegionStatus, mapping: mmap.mmap, start: int) -> None:
+    def __init__(self, status: RegionStatus, mapping: mmap.mmap, start: int, fd: int) -> None:
         self.status = status
         self._map = mapping
+        self.fd = fd
         self.view = memoryview(mapping)[start:start + status.byte_size]
 
     def object_size(self) -> int:
         """The shared-memory object's size now (the client may have shrunk it since registering)."""
-        return self._map.size()
+        return os.fstat(self.fd).st_size
 
     def release(self) -> None:
-        """Drop this region's own hold on the map. If in-flight requests still hold views, the
-        map is freed with the last of them."""
+        """Drop this region's own hold on the map, and its descriptor (only the Trio thread
+        writes through it, and the region has left the table). If in-flight requests still hold
+        views, the map is freed with the last of them."""
+        os.close(self.fd)
         try:
             self.view.release()
             self._map.close()
@@ -137,10 +144,11 @@ class SharedMemoryRegistry:
                 mapping = mmap.mmap(fd, start + byte_size, offset=offset - start)
             except OSError as exc:     # the process's mappings or memory are exhausted
                 raise ResourceExhausted(f"shared-memory region '{name}': cannot map '{key}': {exc.strerror}") from None
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         status = RegionStatus(name, key, offset, byte_size)
-        self._regions[name] = _Region(status, mapping, start)
+        self._regions[name] = _Region(status, mapping, start, fd)
         return status
 
     def unregister(self, name: str = "") -> list[str]:
@@ -193,12 +201,23 @@ class SharedMemoryRegistry:
         if nbytes > size:
             raise InvalidArgument(f"output '{decl.name}': shared_memory_byte_size {size} is too small for the "
                                   f"result ({nbytes} bytes for {decl.dtype.kserve}{list(array.shape)})")
-        target = region.view[offset:offset + nbytes]
-        if decl.dtype.kserve == "BYTES":
-            target[:] = data
-        else:
-            np.copyto(np.frombuffer(target, dtype=decl.dtype.numpy).reshape(array.shape), array, casting="no")
-        target.release()
+        # Written with pwrite, not through the map: a page of the object that was never written
+        # (a sparse object, as ftruncate makes one) is allocated by the write, and with /dev/shm
+        # full a store through the map would kill the worker with SIGBUS; pwrite says ENOSPC.
+        if decl.dtype.kserve != "BYTES":
+            data = memoryview(np.ascontiguousarray(array)).cast("B")
+        position = region.status.offset + offset
+        written = 0
+        try:
+            while written < nbytes:
+                step = os.pwrite(region.fd, data[written:], position + written)
+                if not step:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += step
+        except OSError as exc:
+            raise ResourceExhausted(f"output '{decl.name}': cannot write {nbytes} bytes into shared-memory region "
+                                    f"'{region.status.name}' (object '{region.status.key}'): {exc.strerror}; "
+                                    "the shared-memory file system may be full") from None
         tensor.parameters["shared_memory_region"].string_param = region.status.name
         tensor.parameters["shared_memory_byte_size"].int64_param = nbytes
         if offset:
