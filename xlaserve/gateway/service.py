@@ -17,8 +17,8 @@ and answered by the workers behind it.
   **TraceSetting** and **LogSettings** reach every reachable worker; the first failure, naming
   its worker, fails the call. Shared-memory **Status** comes from one worker (they all hold the
   same registrations).
-- **ModelStreamInfer** is routed by its first request's model, and its messages go to that worker
-  in order on one stream.
+- **ModelStreamInfer**: each request of the stream is routed and forwarded like a ModelInfer; the
+  answers come back in request order. A stream that ends early takes back its unanswered requests.
 
 Requests in flight through the gateway are capped at ``max_concurrent_requests_per_worker`` x
 workers (RESOURCE_EXHAUSTED beyond); each worker connection carries at most its
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 
@@ -99,19 +100,44 @@ STREAM_WINDOW = 64      # ModelStreamInfer requests of one stream in flight thro
 class _Relay:
     """What :meth:`GatewayService.infer_now` needs of a call, for a ModelInfer made from a task
     (each request of a ModelStreamInfer): the task's stream's metadata, deadline and peer, and
-    ``complete`` keeping the outcome."""
+    ``complete`` keeping the outcome. ``cancel`` takes the forward back when the stream ends
+    before its answer is sent (the client reset it or went away), as a reset ModelInfer does:
+    otherwise a client could open a stream, send a window of slow requests, reset it and open
+    the next, keeping the workers busy and the gateway's in-flight cap full for nothing."""
 
-    __slots__ = ("metadata", "deadline", "peer", "on_cancel", "outcome", "done")
+    __slots__ = ("metadata", "deadline", "peer", "on_cancel", "outcome", "done", "finished", "request", "request_id")
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, request: RawMessage) -> None:
         self.metadata, self.deadline, self.peer = stream.metadata, stream.deadline, stream.peer
         self.on_cancel = None
         self.outcome = None
         self.done = trio.Event()
+        self.finished = False       # the stream is over: no retry on another worker
+        self.request = request      # kept until the outcome, for the id an error answer echoes
+        self.request_id = ""
 
     def complete(self, outcome) -> None:
+        self.on_cancel = None
+        if isinstance(outcome, GRPCError) and not self.finished:
+            self.request_id = request_id_of(self.request.data)
+        self.request = None
         self.outcome = outcome
         self.done.set()
+
+    def cancel(self) -> None:
+        self.finished = True
+        on_cancel, self.on_cancel = self.on_cancel, None
+        if on_cancel is not None:
+            on_cancel()
+
+
+def request_id_of(data: bytes) -> str:
+    """The ``id`` of a serialized ModelInferRequest, or "" when the bytes are not one (only
+    for an error's answer on a stream, so a whole parse is cheap enough)."""
+    try:
+        return pb.ModelInferRequest.FromString(data).id
+    except Exception:
+        return ""
 
 
 async def _served_task_free(stream) -> None:
@@ -369,8 +395,11 @@ class GatewayService:
         """Each request of the stream goes to the worker its model routes to, as a ModelInfer, as
         soon as it arrives (at most STREAM_WINDOW of a stream in flight); replies come back in
         request order, wrapped as ModelStreamInferResponse (an error becomes the response's
-        error_message, as Triton's streaming does)."""
+        error_message, with the request's id in its infer_response, as Triton's streaming does).
+        When the stream ends early (the client reset it, the connection went away), the requests
+        not yet answered are taken back from the workers."""
         send, receive = trio.open_memory_channel[_Relay](STREAM_WINDOW)
+        unanswered: deque[_Relay] = deque()     # started, their answer not yet sent, in order
 
         async def reply_in_order() -> None:
             async with receive:
@@ -380,17 +409,27 @@ class GatewayService:
                     response = pb.ModelStreamInferResponse()
                     if isinstance(outcome, GRPCError):
                         response.error_message = outcome.message or outcome.status.name
+                        response.infer_response.id = relay.request_id
                     else:
                         response.infer_response.ParseFromString(outcome.SerializeToString())
                     await stream.send_message(response)
+                    unanswered.popleft()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reply_in_order)
-            async with send:
-                while (request := await stream.recv_message()) is not None:
-                    relay = _Relay(stream)
-                    await send.send(relay)           # waits while STREAM_WINDOW are in flight
-                    self._start_relay(relay, request)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reply_in_order)
+                async with send:
+                    while (request := await stream.recv_message()) is not None:
+                        relay = _Relay(stream, request)
+                        await send.send(relay)           # waits while STREAM_WINDOW are in flight
+                        unanswered.append(relay)
+                        self._start_relay(relay, request)
+        finally:
+            for relay in unanswered:
+                try:
+                    relay.cancel()
+                except Exception:   # a bug in taking one back must not keep the others running
+                    log.exception("taking back a ModelStreamInfer request failed")
 
     def _start_relay(self, relay: "_Relay", request: RawMessage) -> None:
         try:
