@@ -279,6 +279,28 @@ def test_a_replaced_version_serves_its_requests_for_as_long_as_one_holds_it(tmp_
     run(main)
 
 
+def test_a_version_admitted_after_a_failed_admission_of_its_number_serves(tmp_path, device):
+    """A reload whose weights were cut short after their header was read (cp truncates, then
+    writes) fails at admission and uses no version number, so the next good reload has the same
+    one. The failed admission marked that number released, and the good version, READY, answered
+    every request "its weights are gone" until the next reload."""
+    v1 = make_model(tmp_path, "m", MB, version=1, fill=1.0)
+
+    async def main():
+        cache = cache_for(device, 4 * MB)
+        await cache.admit(v1)
+        cut = make_model(tmp_path, "m", MB, version=2, fill=2.0)
+        cut.weights.file.write_bytes(cut.weights.file.read_bytes()[:1000])
+        with pytest.raises(OSError, match="1000 bytes"):
+            await cache.admit(cut)
+        assert [r.model for r in cache.snapshot()] == ["m"] and cache.snapshot().models[0].version == 1
+        v2 = make_model(tmp_path, "m", MB, version=2, fill=3.0)        # the copy has completed
+        assert await cache.admit(v2) == ""
+        cache.release("m", 1)
+        assert float(np.asarray((await cache.ensure_resident(v2))[0])[0]) == 3.0
+    run(main)
+
+
 def test_too_big_model_is_refused_with_the_numbers(tmp_path, device):
     model = make_model(tmp_path, "big", 2 * MB)
 

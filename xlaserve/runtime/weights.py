@@ -264,7 +264,10 @@ class WeightCache:
                 async with self._lock:
                     await self._make_resident(key, self._limiter, why="pin")
         except BaseException:
-            self.release(model.name, model.version)
+            # Forgotten, not released: a failed admission served nothing, and its number is the
+            # next good version's (a failed load uses none). Marked released, that version,
+            # admitted afresh a moment later, answered every request "its weights are gone".
+            self._forget(key)
             raise
         return ""
 
@@ -319,17 +322,21 @@ class WeightCache:
                 del self._retired[key]
             self._released.update(k for k in self._book.keys() if k[0] == name)
         for key in [k for k in self._book.keys() if k[0] == name and (version is None or k[1] == version)]:
-            self._book.remove(key)
-            self._device_arrays.pop(key, None)
-            self._drop_host(key)
-            self._models.pop(key, None)
-            versions = self._versions.get(key[0])
-            if versions is not None:
-                versions.discard(key)
-                if not versions:
-                    del self._versions[key[0]]
-            self._counts.pop(key, None)
-            self._prefetched.discard(key)
+            self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        """Drop everything the cache holds for ``key``: device copy, host copy, state."""
+        self._book.remove(key)
+        self._device_arrays.pop(key, None)
+        self._drop_host(key)
+        self._models.pop(key, None)
+        versions = self._versions.get(key[0])
+        if versions is not None:
+            versions.discard(key)
+            if not versions:
+                del self._versions[key[0]]
+        self._counts.pop(key, None)
+        self._prefetched.discard(key)
 
     def _forget_retired(self, key: Key) -> None:
         """A replaced version is gone (no request holds it): drop its host copy. Runs on
