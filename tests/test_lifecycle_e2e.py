@@ -468,3 +468,36 @@ def test_a_model_py_hung_in_its_import_fails_its_load_and_later_loads_and_unload
             assert _index(client)["simple"].state == "UNAVAILABLE"
     finally:
         release()
+
+
+def test_a_model_repo_deleted_then_replaced_keeps_serving_and_is_watched_again(tmp_path, repo):
+    """model_repo itself gone (a volume unmounted, `rm -rf` by mistake, the moment between the
+    two renames of a repository swapped for a new one) unloaded every model: each one's
+    directory was gone. And inotify follows the directory, not its path: the one made in its
+    place was never watched, so every later change waited for the poll. Now the loaded models
+    keep serving while model_repo is missing, and the rescan that finds it back watches the new
+    directory for file events."""
+    poll = 8.0          # far longer than an event's reload (~0.5 s): a change seen sooner was an event
+    with serve(tmp_path / "srv", repo, {**DYNAMIC, "model_poll_seconds": poll, "cache_dir": None}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        x = np.ones((1, reference.MLP_HIDDEN), np.float32)
+        new = tmp_path / "models.new"
+        shutil.copytree(repo, new)
+        shutil.rmtree(repo)
+        _wait(lambda: "is gone or not a directory; the 2 loaded model(s) keep serving" in server.log(),
+              "the rescan that finds model_repo gone")
+        with Load(server.url) as load:
+            _wait(lambda: len(load.results) > 10, "traffic while model_repo is gone")
+        assert load.errors == [] and {n: m.state for n, m in _index(client).items()} == \
+            {"mlp": "READY", "simple": "READY"}
+
+        os.rename(new, repo)
+        _wait(lambda: "is another directory now; watching it for file events" in server.log(),
+              "the poll's rescan to find model_repo back", timeout=3 * poll)
+        version = _index(client)["mlp"].version     # the copies kept their mtimes: nothing reloads
+        changed = time.monotonic()
+        _write_weights(repo / "mlp", 2 * W1)
+        _wait(lambda: _index(client)["mlp"].version != version, "a reload by file event", timeout=poll / 2)
+        assert time.monotonic() - changed < poll / 2
+        np.testing.assert_allclose(_mlp(client, x)[1], np.tanh(x @ (2 * W1)), rtol=1e-4, atol=1e-5)
+    assert server.process.returncode == 0, server.log()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -135,6 +136,13 @@ class Lifecycle:
         # token until its thread ends, which may be never (see _read_head).
         self._import_limiter = trio.CapacityLimiter(MAX_ABANDONED_IMPORTS)
         self._turn = trio.Lock()
+        # The directory the repository watcher follows, as (st_dev, st_ino), and the event that
+        # makes it start over: inotify follows a directory, not its path, so a model_repo deleted
+        # and made again, or another directory renamed over it, left the watch on the old one,
+        # reporting nothing, and changes waited for the poll (model_poll_seconds) from then on.
+        self._watched: tuple[int, int] | None = None
+        self._rewatch: trio.Event | None = None
+        self._repo_missing = False
 
     @property
     def model_imports_running(self) -> int:
@@ -205,6 +213,8 @@ class Lifecycle:
     async def _serve_rescans(self, rescans: trio.MemoryReceiveChannel[None]) -> None:
         async with rescans:
             async for _ in rescans:
+                if self._rewatch is not None and _identity(self.repo) != self._watched:
+                    self._rewatch.set()
                 async with self._turn:
                     try:
                         await self.rescan()
@@ -218,21 +228,36 @@ class Lifecycle:
 
         watchfiles waits for events in a thread that Trio cannot interrupt, so a cancel alone
         would wait up to its 5 s timeout; the stop event, set the moment this task is
-        cancelled, ends that wait within one ``WATCH_STEP_MS`` instead."""
+        cancelled, ends that wait within one ``WATCH_STEP_MS`` instead.
+
+        The watch follows the directory model_repo named when it started. A rescan that finds
+        model_repo is another directory now (deleted and made again, renamed over, a symlink
+        swapped) or none sets ``_rewatch``, and the watch starts over on what is there; until
+        then the poll carries on alone, as it does when events cannot be watched at all."""
         import watchfiles
-        stop = trio.Event()   # watchfiles' thread only reads is_set()
-        async with rescans, trio.open_nursery() as nursery:
-            nursery.start_soon(_set_when_cancelled, stop)
-            try:
-                async for changes in watchfiles.awatch(self.repo, debounce=WATCH_DEBOUNCE_MS, step=WATCH_STEP_MS,
-                                                       recursive=True, stop_event=stop):
-                    log.debug("repository events: %d file change(s)", len(changes))
+        async with rescans:
+            while True:
+                self._rewatch = rewatch = trio.Event()
+                self._watched = _identity(self.repo)
+                if self._watched is not None:
+                    stop = trio.Event()   # watchfiles' thread only reads is_set()
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_set_when_set_or_cancelled, stop, rewatch)
+                        try:
+                            async for changes in watchfiles.awatch(self.repo, debounce=WATCH_DEBOUNCE_MS,
+                                                                   step=WATCH_STEP_MS, recursive=True,
+                                                                   stop_event=stop):
+                                log.debug("repository events: %d file change(s)", len(changes))
+                                _request_rescan(rescans)
+                        except (OSError, RuntimeError) as exc:
+                            log.warning("cannot watch %s for file events (%s: %s); rescanning every %gs "
+                                        "(model_poll_seconds) instead", self.repo, type(exc).__name__, exc,
+                                        self._config.model_poll_seconds)
+                        nursery.cancel_scope.cancel()   # the watch has ended: so has its stop task
+                await rewatch.wait()
+                if _identity(self.repo) is not None:
+                    log.info("model_repo %s is another directory now; watching it for file events", self.repo)
                     _request_rescan(rescans)
-            except (OSError, RuntimeError) as exc:
-                log.warning("cannot watch %s for file events (%s: %s); rescanning every %gs "
-                            "(model_poll_seconds) instead", self.repo, type(exc).__name__, exc,
-                            self._config.model_poll_seconds)
-            nursery.cancel_scope.cancel()   # the watch has ended: _set_when_cancelled is done too
 
     async def _poll(self, rescans: trio.MemorySendChannel[None]) -> None:
         """The fallback: one rescan every ``model_poll_seconds``."""
@@ -262,6 +287,18 @@ class Lifecycle:
         return current
 
     async def rescan(self) -> RescanPlan:
+        if not self.repo.is_dir():
+            # A repository unmounted, deleted by mistake or halfway through being replaced by
+            # another directory is not every bundle removed: what is loaded keeps serving until
+            # model_repo is back, and its next rescan compares the bundles there.
+            if not self._repo_missing:
+                log.warning("model_repo %s is gone or not a directory; the %d loaded model(s) keep serving until "
+                            "it is back", self.repo, sum(1 for e in self._table.snapshot.values() if e.serving))
+            self._repo_missing = True
+            return RescanPlan((), (), ())
+        if self._repo_missing:
+            log.info("model_repo %s is back; rescanning it", self.repo)
+            self._repo_missing = False
         plan = plan_rescan(self._seen, self.current_fingerprints())
         if plan:
             log.info("repository changed: added %s, changed %s, removed %s",
@@ -461,8 +498,17 @@ def _request_rescan(rescans: trio.MemorySendChannel[None]) -> None:
         pass   # a rescan is already pending; it will see this change too
 
 
-async def _set_when_cancelled(event: trio.Event) -> None:
+async def _set_when_set_or_cancelled(event: trio.Event, trigger: trio.Event) -> None:
     try:
-        await trio.sleep_forever()
+        await trigger.wait()
     finally:
         event.set()
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """Which directory ``path`` names now (through symlinks), or None when it names none."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
