@@ -5,6 +5,7 @@ error answered on the stream names the request it belongs to."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import numpy as np
@@ -97,6 +98,39 @@ def test_an_error_on_the_stream_echoes_its_requests_id_and_the_stream_goes_on():
         assert [bool(r.error_message) for r in responses] == [False, True, True, False]
         assert "'nope' is not served by any worker" in responses[1].error_message
         assert responses[2].error_message == "input 'input': expected FP32"
+        assert _in_flight(gateway) == 0
+    finally:
+        gateway.stop()
+
+
+def test_an_answer_past_max_send_msg_bytes_is_that_requests_error_and_the_stream_goes_on():
+    # A worker's reply within the gateway's limit grows by the ModelStreamInferResponse around it;
+    # one past max_send_msg_bytes ended the whole stream (RESOURCE_EXHAUSTED) with every request
+    # after it unanswered.
+    async def answer(conn: WorkerConn, req: Request) -> None:
+        request = pb.ModelInferRequest.FromString(req.body[5:])
+        reply = pb.ModelInferResponse(model_name="mlp", id=request.id)
+        reply.raw_output_contents.append(b"\0" * (3000 if request.id == "big" else 10))
+        await conn.reply(req.sid, reply.SerializeToString())
+
+    gateway = _gateway(answer)
+    try:
+        def shrink() -> None:
+            gateway.gateway.server.max_send_bytes = 2000
+        trio.from_thread.run_sync(shrink, trio_token=gateway.token)
+
+        async def stream_of_three() -> list[pb.ModelStreamInferResponse]:
+            async with Channel("127.0.0.1", gateway.port) as channel:
+                async with GRPCInferenceServiceStub(channel).ModelStreamInfer.open() as stream:
+                    for request_id in ("first", "big", "last"):
+                        await stream.send_message(_request("mlp", request_id))
+                    await stream.end()
+                    return [response async for response in stream]
+        responses = asyncio.run(stream_of_three())
+        assert [r.infer_response.id for r in responses] == ["first", "big", "last"]
+        assert [bool(r.error_message) for r in responses] == [False, True, False]
+        assert re.fullmatch(r"the response message is 30\d\d bytes; the limit \(gateway.grpc.max_send_msg_bytes\) "
+                            r"is 2000", responses[1].error_message), responses[1].error_message
         assert _in_flight(gateway) == 0
     finally:
         gateway.stop()

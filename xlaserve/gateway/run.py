@@ -110,7 +110,10 @@ class Gateway:
         self._draining = trio.Event()
         self.control = GatewayControlService(self.upstreams, self.board, self._draining)
         self.server = GrpcServer([self.service, self.control], max_recv_bytes=config.grpc.max_recv_msg_bytes,
-                                 max_send_bytes=config.grpc.max_send_msg_bytes)
+                                 max_send_bytes=config.grpc.max_send_msg_bytes,
+                                 too_large_response=lambda size, limit: (
+                                     f"the response message is {size} bytes; the limit "
+                                     f"(gateway.grpc.max_send_msg_bytes) is {limit}"))
         self.registry = CollectorRegistry()
         self.registry.register(_RoutedCollector(self.service))
         self._in_flight = Gauge("xlaserve_gateway_in_flight", "requests in flight to each worker (the gateway's own "

@@ -412,7 +412,16 @@ class GatewayService:
                         response.infer_response.id = relay.request_id
                     else:
                         response.infer_response.ParseFromString(outcome.SerializeToString())
-                    await stream.send_message(response)
+                    try:
+                        await stream.send_message(response)
+                    except GRPCError as exc:
+                        if exc.status is not Status.RESOURCE_EXHAUSTED:
+                            raise
+                        # past max_send_msg_bytes (a worker's reply just under it, wrapped): that
+                        # request's answer is the error, as any other is; the stream goes on
+                        failed = pb.ModelStreamInferResponse(error_message=exc.message or exc.status.name)
+                        failed.infer_response.id = response.infer_response.id
+                        await stream.send_message(failed)
                     unanswered.popleft()
 
         try:
