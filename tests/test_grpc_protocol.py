@@ -162,6 +162,15 @@ def test_a_long_message_is_cut_to_what_clients_accept_and_says_so(char):
     assert len(Refusal(Status.UNIMPLEMENTED, name, 415).block()) < 2 * MAX_GRPC_MESSAGE_BYTES
 
 
+def test_a_message_utf8_cannot_encode_goes_out_escaped():
+    """A lone surrogate (user code's exception text): encoding the trailers raised on the Trio
+    thread and the call was left without them, its client waiting for good."""
+    (_, (_, value)) = decoded(trailers(Status.INTERNAL, "hook raised ValueError: bad \udc80 text ✓"))
+    assert unquote(value) == "hook raised ValueError: bad \\udc80 text ✓"
+    (_, (_, value)) = decoded(trailers(Status.INTERNAL, "\udc80" * 100_000))
+    assert unquote(value).startswith("\\udc80" * 10) and len(value) <= MAX_GRPC_MESSAGE_BYTES
+
+
 def test_framed():
     assert framed(b"abc") == b"\0\0\0\0\3abc"
     assert framed(b"") == b"\0\0\0\0\0"

@@ -38,6 +38,11 @@ class NoArray:
         raise RuntimeError("no array for you")
 
 
+class StrExits(Exception):
+    def __str__(self):
+        raise SystemExit(4)
+
+
 def commit(code, good):
     """``good`` (the right list of NamedTensor), or the fault numbered ``code``."""
     if code == 0:
@@ -45,7 +50,8 @@ def commit(code, good):
     if code == 5:
         return 1 / 0
     raised = {{1: KeyError("k"), 2: ValueError("v"), 3: TypeError("t"), 4: RuntimeError("r"),
-              6: MemoryError("cannot allocate 1 TiB"), 7: SystemExit(7), 8: KeyboardInterrupt()}}
+              6: MemoryError("cannot allocate 1 TiB"), 7: SystemExit(7), 8: KeyboardInterrupt(),
+              9: ValueError("bad \\udc80 text"), 10: StrExits()}}
     if code in raised:
         raise raised[code]
     if code == 20:
@@ -96,12 +102,37 @@ register_model("post_faults", postprocess=postprocess)
 
 META = '''
 import numpy as np
+from grpclib.const import Status
 from xlaserve import NamedTensor, register_model
+from xlaserve.errors import XlaserveError
 from . import faults
+
+
+class NotOk(XlaserveError):
+    status = Status.OK
+
+
+class NumberStatus(XlaserveError):
+    status = 5
+
+
+class SlowToSay(XlaserveError):
+    def __str__(self):
+        raise SystemExit(3)
+
+
+class Gone(XlaserveError):
+    status = Status.NOT_FOUND
+
+
+RAISED = {30: NotOk("all is well"), 31: NumberStatus("five"), 32: SlowToSay(), 33: Gone("no such thing here")}
+
 
 def run(tensors, ctx):
     x = tensors[0].data
     code = int(x[0])
+    if code in RAISED:
+        raise RAISED[code]
     if code >= 100:             # a sub-call whose sub-model's postprocess commits fault code - 100
         second = np.full((1, 16), code - 100, np.int32)
         ctx.infer("post_faults", {"INPUT0": np.zeros((1, 16), np.int32), "INPUT1": second})
@@ -121,7 +152,11 @@ client_outputs:
 
 RAISED = {1: "KeyError: 'k'", 2: "ValueError: v", 3: "TypeError: t", 4: "RuntimeError: r",
           5: "ZeroDivisionError: division by zero", 6: "MemoryError: cannot allocate 1 TiB",
-          7: "SystemExit: 7", 8: "KeyboardInterrupt: "}
+          7: "SystemExit: 7", 8: "KeyboardInterrupt: ",
+          # a lone surrogate, which UTF-8 cannot encode: the call ended without trailers, its client waited for good
+          9: "ValueError: bad \\udc80 text",
+          # __str__ raises SystemExit: it left the guard describing the failure and stopped the worker
+          10: "StrExits: <StrExits whose str() raised>"}
 RETURNED = {20: "a tensor's name must be a str, found list", 21: "expected a NumPy array",
             22: "unexpected tensor(s) 'nope'", 23: "expected a list of NamedTensor, found NoneType",
             24: "expected a list of NamedTensor, found generator", 25: "expected a NumPy array",
@@ -186,7 +221,7 @@ def test_every_fault_of_user_code_is_internal_naming_model_and_hook_and_counted(
     before = _hook_failures(server).get((model, hook), 0.0)
     for code, expected in {**RAISED, **RETURNED}.items():
         with pytest.raises(InferenceServerException) as info:
-            c.infer(model, _inputs(model, code))
+            c.infer(model, _inputs(model, code), client_timeout=20)
         assert info.value.status() == "StatusCode.INTERNAL", (code, info.value)
         message = info.value.message()
         if code in RAISED:
@@ -220,6 +255,30 @@ def test_the_issue_case_a_list_as_a_name_answers_all_eight_requests(server):
     assert [r.status() for r in results] == ["StatusCode.INTERNAL"] * 8
     assert all("a tensor's name must be a str, found list ['OUTPUT0']" in r.message() for r in results)
     _served(grpcclient.InferenceServerClient(server.url), "post_faults")
+
+
+def test_an_xlaserve_error_raised_by_run_keeps_its_status_only_if_a_call_can_end_with_it(server):
+    """run may raise xlaserve's errors, its own subclasses included: their status and message
+    are read in run's thread. Before, they were read where the call ends, on the Trio thread:
+    status OK answered OK with no outputs, a status that was a number answered 'internal error
+    in answering the request', and a __str__ that raised left the call unanswered."""
+    c = grpcclient.InferenceServerClient(server.url)
+    before = _hook_failures(server).get(("meta_faults", "run"), 0.0)
+    expected = {
+        30: ("INTERNAL", "model 'meta_faults': run hook raised NotOk whose status, <Status.OK: 0>, is not an error "
+                         "status (a grpclib.const.Status other than OK): all is well"),
+        31: ("INTERNAL", "model 'meta_faults': run hook raised NumberStatus whose status, 5, is not an error status "
+                         "(a grpclib.const.Status other than OK): five"),
+        32: ("INTERNAL", "model 'meta_faults': run hook raised SlowToSay: <SlowToSay whose str() raised>"),
+        33: ("NOT_FOUND", "no such thing here"),
+    }
+    for code, (status, message) in expected.items():
+        with pytest.raises(InferenceServerException) as info:
+            c.infer("meta_faults", _inputs("meta_faults", code), client_timeout=20)
+        assert (info.value.status(), info.value.message()) == (f"StatusCode.{status}", message), code
+        _served(c, "meta_faults")
+    assert _hook_failures(server)[("meta_faults", "run")] - before == 3
+    assert server.process.poll() is None
 
 
 def test_a_sub_model_hook_failing_under_ctx_infer_counts_under_the_sub_model(server):

@@ -104,7 +104,7 @@ def _quote(value: Any) -> str:
     """What an error message quotes of a value user code made, at most (its repr, cut)."""
     try:
         text = repr(value)
-    except Exception:
+    except BaseException:     # SystemExit too: user code
         return f"<{type(value).__name__} whose repr() raised>"
     return _cut(text)
 

@@ -100,10 +100,12 @@ def cut_text(text: str, limit: int = QUOTE_CHARS) -> str:
 
 def describe_exception(exc: BaseException) -> str:
     """``str(exc)``, safe for a status message: cut to a few hundred characters, and a
-    placeholder when its ``__str__`` raises (user code, or a bug, made it)."""
+    placeholder when its ``__str__`` raises (user code, or a bug, made it), whatever it raises:
+    a ``__str__`` that raises ``SystemExit`` must not carry it out of the guard that is
+    describing the failure (it stopped the worker)."""
     try:
         text = str(exc)
-    except Exception:
+    except BaseException:
         return f"<{type(exc).__name__} whose str() raised>"
     return cut_text(text)
 

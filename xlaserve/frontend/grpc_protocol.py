@@ -148,19 +148,33 @@ def check_head(method: str, known: bool, path: str, content_type: str, encoding:
 # ---- replies ---------------------------------------------------------------------------------------
 def grpc_message_value(message: str) -> str:
     """``message`` as a ``grpc-message`` value: percent-encoded, at most
-    :data:`MAX_GRPC_MESSAGE_BYTES` (a longer one keeps its start and says how much was cut)."""
-    value = encode_grpc_message(message)
-    if len(value) <= MAX_GRPC_MESSAGE_BYTES:
+    :data:`MAX_GRPC_MESSAGE_BYTES` (a longer one keeps its start and says how much was cut).
+
+    Never raises, whatever the text: a character UTF-8 cannot encode (a lone surrogate, which
+    user code can put in an exception's message) goes out as its ``\\udcXX`` escape. This runs
+    on the Trio thread as a call ends: a message that raised here left its call without trailers,
+    and its client waited for good. Only the start of a long message is encoded (each character
+    takes at least one byte), so a message of megabytes costs no more than one that fits."""
+    head = message[:MAX_GRPC_MESSAGE_BYTES + 1]
+    value = _percent_encoded(head)
+    if len(head) == len(message) and len(value) <= MAX_GRPC_MESSAGE_BYTES:
         return value
     room = MAX_GRPC_MESSAGE_BYTES - 100      # for the note below
     kept = size = 0
-    for char in message:
-        size += len(encode_grpc_message(char))
+    for char in head:
+        size += len(_percent_encoded(char))
         if size > room:
             break
         kept += 1
     note = f"... ({len(message) - kept} more characters cut: the message passed {MAX_GRPC_MESSAGE_BYTES} bytes)"
-    return encode_grpc_message(message[:kept]) + encode_grpc_message(note)
+    return _percent_encoded(head[:kept]) + encode_grpc_message(note)
+
+
+def _percent_encoded(text: str) -> str:
+    try:
+        return encode_grpc_message(text)
+    except UnicodeEncodeError:
+        return encode_grpc_message(text.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 def trailers(status: Status, message: str | None) -> bytes:
