@@ -322,11 +322,11 @@ def test_meta_errors_name_the_model_hook_and_keep_sub_call_status():
         return [NamedTensor("z", tensors[0].data)]
 
     (out,) = trio.run(_serve_meta, _meta(bad_input), 1, None)[1].values()
-    assert isinstance(out, InternalError)
+    assert isinstance(out, XlaserveError) and out.status.name == "INTERNAL"
     assert "model 'meta': run: ctx.infer('double') inputs (checked against 'double' client_inputs): tensor 'x': " \
            "expected dtype FP32" in str(out)
     (out,) = trio.run(_serve_meta, _meta(unknown), 1, None)[1].values()
-    assert isinstance(out, SubCallError) and out.status.name == "NOT_FOUND"
+    assert isinstance(out, XlaserveError) and out.status.name == "NOT_FOUND"
     assert str(out).startswith("model 'meta': run: ctx.infer('nope'): Request for unknown model: 'nope' is not "
                                "found; model 'nope' is not in the repository")
     (out,) = trio.run(_serve_meta, _meta(raises), 1, None)[1].values()
@@ -361,6 +361,85 @@ def test_a_meta_request_is_answered_at_its_deadline_and_a_later_sub_call_fails_a
                        "returns is dropped"
     (sub,) = late
     assert not seen and sub.status.name == "DEADLINE_EXCEEDED" and "ctx.infer('double')" in str(sub)
+
+
+def test_ctx_infer_after_the_request_is_answered_fails_at_once_and_reaches_no_model():
+    """A thread that run starts and leaves running (or a ctx kept in a global) is no request any
+    more: before, its sub-calls were served for as long as it made them, with no deadline,
+    meta-pool slot or client to bound or cancel them."""
+    kept: list = []
+    late: list = []
+
+    def run(tensors, ctx):
+        kept.append(ctx)
+        return [NamedTensor("y", ctx.infer("double", tensors)["y"])]
+
+    def after():
+        (ctx,) = kept
+        for _ in range(3):
+            try:
+                ctx.infer("double", {"x": np.ones((1, 4), np.float32)})
+            except SubCallError as exc:
+                late.append(exc)
+
+    seen, outcomes = trio.run(functools.partial(_serve_meta, _meta(run), 1, None, after=after))
+    (out,) = outcomes.values()
+    assert isinstance(out, InferResult)
+    assert len(seen) == 1               # the sub-call run made; none after its answer
+    assert [e.status.name for e in late] == ["FAILED_PRECONDITION"] * 3
+    assert str(late[0]) == ("model 'meta': run: ctx.infer('double'): model 'meta': request 'r0' has been answered; "
+                            "ctx.infer works only until its run returns (join the threads run starts before "
+                            "returning)")
+
+
+def test_a_sub_call_still_queued_when_run_returns_leaves_its_queue():
+    """run returns while a thread it started waits on a sub-call: the sub-call is withdrawn
+    (answered by the scheduler), so no work of an answered request is left to run."""
+    in_queue, done = threading.Event(), threading.Event()
+    late: list = []
+
+    def run(tensors, ctx):
+        def orphan():
+            try:
+                ctx.infer("double", tensors)
+            except SubCallError as exc:
+                late.append(exc.status.name)
+            except BaseException as exc:    # what a sub-call left in its queue meets as the service stops
+                late.append(type(exc).__name__)
+            done.set()
+        threading.Thread(target=orphan).start()
+        assert in_queue.wait(5)
+        return [NamedTensor("y", tensors[0].data)]
+
+    async def main():
+        table = ModelTable()
+        table.publish(ModelEntry("double", ModelState.READY, serving=_version(_manifest("double"))))
+        to_scheduler, inbox = trio.open_memory_channel(100)
+        seen: list = []
+        outcomes: list = []
+        async with trio.open_nursery() as nursery:
+            service = InferenceService(to_scheduler, nursery, table)
+
+            async def scheduler():          # holds each request until a CancelRequest names it
+                queued = {}
+                async for message in inbox:
+                    seen.append(message)
+                    if isinstance(message, CancelRequest):
+                        queued.pop(message.ticket).reply(Cancelled("cancelled in the queue"))
+                    else:
+                        queued[message.ticket] = message
+                        in_queue.set()
+            nursery.start_soon(scheduler)
+            service.submit(ClientRequest(_meta(run), {"x": np.ones((1, 4), np.float32)}, 1, "r", None,
+                                         outcomes.append, time.perf_counter_ns(), "ticket"))
+            await trio.to_thread.run_sync(lambda: done.wait(5))
+            nursery.cancel_scope.cancel()
+        return seen, outcomes
+
+    seen, outcomes = trio.run(main)
+    sub, cancel = seen
+    assert isinstance(sub, InferRequest) and cancel == CancelRequest(sub.ticket)
+    assert late == ["CANCELLED"] and isinstance(outcomes[0], InferResult)
 
 
 # ---- cancellation stops a hooks or meta request at its next stage boundary ----------------

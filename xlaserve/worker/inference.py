@@ -39,12 +39,13 @@ from typing import Any
 
 import numpy as np
 import trio
+from grpclib.const import Status
 from outcome import capture
 
 from xlaserve._hooks import NamedTensor, conform, describe_exception
 from xlaserve.bundle import ModelVersion
-from xlaserve.errors import (Cancelled, DeadlineExceeded, InternalError, ModelNotFound, ModelNotReady, QueueFull,
-                             Unavailable, XlaserveError, internal_message)
+from xlaserve.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InternalError, ModelNotFound,
+                             ModelNotReady, QueueFull, Unavailable, XlaserveError, cut_text, internal_message)
 from xlaserve.manifest import TensorDecl
 from xlaserve.tracing import RequestTrace
 from xlaserve.worker.messages import CancelRequest, InferRequest, InferResult, Outcome, Reply, SchedulerMessage
@@ -242,6 +243,21 @@ class SubCallError(XlaserveError):
         super().__init__(message)
         self.status = cause.status
         self.cause = cause
+
+
+class RunFailed(XlaserveError):
+    """An xlaserve error that a meta model's ``run`` raised (a :class:`SubCallError` it let
+    propagate, or one it made), copied in run's thread into a plain status and message.
+
+    What ``run`` raises is user code: its class may override ``__str__`` or ``status``, and even
+    one of xlaserve's own errors may carry arguments whose ``__str__`` is user code. The call's
+    status and message are read on the Trio thread, where user code that blocks would hold every
+    client of the worker, and one that raises leaves its call unanswered; so they are read here.
+    """
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class _Expiry:
@@ -544,9 +560,16 @@ class InferenceService:
 
     # ---- meta models --------------------------------------------------------------------
     async def _meta(self, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
+        ctx = MetaContext(self, request.model, request.request_id, deadline, trio.lowlevel.current_trio_token(),
+                          stages, request.trace)
+        try:
+            await self._meta_run(ctx, request, deadline, answer, stages)
+        finally:
+            ctx._close()
+
+    async def _meta_run(self, ctx: MetaContext, request: ClientRequest, deadline: float, answer: _Answer,
+                        stages: Stages) -> None:
         model = request.model
-        ctx = MetaContext(self, model, request.request_id, deadline, trio.lowlevel.current_trio_token(), stages,
-                          request.trace)
         tensors = [NamedTensor(name, array) for name, array in request.inputs.items()]
         started_ns = time.perf_counter_ns()
         outcome: Outcome | None = None
@@ -647,6 +670,37 @@ def call_hook(model: ModelVersion, label: str, hook: Callable, tensors: Mapping[
                            where=f"model '{model.name}': {label} hook output (checked against {kind})", failed=failed)
 
 
+RUN_MESSAGE_CHARS = 4096
+"""How much of the message of an xlaserve error raised by ``run`` is kept: a call's status message
+goes out cut to 4 KiB anyway (``grpc-message``), and what is kept is held until the answer."""
+
+
+def _passed_on(model: str, exc: XlaserveError, failed: FailureCounter) -> XlaserveError:
+    """What answers a meta request whose ``run`` raised ``exc``, made in run's thread: the same
+    status and message (a SubCallError keeps its sub-call's status; errors of ctx.infer were
+    counted there), as a :class:`RunFailed`, which holds no user code. An error a call cannot
+    end with (its ``status`` is OK, or not a status at all; reading it or its message raises) is
+    the meta model's bug: INTERNAL, counted as a failure of ``run``."""
+    try:
+        status = exc.status
+        if isinstance(status, Status) and status is not Status.OK:
+            return RunFailed(status, str.__getitem__(str(exc), slice(0, RUN_MESSAGE_CHARS)))
+    except BaseException:       # user code: a status property or __str__ that raises (SystemExit too)
+        return hook_raised(model, "run", exc, failed)
+    message = (f"model '{model}': run hook raised {type(exc).__name__} whose status, {_describe_status(status)}, "
+               f"is not an error status (a grpclib.const.Status other than OK): {describe_exception(exc)}")
+    failed(model, "run")
+    _failure_log((model, "run", "status"), message, None)
+    return InternalError(message)
+
+
+def _describe_status(status: Any) -> str:
+    try:
+        return cut_text(repr(status), 80)
+    except BaseException:       # user code
+        return f"a {type(status).__name__} whose repr() raised"
+
+
 class MetaContext:
     """What a meta model's ``run(tensors, ctx)`` gets: ``ctx.infer`` calls other models.
 
@@ -672,6 +726,32 @@ class MetaContext:
         self._run_thread: int | None = None
         self._calls = itertools.count(1)
         self._trace = trace
+        self._closed: XlaserveError | None = None   # set once the request is answered (Trio thread)
+
+    def _close(self) -> None:
+        """The request has been answered (Trio thread): from now on each ``ctx.infer`` fails at
+        once, and sub-calls still queued leave their queues (those of a request cancelled or out
+        of time did already, or expire in the scheduler). A thread that ``run`` started and left
+        running (or ``ctx`` kept in a global) would otherwise go on calling models for good, with
+        no request, deadline or meta-pool slot to bound it and no client to cancel it."""
+        if self._stages.cancelled:
+            self._closed = _cancelled(self.model, self.request_id)
+        elif self._deadline <= trio.current_time():
+            self._closed = DeadlineExceeded(f"model '{self.model}': request '{self.request_id}': its deadline has "
+                                            "passed")
+        else:
+            self._closed = FailedPrecondition(
+                f"model '{self.model}': request '{self.request_id}' has been answered; ctx.infer works only until "
+                "its run returns (join the threads run starts before returning)")
+            for ticket in list(self._stages.queued):
+                self._service._cancel_queued(ticket)
+
+    async def _sub_call(self, sub: ModelVersion, inputs: Mapping[str, np.ndarray], rows: int, request_id: str,
+                        call: RequestTrace | None) -> Outcome:
+        """One sub-call's execution (Trio thread), unless the request has been answered meanwhile."""
+        if self._closed is not None:
+            return self._closed
+        return await self._service.execute(sub, inputs, rows, request_id, self._deadline, None, self._stages, call)
 
     def _run(self, tensors: list[NamedTensor]) -> dict[str, np.ndarray] | XlaserveError:
         """The meta request's whole body, in a meta-pool thread: its checked outputs, or the
@@ -682,7 +762,7 @@ class MetaContext:
         try:
             result = self._meta.hooks.run(tensors, self)
         except XlaserveError as exc:
-            return exc      # a SubCallError keeps its status; errors of ctx.infer were counted there
+            return _passed_on(name, exc, failed)
         except trio.Cancelled:
             return Unavailable(f"model '{name}': the worker is stopping")
         except BaseException as exc:    # user code: SystemExit in run's thread ends only its request
@@ -710,9 +790,11 @@ class MetaContext:
                call: RequestTrace | None) -> dict[str, np.ndarray]:
         where = f"model '{self.model}': run: ctx.infer('{model}')"
         failed = self._service.hook_failed
-        if self._stages.cancelled:
-            cause = _cancelled(self.model, self.request_id)
-            raise SubCallError(f"{where}: {cause}", cause)
+        closed = self._closed
+        if closed is None and self._stages.cancelled:
+            closed = _cancelled(self.model, self.request_id)
+        if closed is not None:
+            raise SubCallError(f"{where}: {closed}", closed)
         try:
             sub = self._service._sub_model(self.model, model)
             manifest = sub.manifest
@@ -740,8 +822,8 @@ class MetaContext:
         if call is not None:
             call.attributes["xlaserve.request_id"] = request_id
         try:
-            outcome = trio.from_thread.run(self._service.execute, sub, inputs, rows, request_id, self._deadline,
-                                           None, self._stages, call, trio_token=self._token)
+            outcome = trio.from_thread.run(self._sub_call, sub, inputs, rows, request_id, call,
+                                           trio_token=self._token)
         except trio.RunFinishedError:
             cause = Unavailable("the worker has stopped")
             raise SubCallError(f"{where}: {cause}", cause) from None
