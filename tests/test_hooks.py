@@ -793,7 +793,7 @@ def test_the_deadline_watcher_keeps_no_finished_postprocess_alive():
 
     from xlaserve.worker.inference import HookPool, _Answer, _Expiry
     pool = HookPool(1)
-    expiry = _Expiry(pool)
+    expiry = _Expiry(pool, lambda *key: None)
     outputs = np.zeros(1000, np.float32)
     kept = weakref.ref(outputs)
     ran = threading.Event()
@@ -812,3 +812,282 @@ def test_the_deadline_watcher_keeps_no_finished_postprocess_alive():
             break
         time.sleep(0.01)
     assert kept() is None, "the deadline watcher kept the outputs of a postprocess that had run"
+
+
+# ---- hook threads: how busy, and who never got one ------------------------------------------
+def _until(condition, seconds: float = 10.0) -> None:
+    """Wait (blocking) for ``condition()``: a hook thread's bookkeeping after a hook returns."""
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_the_hook_pool_counts_busy_threads_and_waiting_work_on_every_path():
+    """What ``xlaserve_hook_threads_busy`` and ``xlaserve_hook_requests_waiting`` read: a hung
+    hook stays busy, work that returns or raises (SystemExit too) is busy only while it runs,
+    withdrawn work stops waiting."""
+    from xlaserve.worker.inference import HookPool, ThreadPoolStatistics
+    pool = HookPool(2)
+    assert pool.statistics() == ThreadPoolStatistics(size=2, busy=0, waiting=0)
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def hangs():
+        started.release()
+        release.wait(30)
+
+    def raises():
+        raise SystemExit(3)
+    ran = []
+    pool.submit(hangs)
+    pool.submit(hangs)
+    assert started.acquire(timeout=10) and started.acquire(timeout=10)
+    assert pool.statistics() == ThreadPoolStatistics(2, 2, 0)
+    withdrawn = functools.partial(ran.append, "withdrawn")
+    for work in (withdrawn, raises, functools.partial(ran.append, "returned")):
+        pool.submit(work)
+    assert pool.statistics() == ThreadPoolStatistics(2, 2, 3)
+    assert pool.withdraw(withdrawn) and not pool.withdraw(withdrawn)
+    assert pool.statistics() == ThreadPoolStatistics(2, 2, 2)
+    release.set()
+    _until(lambda: pool.statistics() == ThreadPoolStatistics(2, 0, 0))
+    assert ran == ["returned"]
+
+
+@pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
+def test_requests_starved_of_a_hook_thread_are_counted_and_the_pool_shows_busy(stage):
+    """One hook that never returns holds the only hook thread: the status and /metrics show it
+    busy and three requests waiting; at their deadline each is answered, counted under its model
+    and hook in ``hook_starved``, and leaves the queue. When the hook returns the thread is free."""
+    from xlaserve.worker.inference import HookThreads, ThreadPoolStatistics
+    hung, release = threading.Event(), threading.Event()
+
+    def hook(tensors):
+        if tensors[0].data.flat[0] < 0:
+            hung.set()
+            release.wait(30)
+        return tensors
+
+    async def main():
+        replies: list = []
+        starved: list = []
+        seen: list[HookThreads] = []
+        to_scheduler, inbox = trio.open_memory_channel(100)
+
+        async def scheduler():
+            async for message in inbox:
+                message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler)
+            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1, meta_threads=3,
+                                       hook_starved=lambda *key: starved.append(key))
+            seen.append(service.thread_statistics())
+            model = _hooked(**{stage: hook})
+            for i in range(4):
+                service.submit(ClientRequest(model, {"x": np.full((1, 4), -1 if i == 0 else 1, np.float32)}, 1,
+                                             f"r{i}", None if i == 0 else 5.0, replies.append,
+                                             time.perf_counter_ns()))
+                if i == 0:
+                    await trio.to_thread.run_sync(hung.wait, 10)
+            await trio.sleep(1)                 # (mock time, short of the deadline)
+            seen.append(service.thread_statistics())
+            await trio.sleep(5)                 # past it
+            seen.append(service.thread_statistics())
+            release.set()
+            await trio.to_thread.run_sync(_until, lambda: service.thread_statistics().hook.busy == 0)
+            seen.append(service.thread_statistics())
+            nursery.cancel_scope.cancel()
+        return replies, starved, seen
+
+    replies, starved, seen = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.5))
+    meta = ThreadPoolStatistics(3, 0, 0)
+    assert seen == [HookThreads(ThreadPoolStatistics(1, 0, 0), meta), HookThreads(ThreadPoolStatistics(1, 1, 3), meta),
+                    HookThreads(ThreadPoolStatistics(1, 1, 0), meta), HookThreads(ThreadPoolStatistics(1, 0, 0), meta)]
+    assert starved == [("h", stage)] * 3
+    assert len(replies) == 4 and all("waited for a thread: all 1 hook threads are busy" in str(r)
+                                     for r in replies[:3]), replies
+
+
+def test_a_request_waiting_for_a_hook_thread_when_the_worker_stops_leaves_the_queue():
+    """The worker stops (its nursery is cancelled) while a request's preprocess waits for the
+    only hook thread, held by a hook that never returns: the request is answered UNAVAILABLE
+    and its work leaves the queue then (it stayed there, counted as waiting, before)."""
+    from xlaserve.errors import Unavailable
+    hung, release = threading.Event(), threading.Event()
+
+    def hook(tensors):
+        if tensors[0].data.flat[0] < 0:
+            hung.set()
+            release.wait(30)
+        return tensors
+
+    async def main():
+        replies: list = []
+        starved: list = []
+        to_scheduler, _ = trio.open_memory_channel(100)
+        async with trio.open_nursery() as nursery:
+            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1,
+                                       hook_starved=lambda *key: starved.append(key))
+            model = _hooked(preprocess=hook)
+            for i in range(2):
+                service.submit(ClientRequest(model, {"x": np.full((1, 4), -1 if i == 0 else 1, np.float32)}, 1,
+                                             f"r{i}", None, replies.append, time.perf_counter_ns()))
+                if i == 0:
+                    await trio.to_thread.run_sync(hung.wait, 10)
+            await trio.testing.wait_all_tasks_blocked()
+            assert service.thread_statistics().hook.waiting == 1
+            nursery.cancel_scope.cancel()
+        stats = service.thread_statistics().hook
+        release.set()
+        return replies, starved, stats
+
+    replies, starved, stats = trio.run(main)
+    assert len(replies) == 2 and all(isinstance(r, Unavailable) for r in replies)
+    assert (stats.busy, stats.waiting) == (1, 0)
+    assert starved == [("h", "preprocess")]
+
+
+def test_a_meta_request_that_never_got_a_meta_thread_is_told_so_and_counted():
+    """Every meta thread is held by a ``run`` that never returns: a meta request with a deadline
+    is answered then with what happened (it never ran, all N meta threads are busy), counted in
+    ``hook_starved`` as ``run``; the meta pool shows it busy and waiting. (It was answered as if
+    its run had started and run late.)"""
+    from xlaserve.worker.inference import ThreadPoolStatistics
+    hung, release = threading.Event(), threading.Event()
+
+    def run(tensors, ctx):
+        if tensors[0].data.flat[0] < 0:
+            hung.set()
+            release.wait(30)
+        return tensors
+
+    async def main():
+        replies: list = []
+        starved: list = []
+        seen: list = []
+        to_scheduler, _ = trio.open_memory_channel(100)
+        table = ModelTable()
+        meta = _meta(run)
+        table.publish(ModelEntry("meta", ModelState.READY, serving=meta))
+        async with trio.open_nursery() as nursery:
+            service = InferenceService(to_scheduler, nursery, table, meta_threads=1,
+                                       hook_starved=lambda *key: starved.append(key))
+            for i in range(2):
+                service.submit(ClientRequest(meta, {"x": np.full((1, 4), -1 if i == 0 else 1, np.float32)}, 1,
+                                             f"r{i}", None if i == 0 else 5.0, replies.append,
+                                             time.perf_counter_ns()))
+                if i == 0:
+                    await trio.to_thread.run_sync(hung.wait, 10)
+            await trio.sleep(1)
+            seen.append(service.thread_statistics().meta)
+            await trio.sleep(5)
+            seen.append(service.thread_statistics().meta)
+            release.set()
+            while len(replies) < 2 or service.thread_statistics().meta.busy:
+                await trio.sleep(0.01)
+            seen.append(service.thread_statistics().meta)
+            nursery.cancel_scope.cancel()
+        return replies, starved, seen
+
+    replies, starved, seen = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.5))
+    assert seen == [ThreadPoolStatistics(1, 1, 1), ThreadPoolStatistics(1, 1, 0), ThreadPoolStatistics(1, 0, 0)]
+    late = replies[0]
+    assert isinstance(late, DeadlineExceeded) and str(late) == (
+        "model 'meta': request 'r1': the deadline passed while its run hook waited for a thread: all 1 meta threads "
+        "are busy with hooks that have not returned; it never ran")
+    assert starved == [("meta", "run")]
+
+
+# ---- what hooks return, against the limit on the reply --------------------------------------
+@pytest.mark.parametrize("array, dtype", [
+    (np.zeros((3, 5), np.float32), "FP32"), (np.zeros((0, 4), np.int64), "INT64"), (np.ones(7, bool), "BOOL"),
+    (np.array([[b"ab", b""], [b"xyz", b"\x00q"]], dtype=object), "BYTES"),
+    (np.array([b"ab", b"", b"xyz\x00"], dtype="S5"), "BYTES"), (np.array([], dtype=object), "BYTES"),
+], ids=["fp32", "empty", "bool", "bytes-object", "bytes-S", "bytes-empty"])
+def test_encoded_size_is_the_length_of_the_encoded_output_without_encoding(array, dtype):
+    from xlaserve.codec import encode_output, encoded_size
+    from xlaserve.dtypes import BY_KSERVE
+    assert encoded_size(array, BY_KSERVE[dtype]) == len(encode_output(array, BY_KSERVE[dtype]))
+
+
+def test_check_reply_size_counts_the_outputs_the_reply_carries_and_names_hook_size_and_limit():
+    from xlaserve.errors import ResourceExhausted
+    from xlaserve.worker.inference import ReplyLimit, check_reply_size
+    decls = GRADE_OUT.client_outputs
+    outputs = {"grade": np.zeros((2, 1), np.int64), "label": np.array([[b"abc"], [b""]], dtype=object)}
+    # grade: 16 bytes; label: 4 + 3 + 4 + 0 = 11 bytes
+    check_reply_size(outputs, decls, None, model="g", hook="postprocess")
+    check_reply_size(outputs, decls, ReplyLimit(27), model="g", hook="postprocess")
+    check_reply_size(outputs, decls, ReplyLimit(16, frozenset({"grade"})), model="g", hook="postprocess")
+    check_reply_size(outputs, decls, ReplyLimit(0, frozenset()), model="g", hook="postprocess")
+    with pytest.raises(ResourceExhausted) as info:
+        check_reply_size(outputs, decls, ReplyLimit(26), model="g", hook="postprocess")
+    assert str(info.value) == (
+        "model 'g': the outputs its postprocess hook returned are 27 bytes in the response (tensor 'grade': 16 "
+        "bytes), the limit (endpoints.max_send_msg_bytes) is 26; ask for the outputs in shared memory or raise the "
+        "limit")
+    with pytest.raises(ResourceExhausted, match="outputs its run hook returned are 11 bytes .*'label'"):
+        check_reply_size(outputs, decls, ReplyLimit(10, frozenset({"label"})), model="g", hook="run")
+
+
+@pytest.mark.parametrize("kind", ["post only (task-free)", "pre+post (a task)", "meta run"])
+def test_hook_outputs_past_the_reply_limit_are_refused_in_the_hook_thread(kind):
+    """A postprocess (or meta run) whose outputs the reply could not carry fails its request
+    RESOURCE_EXHAUSTED naming the hook, the size and the limit, decided in the hook's thread;
+    outputs that fit are served. The frontend found out only after encoding the reply on the
+    Trio thread."""
+    from xlaserve.errors import ResourceExhausted
+    from xlaserve.worker.inference import ReplyLimit
+    on_trio = []
+
+    def post(tensors):
+        on_trio.append(threading.current_thread() is threading.main_thread())
+        return tensors
+
+    if kind == "meta run":
+        model = _meta(lambda tensors, ctx: post([NamedTensor("y", tensors[0].data * 2)]))
+        hook = "run"
+    else:
+        model = _hooked(preprocess=(lambda t: t) if kind.startswith("pre") else None, postprocess=post)
+        hook = "postprocess"
+
+    async def main():
+        replies: dict = {}
+        all_replied = trio.Event()
+        to_scheduler, inbox = trio.open_memory_channel(100)
+        table = ModelTable()
+        table.publish(ModelEntry(model.name, ModelState.READY, serving=model))
+        token = trio.lowlevel.current_trio_token()
+
+        async def scheduler():
+            async for message in inbox:
+                message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+        def record(limit, outcome):
+            replies[limit] = outcome
+            if len(replies) == 2:
+                all_replied.set()
+
+        def reply(limit, outcome):          # from a hook thread, as the frontend's
+            token.run_sync_soon(record, limit, outcome)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler)
+            service = InferenceService(to_scheduler, nursery, table)
+            for limit in (15, 16):      # y is FP32 [1,4]: 16 bytes
+                service.submit(ClientRequest(model, {"x": np.ones((1, 4), np.float32)}, 1, f"r{limit}", None,
+                                             functools.partial(reply, limit), time.perf_counter_ns(),
+                                             reply_limit=ReplyLimit(limit)))
+            await all_replied.wait()
+            nursery.cancel_scope.cancel()
+        return replies
+
+    replies = trio.run(main)
+    refused, served = replies[15], replies[16]
+    assert isinstance(refused, ResourceExhausted) and str(refused) == (
+        f"model '{model.name}': the outputs its {hook} hook returned are 16 bytes in the response (tensor 'y': 16 "
+        "bytes), the limit (endpoints.max_send_msg_bytes) is 15; ask for the outputs in shared memory or raise the "
+        "limit")
+    assert isinstance(served, InferResult) and served.outputs["y"].nbytes == 16
+    assert on_trio == [False, False]

@@ -400,6 +400,9 @@ def snapshot_dict(status: pb.ModelControlStatusResponse) -> dict[str, Any]:
             "in_flight": status.in_flight, "uptime_seconds": status.uptime_seconds,
             "eviction_policy": status.eviction_policy,
             "executable_cache": dict(sorted(status.executable_cache.items())),
+            "hook_threads": status.hook_threads, "hook_threads_busy": status.hook_threads_busy,
+            "hook_requests_waiting": status.hook_requests_waiting, "meta_threads": status.meta_threads,
+            "meta_threads_busy": status.meta_threads_busy, "meta_requests_waiting": status.meta_requests_waiting,
             "latency_bucket_bounds": list(status.latency_bucket_bounds), "models": models}
 
 

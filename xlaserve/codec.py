@@ -219,6 +219,19 @@ def _from_contents(tensor, dtype: DType, shape: tuple[int, ...], count: int) -> 
         raise InvalidArgument(f"input '{name}': a value in contents.{field} does not fit {dtype.kserve}") from None
 
 
+def encoded_size(array: np.ndarray, dtype: DType) -> int:
+    """``len(encode_output(array, dtype))``, without encoding anything: a fixed-size tensor by its
+    shape, a BYTES tensor element by element (a 4-byte length, then the bytes)."""
+    if dtype.kserve != "BYTES":
+        return array.size * np.dtype(dtype.numpy).itemsize
+    if array.size == 0:
+        return 0
+    if array.dtype.kind == "S":         # an element is its bytes up to the trailing NULs
+        return 4 * array.size + int(np.char.str_len(array).sum())
+    return 4 * array.size + sum(len(item) if isinstance(item, bytes) else len(str(item).encode())
+                                for item in array.reshape(-1))
+
+
 def encode_output(array: np.ndarray, dtype: DType) -> bytes:
     """Raw wire bytes of one output tensor."""
     if dtype.kserve == "BYTES":

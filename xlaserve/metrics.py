@@ -170,6 +170,14 @@ class Metrics:
                                         registry=r)
         self.requests_in_flight = Gauge("xlaserve_requests_in_flight",
                                         "Inference requests accepted and not yet answered", registry=r)
+        self.hook_starved = Counter("xlaserve_hook_starved",
+                                    "Requests answered (at their deadline, or as the worker stopped) while their "
+                                    "hook (preprocess, postprocess, run) still waited for a thread: every thread "
+                                    "of its pool was held by hooks that had not returned; the hook never ran",
+                                    ["model", "hook"], registry=r)
+        #: the hook and meta pools' :class:`~xlaserve.worker.inference.HookThreads` now, read when
+        #: scraped (set by the composition root); None: no samples
+        self.hook_threads = None
         # per model, rejections by reason and hook failures by hook, for the status snapshot
         self._rejected: dict[str, dict[str, int]] = {}
         self._hook_failed: dict[str, dict[str, int]] = {}
@@ -181,10 +189,31 @@ class Metrics:
                 self._batch_size, self._queue_seconds, self._compute_seconds)
 
     def describe(self):
-        return [kept.family(samples=False) for kept in self._kept()]
+        return [kept.family(samples=False) for kept in self._kept()] + self._thread_families(None)
 
     def collect(self):
-        return [kept.family() for kept in self._kept()]
+        source = self.hook_threads
+        return [kept.family() for kept in self._kept()] + self._thread_families(source() if source else None)
+
+    @staticmethod
+    def _thread_families(threads) -> list:
+        """The hook thread pools' gauges, by pool (``hook``: preprocess and postprocess; ``meta``:
+        a meta model's run), from a ``HookThreads`` snapshot (None: no samples)."""
+        size = GaugeMetricFamily("xlaserve_hook_threads", "Threads the pool may run user code on at once "
+                                 "(hook: preprocess and postprocess, 16; meta: a meta model's run, 64)",
+                                 labels=["pool"])
+        busy = GaugeMetricFamily("xlaserve_hook_threads_busy",
+                                 "Threads of the pool running user code now; a hook that never returns holds its "
+                                 "thread for good, and at xlaserve_hook_threads every hooked request waits",
+                                 labels=["pool"])
+        waiting = GaugeMetricFamily("xlaserve_hook_requests_waiting",
+                                    "Requests whose hook waits for a thread of the pool", labels=["pool"])
+        if threads is not None:
+            for pool, stats in (("hook", threads.hook), ("meta", threads.meta)):
+                size.add_metric([pool], stats.size)
+                busy.add_metric([pool], stats.busy)
+                waiting.add_metric([pool], stats.waiting)
+        return [size, busy, waiting]
 
     # ---- counting ---------------------------------------------------------------------------
     def observe_request(self, model: str, status: str, seconds: float) -> None:
@@ -229,6 +258,10 @@ class Metrics:
         with self._hook_lock:
             hooks = self._hook_failed.setdefault(model, {})
             hooks[hook] = hooks.get(hook, 0) + 1
+
+    def observe_hook_starved(self, model: str, hook: str) -> None:
+        """One request of ``model`` answered while its ``hook`` waited for a thread."""
+        self.hook_starved.labels(model, hook).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -101,7 +101,7 @@ class ModelControlStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelControlStatusResponse(_message.Message):
-    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline", "latency_bucket_bounds", "uptime_seconds", "executable_cache", "in_flight", "workers", "eviction_policy")
+    __slots__ = ("models", "worker", "backend", "budget_bytes", "resident_bytes", "discipline", "latency_bucket_bounds", "uptime_seconds", "executable_cache", "in_flight", "workers", "eviction_policy", "hook_threads", "hook_threads_busy", "hook_requests_waiting", "meta_threads", "meta_threads_busy", "meta_requests_waiting")
     class ExecutableCacheEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,12 @@ class ModelControlStatusResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    HOOK_THREADS_FIELD_NUMBER: _ClassVar[int]
+    HOOK_THREADS_BUSY_FIELD_NUMBER: _ClassVar[int]
+    HOOK_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    META_THREADS_FIELD_NUMBER: _ClassVar[int]
+    META_THREADS_BUSY_FIELD_NUMBER: _ClassVar[int]
+    META_REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelControl]
     worker: str
     backend: str
@@ -133,7 +139,13 @@ class ModelControlStatusResponse(_message.Message):
     in_flight: int
     workers: _containers.RepeatedCompositeFieldContainer[ModelControlStatusResponse]
     eviction_policy: str
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ..., uptime_seconds: _Optional[float] = ..., executable_cache: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[ModelControlStatusResponse, _Mapping]]] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
+    hook_threads: int
+    hook_threads_busy: int
+    hook_requests_waiting: int
+    meta_threads: int
+    meta_threads_busy: int
+    meta_requests_waiting: int
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelControl, _Mapping]]] = ..., worker: _Optional[str] = ..., backend: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., discipline: _Optional[str] = ..., latency_bucket_bounds: _Optional[_Iterable[float]] = ..., uptime_seconds: _Optional[float] = ..., executable_cache: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[ModelControlStatusResponse, _Mapping]]] = ..., eviction_policy: _Optional[str] = ..., hook_threads: _Optional[int] = ..., hook_threads_busy: _Optional[int] = ..., hook_requests_waiting: _Optional[int] = ..., meta_threads: _Optional[int] = ..., meta_threads_busy: _Optional[int] = ..., meta_requests_waiting: _Optional[int] = ...) -> None: ...
 
 class SetModelResidencyRequest(_message.Message):
     __slots__ = ("model", "residency", "worker")

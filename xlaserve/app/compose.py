@@ -192,7 +192,9 @@ async def run_actors(config: WorkerConfig, *, admin_listeners: list[trio.SocketL
         async with trio.open_nursery() as nursery:
             await nursery.start(weights.run)
             await nursery.start(scheduler.run, scheduler_inbox)
-            service = InferenceService(to_scheduler, nursery, table, stats, hook_failed=metrics.observe_hook_failure)
+            service = InferenceService(to_scheduler, nursery, table, stats, hook_failed=metrics.observe_hook_failure,
+                                       hook_starved=metrics.observe_hook_starved)
+            metrics.hook_threads = service.thread_statistics
             lifecycle_metrics = LifecycleMetrics(metrics.registry)
             excache = await trio.to_thread.run_sync(
                 open_executable_cache, config.cache_dir, device,
@@ -241,7 +243,8 @@ def worker_port(actors: Actors, bridge: Bridge, *, draining: trio.Event,
         load_model=control.load, unload_model=control.unload, observe_request=actors.metrics.observe_request,
         spawn=actors.nursery.start_soon, draining=draining, shared_memory=shared_memory,
         discipline=actors.config.scheduler.discipline, tally=actors.metrics.tally,
-        uptime=lambda: time.monotonic() - actors.started, executable_cache=_lookups(actors.excache))
+        uptime=lambda: time.monotonic() - actors.started, executable_cache=_lookups(actors.excache),
+        hook_threads=actors.service.thread_statistics)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,12 +78,18 @@ def status_snapshot(worker: WorkerPort, admission: Admission | None = None) -> p
             weight_loads=loads.get(entry.name, 0), evictions=evictions.get(entry.name, 0),
             hook_failures=tally.hook_failures, weight_misses=misses.get(entry.name, 0),
             eviction_rank=rank.get(entry.name, 0)))
+    threads = worker.hook_threads() if worker.hook_threads is not None else None
+    pools = {}
+    if threads is not None:
+        pools = dict(hook_threads=threads.hook.size, hook_threads_busy=threads.hook.busy,
+                     hook_requests_waiting=threads.hook.waiting, meta_threads=threads.meta.size,
+                     meta_threads_busy=threads.meta.busy, meta_requests_waiting=threads.meta.waiting)
     return pb.ModelControlStatusResponse(
         models=models, worker=worker.worker_name, backend=worker.backend, budget_bytes=cache.budget_bytes,
         resident_bytes=cache.resident_bytes, discipline=worker.discipline, latency_bucket_bounds=LATENCY_BUCKETS,
         uptime_seconds=worker.uptime() if worker.uptime is not None else 0.0,
         executable_cache=worker.executable_cache() if worker.executable_cache is not None else {},
-        in_flight=admission.in_flight if admission is not None else 0, eviction_policy=cache.policy)
+        in_flight=admission.in_flight if admission is not None else 0, eviction_policy=cache.policy, **pools)
 
 
 class WorkerControlService(WorkerControlBase):

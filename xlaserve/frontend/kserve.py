@@ -32,7 +32,7 @@ from xlaserve.frontend.statuses import rpc
 from xlaserve.manifest import TensorDecl
 from xlaserve.tracing import MAX_ATTRIBUTE, MAX_ERROR, RequestTrace, Tracing
 from xlaserve.wire import split_field
-from xlaserve.worker.inference import ClientRequest
+from xlaserve.worker.inference import ClientRequest, ReplyLimit
 from xlaserve.worker.messages import InferResult
 from xlaserve.worker.registry import ModelEntry, ModelState
 from xlaserve.worker.stats import Duration
@@ -169,6 +169,7 @@ class KServeService(GRPCInferenceServiceBase):
         self._tracing = tracing         # None: tracing off (xlaserve.tracing)
         self.admission = Admission(endpoints.max_concurrent_requests, endpoints.max_held_request_bytes)
         self._max_recv_bytes = endpoints.max_recv_msg_bytes
+        self._max_send_bytes = endpoints.max_send_msg_bytes
         self._shm_peers = endpoints.client_shm_peers
         # model name -> (the version number it was computed for, its output bytes per row and
         # fixed); numbers, not the ModelVersion, so a retired version's weights are not kept alive
@@ -338,7 +339,9 @@ class KServeService(GRPCInferenceServiceBase):
 
         ``stream`` is the task-free call (a :class:`~xlaserve.frontend.grpc_server.Call`, or
         REST's): when it is cancelled, the request leaves its queue if it is still queued, and a
-        result that comes anyway is not encoded (the call is gone)."""
+        result that comes anyway is not encoded (the call is gone). A call whose reply carries
+        only some outputs as raw bytes says which in ``raw_outputs`` (REST: those asked for as
+        binary data; the others go as JSON text, of a size known only once encoded)."""
         received_ns = time.perf_counter_ns()
         worker = self._worker
         admitted = self.admission.admit()    # given back once, by finish, whatever happens
@@ -410,8 +413,12 @@ class KServeService(GRPCInferenceServiceBase):
             on_trio = worker.bridge.on_trio
             if trace is not None:
                 trace.admitted(decoded.rows)
+            hooks = model.hooks
+            limit = (self._reply_limit(wanted, getattr(stream, "raw_outputs", None))
+                     if model.is_meta or (hooks is not None and hooks.postprocess is not None) else None)
             worker.submit(ClientRequest(model, decoded.arrays, decoded.rows, request.id, timeout,
-                                        lambda outcome: on_trio(finish, outcome), received_ns, stream, trace))
+                                        lambda outcome: on_trio(finish, outcome), received_ns, stream, trace,
+                                        limit))
         except XlaserveError as exc:
             finish(exc)
         except Exception as exc:
@@ -432,6 +439,16 @@ class KServeService(GRPCInferenceServiceBase):
                                                      output_bytes_per_row(model.manifest.client_outputs))
         per_row, fixed = known[1]
         return n + per_row * rows + fixed
+
+    def _reply_limit(self, wanted: list, raw_outputs: frozenset[str] | None) -> ReplyLimit:
+        """What the reply of a request whose outputs Python code makes (a postprocess hook, a meta
+        model's run) may carry, checked in that code's thread: ``endpoints.max_send_msg_bytes``
+        over the ``wanted`` outputs the reply carries as bytes (not those in shared memory, nor
+        those outside ``raw_outputs`` when the call names some)."""
+        inline = frozenset(decl.name for decl, requested in wanted
+                           if (requested is None or "shared_memory_region" not in requested.parameters)
+                           and (raw_outputs is None or decl.name in raw_outputs))
+        return ReplyLimit(self._max_send_bytes, inline)
 
     @staticmethod
     def _requested_outputs(request, model: ModelVersion) -> list:

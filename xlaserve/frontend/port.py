@@ -24,6 +24,7 @@ from xlaserve.frontend.bridge import Bridge
 if TYPE_CHECKING:   # the value types the views hand out; the frontend only reads them
     from xlaserve.frontend.shm import SharedMemoryRegistry
     from xlaserve.metrics import RequestTally
+    from xlaserve.worker.inference import HookThreads
     from xlaserve.runtime.residency import Floor
     from xlaserve.runtime.weights import CacheSnapshot
     from xlaserve.worker.inference import ClientRequest
@@ -120,3 +121,5 @@ class WorkerPort:
     #: Compiled-executable cache lookups so far by result (``hit``, ``miss``, ``rejected``), a
     #: copy; None: no cache.
     executable_cache: Callable[[], Mapping[str, int]] | None = None
+    #: The hook and meta thread pools now (a frozen ``HookThreads``); None: not known (zeros).
+    hook_threads: Callable[[], HookThreads] | None = None

@@ -99,12 +99,14 @@ class _Call:
     which keeps the one outcome and wakes the task waiting for it (``waiter``: parked by
     :meth:`RestApi._call_fast` without an Event of its own)."""
 
-    __slots__ = ("metadata", "peer", "deadline", "on_cancel", "outcome", "done", "waiter")
+    __slots__ = ("metadata", "peer", "deadline", "on_cancel", "outcome", "done", "waiter", "raw_outputs")
 
-    def __init__(self, metadata: Mapping[str, str], peer) -> None:
+    def __init__(self, metadata: Mapping[str, str], peer, raw_outputs: frozenset[str] | None = None) -> None:
         self.metadata = metadata
         self.peer = peer
         self.deadline = None
+        #: the outputs the REST reply carries as binary data (None: all); the others go as JSON
+        self.raw_outputs = raw_outputs
         self.on_cancel = None
         self.outcome = None
         self.done = False
@@ -205,8 +207,10 @@ class RestApi:
                                 "send large tensors as binary data (Inference-Header-Content-Length) or through "
                                 "shared memory")
 
-    async def _call(self, rpc: str, message, request: HttpRequest, reply_type):
-        """Run the service's handler of ``rpc`` on ``message``; its reply as ``reply_type``."""
+    async def _call(self, rpc: str, message, request: HttpRequest, reply_type,
+                    raw_outputs: frozenset[str] | None = None):
+        """Run the service's handler of ``rpc`` on ``message``; its reply as ``reply_type``.
+        ``raw_outputs``: the outputs the REST reply carries as binary data (None: all)."""
         path = SERVICE + rpc
         metadata = {k: v for k, v in request.headers.items() if k not in _HTTP_ONLY}
         rule = self._rules.get(path)
@@ -217,7 +221,7 @@ class RestApi:
             message = handler.request_type(message.SerializeToString())    # the gateway's raw bytes
         fast = self._fast.get(path)
         if fast is not None:
-            reply = await self._call_fast(fast, message, metadata, request.peer)
+            reply = await self._call_fast(fast, message, metadata, request.peer, raw_outputs)
         else:
             exchange = _Exchange(message, metadata, request.peer)
             await handler.func(exchange)
@@ -228,11 +232,12 @@ class RestApi:
         return reply_type.FromString(data)
 
     @staticmethod
-    async def _call_fast(entry, message, metadata: Mapping[str, str], peer):
+    async def _call_fast(entry, message, metadata: Mapping[str, str], peer,
+                         raw_outputs: frozenset[str] | None = None):
         """A call through the service's task-free entry; if this task is cancelled (the HTTP
         client went away) the request is aborted as a gRPC client's reset stream aborts it: it
         leaves its queue if it is still queued."""
-        call = _Call(metadata, peer)
+        call = _Call(metadata, peer, raw_outputs)
         entry(call, message)            # a refusal before it is queued raises here
         if call.done:
             await trio.lowlevel.checkpoint()
@@ -343,7 +348,10 @@ class RestApi:
                 message = self._infer_parsed(message, wanted.raw)     # the worker: views, no copy
             else:
                 message.raw_input_contents.extend(bytes(v) for v in wanted.raw)    # the gateway forwards bytes
-        reply = await self._call("ModelInfer", message, request, pb.ModelInferResponse)
+        # (the outputs sent as binary data: a hook's outputs are checked against the limit in
+        # its thread; JSON's size is known only once it is written)
+        raw_outputs = None if wanted.all_binary and not wanted.request.outputs else wanted.binary
+        reply = await self._call("ModelInfer", message, request, pb.ModelInferResponse, raw_outputs)
         body, json_length = infer_response(reply, wanted)
         if self._max_send is not None and len(body) > self._max_send:
             raise GRPCError(Status.RESOURCE_EXHAUSTED, f"the response is {len(body)} bytes, the limit "

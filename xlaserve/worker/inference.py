@@ -44,8 +44,10 @@ from outcome import capture
 
 from xlaserve._hooks import NamedTensor, conform, describe_exception
 from xlaserve.bundle import ModelVersion
+from xlaserve.codec import encoded_size
 from xlaserve.errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InternalError, ModelNotFound,
-                             ModelNotReady, QueueFull, Unavailable, XlaserveError, cut_text, internal_message)
+                             ModelNotReady, QueueFull, ResourceExhausted, Unavailable, XlaserveError, cut_text,
+                             internal_message)
 from xlaserve.manifest import TensorDecl
 from xlaserve.tracing import RequestTrace
 from xlaserve.worker.messages import CancelRequest, InferRequest, InferResult, Outcome, Reply, SchedulerMessage
@@ -69,6 +71,22 @@ def _uncounted(model: str, hook: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplyLimit:
+    """The most bytes the reply to a request may carry (``max_bytes``, set by the node-file key
+    ``key``), and which of its client outputs the reply carries as raw bytes (``outputs``; None:
+    all of them; not those written to shared memory, nor those REST sends as JSON text).
+
+    The frontend refuses a larger reply anyway, but only once it has encoded it on the Trio
+    thread; what a hook or meta ``run`` returned is checked against it in the hook's own thread
+    (:func:`check_reply_size`), so a postprocess returning gigabytes costs the dispatch loop
+    nothing."""
+
+    max_bytes: int
+    outputs: frozenset[str] | None = None
+    key: str = "endpoints.max_send_msg_bytes"
+
+
+@dataclass(frozen=True, slots=True)
 class ClientRequest:
     """A decoded request as the client sent it (client-side tensors). ``reply`` is called
     exactly once and may be called from any thread (the frontend's replies are thread-safe)."""
@@ -82,6 +100,7 @@ class ClientRequest:
     received_ns: int
     ticket: object = None       # what InferenceService.cancel names it by (hashable); None: not cancellable
     trace: RequestTrace | None = None   # its spans, when it is traced (xlaserve.tracing)
+    reply_limit: ReplyLimit | None = None   # checked against hook and run outputs; None: not checked
 
 
 class Stages:
@@ -124,6 +143,27 @@ class _Answer:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class ThreadPoolStatistics:
+    """A snapshot of one pool of hook threads: the most threads it runs (``size``), how many run
+    user code now (``busy``: a hook that never returns counts for good) and how many requests
+    wait for one of them (``waiting``). ``busy == size`` with ``waiting > 0`` is the sign of
+    hung hooks starving every hooked model."""
+
+    size: int
+    busy: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class HookThreads:
+    """Both pools of an :class:`InferenceService`: ``hook`` runs preprocess and postprocess,
+    ``meta`` a meta model's ``run``."""
+
+    hook: ThreadPoolStatistics
+    meta: ThreadPoolStatistics
+
+
 class HookPool:
     """At most ``size`` daemon threads running hook work items, started as work arrives.
 
@@ -133,7 +173,11 @@ class HookPool:
     whose request was answered while it waited is :meth:`withdraw`-n, so that what it holds (the
     request's tensors) goes with the answer: with every thread held by hung hooks, the queue
     would otherwise keep each later request's tensors for good. The threads are daemons, so such
-    a thread does not hold the process open at exit."""
+    a thread does not hold the process open at exit.
+
+    :meth:`statistics` says how many threads are busy and how much work waits, counted under
+    the pool's lock where a thread takes and finishes work, so it holds on every path (the work
+    returns, raises, is withdrawn)."""
 
     def __init__(self, size: int, name: str = "xlaserve-hook") -> None:
         self._size = size
@@ -142,6 +186,7 @@ class HookPool:
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._idle = 0              # threads waiting for work that no submit has woken yet
+        self._busy = 0              # threads running a work item
         self.threads = 0
 
     def submit(self, work: Callable[[], None]) -> None:
@@ -168,6 +213,10 @@ class HookPool:
         """The most threads the pool runs."""
         return self._size
 
+    def statistics(self) -> ThreadPoolStatistics:
+        with self._lock:
+            return ThreadPoolStatistics(self._size, self._busy, len(self._work))
+
     def _serve(self) -> None:
         while True:
             with self._lock:
@@ -175,11 +224,35 @@ class HookPool:
                     self._idle += 1
                     self._arrived.wait()    # whoever wakes this thread took it off the idle count
                 work = self._work.popleft()
+                self._busy += 1
             try:
                 work()
             except BaseException:           # a work item's bug must not end the thread
                 log.exception("a hook work item failed")
-            del work
+            finally:
+                del work
+                with self._lock:
+                    self._busy -= 1
+
+
+class _MetaSlot:
+    """One meta request's claim on the meta pool, as ``trio.to_thread.run_sync``'s limiter (it
+    takes any object with these two methods): it passes both to the pool's limiter and remembers
+    whether the request got a slot, so that a request answered at its deadline is told whether
+    its ``run`` ran late or never started for want of a thread."""
+
+    __slots__ = ("_limiter", "acquired")
+
+    def __init__(self, limiter: trio.CapacityLimiter) -> None:
+        self._limiter = limiter
+        self.acquired = False
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await self._limiter.acquire_on_behalf_of(borrower)
+        self.acquired = True
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self._limiter.release_on_behalf_of(borrower)
 
 
 class _FailureLog:
@@ -235,6 +308,31 @@ def checked_outputs(result: Any, expected: Sequence[TensorDecl], *, model: str, 
     return outputs
 
 
+def check_reply_size(outputs: Mapping[str, np.ndarray], expected: Sequence[TensorDecl], limit: ReplyLimit | None,
+                     *, model: str, hook: str) -> None:
+    """Raise :class:`ResourceExhausted` (what the frontend answers a reply over its limit) when
+    the outputs ``hook`` returned (checked by :func:`conform`, so plain arrays of plain bytes)
+    would make a reply larger than ``limit`` allows: the reply's message holds at least their
+    encoded bytes. The message names the model, the hook, the size, the largest tensor and the
+    limit. Runs in the hook's thread: nothing is encoded."""
+    if limit is None:
+        return
+    total, largest, largest_bytes = 0, "", -1
+    for decl in expected:
+        array = outputs.get(decl.name)
+        if array is None or (limit.outputs is not None and decl.name not in limit.outputs):
+            continue
+        size = encoded_size(array, decl.dtype)
+        total += size
+        if size > largest_bytes:
+            largest, largest_bytes = decl.name, size
+    if total > limit.max_bytes:
+        raise ResourceExhausted(
+            f"model '{model}': the outputs its {hook} hook returned are {total} bytes in the response (tensor "
+            f"'{largest}': {largest_bytes} bytes), the limit ({limit.key}) is {limit.max_bytes}; ask for the outputs "
+            "in shared memory or raise the limit")
+
+
 class SubCallError(XlaserveError):
     """A meta model's ``ctx.infer`` failed. Keeps the sub-call's status (DEADLINE_EXCEEDED,
     RESOURCE_EXHAUSTED, UNAVAILABLE, ...); the message names the meta model and the sub-model."""
@@ -265,8 +363,9 @@ class _Expiry:
     answered by their deadline. One task for all of them: a heap of deadlines, entries of
     requests already answered dropped when they come up (or when they outnumber the rest)."""
 
-    def __init__(self, pool: HookPool) -> None:
+    def __init__(self, pool: HookPool, starved: Callable[[str, str, str], DeadlineExceeded]) -> None:
         self._pool = pool
+        self._starved = starved     # (model, request id, hook): the answer to one that never got a thread
         self._heap: list[tuple[float, int, _Answer, str, str, weakref.ref]] = []
         self._seq = itertools.count()
         self._wake = trio.Event()
@@ -301,7 +400,7 @@ class _Expiry:
         if not answer.done:
             queued = work()
             never_ran = queued is not None and self._pool.withdraw(queued)
-            answer(_waited(model, request_id, "postprocess", self._pool) if never_ran
+            answer(self._starved(model, request_id, "postprocess") if never_ran
                    else _late(model, request_id, "postprocess"))
 
 
@@ -313,12 +412,15 @@ class InferenceService:
 
     ``table`` is the model table meta models look sub-models up in; ``stats`` (optional) gets one
     success or failure per meta request (its sub-calls are counted under the sub-models);
-    ``hook_failed(model, hook)`` (optional) counts each failure of user code.
+    ``hook_failed(model, hook)`` (optional) counts each failure of user code;
+    ``hook_starved(model, hook)`` (optional, Trio thread) each request answered while its hook
+    still waited for a thread (:meth:`thread_statistics` says how busy the pools are).
     """
 
     def __init__(self, scheduler: trio.MemorySendChannel[SchedulerMessage], nursery: trio.Nursery,
                  table=None, stats=None, hook_threads: int = HOOK_THREADS,
-                 meta_threads: int = META_THREADS, hook_failed: FailureCounter | None = None) -> None:
+                 meta_threads: int = META_THREADS, hook_failed: FailureCounter | None = None,
+                 hook_starved: FailureCounter | None = None) -> None:
         self._scheduler = scheduler
         self._nursery = nursery
         self._table = table
@@ -327,7 +429,23 @@ class InferenceService:
         self._meta_limiter = trio.CapacityLimiter(meta_threads)
         self._tasks: dict[object, Stages] = {}      # by ticket: cancellable requests that run as tasks
         self.hook_failed: FailureCounter = hook_failed or _uncounted
+        self.hook_starved: FailureCounter = hook_starved or _uncounted
         self._expiry: _Expiry | None = None
+
+    def thread_statistics(self) -> HookThreads:
+        """How busy the hook and meta pools are now (any thread: ``/metrics`` and the control
+        status read it)."""
+        meta = self._meta_limiter.statistics()
+        return HookThreads(self._hook_pool.statistics(),
+                           ThreadPoolStatistics(int(meta.total_tokens), meta.borrowed_tokens, meta.tasks_waiting))
+
+    def _starved(self, model: str, request_id: str, hook: str) -> DeadlineExceeded:
+        """The answer to a request whose ``hook`` never got a thread by its deadline (every one
+        held by hooks that have not returned); counted, and logged at most every 10 s."""
+        self.hook_starved(model, hook)
+        if hook == "run":
+            return _waited(model, request_id, hook, int(self._meta_limiter.total_tokens), "meta")
+        return _waited(model, request_id, hook, self._hook_pool.size, "hook")
 
     def submit(self, request: ClientRequest) -> None:
         """Accept one request; its reply is called exactly once. Runs on the Trio thread."""
@@ -428,7 +546,8 @@ class InferenceService:
                         return
                     started_ns = time.perf_counter_ns()
                     try:
-                        done: Outcome = postprocessed(model, result, request.rows, self.hook_failed)
+                        done: Outcome = postprocessed(model, result, request.rows, self.hook_failed,
+                                                      request.reply_limit)
                     except XlaserveError as exc:
                         done = exc
                     except BaseException as exc:    # postprocessed raises InternalError only
@@ -449,7 +568,7 @@ class InferenceService:
 
     def _expiring(self) -> _Expiry:
         if self._expiry is None:
-            self._expiry = _Expiry(self._hook_pool)
+            self._expiry = _Expiry(self._hook_pool, self._starved)
             self._nursery.start_soon(self._expiry.run, name="hook deadlines")
         return self._expiry
 
@@ -512,11 +631,18 @@ class InferenceService:
                 pass  # the worker stopped; nobody waits for this hook any more
         if deadline > trio.current_time():
             self._hook_pool.submit(work)
-            with trio.move_on_at(deadline):
-                await done.wait()
-                return result[0].unwrap()
+            try:
+                with trio.move_on_at(deadline):
+                    await done.wait()
+                    return result[0].unwrap()
+            except trio.Cancelled:
+                # the worker stops: the request is answered UNAVAILABLE (by _guarded); a hook that
+                # has not started never will, and its tensors leave the queue with the answer
+                if self._hook_pool.withdraw(work):
+                    self.hook_starved(request.model.name, hook)
+                raise
             if self._hook_pool.withdraw(work):
-                answer(_waited(request.model.name, request.request_id, hook, self._hook_pool))
+                answer(self._starved(request.model.name, request.request_id, hook))
                 return _LATE
         answer(_late(request.model.name, request.request_id, hook))
         return _LATE
@@ -539,7 +665,7 @@ class InferenceService:
                 outcome = _cancelled(model.name, request.request_id)
             else:
                 outcome = await self._hook_stage(request, "postprocess", deadline, answer, postprocessed, model,
-                                                 outcome, request.rows, self.hook_failed)
+                                                 outcome, request.rows, self.hook_failed, request.reply_limit)
                 if outcome is _LATE:
                     return
         answer(outcome)
@@ -561,7 +687,7 @@ class InferenceService:
     # ---- meta models --------------------------------------------------------------------
     async def _meta(self, request: ClientRequest, deadline: float, answer: _Answer, stages: Stages) -> None:
         ctx = MetaContext(self, request.model, request.request_id, deadline, trio.lowlevel.current_trio_token(),
-                          stages, request.trace)
+                          stages, request.trace, request.reply_limit)
         try:
             await self._meta_run(ctx, request, deadline, answer, stages)
         finally:
@@ -573,15 +699,21 @@ class InferenceService:
         tensors = [NamedTensor(name, array) for name, array in request.inputs.items()]
         started_ns = time.perf_counter_ns()
         outcome: Outcome | None = None
-        with trio.move_on_at(deadline):
-            # abandoned at the deadline (or when the worker stops): run goes on in its thread,
-            # holding its meta-pool slot until it returns; what it returns then is dropped
-            result = await trio.to_thread.run_sync(ctx._run, tensors, limiter=self._meta_limiter,
-                                                   abandon_on_cancel=True)
-            outcome = (result if isinstance(result, XlaserveError)
-                       else InferResult(result, 0, 0, 0, time.perf_counter_ns() - started_ns, 0))
+        slot = _MetaSlot(self._meta_limiter)
+        try:
+            with trio.move_on_at(deadline):
+                # abandoned at the deadline (or when the worker stops): run goes on in its thread,
+                # holding its meta-pool slot until it returns; what it returns then is dropped
+                result = await trio.to_thread.run_sync(ctx._run, tensors, limiter=slot, abandon_on_cancel=True)
+                outcome = (result if isinstance(result, XlaserveError)
+                           else InferResult(result, 0, 0, 0, time.perf_counter_ns() - started_ns, 0))
+        except trio.Cancelled:
+            if not slot.acquired:       # the worker stops while this waited for a meta thread
+                self.hook_starved(model.name, "run")
+            raise
         if outcome is None:
-            outcome = _late(model.name, request.request_id, "run")
+            outcome = (_late(model.name, request.request_id, "run") if slot.acquired
+                       else self._starved(model.name, request.request_id, "run"))
         if request.trace is not None:
             request.trace.record("xlaserve.run", started_ns, time.perf_counter_ns(), None,
                                  str(outcome) if isinstance(outcome, XlaserveError) else None)
@@ -612,13 +744,13 @@ class InferenceService:
         return entry.serving
 
 
-def _waited(model: str, request_id: str, hook: str, pool: HookPool) -> DeadlineExceeded:
-    """DEADLINE_EXCEEDED for a request whose ``hook`` never got a thread of ``pool`` (every one
-    held by hooks that have not returned), logged at most every 10 s: the operator's sign that
-    hung hooks starve every hooked model."""
+def _waited(model: str, request_id: str, hook: str, size: int, pool: str) -> DeadlineExceeded:
+    """DEADLINE_EXCEEDED for a request whose ``hook`` never got one of the ``size`` threads of
+    ``pool`` (``hook`` or ``meta``; every one held by hooks that have not returned), logged at
+    most every 10 s: the operator's sign that hung hooks starve every hooked model."""
     message = (f"model '{model}': request '{request_id}': the deadline passed while its {hook} hook waited for a "
-               f"thread: all {pool.size} hook threads are busy with hooks that have not returned; it never ran")
-    _failure_log(("", "hook threads", "busy"), f"hook threads: all {pool.size} are busy with hooks that have not "
+               f"thread: all {size} {pool} threads are busy with hooks that have not returned; it never ran")
+    _failure_log(("", f"{pool} threads", "busy"), f"{pool} threads: all {size} are busy with hooks that have not "
                  f"returned; requests of hooked models wait and time out (model '{model}', {hook})", None)
     return DeadlineExceeded(message)
 
@@ -648,10 +780,12 @@ def _cancelled(model: str, request_id: str) -> Cancelled:
 
 
 def postprocessed(model: ModelVersion, result: InferResult, rows: int,
-                  failed: FailureCounter = _uncounted) -> InferResult:
-    """``result`` with its outputs passed through the model's postprocess hook (on a hook thread)."""
+                  failed: FailureCounter = _uncounted, limit: ReplyLimit | None = None) -> InferResult:
+    """``result`` with its outputs passed through the model's postprocess hook (on a hook thread),
+    no larger than the reply may carry (``limit``; :func:`check_reply_size`)."""
     outputs = call_hook(model, "postprocess", model.hooks.postprocess, result.outputs,
                         model.manifest.client_outputs, rows, failed)
+    check_reply_size(outputs, model.manifest.client_outputs, limit, model=model.name, hook="postprocess")
     return replace(result, outputs=outputs)
 
 
@@ -715,7 +849,7 @@ class MetaContext:
 
     def __init__(self, service: InferenceService, model: ModelVersion, request_id: str, deadline: float,
                  token: trio.lowlevel.TrioToken, stages: Stages | None = None,
-                 trace: RequestTrace | None = None) -> None:
+                 trace: RequestTrace | None = None, reply_limit: ReplyLimit | None = None) -> None:
         self.model = model.name
         self.request_id = request_id
         self._meta = model
@@ -726,6 +860,7 @@ class MetaContext:
         self._run_thread: int | None = None
         self._calls = itertools.count(1)
         self._trace = trace
+        self._reply_limit = reply_limit
         self._closed: XlaserveError | None = None   # set once the request is answered (Trio thread)
 
     def _close(self) -> None:
@@ -767,12 +902,15 @@ class MetaContext:
             return Unavailable(f"model '{name}': the worker is stopping")
         except BaseException as exc:    # user code: SystemExit in run's thread ends only its request
             return hook_raised(name, "run", exc, failed)
+        declared = self._meta.manifest.client_outputs
         try:
-            return checked_outputs(result, self._meta.manifest.client_outputs, model=name, hook="run", rows=None,
-                                   any_rows=True, where=f"model '{name}': run hook output (checked against "
-                                                        "client_outputs)", failed=failed)
+            outputs = checked_outputs(result, declared, model=name, hook="run", rows=None, any_rows=True,
+                                      where=f"model '{name}': run hook output (checked against client_outputs)",
+                                      failed=failed)
+            check_reply_size(outputs, declared, self._reply_limit, model=name, hook="run")
         except XlaserveError as exc:
             return exc
+        return outputs
 
     def infer(self, model: str, tensors: Sequence[NamedTensor] | Mapping[str, Any]) -> dict[str, np.ndarray]:
         if self._trace is None:
