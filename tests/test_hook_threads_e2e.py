@@ -5,8 +5,8 @@ encoded); with every hook thread held by hooks that do not return, ``/metrics`` 
 busy and counts the requests that never got a thread, and the control status says the same."""
 from __future__ import annotations
 
-import asyncio
 import json
+import queue
 import re
 import shutil
 import time
@@ -14,7 +14,6 @@ import time
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aioclient
 from tritonclient.utils import InferenceServerException
 
 from examples.export_examples import export_simple
@@ -65,11 +64,10 @@ def server(tmp_path_factory):
     assert running.process.returncode == 0, running.log()
 
 
-def _inputs(first: int, client=grpcclient) -> list:
+def _inputs(first: int) -> list:
     x = np.zeros((1, 16), np.int32)
     x[0, 0] = first
-    return [infer_input("INPUT0", x, "INT32", client), infer_input("INPUT1", np.zeros((1, 16), np.int32), "INT32",
-                                                                  client)]
+    return [infer_input("INPUT0", x, "INT32"), infer_input("INPUT1", np.zeros((1, 16), np.int32), "INT32")]
 
 
 def _metrics(server) -> dict[str, float]:
@@ -94,32 +92,24 @@ def test_a_postprocess_output_larger_than_a_reply_may_carry_is_refused_naming_ho
 
 
 def test_hook_threads_held_by_hung_hooks_show_on_metrics_and_starved_requests_are_counted(server, capsys):
-    """16 hooks that do not return (each request answered at its 2 s deadline, the hook going on)
-    hold all 16 hook threads; three more requests never get one. /metrics shows the pool full
-    and counts the three under their model; once the hooks return, the pool is idle again."""
+    """16 hooks that do not return (yet) hold all 16 hook threads; three more requests never get
+    one and are answered at their deadline. /metrics and the control status show the pool full,
+    and /metrics counts the three under their model; once the hooks return, the pool is idle
+    again, and their outputs (too large for the reply) are refused as in the test above."""
     before = _metrics(server)
     assert before['xlaserve_hook_threads{pool="hook"}'] == 16
     assert before['xlaserve_hook_threads_busy{pool="hook"}'] == 0
-
-    async def hang_all():
-        client = aioclient.InferenceServerClient(server.url)
-        try:
-            async def one(timeout_us: int):
-                try:
-                    return await client.infer("big_out", _inputs(-1, aioclient), timeout=timeout_us,
-                                              client_timeout=30)
-                except InferenceServerException as exc:
-                    return exc
-            hung = await asyncio.gather(*(one(2_000_000) for _ in range(16)))
-            starved = await asyncio.gather(*(one(300_000) for _ in range(3)))
-            return hung, starved
-        finally:
-            await client.close()
-
+    c = grpcclient.InferenceServerClient(server.url)
+    done = queue.Queue()
     try:
-        hung, starved = asyncio.run(hang_all())
-        assert all(r.status() == "StatusCode.DEADLINE_EXCEEDED" for r in hung + starved), hung + starved
-        assert all("waited for a thread: all 16 hook threads are busy" in r.message() for r in starved)
+        for _ in range(16):
+            c.async_infer("big_out", _inputs(-1), lambda result, error: done.put(error), timeout=60_000_000)
+        _wait_for(lambda: _metrics(server)['xlaserve_hook_threads_busy{pool="hook"}'] == 16)
+        for _ in range(3):
+            with pytest.raises(InferenceServerException) as info:
+                c.infer("big_out", _inputs(-1), timeout=300_000)      # Triton's timeout, in us
+            assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED", info.value
+            assert "waited for a thread: all 16 hook threads are busy" in info.value.message()
         during = _metrics(server)
         assert during['xlaserve_hook_threads_busy{pool="hook"}'] == 16
         assert during['xlaserve_hook_requests_waiting{pool="hook"}'] == 0
@@ -130,8 +120,14 @@ def test_hook_threads_held_by_hung_hooks_show_on_metrics_and_starved_requests_ar
         assert (status["hook_threads"], status["hook_threads_busy"], status["meta_threads"]) == (16, 16, 64)
     finally:
         server.release.touch()
-    deadline = time.monotonic() + 30
-    while _metrics(server)['xlaserve_hook_threads_busy{pool="hook"}'] != 0:
-        assert time.monotonic() < deadline, "the hook threads stayed busy after the hooks returned"
-        time.sleep(0.05)
+    _wait_for(lambda: _metrics(server)['xlaserve_hook_threads_busy{pool="hook"}'] == 0)
+    errors = [done.get(timeout=30) for _ in range(16)]
+    assert all(e is not None and e.status() == "StatusCode.RESOURCE_EXHAUSTED" for e in errors), errors
     assert server.process.poll() is None
+
+
+def _wait_for(condition, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
