@@ -784,6 +784,60 @@ def test_requests_answered_while_waiting_for_a_hook_thread_leave_the_queue(stage
     assert kept == 0, f"the tensors of {kept} of 20 requests already answered are still held, waiting for a hook thread"
 
 
+@pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
+def test_a_request_cancelled_while_its_hook_waits_for_a_thread_is_answered_without_running_it(stage):
+    """The client of a hooked request goes away while its hook waits for a thread (all of them
+    held). Its hook ran later all the same, holding a thread for nobody (a postprocess-only
+    request was not even cancellable then: its ticket was dropped when the execution answered).
+    Now it is answered CANCELLED when its turn comes, its hook not run, its ticket forgotten."""
+    hung, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def hook(tensors):
+        ran.append("hung" if tensors[0].data.flat[0] < 0 else "later")
+        if tensors[0].data.flat[0] < 0:
+            hung.set()
+            release.wait(30)
+        return tensors
+
+    async def main():
+        replies: dict = {}
+        to_scheduler, inbox = trio.open_memory_channel(100)
+
+        async def scheduler():
+            async for message in inbox:
+                if isinstance(message, InferRequest):
+                    message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler)
+            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1)
+            model = _hooked(**{stage: hook})
+            for i, value in enumerate((-1, 1)):
+                service.submit(ClientRequest(model, {"x": np.full((1, 4), value, np.float32)}, 1, f"r{i}", None,
+                                             lambda out, i=i: replies.__setitem__(i, out), time.perf_counter_ns(),
+                                             ticket=f"t{i}"))
+                if i == 0:
+                    await trio.to_thread.run_sync(hung.wait, 10)
+            with trio.move_on_after(10):
+                while service.thread_statistics().hook.waiting < 1:
+                    await trio.sleep(0.01)
+            service.cancel("t1")                # its client went away
+            release.set()
+            with trio.move_on_after(10):
+                while len(replies) < 2:
+                    await trio.sleep(0.01)
+            tasks = dict(service._tasks)
+            nursery.cancel_scope.cancel()
+        return replies, tasks
+
+    replies, tasks = trio.run(main)
+    assert ran == ["hung"], ran                 # the cancelled request's hook never ran
+    assert isinstance(replies[1], Cancelled) and "r1" in str(replies[1]), replies[1]
+    assert isinstance(replies[0], InferResult)
+    assert tasks == {}                          # both tickets forgotten once answered
+
+
 def test_the_deadline_watcher_keeps_no_finished_postprocess_alive():
     """The watcher of postprocess deadlines holds each request's work item weakly: once a hook
     thread has run it, what it held (the execution's outputs) goes with it, not when its

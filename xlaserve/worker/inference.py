@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import trio
 from grpclib.const import Status
-from outcome import capture
+from outcome import Error, capture
 
 from xlaserve._hooks import NamedTensor, conform, describe_exception
 from xlaserve.bundle import ModelVersion
@@ -120,11 +120,13 @@ class _Answer:
     deadline answered, a deadline after the hook answered) are dropped. Callable from any
     thread: the one-element list's ``pop`` is atomic, so exactly one caller gets it."""
 
-    __slots__ = ("_reply", "_left")
+    __slots__ = ("_reply", "_left", "after")
 
     def __init__(self, reply: Reply) -> None:
         self._reply = reply
         self._left = [None]
+        #: run once, by the call that answers, after its reply (any thread: must not raise)
+        self.after: Callable[[], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -140,6 +142,8 @@ class _Answer:
             self._reply(outcome)
         except Exception:
             log.exception("replying to a request failed")
+        if self.after is not None:
+            self.after()
         return True
 
 
@@ -529,20 +533,30 @@ class InferenceService:
 
         def finish(outcome: Outcome) -> None:     # on the Trio thread (the scheduler replies): must not raise
             try:
-                if request.ticket is not None:
-                    self._tasks.pop(request.ticket, None)
+                ticket = request.ticket
+                if ticket is not None:
+                    stages.queued.discard(ticket)         # it has left the scheduler
                 if isinstance(outcome, InferResult) and stages.cancelled:
                     outcome = _cancelled(model.name, request.request_id)
-                if not isinstance(outcome, InferResult):
-                    answer(outcome)
-                    return
-                if deadline <= trio.current_time():
-                    answer(_late(model.name, request.request_id, "postprocess"))
+                if not isinstance(outcome, InferResult) or deadline <= trio.current_time():
+                    if ticket is not None:
+                        self._tasks.pop(ticket, None)
+                    answer(outcome if not isinstance(outcome, InferResult)
+                           else _late(model.name, request.request_id, "postprocess"))
                     return
                 result = outcome
+                if ticket is not None:
+                    # Still cancellable while the hook waits for a thread: a client that went away
+                    # meanwhile is answered CANCELLED there, its hook not run (it ran, holding a
+                    # hook thread, for nobody). Forgotten by whichever call answers (a dict's pop
+                    # is atomic, whatever thread that is).
+                    answer.after = lambda: self._tasks.pop(ticket, None)
 
                 def work() -> None:
                     if answer.done:         # the deadline answered while this waited for a thread
+                        return
+                    if stages.cancelled:    # the client went away while this waited for a thread
+                        answer(_cancelled(model.name, request.request_id))
                         return
                     started_ns = time.perf_counter_ns()
                     try:
@@ -563,6 +577,8 @@ class InferenceService:
             except Exception as exc:
                 log.exception("model '%s': request '%s' failed after its execution", model.name,
                               request.request_id)
+                if request.ticket is not None:
+                    self._tasks.pop(request.ticket, None)
                 answer(InternalError(internal_message(exc, f"model '{model.name}'")))
         return finish
 
@@ -612,11 +628,14 @@ class InferenceService:
                 stages.queued.discard(ticket)
 
     # ---- preprocess / postprocess -------------------------------------------------------
-    async def _in_hook_pool(self, request: ClientRequest, hook: str, deadline: float, answer: _Answer, fn, *args):
+    async def _in_hook_pool(self, request: ClientRequest, hook: str, deadline: float, answer: _Answer,
+                            stages: Stages, fn, *args):
         """``fn(*args)`` (which raises XlaserveError only) in the hook pool, the one that bounds
         how many hooks run at once, waited for without holding up other tasks. At ``deadline``
         the request is answered DEADLINE_EXCEEDED and this returns ``_LATE``; the hook, if it
-        started, goes on in its thread and its result is dropped."""
+        started, goes on in its thread and its result is dropped. A request whose client went
+        away (``stages.cancelled``) while this waited for a thread raises CANCELLED when its turn
+        comes, without running the hook."""
         token = trio.lowlevel.current_trio_token()
         done = trio.Event()
         result: list = []
@@ -624,7 +643,10 @@ class InferenceService:
         def work() -> None:
             if answer.done:             # answered while this waited for a thread: skip the hook
                 return
-            result.append(capture(fn, *args))
+            if stages.cancelled:        # the client went away meanwhile: nobody wants the hook's result
+                result.append(Error(_cancelled(request.model.name, request.request_id)))
+            else:
+                result.append(capture(fn, *args))
             try:
                 token.run_sync_soon(done.set)
             except trio.RunFinishedError:
@@ -654,7 +676,7 @@ class InferenceService:
         inputs = request.inputs
         if hooks.preprocess is not None:
             inputs = await self._hook_stage(
-                request, "preprocess", deadline, answer, call_hook, model, "preprocess", hooks.preprocess, inputs,
+                request, "preprocess", deadline, answer, stages, call_hook, model, "preprocess", hooks.preprocess, inputs,
                 manifest.executable_inputs, request.rows, self.hook_failed)
             if inputs is _LATE:
                 return
@@ -664,20 +686,21 @@ class InferenceService:
             if stages.cancelled:
                 outcome = _cancelled(model.name, request.request_id)
             else:
-                outcome = await self._hook_stage(request, "postprocess", deadline, answer, postprocessed, model,
-                                                 outcome, request.rows, self.hook_failed, request.reply_limit)
+                outcome = await self._hook_stage(request, "postprocess", deadline, answer, stages, postprocessed,
+                                                 model, outcome, request.rows, self.hook_failed, request.reply_limit)
                 if outcome is _LATE:
                     return
         answer(outcome)
 
-    async def _hook_stage(self, request: ClientRequest, hook: str, deadline: float, answer: _Answer, fn, *args):
+    async def _hook_stage(self, request: ClientRequest, hook: str, deadline: float, answer: _Answer, stages: Stages,
+                          fn, *args):
         """:meth:`_in_hook_pool`, recorded as the hook's span when the request is traced."""
         trace = request.trace
         if trace is None:
-            return await self._in_hook_pool(request, hook, deadline, answer, fn, *args)
+            return await self._in_hook_pool(request, hook, deadline, answer, stages, fn, *args)
         started_ns = time.perf_counter_ns()
         try:
-            result = await self._in_hook_pool(request, hook, deadline, answer, fn, *args)
+            result = await self._in_hook_pool(request, hook, deadline, answer, stages, fn, *args)
         except XlaserveError as exc:
             _record_hook(trace, hook, started_ns, exc)
             raise
