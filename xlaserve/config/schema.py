@@ -252,6 +252,9 @@ def _pin_to_gpu(pin: Any, out: Mapping[str, Any], pin_path: str, path: str) -> M
 
 
 ModelSchedConfig.ALIASES = MappingProxyType({"pin_to_gpu": _pin_to_gpu})
+#: The settings of a model without overrides. Frozen, so one instance serves every such model: the
+#: dispatch loop asks for a model's settings several times per backlogged model per dispatch.
+DEFAULT_MODEL_SCHED = ModelSchedConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,7 +293,7 @@ class SchedulerConfig:
 
     def for_model(self, name: str) -> ModelSchedConfig:
         """The model's override, or the defaults when it has none."""
-        return self.models.get(name) or ModelSchedConfig()
+        return self.models.get(name) or DEFAULT_MODEL_SCHED
 
 
 @dataclass(frozen=True, slots=True)

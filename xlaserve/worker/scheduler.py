@@ -72,6 +72,16 @@ class Queued:
 
 
 @dataclass(frozen=True, slots=True)
+class _Planned:
+    """A backlogged model's next batch, planned from its queue as it is now."""
+
+    order: list[Queued]      # the queue in the order its batch was chosen from
+    plan: BatchPlan
+    candidate: Candidate     # the dispatch, were its weights resident
+    cold_due: float          # its batch's most urgent dispatch_by: what bounds its wait when cold
+
+
+@dataclass(frozen=True, slots=True)
 class ModelPolicy:
     """A model's effective scheduling settings (config, then run-time overrides)."""
 
@@ -109,7 +119,11 @@ class Scheduler:
         self._cold = ColdDeferral(self._policy, self._costs,
                                   config.cold_defer_dispatches if self._load_estimate is not None else 0)
         self._edf = config.discipline == "edf" and policy is None
-        self._queues: dict[str, deque[Queued]] = {}
+        self._queues: dict[str, deque[Queued]] = {}             # the backlogged models' queues (never empty)
+        #: each backlogged model's next batch as last planned, kept while its queue and settings
+        #: stay as they were: a dispatch plans again only the models whose queues changed since
+        #: the last one (those that got requests, the one dispatched), not every backlogged model
+        self._plans: dict[str, _Planned] = {}
         self._queued: set[int] = set()                          # seqs still waiting
         self._tickets: dict[object, Queued] = {}                # the cancellable ones among them
         self._cancelled: dict[str, set[int]] = {}               # answered CANCELLED, still in a queue
@@ -176,6 +190,7 @@ class Scheduler:
             override["batch_delay_seconds"] = batch_delay_seconds
         if batch_target_rows is not None:
             override["batch_target_rows"] = batch_target_rows or None
+        self._plans.pop(model, None)    # max_batch_size bounds its next batch
         self._wakeup.set()      # a hold in progress is judged again under the new settings
         return self.policy(model)
 
@@ -243,13 +258,11 @@ class Scheduler:
     def _admit(self, request: InferRequest) -> None:
         name = request.model.name
         now = trio.current_time()
-        queue = self._queues.get(name)
-        if queue is None:
-            queue = self._queues[name] = deque()
+        queue = self._queues.get(name, ())
         limit = self._config.max_queue_depth
         if len(queue) >= limit and name in self._cancelled:   # cancelled ones hold no slot
             self._remove_cancelled()
-            queue = self._queues[name]
+            queue = self._queues.get(name, ())
         if len(queue) >= limit:
             self._reject(request, QUEUE_FULL, QueueFull(
                 f"model '{name}' has {len(queue)} requests queued, the limit (scheduler.max_queue_depth) "
@@ -272,7 +285,11 @@ class Scheduler:
                        else request.enqueued_at + self._config.dispatch_timeout_seconds)
         seq = next(self._seq)
         queued = Queued(request, seq, dispatch_by)
+        queue = self._queues.get(name)
+        if queue is None:
+            queue = self._queues[name] = deque()
         queue.append(queued)
+        self._plans.pop(name, None)
         self._queued.add(seq)
         if request.ticket is not None:
             self._tickets[request.ticket] = queued
@@ -295,11 +312,21 @@ class Scheduler:
             if queued.seq in self._queued:          # not cancelled meanwhile
                 self._unqueue(queued)
                 self._reject(queued.request, MODEL_DROPPED, error)
+        self._plans.pop(name, None)
         self._cancelled.pop(name, None)
         self._costs.forget(name)
         self._wakeup.set()           # a hold on this model ends with its queue
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, 0)
+
+    def _requeue(self, name: str, queue: deque[Queued]) -> None:
+        """``queue`` is now the model's queue: it leaves the backlog when empty, and its next
+        batch is planned again at the next dispatch."""
+        if queue:
+            self._queues[name] = queue
+        else:
+            self._queues.pop(name, None)
+        self._plans.pop(name, None)
 
     def _unqueue(self, queued: Queued) -> None:
         """``queued`` no longer waits (dispatched or answered); its queue is the caller's to mend."""
@@ -329,7 +356,8 @@ class Scheduler:
             queue = self._queues.get(name)
             if queue is None:
                 continue
-            self._queues[name] = kept = deque(q for q in queue if q.seq not in seqs)
+            kept = deque(q for q in queue if q.seq not in seqs)
+            self._requeue(name, kept)
             if self._metrics is not None:
                 self._metrics.set_queue_depth(name, len(kept))
         self._wakeup.set()          # a hold is judged again without them
@@ -370,7 +398,7 @@ class Scheduler:
                 self._queued.discard(seq)
                 expired.setdefault(name, set()).add(seq)
         for name, seqs in expired.items():
-            queue = self._queues.get(name, deque())
+            queue = self._queues.get(name, ())
             kept: deque[Queued] = deque()
             for queued in queue:
                 if queued.seq not in seqs:
@@ -387,7 +415,7 @@ class Scheduler:
                         f"model '{name}': waited {waited:.3f} s for dispatch, longer than "
                         f"scheduler.dispatch_timeout_seconds ({self._config.dispatch_timeout_seconds} s), "
                         f"which bounds requests without a deadline of their own; it was not run"))
-            self._queues[name] = kept
+            self._requeue(name, kept)
             if self._metrics is not None:
                 self._metrics.set_queue_depth(name, len(kept))
 
@@ -412,7 +440,7 @@ class Scheduler:
                 # one), or that request would run alone in a batch of its own after the rest
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 self._drain_inbox()
-            backlog = {n: q for n, q in self._queues.items() if q}
+            backlog = self._queues
             if not backlog:
                 if self._closing:
                     self._dispatch_done = True
@@ -424,20 +452,23 @@ class Scheduler:
                 woken = True
                 continue
             now = trio.current_time()
-            plans: dict[str, tuple[list[Queued], BatchPlan]] = {}
+            plans = self._plans
             candidates: dict[str, Candidate] = {}
             estimate = self._load_estimate
             for name, queue in backlog.items():
-                order, plan = self._plan(name, queue)
-                plans[name] = order, plan
-                due = order[0].dispatch_by      # under edf, _plan ordered by dispatch_by
-                load = estimate(order[0].request.model) if estimate is not None else 0.0
-                if load > 0:                    # cold: its batch's most urgent request bounds its wait
-                    due = min(order[i].dispatch_by for i in plan.indices)
-                candidates[name] = Candidate(name, plan.size, queue[0].seq, due, load > 0, load)
+                planned = plans.get(name)
+                if planned is None:
+                    planned = plans[name] = self._planned(name, queue)
+                candidate = planned.candidate
+                if estimate is not None:
+                    load = estimate(planned.order[0].request.model)
+                    if load > 0:                # cold: its batch's most urgent request bounds its wait
+                        candidate = Candidate(name, candidate.size, candidate.oldest_seq, planned.cold_due,
+                                              True, load)
+                candidates[name] = candidate
             if len(backlog) == 1 and not self._closing:
                 (name, queue), = backlog.items()
-                until, target = self._hold_until(name, queue, plans[name][1], now)
+                until, target = self._hold_until(name, queue, plans[name].plan, now)
                 if until > now:     # the only backlogged model waits for more rows
                     self._held = (name, target)
                     self._wakeup = trio.Event()
@@ -448,15 +479,22 @@ class Scheduler:
                     continue
             decision = self._cold.decide(candidates, now)
             name = decision.model
-            order, plan = plans[name]
+            order, plan = plans[name].order, plans[name].plan
             batch = [order[i] for i in plan.indices]
             if self._edf and self._shed(name, batch, plan.size, now):
                 continue
             self._take(name, batch)
             if self._set_queued is not None:     # their device copies are evicted last
                 self._set_queued([q[0].request.model for q in self._queues.values() if q])
-            hint = plans[decision.next_cold][0][0].request.model if decision.next_cold else None
+            hint = plans[decision.next_cold].order[0].request.model if decision.next_cold else None
             await self._dispatch(name, batch, plan.size, hint)
+
+    def _planned(self, name: str, queue: deque[Queued]) -> "_Planned":
+        """Plan the model's next batch and describe it as a warm :class:`Candidate`."""
+        order, plan = self._plan(name, queue)
+        due = order[0].dispatch_by      # under edf, _plan ordered by dispatch_by
+        return _Planned(order, plan, Candidate(name, plan.size, queue[0].seq, due),
+                        min(order[i].dispatch_by for i in plan.indices))
 
     def _plan(self, name: str, queue: deque[Queued]) -> tuple[list[Queued], BatchPlan]:
         """The order in which ``queue`` is considered for the next batch, and the batch."""
@@ -517,7 +555,8 @@ class Scheduler:
                 queue.popleft()
         else:
             taken = {q.seq for q in batch}
-            self._queues[name] = queue = deque(q for q in queue if q.seq not in taken)
+            queue = deque(q for q in queue if q.seq not in taken)
+        self._requeue(name, queue)
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, len(queue))
 
