@@ -356,6 +356,28 @@ def test_batch_delay_ends_with_a_dropped_model_and_at_shutdown():
     run(test, config(models={"m": {"batch_delay_seconds": 5.0}}), {"m": per_batch(0.0)})
 
 
+def test_a_drain_ends_a_hold_at_once():
+    """The worker drains (SIGTERM): a held dispatch used to go on holding for rows that could no
+    longer come, the device idle, until batch_delay_seconds (or the deadline less the cost) ended
+    it; the drain waited that long, or cut the request off at its own limit. Now the drain ends
+    the hold in progress and no later dispatch is held."""
+    results = []
+
+    async def test(h: Harness):
+        h.submit("m", tag=1, into=results)
+        await trio.sleep(1)
+        assert results == []                # held: 1 row of the 8 it waits for
+        h.scheduler.drain()
+        await trio.sleep(0.001)
+        assert isinstance(results[0][3], InferResult) and round(results[0][0], 4) == 1.0
+        h.submit("m", tag=2, into=results)  # a request already on its way when the drain began
+        await trio.sleep(0.001)
+        assert isinstance(results[1][3], InferResult) and round(results[1][0], 4) == 1.001
+        assert [size for _, _, size, _ in h.device.log] == [1, 1]
+
+    run(test, config(models={"m": {"batch_delay_seconds": 20.0}}), {"m": per_batch(0.0)})
+
+
 def test_full_queue_rejects_with_resource_exhausted_naming_model_and_depth():
     results = []
 

@@ -4,6 +4,9 @@ answered with the right status; statistics and metrics show what happened."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -82,6 +85,37 @@ def test_a_held_dispatch_gathers_its_target_rows_into_one_execution(examples_rep
         np.testing.assert_allclose(r.as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
     assert (stats.inference_count, stats.execution_count) == (8, 1)
     assert [(b.batch_size, b.compute_infer.count) for b in stats.batch_stats] == [(8, 1)]
+
+
+def test_a_drain_dispatches_a_held_batch_at_once(examples_repo, tmp_path_factory):
+    """SIGTERM while a request is held for more rows: the worker used to hold it for rows that
+    could no longer come, the device idle, until its dispatch timeout less the cost (30 s); the
+    drain's own 30 s limit ended first, and the request was answered UNAVAILABLE without running.
+    Now the drain ends the hold: the request is answered and the worker exits at once."""
+    sched = {"models": {"mlp": {"batch_delay_seconds": 1000.0, "batch_target_rows": 8}}}
+    x = np.full((1, 512), 0.5, np.float32)
+    with serve(tmp_path_factory.mktemp("held_drain"), examples_repo,
+               {"scheduler": sched, "models_include": ["mlp"]}) as server:
+        client = grpcclient.InferenceServerClient(server.url)
+        answers = []
+
+        def infer():
+            try:
+                answers.append(client.infer("mlp", [infer_input("input", x, "FP32")], client_timeout=60))
+            except InferenceServerException as exc:
+                answers.append(exc)
+        request = threading.Thread(target=infer)
+        request.start()
+        while _metric(server.get("/metrics")[1], 'xlaserve_queue_depth{model="mlp"}') < 1:
+            time.sleep(0.01)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(60)
+        request.join(60)
+        took = time.monotonic() - started
+    assert server.process.returncode == 0, server.log()
+    assert took < 10, f"the drain took {took:.1f} s; the request's answer: {answers}"
+    np.testing.assert_allclose(answers[0].as_numpy("output"), reference.mlp_ref(x), rtol=1e-5, atol=1e-5)
 
 
 def test_full_queue_answers_resource_exhausted(edf_server):

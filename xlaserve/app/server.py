@@ -65,6 +65,7 @@ async def serve(config: WorkerConfig, *, claimed: Claimed | None = None, ready_c
             await _stop_requested(signals, supervisor_exited)
             log.info("draining: no new calls; waiting up to %.0fs for in-flight requests", DRAIN_SECONDS)
             draining.set()
+            actors.scheduler.drain()
             server.close()
             if rest is not None:
                 rest.close()

@@ -7,9 +7,10 @@ queued requests as fit the best compiled batch size (same version, never split, 
 model's ``max_batch_size`` rows), makes its weights resident and runs one execution; the
 outputs are cut back into each request's own rows. By default nothing waits on purpose: while
 one execution runs, the queues fill, and the next dispatch takes what has gathered. A model
-with ``batch_delay_seconds`` may instead be *held* while it is the only backlogged model: its
-dispatch waits until ``batch_target_rows`` rows are queued, another model gets a request, or
-its oldest request has waited the delay (never past a deadline less the learned cost).
+with ``batch_delay_seconds`` may instead be *held* while it is the only backlogged model (never
+once the worker drains): its dispatch waits until ``batch_target_rows`` rows are queued, another
+model gets a request, or its oldest request has waited the delay (never past a deadline less
+the learned cost).
 
 Every queued request is due for dispatch by its own deadline when it has one (the gRPC deadline
 or Triton's ``timeout`` parameter), else by hand-over + ``dispatch_timeout_seconds`` (both on
@@ -133,6 +134,7 @@ class Scheduler:
         self._expiry_changed = trio.Event()
         self._armed_at = math.inf
         self._closing = False
+        self._draining = False       # the worker drains: no hold (see drain)
         self._inbox: trio.MemoryReceiveChannel[SchedulerMessage] | None = None
         self._answers: deque[tuple[list[Queued], list[int], int, object]] = deque()   # executed, not yet answered
         self._answers_ready = trio.Event()
@@ -193,6 +195,14 @@ class Scheduler:
         self._plans.pop(model, None)    # max_batch_size bounds its next batch
         self._wakeup.set()      # a hold in progress is judged again under the new settings
         return self.policy(model)
+
+    def drain(self) -> None:
+        """The worker drains (it takes no new calls and waits for the ones in flight): from now
+        on no dispatch is held for more rows. A hold waits for requests that can no longer
+        come, so it would keep the requests queued, and with them the drain, waiting on an
+        idle device for up to ``batch_delay_seconds`` or past the drain's limit."""
+        self._draining = True
+        self._wakeup.set()      # a hold in progress ends now
 
     def policy(self, model: str) -> ModelPolicy:
         return ModelPolicy(model, self.weight(model), self.max_batch_size(model),
@@ -466,7 +476,7 @@ class Scheduler:
                         candidate = Candidate(name, candidate.size, candidate.oldest_seq, planned.cold_due,
                                               True, load)
                 candidates[name] = candidate
-            if len(backlog) == 1 and not self._closing:
+            if len(backlog) == 1 and not self._closing and not self._draining:
                 (name, queue), = backlog.items()
                 until, target = self._hold_until(name, queue, plans[name].plan, now)
                 if until > now:     # the only backlogged model waits for more rows
