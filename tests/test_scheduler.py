@@ -336,6 +336,25 @@ def test_batch_delay_never_holds_a_request_past_its_deadline_less_the_learned_co
     run(test, config(models={"m": {"batch_delay_seconds": 0.5}}), {"m": per_batch(0.02)})
 
 
+def test_batch_delay_ends_sooner_for_a_request_with_an_earlier_deadline_that_arrives_while_held():
+    """A request that joins a held queue with a deadline before the hold's end: the hold used to
+    go on (only its rows were checked), so that request expired unrun at 1 s while the device sat
+    idle until 10 s. Now it shortens the hold to its deadline less the cost (the conservative
+    0.05 s charge, nothing being measured yet), and both run together in time."""
+    results = []
+
+    async def test(h: Harness):
+        h.submit("m", tag=1, into=results)
+        await trio.sleep(0.5)
+        h.submit("m", tag=2, timeout=0.5, into=results)     # due at 1.0 s
+        await trio.sleep(20)
+        assert sorted((round(t, 4), tag, type(o).__name__) for t, _, tag, o in results) == \
+            [(0.95, 1, "InferResult"), (0.95, 2, "InferResult")]
+        assert [(round(start, 4), size) for start, _, size, _ in h.device.log] == [(0.95, 2)]
+
+    run(test, config(models={"m": {"batch_delay_seconds": 10.0}}), {"m": per_batch(0.0)})
+
+
 def test_batch_delay_ends_with_a_dropped_model_and_at_shutdown():
     results = []
 

@@ -139,7 +139,9 @@ class Scheduler:
         self._answers: deque[tuple[list[Queued], list[int], int, object]] = deque()   # executed, not yet answered
         self._answers_ready = trio.Event()
         self._dispatch_done = False
-        self._held: tuple[str, int] | None = None   # (model, rows that end the hold) while one is held
+        #: while a model's dispatch is held: (model, rows that end the hold, the dispatch_by before
+        #: which a new request of its ends the hold sooner: the hold's end plus the cost it allowed)
+        self._held: tuple[str, int, float] | None = None
         # Tracing on: each dispatch records its stages' times for the traced requests of the
         # batch (xlaserve.tracing); off, a dispatch pays this one check.
         self._tracing = tracing is not None
@@ -307,8 +309,8 @@ class Scheduler:
         if dispatch_by < self._armed_at:
             self._expiry_changed.set()
         held = self._held
-        if held is None or held[0] != name or sum(q.request.rows for q in queue) >= held[1]:
-            self._wakeup.set()
+        if held is None or held[0] != name or dispatch_by < held[2] or sum(q.request.rows for q in queue) >= held[1]:
+            self._wakeup.set()      # (sooner than the hold's end allows for: judged again, with it)
         if self._metrics is not None:
             self._metrics.set_queue_depth(name, len(queue))
 
@@ -478,9 +480,9 @@ class Scheduler:
                 candidates[name] = candidate
             if len(backlog) == 1 and not self._closing and not self._draining:
                 (name, queue), = backlog.items()
-                until, target = self._hold_until(name, queue, plans[name].plan, now)
+                until, target, cost = self._hold_until(name, queue, plans[name].plan, now)
                 if until > now:     # the only backlogged model waits for more rows
-                    self._held = (name, target)
+                    self._held = (name, target, until + cost)
                     self._wakeup = trio.Event()
                     with trio.move_on_at(until):
                         await self._wakeup.wait()
@@ -523,21 +525,23 @@ class Scheduler:
             plan = BatchPlan((0,), order[0].request.rows, model.compiled_batch_sizes[-1])
         return order, plan
 
-    def _hold_until(self, name: str, queue: deque[Queued], plan: BatchPlan, now: float) -> tuple[float, int]:
+    def _hold_until(self, name: str, queue: deque[Queued], plan: BatchPlan,
+                    now: float) -> tuple[float, int, float]:
         """(until when the model's dispatch may be held for more rows, the rows that end the
-        hold). ``until <= now``: dispatch now. See ``batch_delay_seconds``."""
+        hold, the learned cost of the batch it waits for: a request due before ``until`` plus
+        that cost ends it sooner). ``until <= now``: dispatch now. See ``batch_delay_seconds``."""
         delay = self.batch_delay_seconds(name)
         if not delay:
-            return -math.inf, 0
+            return -math.inf, 0, 0.0
         sizes = queue[0].request.model.compiled_batch_sizes
         target = min(self.batch_target_rows(name) or sizes[-1], self.max_batch_size(name) or sizes[-1], sizes[-1])
         if plan.rows >= target or sum(q.request.rows for q in queue) >= target:
-            return -math.inf, target        # (requests that do not pack into one batch: no hold)
+            return -math.inf, target, 0.0   # (requests that do not pack into one batch: no hold)
         # the oldest request (queue order is admission order) waits at most the delay, and no
         # request is held past the moment it must start so as to finish by its deadline
         cost = self._costs.charge(name, smallest_holding(sizes, target) or sizes[-1])
         return min(queue[0].request.enqueued_at + delay,
-                   min(q.dispatch_by for q in queue) - cost), target
+                   min(q.dispatch_by for q in queue) - cost), target, cost
 
     def _shed(self, name: str, batch: list[Queued], size: int, now: float) -> bool:
         """edf: answer the requests of ``batch`` that cannot finish by their deadline; any shed?"""
