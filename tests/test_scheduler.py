@@ -779,6 +779,21 @@ def test_edf_runs_the_most_urgent_model_first():
     run(test, config(discipline="edf"), {n: per_batch(0.1) for n in ("busy", "late", "none", "soon")})
 
 
+def test_answered_requests_with_far_deadlines_do_not_grow_the_expiry_heap():
+    """Attack: every request carries a deadline years away (Triton's ``timeout`` of 2**64-1
+    microseconds, or ``grpc-timeout: 99999999H``). Each answered request left its entry in the
+    expiry heap until its deadline came up, so the worker's memory grew by one entry per request
+    for good (20,000 requests: 19,998 entries). Now the heap is rebuilt without them when they
+    outnumber the live ones."""
+    async def test(h: Harness):
+        for _ in range(4096):
+            assert isinstance(await h.infer("m", timeout=1e9), InferResult)
+        assert len(h.scheduler._expiry) <= 1025     # scheduler.EXPIRY_SLACK stale ones at most
+        assert h.queue_depth("m") == 0
+
+    run(test, config(), {"m": per_batch(0.001)})
+
+
 def test_deadline_passing_in_the_queue_fails_without_running():
     results = []
 

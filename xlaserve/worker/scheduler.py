@@ -60,6 +60,11 @@ MODEL_DROPPED = "model_dropped"
 EXECUTION_FAILED = "execution_failed"
 WEIGHTS_UNAVAILABLE = "weights_unavailable"  # the weight cache could not make the model resident
 CANCELLED = "cancelled"                   # its client went away (stream reset, connection closed) while queued
+#: stale entries (requests no longer queued) the expiry heap may hold beyond its live ones before
+#: it is rebuilt without them: each answered request leaves its entry behind until its
+#: dispatch_by comes up, and a client's deadline may be years away (Triton's ``timeout`` of
+#: 2**64-1 microseconds), so without a rebuild every such request grew the heap for good
+EXPIRY_SLACK = 1024
 #: turns the dispatch loop yields, at most, for a message run() holds (_message_in_hand): enough
 #: for the random order of a turn's tasks, few enough that a steady stream cannot hold it up
 IN_HAND_TURNS = 4
@@ -305,7 +310,12 @@ class Scheduler:
         self._queued.add(seq)
         if request.ticket is not None:
             self._tickets[request.ticket] = queued
-        heapq.heappush(self._expiry, (dispatch_by, seq, name))
+        heap = self._expiry
+        if len(heap) > 2 * len(self._queued) + EXPIRY_SLACK:
+            # in place: the expiry task holds the list; amortized, a rebuild costs O(1) per request
+            heap[:] = [entry for entry in heap if entry[1] in self._queued]
+            heapq.heapify(heap)
+        heapq.heappush(heap, (dispatch_by, seq, name))
         if dispatch_by < self._armed_at:
             self._expiry_changed.set()
         held = self._held
