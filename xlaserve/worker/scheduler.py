@@ -84,7 +84,6 @@ class _Planned:
     order: list[Queued]      # the queue in the order its batch was chosen from
     plan: BatchPlan
     candidate: Candidate     # the dispatch, were its weights resident
-    cold_due: float          # its batch's most urgent dispatch_by: what bounds its wait when cold
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,8 +484,9 @@ class Scheduler:
                 if estimate is not None:
                     load = estimate(planned.order[0].request.model)
                     if load > 0:                # cold: its batch's most urgent request bounds its wait
-                        candidate = Candidate(name, candidate.size, candidate.oldest_seq, planned.cold_due,
-                                              True, load)
+                        order = planned.order
+                        candidate = Candidate(name, candidate.size, candidate.oldest_seq,
+                                              min(order[i].dispatch_by for i in planned.plan.indices), True, load)
                 candidates[name] = candidate
             if len(backlog) == 1 and not self._closing and not self._draining:
                 (name, queue), = backlog.items()
@@ -508,15 +508,16 @@ class Scheduler:
             self._take(name, batch)
             if self._set_queued is not None:     # their device copies are evicted last
                 self._set_queued([q[0].request.model for q in self._queues.values() if q])
-            hint = plans[decision.next_cold].order[0].request.model if decision.next_cold else None
+            # (the dispatched model's plan is gone with its batch: never the hint)
+            cold = plans.get(decision.next_cold) if decision.next_cold else None
+            hint = cold.order[0].request.model if cold is not None else None
             await self._dispatch(name, batch, plan.size, hint)
 
     def _planned(self, name: str, queue: deque[Queued]) -> "_Planned":
         """Plan the model's next batch and describe it as a warm :class:`Candidate`."""
         order, plan = self._plan(name, queue)
         due = order[0].dispatch_by      # under edf, _plan ordered by dispatch_by
-        return _Planned(order, plan, Candidate(name, plan.size, queue[0].seq, due),
-                        min(order[i].dispatch_by for i in plan.indices))
+        return _Planned(order, plan, Candidate(name, plan.size, queue[0].seq, due))
 
     def _plan(self, name: str, queue: deque[Queued]) -> tuple[list[Queued], BatchPlan]:
         """The order in which ``queue`` is considered for the next batch, and the batch."""
