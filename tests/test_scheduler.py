@@ -861,6 +861,35 @@ def test_dispatch_timeout_bounds_only_requests_without_a_deadline_of_their_own(d
         {"busy": per_batch(5.0), "m": per_batch(0.1)})
 
 
+
+def test_the_expiry_heap_holds_what_is_queued_not_the_traffic_of_the_last_dispatch_timeout():
+    """A request's entry in the expiry heap left only when it reached the top, at its
+    ``dispatch_by``: with every request answered at once, the heap still held each one of the
+    last ``dispatch_timeout_seconds`` (30 s of traffic, ~130 bytes a request). Entries of
+    requests no longer queued are now dropped once they outnumber the queued ones, so a
+    steady stream keeps the heap near what waits."""
+    from xlaserve.worker.scheduler import EXPIRY_SLACK
+    answered = []
+
+    async def test(h: Harness):
+        for _ in range(20):                                  # 10,000 requests in 2 s of a 30 s timeout
+            for _ in range(500):
+                h.submit("m", into=answered)
+            await trio.sleep(0.1)
+        assert len(answered) == 10_000 and all(isinstance(o, InferResult) for *_, o in answered)
+        assert len(h.scheduler._expiry) <= EXPIRY_SLACK + 1, len(h.scheduler._expiry)
+        h.submit("slow", tag=1, into=answered)               # holds the device: the others wait
+        await trio.sleep(0.001)
+        for _ in range(1000):                                # under max_queue_depth (1024)
+            h.submit("m", into=answered)
+        await trio.sleep(1)
+        assert len(h.scheduler._expiry) >= 1000              # the waiting ones keep their entries
+        await trio.sleep(40)                                 # "slow" runs 50 s: the waiting ones expire
+        timeouts = [o for _, name, _, o in answered[10_000:] if name == "m"]
+        assert len(timeouts) == 1000 and all(isinstance(o, DeadlineExceeded) for o in timeouts)
+
+    run(test, config(), {"m": per_batch(0.001), "slow": per_batch(50.0)})
+
 # ---- weights that cannot be made resident ---------------------------------------------------
 class RefusingWeights(FakeWeights):
     """Refuses one model's weights, as the cache does when a replaced version cannot come back."""
