@@ -724,20 +724,31 @@ def test_meta_run_raising_anything_or_a_sub_model_hook_failing_is_counted_where_
     assert failures == [("meta", "run")]
 
 
+def _hanging(ran: list | None = None):
+    """A hook that never returns (until ``release`` is set, 30 s at most) when its first input's
+    first value is negative, and returns its tensors otherwise; ``hung`` is set once one hangs.
+    ``ran`` (optional) hears "hung" or "later" for each call."""
+    hung, release = threading.Event(), threading.Event()
+
+    def hook(tensors):
+        negative = tensors[0].data.flat[0] < 0
+        if ran is not None:
+            ran.append("hung" if negative else "later")
+        if negative:
+            hung.set()
+            release.wait(30)
+        return tensors
+    return hook, hung, release
+
+
 @pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
 def test_requests_answered_while_waiting_for_a_hook_thread_leave_the_queue(stage):
     """A hook that never returns holds the pool's one thread; each later request is answered
     DEADLINE_EXCEEDED while it waits for a thread, and its work item leaves the pool's queue
     then, letting go of the request's tensors. It stayed queued for good before: 150 KB a request
     kept by a worker whose 16 hook threads hung (76 MB per 500 requests with 20 ms deadlines)."""
-    hung, release = threading.Event(), threading.Event()
+    hook, hung, release = _hanging()
     tensors_made: list[weakref.ref] = []    # what a waiting hook would get: the inputs, or the outputs
-
-    def hook(tensors):
-        if tensors[0].data.flat[0] < 0:
-            hung.set()
-            release.wait(30)
-        return tensors
 
     async def main():
         replies: list = []
@@ -790,15 +801,8 @@ def test_a_request_cancelled_while_its_hook_waits_for_a_thread_is_answered_witho
     held). Its hook ran later all the same, holding a thread for nobody (a postprocess-only
     request was not even cancellable then: its ticket was dropped when the execution answered).
     Now it is answered CANCELLED when its turn comes, its hook not run, its ticket forgotten."""
-    hung, release = threading.Event(), threading.Event()
     ran: list[str] = []
-
-    def hook(tensors):
-        ran.append("hung" if tensors[0].data.flat[0] < 0 else "later")
-        if tensors[0].data.flat[0] < 0:
-            hung.set()
-            release.wait(30)
-        return tensors
+    hook, hung, release = _hanging(ran)
 
     async def main():
         replies: dict = {}
@@ -914,13 +918,7 @@ def test_requests_starved_of_a_hook_thread_are_counted_and_the_pool_shows_busy(s
     busy and three requests waiting; at their deadline each is answered, counted under its model
     and hook in ``hook_starved``, and leaves the queue. When the hook returns the thread is free."""
     from xlaserve.worker.inference import HookThreads, ThreadPoolStatistics
-    hung, release = threading.Event(), threading.Event()
-
-    def hook(tensors):
-        if tensors[0].data.flat[0] < 0:
-            hung.set()
-            release.wait(30)
-        return tensors
+    hook, hung, release = _hanging()
 
     async def main():
         replies: list = []
@@ -970,13 +968,7 @@ def test_a_request_waiting_for_a_hook_thread_when_the_worker_stops_leaves_the_qu
     only hook thread, held by a hook that never returns: the request is answered UNAVAILABLE
     and its work leaves the queue then (it stayed there, counted as waiting, before)."""
     from xlaserve.errors import Unavailable
-    hung, release = threading.Event(), threading.Event()
-
-    def hook(tensors):
-        if tensors[0].data.flat[0] < 0:
-            hung.set()
-            release.wait(30)
-        return tensors
+    hook, hung, release = _hanging()
 
     async def main():
         replies: list = []
@@ -1010,13 +1002,10 @@ def test_a_meta_request_that_never_got_a_meta_thread_is_told_so_and_counted():
     ``hook_starved`` as ``run``; the meta pool shows it busy and waiting. (It was answered as if
     its run had started and run late.)"""
     from xlaserve.worker.inference import ThreadPoolStatistics
-    hung, release = threading.Event(), threading.Event()
+    hook, hung, release = _hanging()
 
     def run(tensors, ctx):
-        if tensors[0].data.flat[0] < 0:
-            hung.set()
-            release.wait(30)
-        return tensors
+        return hook(tensors)
 
     async def main():
         replies: list = []
