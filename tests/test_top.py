@@ -773,3 +773,31 @@ def test_once_json_is_strict_json_whatever_numbers_a_peer_sent():
                                                                   models=[_model("a", device_seconds=math.inf)])))
     assert data["uptime_seconds"] is None and data["models"][0]["device_seconds"] is None
     json.loads(json.dumps(data, allow_nan=False))       # NaN and Infinity were written bare
+
+
+def test_hook_threads_held_by_user_code_are_named_on_the_workers_line_red_once_they_starve_the_rest():
+    """The worker's status says how many hook and meta threads run user code and how many
+    requests wait for one: the worker's line names a pool with a thread busy, and in the
+    dashboard turns it red when every thread is held and requests wait (hung hooks starving
+    every hooked model). An idle pool says nothing."""
+    idle = pb.ModelControlStatusResponse(worker="w", hook_threads=16, meta_threads=64, models=[_model("m")])
+    assert "threads" not in once_text(idle, "host:1")
+    busy = pb.ModelControlStatusResponse(worker="w", hook_threads=16, hook_threads_busy=16, hook_requests_waiting=3,
+                                         meta_threads=64, meta_threads_busy=2, models=[_model("m")])
+    assert "hook threads 16/16 busy, 3 waiting; meta threads 2/64 busy" in once_text(busy, "host:1")
+    fail = asyncio.Event()
+
+    async def source(address, interval):
+        yield busy
+        await fail.wait()
+
+    async def run() -> None:
+        app = TopApp(Address("10.0.0.7", 8001), interval=1.0, source=source, max_backoff=60.0)
+        async with app.run_test(size=(200, 50)):
+            await _until(app, lambda: len(app.rows) == 1)
+            assert "hook threads 16/16 busy, 3 waiting; meta threads 2/64 busy" in app.status_line
+            header = app._header.visual
+            red = [header.plain[span.start:span.end] for span in header.spans if str(span.style) == "b red"]
+            assert red == ["hook threads 16/16 busy, 3 waiting; meta threads 2/64 busy"], red
+            fail.set()
+    asyncio.run(run())

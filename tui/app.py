@@ -26,7 +26,8 @@ from textual.widgets import Button, DataTable, Footer, Input, Label, Log, Sparkl
 from tui import connection
 from tui.connection import Address
 from tui.status import (COLUMNS, WORKER_COLUMN, ModelRow, WorkerView, cells, changes, derive,
-                        human_bytes, human_duration, human_seconds, loads_text, share_text, spark, visible)
+                        hook_pools_text, human_bytes, human_duration, human_seconds, loads_text, share_text, spark,
+                        visible)
 from xlaserve._proto import grpc_service_pb2 as kpb
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve.controlchars import show_controls
@@ -357,10 +358,13 @@ class TopApp(App[None]):
         stale = (f"  [b red]silent {silent:.0f} s[/b red]"
                  if silent > max(self.STALE_UPDATES * self.interval, 2.0) else "")
         # what matters first, so that an 80-column terminal cuts only the least useful end
+        pools, saturated = hook_pools_text(w)
+        if pools:       # hooks that hang hold their threads: named, in red once they starve the rest
+            pools = f"  [b red]{pools}[/b red]" if saturated else f"  {pools}"
         return Content.from_markup(
             f"[b]$worker[/b] $backend $discipline{stale}  "
             f"budget {human_bytes(w.resident_bytes)} / {human_bytes(w.budget_bytes)}  "
-            f"{rate} rows/s  {w.in_flight} in flight  up {human_duration(w.uptime_seconds)}{cache}",
+            f"{rate} rows/s  {w.in_flight} in flight{pools}  up {human_duration(w.uptime_seconds)}{cache}",
             worker=w.worker, backend=w.backend, discipline=w.discipline)
 
     def _render_worker(self, now: float) -> None:

@@ -129,6 +129,20 @@ class WorkerView:
     uptime_seconds: float = 0.0
     cache_hits: int = 0
     cache_lookups: int = 0
+    #: (pool, threads, busy, waiting) of its hook and meta thread pools
+    hook_pools: tuple[tuple[str, int, int, int], ...] = ()
+
+
+def hook_pools_text(worker: WorkerView) -> tuple[str, bool]:
+    """What the worker's line says of its hook thread pools, and whether a pool is saturated
+    (every thread held by user code, requests waiting: hung hooks starving its models). Only the
+    pools with a thread busy are named; "" when none is."""
+    parts, saturated = [], False
+    for pool, threads, busy, waiting in worker.hook_pools:
+        if busy:
+            parts.append(f"{pool} threads {busy}/{threads} busy" + (f", {waiting} waiting" if waiting else ""))
+            saturated = saturated or (busy >= threads and waiting > 0)
+    return "; ".join(parts), saturated
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +273,11 @@ def derive(current: pb.ModelControlStatusResponse, previous: pb.ModelControlStat
                         budget_bytes=current.budget_bytes, resident_bytes=current.resident_bytes,
                         rows_per_second=total, discipline=current.discipline, in_flight=current.in_flight,
                         uptime_seconds=current.uptime_seconds, cache_hits=lookups.get("hit", 0),
-                        cache_lookups=sum(lookups.values()))
+                        cache_lookups=sum(lookups.values()),
+                        hook_pools=(("hook", current.hook_threads, current.hook_threads_busy,
+                                     current.hook_requests_waiting),
+                                    ("meta", current.meta_threads, current.meta_threads_busy,
+                                     current.meta_requests_waiting)))
     return worker, rows
 
 
@@ -428,9 +446,11 @@ def once_text(status: pb.ModelControlStatusResponse, address: str) -> str:
             lines.append("")
         cache = (f", executable cache {worker.cache_hits}/{worker.cache_lookups} hits"
                  if worker.cache_lookups else "")
+        pools, _ = hook_pools_text(worker)
         lines.append(f"{worker.worker} at {address}, backend {worker.backend}, {worker.discipline or '-'}, "
                      f"budget {human_bytes(worker.resident_bytes)} / {human_bytes(worker.budget_bytes)}, "
-                     f"{worker.in_flight} in flight, up {human_duration(worker.uptime_seconds)}{cache}")
+                     f"{worker.in_flight} in flight, up {human_duration(worker.uptime_seconds)}{cache}"
+                     + (f", {pools}" if pools else ""))
         table = [[heading for _, heading in COLUMNS]] + [list(cells(row)) for row in rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
         for line in table:
