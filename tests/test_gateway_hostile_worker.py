@@ -619,10 +619,11 @@ def _infer_reply(worker: str) -> bytes:
     return reply.SerializeToString()
 
 
-def _fake_worker_serving_mlp(name: str, on_infer):
+def _fake_worker_serving_mlp(name: str, on_infer, on_other=None):
     """A fake worker's script: it reports model ``mlp`` READY on the gateway's status stream every
     0.2 s and answers ModelInfer with ``on_infer(conn, request)`` (which returns False to stop
-    reading the connection)."""
+    reading the connection); any other call with ``on_other(conn, request)`` when given (else
+    UNIMPLEMENTED)."""
     status = cpb.ModelControlStatusResponse(worker=name, discipline="fifo",
                                             models=[cpb.ModelControl(name="mlp", state="READY", version=1)])
     status_frame = framed(status.SerializeToString())
@@ -641,6 +642,8 @@ def _fake_worker_serving_mlp(name: str, on_infer):
                 elif req.path == MODEL_INFER:
                     if await on_infer(conn, req) is False:
                         break
+                elif on_other is not None:
+                    await on_other(conn, req)
                 else:
                     await conn.send(frame(HEADERS, END_HEADERS | END_STREAM, req.sid,
                                           trailers(Status.UNIMPLEMENTED, f"{req.path} is not faked")))

@@ -1,7 +1,8 @@
-"""ModelStreamInfer through the real gateway, in front of fake workers (those of
-tests/test_gateway_hostile_worker.py) that hold or fail each ModelInfer, called by grpclib's
-client: a stream that ends early takes its forwarded requests back from the workers, and an
-error answered on the stream names the request it belongs to."""
+"""ModelStreamInfer, and a call forwarded to every worker, through the real gateway in front of
+fake workers (those of tests/test_gateway_hostile_worker.py) that hold or fail each call, called
+by grpclib's client: a stream that ends early takes its forwarded requests back from the workers,
+an error answered on the stream names the request it belongs to, and a shared-memory
+registration some workers refuse is undone on the others."""
 from __future__ import annotations
 
 import asyncio
@@ -12,6 +13,7 @@ import numpy as np
 import trio
 from grpclib.client import Channel
 from grpclib.const import Status
+from grpclib.exceptions import GRPCError
 
 from tests.test_gateway_hostile_worker import GatewayOverFakes, Request, WorkerConn, _fake_worker_serving_mlp
 from xlaserve._proto import grpc_service_pb2 as pb
@@ -132,5 +134,46 @@ def test_an_answer_past_max_send_msg_bytes_is_that_requests_error_and_the_stream
         assert re.fullmatch(r"the response message is 30\d\d bytes; the limit \(gateway.grpc.max_send_msg_bytes\) "
                             r"is 2000", responses[1].error_message), responses[1].error_message
         assert _in_flight(gateway) == 0
+    finally:
+        gateway.stop()
+
+
+def test_a_region_one_worker_refuses_is_unregistered_from_the_workers_that_took_it():
+    # A registration is forwarded to every worker. When one refused it, the others kept it: the
+    # call failed, but a client that retried was told "already registered" by them for good.
+    calls: dict[str, list[str]] = {"worker0": [], "worker1": []}
+
+    def shm(name: str, refuse: bool):
+        async def on_other(conn: WorkerConn, req: Request) -> None:
+            method = req.path.rsplit("/", 1)[1]
+            if "SharedMemory" in method:          # (discovery asks for ModelConfig too)
+                calls[name].append(method)
+            if method == "SystemSharedMemoryRegister" and refuse:
+                await conn.reply(req.sid, b"", Status.INVALID_ARGUMENT, "no shared-memory object 'k' exists")
+            else:
+                await conn.reply(req.sid, b"")
+        return on_other
+
+    async def answer(conn: WorkerConn, req: Request) -> None:
+        await conn.reply(req.sid, pb.ModelInferResponse(model_name="mlp").SerializeToString())
+
+    gateway = GatewayOverFakes(_fake_worker_serving_mlp("worker0", answer, shm("worker0", False)),
+                               _fake_worker_serving_mlp("worker1", answer, shm("worker1", True)))
+    gateway.wait_ready(models=1)
+    try:
+        async def register():
+            async with Channel("127.0.0.1", gateway.port) as channel:
+                stub = GRPCInferenceServiceStub(channel)
+                try:
+                    await stub.SystemSharedMemoryRegister(pb.SystemSharedMemoryRegisterRequest(
+                        name="r", key="/k", byte_size=64))
+                except GRPCError as exc:
+                    return exc
+        error = asyncio.run(register())
+        assert error is not None and error.status is Status.INVALID_ARGUMENT
+        assert error.message == ("worker1: no shared-memory object 'k' exists; undone on worker0, where it had "
+                                 "succeeded"), error.message
+        assert calls == {"worker0": ["SystemSharedMemoryRegister", "SystemSharedMemoryUnregister"],
+                         "worker1": ["SystemSharedMemoryRegister"]}
     finally:
         gateway.stop()

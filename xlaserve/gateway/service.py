@@ -509,9 +509,43 @@ class GatewayService:
             if "SharedMemory" in method:
                 self._check_shm_peer(method, stream)
             replies = await self._gather(SERVICE + method, request, stream)
+            if method == "SystemSharedMemoryRegister":
+                error = await self._undo_partial_registration(request, replies, stream)
+                if error is not None:
+                    raise error
             raise_first_failure(replies)
             await stream.send_message(next(iter(replies.values())))
         return handler
+
+    async def _undo_partial_registration(self, request: RawMessage, replies: Mapping[str, object],
+                                         stream) -> GRPCError | None:
+        """When some workers refused a region and others took it: unregister it from those that
+        took it, and the call's error (None otherwise). A failed registration then leaves the
+        region registered nowhere, as on one worker; before, a client that retried was told
+        'already registered' by the workers that had taken it, until it thought to unregister
+        first."""
+        refused = [w for w, r in replies.items() if isinstance(r, GRPCError)]
+        took = [w for w, r in replies.items() if not isinstance(r, GRPCError)]
+        if not refused or not took:
+            return None
+        name = _parsed(pb.SystemSharedMemoryRegisterRequest, request).name
+        undo = RawMessage(pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString())
+        undone: dict[str, object] = {}
+
+        async def one(worker: str) -> None:
+            undone[worker] = await self._raw_call(worker, SERVICE + "SystemSharedMemoryUnregister", undo, stream)
+        async with trio.open_nursery() as nursery:
+            for worker in took:
+                nursery.start_soon(one, worker)
+        kept = [w for w in took if isinstance(undone[w], GRPCError)]
+        first = refused[0]
+        error = replies[first]
+        others = f" ({len(refused) - 1} other worker(s) failed too)" if len(refused) > 1 else ""
+        gone = [w for w in took if w not in kept]
+        note = f"; undone on {', '.join(gone)}, where it had succeeded" if gone else ""
+        if kept:
+            note += f"; still registered on {', '.join(kept)}: unregistering it there failed"
+        return GRPCError(error.status, f"{first}: {error.message}{others}{note}")
 
     async def _statistics(self, stream) -> None:
         request = await stream.recv_message()
