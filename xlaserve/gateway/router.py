@@ -141,6 +141,15 @@ class Router:
         """The model's largest compiled batch size (what one replica's batch holds)."""
         self._capacity[model] = max(1, largest_batch)
 
+    def forget_models_except(self, known: Iterable[str]) -> None:
+        """Drop what is kept per model (capacity, the replica being filled, the round-robin turn)
+        for every model not in ``known``: a worker that reports new names all the time (broken or
+        hostile) would otherwise grow these without bound."""
+        known = set(known)
+        for table in (self._capacity, self._open, self._turn):
+            for model in [m for m in table if m not in known]:
+                del table[model]
+
     def started(self, worker: str, model: str) -> None:
         """A request to ``model`` went to ``worker`` (counted for filling)."""
         key = (worker, model)

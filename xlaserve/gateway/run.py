@@ -96,6 +96,7 @@ class Gateway:
         self._capacity_asked: set[str] = set()
         self._residency: dict[tuple[str, str], str] = {}     # (worker, model) -> as WatchStatus says
         self._refused: set[str] = set()                      # lpt_packing: workers that run fair
+        self._negative_sizes: set[str] = set()               # workers warned of a byte count below 0
         try:
             self.tracing = open_tracing(config.tracing, "gateway", span_exporter=span_exporter)
         except OSError as exc:
@@ -262,10 +263,19 @@ class Gateway:
                     heard[0].set()
                     return
                 self._refused.discard(name)
-                self._budgets[name] = status.budget_bytes
+                # A byte count below 0 is no size at all (a broken or hostile worker): the
+                # packer refuses one, and its error ended the whole gateway. A budget below 0
+                # counts as 0 (nothing fits there); a model's size below 0 as not reported.
+                negative = [m.name for m in status.models if m.weight_bytes < 0]
+                if (status.budget_bytes < 0 or negative) and name not in self._negative_sizes:
+                    self._negative_sizes.add(name)
+                    log.warning("gateway: worker %s reports byte counts below 0 (budget_bytes %d; weight_bytes of "
+                                "%d model(s), %.200r first): a budget below 0 is taken as 0, a size below 0 as "
+                                "not reported", name, status.budget_bytes, len(negative), negative[0] if negative else "")
+                self._budgets[name] = max(0, status.budget_bytes)
                 for m in status.models:
                     self._residency[(name, m.name)] = m.residency
-                    if m.weight_bytes:
+                    if m.weight_bytes > 0:
                         self._weight_bytes[m.name] = m.weight_bytes
                     if m.state == "READY" and m.name not in self._capacity_asked and self._nursery is not None:
                         self._capacity_asked.add(m.name)
@@ -273,6 +283,7 @@ class Gateway:
                 was_up = self.router.is_up(name)
                 self.router.worker_up(name, [ModelOnWorker(m.name, m.state, int(m.version), m.reason)
                                              for m in status.models])
+                self._forget_gone_models(name, status)
                 heard[0].set()
                 if not was_up:
                     log.info("gateway: worker %s is routed to: %d model(s) ready", name,
@@ -308,6 +319,20 @@ class Gateway:
                 log.warning("gateway: worker %s ended its status stream (%s); routing around it", name,
                             why or "it is draining")
                 await trio.sleep(DISCOVERY_INTERVAL)
+
+    def _forget_gone_models(self, worker: str, status: cpb.ModelControlStatusResponse) -> None:
+        """Forget what the gateway keeps per model for models no worker reports any more (and
+        ``worker``'s residencies of models it no longer lists): a worker that reports new names
+        in every status, broken or hostile, grew these tables by its whole catalog each
+        DISCOVERY_INTERVAL, for as long as it ran."""
+        listed = {m.name for m in status.models}
+        for key in [k for k in self._residency if k[0] == worker and k[1] not in listed]:
+            del self._residency[key]
+        known = self.router.models()
+        for model in [m for m in self._weight_bytes if m not in known]:
+            del self._weight_bytes[model]
+        self._capacity_asked &= known.keys()
+        self.router.forget_models_except(known)
 
     # ---- lpt_packing -------------------------------------------------------------------------
     async def _learn_capacity(self, worker: str, model: str, cap: int) -> None:
@@ -462,6 +487,7 @@ class Gateway:
                 self._up.labels(name).set(1 if upstream.up else 0)
             for cause, n in self.service.errors.items():
                 self._errors.labels(cause).set(n)
+            self._replicas.clear()      # a model no worker reports any more leaves the page
             for model in self.router.models():
                 self._replicas.labels(model).set(len(self.router.replicas(model)))
             if self.placement is not None:
