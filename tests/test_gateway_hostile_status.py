@@ -132,3 +132,44 @@ def test_a_worker_reporting_new_model_names_in_every_status_does_not_grow_the_ga
             assert gateway.router.pick("mlp") == "worker0"
             nursery.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _flooding(conn_statuses):
+    """A fake worker's script that sends ``conn_statuses`` (serialized) as fast as the gateway reads."""
+    async def script(conn: WorkerConn) -> None:
+        await conn.handshake()
+        while (req := await conn.request()) is not None:
+            if req.path == WATCH_STATUS:
+                await conn.send(frame(HEADERS, END_HEADERS, req.sid, RESPONSE_HEADERS))
+                message = frame(DATA, 0, req.sid, framed(conn_statuses.SerializeToString()))
+                while True:
+                    await conn.send(message)
+                    await trio.sleep(0.0001)
+            else:
+                await conn.send(frame(HEADERS, END_HEADERS | END_STREAM, req.sid,
+                                      trailers(Status.UNIMPLEMENTED, f"{req.path} is not faked")))
+    return script
+
+
+def test_a_worker_sending_statuses_far_faster_than_asked_has_them_applied_at_most_every_status_gap():
+    # 10 000 statuses a second: each was applied (the board re-serialized, the router rebuilt),
+    # which held up the gateway's other work by the catalog's size each time
+    from xlaserve.gateway import run as gateway_run
+
+    status = _new_names_every_time(0)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, lambda s: _flooding(status)(WorkerConn(s)),
+                                                              0, host="127.0.0.1"))
+            gateway = Gateway([WorkerAddress("worker0", "127.0.0.1", listeners[0].socket.getsockname()[1])],
+                              gateway_config("round_robin"))
+            await nursery.start(gateway.run)
+            await trio.sleep(1)
+            start = gateway.board.generation
+            await trio.sleep(5)
+            applied = gateway.board.generation - start
+            assert 5 / gateway_run.STATUS_GAP / 2 <= applied <= 5 / gateway_run.STATUS_GAP + 1, applied
+            assert len(gateway.router.ready_models()) == CATALOG
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

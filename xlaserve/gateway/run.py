@@ -43,6 +43,7 @@ log = logging.getLogger("xlaserve.gateway")
 __all__ = ["WorkerAddress", "Gateway", "serve_gateway", "embedded_gateway", "DISCOVERY_INTERVAL"]
 
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
+STATUS_GAP = 0.1               # a worker's statuses are applied at most this often
 STALE_AFTER = 2.0              # a worker silent this long is routed around (it may be stopped)
 SCRAPE_INTERVAL = 5.0          # seconds between scrapes of each worker's /metrics
 PLACEMENT_CHECK = 1.0          # lpt_packing: seconds between looks at the measured work
@@ -247,8 +248,23 @@ class Gateway:
             box: list = []
             heard = [trio.Event()]
 
+            applied = [-math.inf]           # when the last status was applied
+            pending: list = [None]          # a status that came sooner than STATUS_GAP after it
+
             def on_message(data: bytes) -> None:
                 status = cpb.ModelControlStatusResponse.FromString(data)
+                # A worker that sends faster than it was asked (a message per microsecond) is
+                # not followed message by message: applying a status costs the gateway time in
+                # the size of the catalog, and it held up every other worker's requests. The
+                # latest one is applied STATUS_GAP after the last.
+                if trio.current_time() - applied[0] < STATUS_GAP:
+                    pending[0] = status
+                    heard[0].set()
+                    return
+                apply(status)
+
+            def apply(status: cpb.ModelControlStatusResponse) -> None:
+                applied[0], pending[0] = trio.current_time(), None
                 self.board.publish(name, status)
                 if self.router.mode == "lpt_packing" and status.discipline == "fair":
                     # the gateway places and balances; a worker sharing its device fair-ly on
@@ -303,6 +319,10 @@ class Gateway:
                 with trio.move_on_after(STALE_AFTER):
                     await heard[0].wait()
                     heard[0] = trio.Event()
+                    if pending[0] is not None and not ended.is_set():
+                        await trio.sleep_until(applied[0] + STATUS_GAP)
+                        if pending[0] is not None and not ended.is_set():
+                            apply(pending[0])
                     continue
                 if not ended.is_set() and self.router.is_up(name):
                     self.router.worker_down(name)
