@@ -173,3 +173,25 @@ def test_a_worker_sending_statuses_far_faster_than_asked_has_them_applied_at_mos
             assert len(gateway.router.ready_models()) == CATALOG
             nursery.cancel_scope.cancel()
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def _names_no_bundle_has(n: int) -> cpb.ModelControlStatusResponse:
+    return cpb.ModelControlStatusResponse(worker="bad", discipline="fifo", budget_bytes=1000, models=[
+        cpb.ModelControl(name=name, state="READY", version=1, weight_bytes=10, residency="system")
+        for name in ("fine", "two\nlines", "esc\x1b[2J", "../up", "x" * 300)])
+
+
+def test_model_names_no_bundle_can_have_are_not_routed_to_and_warned_of_once(caplog):
+    # a newline in a name faked a line in the gateway's log (the placement line lists names),
+    # an ESC reached the terminal of whoever read it, and 64 KiB names made lines without end
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            gateway = await _gateway_over(nursery, "round_robin", _names_no_bundle_has)
+            await trio.sleep(5)
+            assert set(gateway.router.ready_models()) == {"mlp", "fine"}
+            assert {m.name for m in gateway.board.latest()["worker1"].status.models} == {"fine"}
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    warned = [r.getMessage() for r in caplog.records if "no bundle can have" in r.getMessage()]
+    assert len(warned) == 1 and "worker1 reports 4 model name(s)" in warned[0], warned
+    assert "\n" not in warned[0] and "\x1b" not in warned[0]

@@ -221,3 +221,28 @@ def test_abandoned_model_py_imports_are_capped(tmp_path, monkeypatch):
         "(5 s) and are still running, the most a worker lets run (1); each holds a thread that only the end of its "
         "import or a restart of the worker frees"), entries[1].reason
     assert entries[2].state is ModelState.READY, entries[2].reason
+
+
+def test_a_directory_whose_name_holds_a_control_character_is_no_bundle(tmp_path):
+    """A directory may hold a newline or an ESC in its name; a model's name goes into log lines,
+    metrics labels and dashboards, where one would fake a line or rewrite a terminal. Such a
+    directory is not served, and a load naming it is refused, saying what a name may hold."""
+    import shutil
+    repo = tmp_path / "models"
+    export_simple(repo, (1,))
+    for odd in ("two\nlines", "esc\x1b[2J", "csi\x9b"):
+        shutil.copytree(repo / "simple", repo / odd)
+    device = Device("cpu")
+    config = resolve_worker(parse_node_config({"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}}},
+                                              tmp_path))
+    refusals = []
+
+    async def main():
+        scheduler, _ = trio.open_memory_channel(1)
+        lifecycle = Lifecycle(config, device, ModelTable(), scheduler, WeightCache(device, trio.CapacityLimiter(1)))
+        assert lifecycle.discover() == ["simple"]
+        for odd in ("two\nlines", "esc\x1b[2J"):
+            refusals.append(await lifecycle._load_requested(odd))
+
+    trio.run(main)
+    assert all("is not a bundle name" in str(r) and "control characters" in str(r) for r in refusals), refusals

@@ -36,6 +36,7 @@ import yaml
 
 from xlaserve._hooks import Registration, collecting_registrations
 from xlaserve.bounded import expansion_problem, shown
+from xlaserve.controlchars import CONTROL_CHARACTERS
 from xlaserve.dtypes import BY_MLIR, DType, from_numpy
 from xlaserve.errors import BundleError, describe_exception
 from xlaserve.manifest import DEFAULT_WEIGHTS_FILE, Manifest, TensorDecl, parse_manifest
@@ -264,9 +265,12 @@ def name_bytes(name: str) -> int:
 
 def bundle_name_ok(name: str) -> bool:
     """Whether ``name`` can name a bundle: one directory directly inside the repository, not a
-    hidden one, never a path (``../x``, ``/abs/x``), at most ``MAX_BUNDLE_NAME_BYTES`` long."""
+    hidden one, never a path (``../x``, ``/abs/x``), at most ``MAX_BUNDLE_NAME_BYTES`` long, and
+    without control characters (a directory may hold a newline or an ESC in its name; a model
+    name goes into log lines, metrics labels and dashboards, where one would fake a line or
+    rewrite the operator's terminal)."""
     return (bool(name) and not name.startswith(".") and not any(c in name for c in "/\\\0")
-            and name_bytes(name) <= MAX_BUNDLE_NAME_BYTES)
+            and CONTROL_CHARACTERS.search(name) is None and name_bytes(name) <= MAX_BUNDLE_NAME_BYTES)
 
 
 def is_bundle(path: Path) -> bool:

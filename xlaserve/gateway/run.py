@@ -26,6 +26,7 @@ from xlaserve._proto import grpc_service_pb2 as pb
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.admin import serve_admin
 from xlaserve.app.preflight import BoundAddress, bind
+from xlaserve.bundle import bundle_name_ok
 from xlaserve.config.gateway import GatewayConfig
 from xlaserve.errors import StartupError
 from xlaserve.frontend.grpc_server import GrpcServer
@@ -98,6 +99,7 @@ class Gateway:
         self._residency: dict[tuple[str, str], str] = {}     # (worker, model) -> as WatchStatus says
         self._refused: set[str] = set()                      # lpt_packing: workers that run fair
         self._negative_sizes: set[str] = set()               # workers warned of a byte count below 0
+        self._bad_names: set[str] = set()                    # workers warned of model names no bundle has
         try:
             self.tracing = open_tracing(config.tracing, "gateway", span_exporter=span_exporter)
         except OSError as exc:
@@ -265,6 +267,19 @@ class Gateway:
 
             def apply(status: cpb.ModelControlStatusResponse) -> None:
                 applied[0], pending[0] = trio.current_time(), None
+                named = [m for m in status.models if bundle_name_ok(m.name)]
+                if len(named) < len(status.models):
+                    # no worker serves such a name (a bundle's is a plain directory name); from a
+                    # broken or hostile one it would reach log lines (a newline fakes a line),
+                    # metrics labels and dashboards: its models are not routed to
+                    if name not in self._bad_names:
+                        self._bad_names.add(name)
+                        log.warning("gateway: worker %s reports %d model name(s) no bundle can have (control "
+                                    "characters, '/', longer than 255 bytes; %s first): not routed to",
+                                    name, len(status.models) - len(named),
+                                    ascii(next(m.name for m in status.models if not bundle_name_ok(m.name))[:80]))
+                    del status.models[:]
+                    status.models.extend(named)
                 self.board.publish(name, status)
                 if self.router.mode == "lpt_packing" and status.discipline == "fair":
                     # the gateway places and balances; a worker sharing its device fair-ly on

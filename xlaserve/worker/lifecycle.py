@@ -343,7 +343,8 @@ class Lifecycle:
             # a client's name is joined to model_repo: "../x" or "/abs/x" would load (and run the
             # hooks of) a bundle from anywhere on the host
             return InvalidArgument(f"model name {name[:200]!r} is not a bundle name: a bundle is a directory directly "
-                                   "inside model_repo, its name without '/', '\\' or NUL and not starting with '.'")
+                                   "inside model_repo, its name without '/', '\\', NUL or other control characters "
+                                   "and not starting with '.'")
         if not self._included(name) or not is_bundle(self.repo / name):
             return ModelNotFound(name, self.discover())
         entry = await self.load(name)
