@@ -1,6 +1,7 @@
 """The weight cache: residency policy (pure) and the cache itself on the real cpu device."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from types import MappingProxyType, SimpleNamespace
@@ -12,7 +13,7 @@ from safetensors.numpy import save_file
 
 from xlaserve.bundle import ModelVersion, read_weights
 from xlaserve.errors import FailedPrecondition, Unavailable
-from xlaserve.runtime.pjrt import Device
+from xlaserve.runtime.pjrt import CompiledMemory, Device
 from xlaserve.runtime.eviction import GreedyDualSizeFrequency
 from xlaserve.runtime.residency import Budget, Floor, ResidencyBook, ThrashMonitor
 from xlaserve.config import RuntimeConfig
@@ -309,6 +310,38 @@ def test_too_big_model_is_refused_with_the_numbers(tmp_path, device):
         reason = await cache.admit(model)
         assert "2.0 MiB (2097152 bytes)" in reason and "1.0 MiB (1048576 bytes)" in reason and "big" in reason
         assert cache.snapshot().models == ()
+    run(main)
+
+
+def _with_activations(model: ModelVersion, nbytes: int) -> ModelVersion:
+    """``model`` with one executable that needs ``nbytes`` of temporaries beside its weights."""
+    module = SimpleNamespace(memory=CompiledMemory(0, 0, nbytes, 0))
+    return dataclasses.replace(model, modules=MappingProxyType({1: module}))
+
+
+def test_a_model_whose_activations_would_squeeze_the_budget_below_the_pinned_weights_is_refused(tmp_path, device):
+    # Before: the new model's headroom shrank the budget to 5 MiB under 8 MiB of pinned weights
+    # (never evicted), so the device held more than the budget and the arena overflowed.
+    pinned = make_model(tmp_path, "pinned", 8 * MB)
+    greedy = _with_activations(make_model(tmp_path, "greedy", MB), 5 * MB)
+    weightless = _with_activations(dataclasses.replace(greedy, name="weightless", weights=None, weight_bytes=0), 5 * MB)
+    huge = _with_activations(make_model(tmp_path, "huge", 20 * MB), 2 * MB)
+
+    async def main():
+        cache = WeightCache(device, trio.CapacityLimiter(1), Budget(10 * MB, 0.9, 0),
+                            residency=lambda n: "device" if n == "pinned" else "system")
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            assert await cache.admit(pinned) == ""
+            for model in (greedy, weightless):
+                reason = await cache.admit(model)
+                assert (f"model '{model.name}' cannot be served" in reason and "need 5.0 MiB" in reason
+                        and "budget to 5.0 MiB" in reason and "8.0 MiB (8388608 bytes) that pinned models" in reason)
+            assert "20.0 MiB" in await cache.admit(huge)      # refused for its size: keeps no headroom either
+            snap = cache.snapshot()
+            assert (snap.budget_bytes, snap.headroom_bytes, snap.resident_bytes) == (int(9 * MB), 0, 8 * MB)
+            assert [m.model for m in snap] == ["pinned"]
+            nursery.cancel_scope.cancel()
     run(main)
 
 

@@ -241,12 +241,27 @@ class WeightCache:
         (the reason its state becomes UNAVAILABLE), or ''. With ``weight_cache_fraction: 0`` a
         catalog that does not fit raises :class:`CatalogTooLarge` during start-up."""
         key = (model.name, model.version)
-        if key in self._book or model.weights is None:
+        if key in self._book:
             return ""
-        self._grow_headroom(activation_bytes(model))
+        # A model without weights still needs its activations free on the device.
+        activations = activation_bytes(model)
+        refused = self._headroom_refusal(activations)
+        if refused:
+            reason = f"model '{model.name}' cannot be served on this device: {refused} ({self._budget.explain()})"
+            if during_startup and not self._budget.on_demand:
+                raise CatalogTooLarge(reason)
+            return reason
+        if model.weights is None:
+            self._grow_headroom(activations)
+            return ""
+        before = self._budget
+        self._grow_headroom(activations)
         floor = self.floor_of(model.name)
         refused = self._book.add(key, model.weight_bytes, floor)
         if refused:
+            # a model that is not served keeps no headroom for its executables
+            self._budget = before
+            self._book.set_budget(before.bytes)
             reason = f"model '{model.name}' cannot be served on this device: {refused} ({self._budget.explain()})"
             if not self._budget.on_demand:
                 reason = (f"weight_cache_fraction is 0 (all weights resident) and model '{model.name}' does not "
@@ -293,6 +308,21 @@ class WeightCache:
         its largest executable); from then on each change to it is logged as it happens."""
         log.info("weight cache: %s", self._budget.explain())
         self._budget_logged = True
+
+    def _headroom_refusal(self, activations: int) -> str:
+        """Why executables that need ``activations`` bytes beside their weights cannot be taken
+        on, or '': keeping that much free would shrink the budget below what the pinned models
+        hold, and those are never evicted to make room, so the device would hold more weights
+        than the budget and an execution could run out of device memory."""
+        if activations <= self._budget.activations:
+            return ""
+        grown = Budget(self._budget.arena, self._budget.fraction, self._budget.wiggle, activations)
+        pinned = self._book.pinned_bytes()
+        if pinned <= grown.bytes:
+            return ""
+        return (f"its executables need {fmt_bytes(activations)} of device memory beside the weights, and keeping "
+                f"that free would shrink the device weight budget to {fmt_bytes(grown.bytes)}, less than the "
+                f"{fmt_bytes(pinned)} that pinned models (residency: device) hold")
 
     def _grow_headroom(self, activations: int) -> None:
         if activations <= self._budget.activations:
