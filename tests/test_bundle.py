@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -121,6 +122,23 @@ def test_a_hostile_safetensors_header_is_refused_naming_what_is_wrong(repo, devi
     (repo / "mlp" / "weights.safetensors").write_bytes(_safetensors(header))
     error = load_error(repo / "mlp", device)
     assert "cannot read weights.safetensors" in error and message in error, error
+
+
+def test_a_header_of_many_tensors_is_read_in_linear_time_and_named_briefly(repo, device):
+    # before: each name the order picks was looked up in a list of the header's names, so a
+    # header of a million empty tensors (well inside the 100 MB header limit) held the load for
+    # hours; 150,000 took over two minutes. And a weights.order naming a missing tensor
+    # printed every name in the header.
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(150_000)}
+    (repo / "mlp" / "weights.safetensors").write_bytes(_safetensors(header))
+    error = load_error(repo / "mlp", device)      # the mlp bundle's weights.order is ['w']
+    assert "weights.order names 'w' but weights.safetensors holds 150000 tensor(s): 't0', 't1', 't10'," in error
+    assert "and 149992 more" in error and len(error) < 1000, error
+    edit_manifest(repo / "mlp", lambda d: d["weights"].pop("order"))    # every tensor of the file
+    started = time.perf_counter()
+    error = load_error(repo / "mlp", device)
+    assert time.perf_counter() - started < 10, "quadratic"
+    assert "150000 weight(s) from weights.safetensors" in error and len(error) < 2000, error
 
 
 def test_missing_and_truncated_weights(repo, device):

@@ -444,12 +444,13 @@ def read_weights(path: Path, manifest: Manifest) -> HostWeights | None:
         table = _read_safetensors_header(file, manifest.bundle)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise BundleError(manifest.bundle, f"cannot read {name}: {exc}") from None
-    names = list(table)
-    order = manifest.weights_order if manifest.weights_order is not None else tuple(sorted(names))
-    missing = [n for n in order if n not in names]
+    order = manifest.weights_order if manifest.weights_order is not None else tuple(sorted(table))
+    # looked up in the table, not a list of its names: a header of a million tensors made that
+    # check quadratic, holding the load for hours
+    missing = [n for n in order if n not in table]
     if missing:
-        raise BundleError(manifest.bundle, f"weights.order names {missing} but {name} "
-                          f"holds {sorted(names)}")
+        raise BundleError(manifest.bundle, f"weights.order names {_listing([repr(n) for n in missing])} but {name} "
+                          f"holds {len(table)} tensor(s): {_listing([repr(n) for n in sorted(table)])}")
     return HostWeights(file.resolve(), tuple(table[n] for n in order), declared)
 
 
