@@ -15,7 +15,7 @@ import trio.testing
 from grpclib.const import Status
 
 from tests.test_gateway_e2e import config as gateway_config
-from tests.test_gateway_hostile_worker import MODEL_INFER, WATCH_STATUS, WorkerConn, _infer_reply
+from tests.test_gateway_hostile_worker import WATCH_STATUS, WorkerConn, _fake_worker_serving_mlp, _infer_reply
 from xlaserve._proto import xlaserve_control_pb2 as cpb
 from xlaserve.frontend.grpc_protocol import RESPONSE_HEADERS, framed, trailers
 from xlaserve.gateway.router import MODES
@@ -26,26 +26,9 @@ from xlaserve.http2.frames import DATA, END_HEADERS, END_STREAM, HEADERS, frame
 def _reporting(statuses):
     """A fake worker's script: its n-th status message is ``statuses(n)``, one every 0.2 s;
     ModelInfer is answered, every other call UNIMPLEMENTED."""
-    async def script(conn: WorkerConn) -> None:
-        await conn.handshake()
-        async with trio.open_nursery() as nursery:
-            while (req := await conn.request()) is not None:
-                if req.path == WATCH_STATUS:
-                    async def report(sid=req.sid) -> None:
-                        await conn.send(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
-                        n = 0
-                        while True:
-                            await conn.send(frame(DATA, 0, sid, framed(statuses(n).SerializeToString())))
-                            n += 1
-                            await trio.sleep(0.2)
-                    nursery.start_soon(report)
-                elif req.path == MODEL_INFER:
-                    await conn.reply(req.sid, _infer_reply("worker0"))
-                else:
-                    await conn.send(frame(HEADERS, END_HEADERS | END_STREAM, req.sid,
-                                          trailers(Status.UNIMPLEMENTED, f"{req.path} is not faked")))
-            nursery.cancel_scope.cancel()
-    return script
+    async def answer(conn: WorkerConn, req) -> None:
+        await conn.reply(req.sid, _infer_reply("worker0"))
+    return _fake_worker_serving_mlp("worker0", answer, statuses=statuses)
 
 
 def _good(n: int) -> cpb.ModelControlStatusResponse:

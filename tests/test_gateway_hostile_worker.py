@@ -619,14 +619,18 @@ def _infer_reply(worker: str) -> bytes:
     return reply.SerializeToString()
 
 
-def _fake_worker_serving_mlp(name: str, on_infer, on_other=None):
+def _fake_worker_serving_mlp(name: str, on_infer, on_other=None, statuses=None):
     """A fake worker's script: it reports model ``mlp`` READY on the gateway's status stream every
-    0.2 s and answers ModelInfer with ``on_infer(conn, request)`` (which returns False to stop
-    reading the connection); any other call with ``on_other(conn, request)`` when given (else
-    UNIMPLEMENTED)."""
-    status = cpb.ModelControlStatusResponse(worker=name, discipline="fifo",
-                                            models=[cpb.ModelControl(name="mlp", state="READY", version=1)])
-    status_frame = framed(status.SerializeToString())
+    0.2 s (or, with ``statuses``, ``statuses(n)`` as its n-th report) and answers ModelInfer with
+    ``on_infer(conn, request)`` (which returns False to stop reading the connection); any other
+    call with ``on_other(conn, request)`` when given (else UNIMPLEMENTED)."""
+    if statuses is None:
+        fixed = cpb.ModelControlStatusResponse(worker=name, discipline="fifo",
+                                               models=[cpb.ModelControl(name="mlp", state="READY", version=1)])
+        statuses = lambda n: fixed          # the same report each time
+
+    def report_frame(n: int) -> bytes:
+        return framed(statuses(n).SerializeToString())
 
     async def script(conn: WorkerConn) -> None:
         await conn.handshake()
@@ -635,8 +639,10 @@ def _fake_worker_serving_mlp(name: str, on_infer, on_other=None):
                 if req.path == WATCH_STATUS:
                     async def report(sid=req.sid) -> None:
                         await conn.send(frame(HEADERS, END_HEADERS, sid, RESPONSE_HEADERS))
+                        n = 0
                         while True:
-                            await conn.send(frame(DATA, 0, sid, status_frame))
+                            await conn.send(frame(DATA, 0, sid, report_frame(n)))
+                            n += 1
                             await trio.sleep(0.2)
                     nursery.start_soon(report)
                 elif req.path == MODEL_INFER:
