@@ -178,3 +178,38 @@ def test_model_names_no_bundle_can_have_are_not_routed_to_and_warned_of_once(cap
     warned = [r.getMessage() for r in caplog.records if "no bundle can have" in r.getMessage()]
     assert len(warned) == 1 and "worker1 reports 4 model name(s)" in warned[0], warned
     assert "\n" not in warned[0] and "\x1b" not in warned[0]
+
+
+def test_a_model_config_that_fails_is_asked_again_after_a_pause_not_at_every_status():
+    # the gateway learns each READY model's batch capacity from ModelConfig; one that failed was
+    # asked again at the next status: a worker failing it for a catalog drew a call per model
+    # per status (every 0.2 s here)
+    from xlaserve.gateway import run as gateway_run
+    asked: list[str] = []
+
+    async def on_other(conn: WorkerConn, req) -> None:
+        if req.path.endswith("/ModelConfig"):
+            asked.append(req.path)
+        await conn.send(frame(HEADERS, END_HEADERS | END_STREAM, req.sid, trailers(Status.INTERNAL, "no config")))
+
+    async def answer(conn: WorkerConn, req) -> None:
+        await conn.reply(req.sid, _infer_reply("worker0"))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            script = _fake_worker_serving_mlp("worker0", answer, on_other)
+
+            async def handler(stream: trio.SocketStream) -> None:
+                try:
+                    await script(WorkerConn(stream))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+            gateway = Gateway([WorkerAddress("worker0", "127.0.0.1", listeners[0].socket.getsockname()[1])],
+                              gateway_config("round_robin"))
+            await nursery.start(gateway.run)
+            await trio.sleep(2 * gateway_run.CAPACITY_RETRY_SECONDS + 1)
+            assert gateway.router.pick("mlp") == "worker0"          # served all the same
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert 2 <= len(asked) <= 3, len(asked)

@@ -45,6 +45,7 @@ __all__ = ["WorkerAddress", "Gateway", "serve_gateway", "embedded_gateway", "DIS
 
 DISCOVERY_INTERVAL = 0.5       # seconds between a worker's catalog snapshots
 STATUS_GAP = 0.1               # a worker's statuses are applied at most this often
+CAPACITY_RETRY_SECONDS = 10.0  # a model's ModelConfig that failed is asked again after this
 STALE_AFTER = 2.0              # a worker silent this long is routed around (it may be stopped)
 SCRAPE_INTERVAL = 5.0          # seconds between scrapes of each worker's /metrics
 PLACEMENT_CHECK = 1.0          # lpt_packing: seconds between looks at the measured work
@@ -377,7 +378,11 @@ class Gateway:
             reply = await self.upstreams[worker].unary(
                 SERVICE + "ModelConfig", pb.ModelConfigRequest(name=model), pb.ModelConfigResponse)
         except (UpstreamError, KeyError) as exc:
-            log.debug("gateway: ModelConfig of %s from %s failed (%s); asked again later", model, worker, exc)
+            log.debug("gateway: ModelConfig of %s from %s failed (%s); asked again in %g s", model, worker, exc,
+                      CAPACITY_RETRY_SECONDS)
+            # not at the next status (every DISCOVERY_INTERVAL): a worker whose ModelConfig fails
+            # for a catalog of READY models drew one call per model per status
+            await trio.sleep(CAPACITY_RETRY_SECONDS)
             self._capacity_asked.discard(model)
             return
         largest = reply.config.max_batch_size or 1
