@@ -158,3 +158,21 @@ def test_shared_memory_inputs_are_not_held_to_the_message_size_bound():
     buffers = {"a": memoryview(a.tobytes()), "b": memoryview(b.tobytes())}
     d = decode_inputs(r, M.client_inputs, 4, lambda name, params: buffers[name], max_bytes=8)
     np.testing.assert_array_equal(d.arrays["a"], a)
+
+
+def test_an_integer_parameter_given_as_a_float_is_refused_saying_what_it_was():
+    """REST reads "timeout": 100.0 as a double_param (any JSON number with a '.'); the refusal
+    said "a number with a fraction or past 64 bits", which 100.0 is not."""
+    from types import MappingProxyType
+
+    import pytest
+
+    from xlaserve._proto import grpc_service_pb2 as pb
+    from xlaserve.codec import int_parameter
+    from xlaserve.errors import InvalidArgument
+    request = pb.ModelInferRequest()
+    request.parameters["timeout"].double_param = 100.0
+    with pytest.raises(InvalidArgument) as info:
+        int_parameter(MappingProxyType(dict(request.parameters)), "timeout", unit=" number of microseconds")
+    assert str(info.value) == ("parameter 'timeout' must be an integer number of microseconds, got a floating-point "
+                               "number (REST: any JSON number with a '.' or an exponent, 100.0 too) (double_param)")

@@ -243,7 +243,8 @@ def encode_output(array: np.ndarray, dtype: DType) -> bytes:
 
 #: what each kind of InferParameter holds, as an error message says it
 _PARAMETER_KINDS = {"bool_param": "a boolean", "string_param": "a string",
-                    "double_param": "a number with a fraction or past 64 bits"}
+                    "double_param": "a floating-point number (REST: any JSON number with a '.' or an exponent, "
+                                    "100.0 too)"}
 
 
 def int_parameter(parameters: Mapping, key: str, owner: str = "", unit: str = "") -> int | None:
