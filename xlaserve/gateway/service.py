@@ -530,13 +530,7 @@ class GatewayService:
             return None
         name = _parsed(pb.SystemSharedMemoryRegisterRequest, request).name
         undo = RawMessage(pb.SystemSharedMemoryUnregisterRequest(name=name).SerializeToString())
-        undone: dict[str, object] = {}
-
-        async def one(worker: str) -> None:
-            undone[worker] = await self._raw_call(worker, SERVICE + "SystemSharedMemoryUnregister", undo, stream)
-        async with trio.open_nursery() as nursery:
-            for worker in took:
-                nursery.start_soon(one, worker)
+        undone = await self._call_each(took, SERVICE + "SystemSharedMemoryUnregister", undo, stream)
         kept = [w for w in took if isinstance(undone[w], GRPCError)]
         first = refused[0]
         error = replies[first]
@@ -602,6 +596,10 @@ class GatewayService:
             workers = [w for w in workers if w in placed] or workers
         if not workers:
             raise GRPCError(Status.UNAVAILABLE, f"no worker is reachable: {self._down_text()}")
+        return await self._call_each(workers, path, request, stream)
+
+    async def _call_each(self, workers: list[str], path: str, request: RawMessage, stream) -> dict[str, object]:
+        """The call on each of ``workers`` at once: worker -> reply or GRPCError, in their order."""
         replies: dict[str, object] = {}
 
         async def one(worker: str) -> None:
