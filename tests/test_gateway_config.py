@@ -60,6 +60,7 @@ def test_defaults_match_the_documented_values():
     assert dict(config.scheduling.models) == {}
     assert (config.endpoints, config.endpoint_refresh_seconds, config.metrics_endpoints) == \
         ((), 10.0, ())
+    assert config.cpu_policy == "batch"
 
 
 FULL = """\
@@ -92,6 +93,7 @@ endpoints:
   - "[fd00::7]:9001"
 endpoint_refresh_seconds: 2
 metrics_endpoints: ["worker-svc:9101"]
+cpu_policy: normal
 """
 
 
@@ -114,6 +116,7 @@ def test_a_full_gateway_file_loads_every_key(tmp_path: Path):
                                 "[fd00::7]:9001")
     assert config.endpoint_refresh_seconds == 2.0
     assert config.metrics_endpoints == ("worker-svc:9101",)
+    assert config.cpu_policy == "normal"
 
 
 def test_the_seeds_gateway_file_loads(tmp_path: Path):
@@ -238,7 +241,7 @@ def test_http_is_an_alias_of_metrics():
     ({"metrics_endpoints": ["w0:x"]}, "metrics_endpoints[0]: expected a host:port address, got 'w0:x'"),
     ({"endpoint_refresh_seconds": 0}, "endpoint_refresh_seconds: expected a positive number, got 0"),
     ({"endpoint": ["w0:1"]},
-     "endpoint: unknown key (known: endpoint_refresh_seconds, endpoints, grpc, listen, logging, "
+     "endpoint: unknown key (known: cpu_policy, endpoint_refresh_seconds, endpoints, grpc, listen, logging, "
      "metrics_endpoints, scheduling, tracing, worker_client)"),
 ])
 def test_errors_name_the_key_and_what_was_expected(data: dict, message: str):
@@ -340,7 +343,8 @@ def test_env_overrides_every_section_and_win_over_the_file():
      "INFERENCE_SERVER_GATEWAY_ENDPOINTS[1]: expected a host:port address, got 'w0'"),
     ({"INFERENCE_SERVER_GATEWAY_SCHEDULING_MODELS": "m"},
      "INFERENCE_SERVER_GATEWAY_SCHEDULING_MODELS: unknown variable (known: "
-     "INFERENCE_SERVER_GATEWAY_ENDPOINTS, INFERENCE_SERVER_GATEWAY_ENDPOINT_REFRESH_SECONDS,"),
+     "INFERENCE_SERVER_GATEWAY_CPU_POLICY, INFERENCE_SERVER_GATEWAY_ENDPOINTS, "
+     "INFERENCE_SERVER_GATEWAY_ENDPOINT_REFRESH_SECONDS,"),
     ({"INFERENCE_SERVER_GATEWAY_MODE": "lpt_packing"},
      "INFERENCE_SERVER_GATEWAY_MODE: unknown variable"),
     # a knob of lpt_packing from the environment, the mode from the file (round_robin there)
@@ -380,7 +384,7 @@ def test_the_node_loader_validates_the_gateway_block():
         "gateway.scheduling.default_replicas: applies only to mode lpt_packing "
         "(gateway.scheduling.mode is round_robin;")
     assert node_error({"gateway": {"workers": []}}).startswith(
-        "gateway.workers: unknown key (known: endpoint_refresh_seconds, grpc, listen, logging, "
+        "gateway.workers: unknown key (known: cpu_policy, endpoint_refresh_seconds, grpc, listen, logging, "
         "scheduling, tracing, worker_client)")
 
 
@@ -457,6 +461,19 @@ def test_embedded_gateway_env_overrides_the_block():
         "INFERENCE_SERVER_GATEWAY_SCHEDULING_DEFAULT_REPLICAS": "2"})
     assert (config.scheduling.mode, config.scheduling.default_replicas) == ("lpt_packing", 2)
     assert len(config.endpoints) == 3
+
+
+def test_cpu_policy_is_batch_or_normal_in_a_file_a_node_and_the_environment():
+    assert gateway({"endpoints": ["w0:1"], "cpu_policy": "normal"}).cpu_policy == "normal"
+    assert gateway({"endpoints": ["w0:1"]}, {"INFERENCE_SERVER_GATEWAY_CPU_POLICY": "normal"}).cpu_policy == "normal"
+    assert gateway_error({"endpoints": ["w0:1"], "cpu_policy": "idle"}) == \
+        "cpu_policy: expected one of batch, normal, got 'idle'"
+    assert gateway_error({"endpoints": ["w0:1"]}, {"INFERENCE_SERVER_GATEWAY_CPU_POLICY": "fifo"}).startswith(
+        "INFERENCE_SERVER_GATEWAY_CPU_POLICY: ")
+    nodefile = node({"gpus": 2, "gateway": {"cpu_policy": "normal"}})
+    assert embedded_gateway_config(nodefile, {}).cpu_policy == "normal"
+    assert embedded_gateway_config(node({"gpus": 2}), {}).cpu_policy == "batch"
+    assert node_error({"gpus": 2, "gateway": {"cpu_policy": 1}}).startswith("gateway.cpu_policy: ")
 
 
 def test_embedded_gateway_worker_count_for_gpus_auto():

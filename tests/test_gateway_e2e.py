@@ -88,6 +88,17 @@ def two_workers(examples_repo, tmp_path_factory):
         yield servers
 
 
+def _thread_policies(pid: int) -> set[int]:
+    """The CPU scheduling policies of every thread of process ``pid``."""
+    policies = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            policies.add(os.sched_getscheduler(int(tid)))
+        except ProcessLookupError:      # a thread that ended meanwhile
+            pass
+    return policies
+
+
 def _mlp_input(batch: int = 1):
     return [infer_input("input", np.full((batch, 512), 0.5, np.float32), "FP32")]
 
@@ -366,6 +377,11 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
             time.sleep(0.05)
         assert _index_entry(client, "mlp") == {"name": "mlp", "version": "1", "state": "READY", "reason": ""}
         _rest_through_the_gateway(node)
+        # the supervisor hosts the gateway: its cpu_policy (batch by default); the workers it
+        # started keep the node's own policy
+        assert _thread_policies(node.process.pid) == {os.SCHED_BATCH}
+        for name in "ab":
+            assert _thread_policies(_child(node.process.pid, ["--worker", name])) == {os.SCHED_OTHER}
         # SIGKILL one worker: the supervisor restarts it, the gateway routes to it again
         deadline = time.monotonic() + TIMEOUT
         os.kill(_child(node.process.pid, ["--worker", "b"]), signal.SIGKILL)
@@ -380,6 +396,7 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
             time.sleep(0.1)
         assert re.search(r'xlaserve_gateway_worker_up\{worker="b"\} 1\.0', node.get("/metrics")[1])
         assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+        assert _thread_policies(_child(node.process.pid, ["--worker", "b"])) == {os.SCHED_OTHER}   # restarted
     # a stop is clean: a worker that resets the gateway's metrics scrape as it goes is no crash
     assert node.process.returncode == 0, node.log()[-3000:]
 
@@ -594,6 +611,8 @@ def test_the_standalone_gateway_follows_a_dns_name_and_stops_on_sigterm(two_work
         while time.monotonic() < deadline and not client.is_server_ready():
             time.sleep(0.05)
         assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
+        # cpu_policy batch (the default), its threads started after it too
+        assert _thread_policies(proc.pid) == {os.SCHED_BATCH}
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=TIMEOUT)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from xlaserve.config import ConfigError, load_node_config, resolve_worker
+from xlaserve.cpupolicy import apply_policy, restore_worker_policy
 
 
 # Libraries whose INFO lines are not news to an operator: JAX probing for platforms it will not
@@ -116,6 +117,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"xlaserve: {args.node}: {exc}", file=sys.stderr)
         return 2
     _node_logging(args, node)
+    restore_worker_policy(os.environ)    # started by a node's supervisor: not its gateway's policy
     return _serving(lambda: run_worker(config, ready_file=args.ready_file))
 
 
@@ -131,6 +133,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         print(f"xlaserve: {exc}", file=sys.stderr)
         return 2
     _node_logging(args, config)      # the file's logging: block, where the command line did not choose
+    apply_policy(config.cpu_policy)  # before the event loop starts its threads: they inherit it
     return _serving(lambda: trio.run(lambda: serve_gateway(config, ready_file=args.ready_file)))
 
 

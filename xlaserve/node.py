@@ -13,11 +13,13 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import trio
 
 from xlaserve.config import NodeConfig, WorkerConfig, resolve_worker, worker_count
 from xlaserve.config.schema import split_address
+from xlaserve.cpupolicy import WORKER_POLICY_ENV, apply_policy, current_policy
 from xlaserve.supervisor import (DEVICE_ISOLATED_ENV, READY_FD_ENV, SUPERVISOR_FD_ENV, ready_writer,
                                  supervisor_exited)
 
@@ -136,6 +138,12 @@ def run_node(node: NodeConfig, ready_file: str | None = None, node_path: str | N
     except ConfigError as exc:     # a device the supervisor's CUDA_VISIBLE_DEVICES does not show
         log.error("%s", exc)
         return 2
+    # the gateway's CPU policy is this process's (it hosts the gateway); the workers take back
+    # the one the node was started with
+    own = current_policy()
+    if own:
+        specs = tuple(dataclasses.replace(s, env=MappingProxyType({**s.env, WORKER_POLICY_ENV: own})) for s in specs)
+    apply_policy(gateway.cpu_policy, "the node's supervisor and gateway")
     return trio.run(functools.partial(supervise, node_path, node, count=count, specs=specs,
                                       gateway=embedded_gateway(gateway, workers, ready_file=ready_file)))
 
