@@ -1,6 +1,7 @@
 """The gateway's overhead: one worker behind the gateway against the same worker direct.
 
     python -m benchmarks.gateway_bench [--rounds 3] [--duration 5] [--concurrency 1,8,32] [--client native|triton]
+                                       [--cpu-policies batch,normal]
 
 Exports the example ``mlp`` bundle (FP32 [1,512], compiled sizes 1..32), starts one worker
 (``xlaserve run``, default node settings on loopback) and one standalone gateway in front of it
@@ -11,7 +12,9 @@ HTTP/2 client by default (``--client native``, about 25 us of CPU a request; ``-
 the Triton gRPC aio client, about 60): on a machine where it shares the cores with the worker and
 the gateway, its cost is taken from theirs. Prints a JSON line per level, then the medians: req/s,
 p50/p99, the worker's CPU per request and the gateway's CPU per request (its process's CPU time
-over the level divided by the answers), and the ratio gateway/direct. Gateway, worker and load
+over the level divided by the answers), and the ratio gateway/direct. ``--cpu-policies`` runs one
+gateway per ``cpu_policy`` value in front of the same worker, each measured in turn in every
+round (docs/gateway.md, "CPU policy"). Gateway, worker and load
 generator share this machine's cores, as the issue's goal (>= 0.75x at c=32) says.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import yaml
@@ -38,11 +41,17 @@ INPUTS = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
 
 
 @contextmanager
-def gateway(endpoints: list[str], work: Path, mode: str = "round_robin", timeout: float = 60):
-    """Run ``xlaserve gateway`` over ``endpoints``; yields (url, pid)."""
+def gateway(endpoints: list[str], work: Path, mode: str = "round_robin", timeout: float = 60,
+            cpu_policy: str | None = None):
+    """Run ``xlaserve gateway`` over ``endpoints`` (with ``cpu_policy`` when given, else the
+    default); yields (url, pid)."""
+    work.mkdir(parents=True, exist_ok=True)
     config = work / "gateway.yaml"
-    config.write_text(yaml.safe_dump({"listen": {"grpc": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
-                                      "scheduling": {"mode": mode}, "endpoints": endpoints}))
+    settings = {"listen": {"grpc": "127.0.0.1:0", "metrics": "127.0.0.1:0"}, "scheduling": {"mode": mode},
+                "endpoints": endpoints}
+    if cpu_policy is not None:
+        settings["cpu_policy"] = cpu_policy
+    config.write_text(yaml.safe_dump(settings))
     ready = work / "gateway-ready.json"
     log = open(work / "gateway.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "gateway", str(config), "--ready-file", str(ready)],
@@ -311,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", choices=["native", "triton"], default="native",
                         help="the overhead levels' load generator: xlaserve's own HTTP/2 client (default; about "
                              "25 us of CPU a request) or the Triton gRPC aio client (about 60)")
+    parser.add_argument("--cpu-policies", default="",
+                        help="the overhead levels: one gateway for each of these cpu_policy values (comma-separated, "
+                             "e.g. batch,normal), all in front of the same worker and measured in turn; default: one "
+                             "gateway with the default policy")
     parser.add_argument("--placement", action="store_true",
                         help="instead: lpt_packing vs round_robin on a memory-bound two-worker node")
     parser.add_argument("--models", type=int, default=40, help="--placement: bundles in the catalog")
@@ -336,38 +349,48 @@ def main(argv: list[str] | None = None) -> int:
         args.concurrency = int(args.concurrency.split(",")[-1]) if "," in args.concurrency else int(args.concurrency)
         return placement(args)
     levels = [int(c) for c in args.concurrency.split(",")]
+    policies = args.cpu_policies.split(",") if args.cpu_policies else [None]
+    # one gateway per policy, each its own process in front of the same worker: "gateway" alone,
+    # else "gateway[POLICY]"
+    labels = ["gateway" if p is None else f"gateway[{p}]" for p in policies]
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         repo = Path(tmp) / "models"
         export_mlp_as(repo, "mlp", (1, 2, 4, 8, 16, 32))
-        with xlaserve(repo) as (direct_url, worker_pid), gateway([direct_url], Path(tmp)) as (gw_url, gw_pid):
-            wait_ready(direct_url, time.monotonic() + 120, models=("mlp",))
-            wait_ready(gw_url, time.monotonic() + 60, models=("mlp",))
-            for round_ in range(args.rounds):
-                order = ["direct", "gateway"] if round_ % 2 == 0 else ["gateway", "direct"]
-                for path in order:
-                    url = direct_url if path == "direct" else gw_url
-                    for conc in levels:
-                        plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(conc)]
-                        w0, g0 = tree_cpu_seconds(worker_pid), tree_cpu_seconds(gw_pid)
-                        result = loadgen.measure(url, plans, INPUTS, client=args.client, duration=args.duration,
-                                                 warmup=args.warmup)
-                        w, g = tree_cpu_seconds(worker_pid) - w0, tree_cpu_seconds(gw_pid) - g0
-                        row = result.rows()[0]
-                        n = max(1, result.answered)
-                        row.update(path=path, round=round_, worker_cpu_ms_per_request=round(1e3 * w / n, 3),
-                                   gateway_cpu_ms_per_request=round(1e3 * g / n, 3) if path == "gateway" else 0.0)
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+        direct_url, worker_pid = stack.enter_context(xlaserve(repo))
+        targets = {"direct": (direct_url, None)}
+        for label, policy in zip(labels, policies):
+            targets[label] = stack.enter_context(gateway([direct_url], Path(tmp) / label, cpu_policy=policy))
+        wait_ready(direct_url, time.monotonic() + 120, models=("mlp",))
+        for label in labels:
+            wait_ready(targets[label][0], time.monotonic() + 60, models=("mlp",))
+        for round_ in range(args.rounds):
+            order = list(targets) if round_ % 2 == 0 else list(targets)[::-1]
+            for path in order:
+                url, gw_pid = targets[path]
+                for conc in levels:
+                    plans = [loadgen.ClientPlan(lambda: "mlp") for _ in range(conc)]
+                    w0, g0 = tree_cpu_seconds(worker_pid), tree_cpu_seconds(gw_pid) if gw_pid else 0.0
+                    result = loadgen.measure(url, plans, INPUTS, client=args.client, duration=args.duration,
+                                             warmup=args.warmup)
+                    w = tree_cpu_seconds(worker_pid) - w0
+                    g = tree_cpu_seconds(gw_pid) - g0 if gw_pid else 0.0
+                    row = result.rows()[0]
+                    n = max(1, result.answered)
+                    row.update(path=path, round=round_, worker_cpu_ms_per_request=round(1e3 * w / n, 3),
+                               gateway_cpu_ms_per_request=round(1e3 * g / n, 3))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     print(f"\nmedian of {args.rounds} rounds, {args.duration:.0f} s each (mlp, FP32 [1,512], the {args.client} client); "
           "CPU in ms per request; "
           "ratio: of the medians; paired: each round's gateway req/s over that round's direct run (median, "
           "min..max)")
-    print(f"{'c':>3} {'path':<8} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'worker cpu':>10} {'gateway cpu':>11} "
-          f"{'ratio':>6} {'paired':>17} {'errors':>6}")
+    width = max(8, *(len(label) for label in labels))
+    print(f"{'c':>3} {'path':<{width}} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'worker cpu':>10} "
+          f"{'gateway cpu':>11} {'ratio':>6} {'paired':>17} {'errors':>6}")
     for conc in levels:
         direct_rps = None
-        for path in ("direct", "gateway"):
+        for path in ("direct", *labels):
             mine = [r for r in rows if r["path"] == path and r["concurrency"] == conc]
             med = {k: statistics.median(r[k] or 0 for r in mine)
                    for k in ("throughput_rps", "p50_ms", "p99_ms", "worker_cpu_ms_per_request",
@@ -380,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                       if d["path"] == "direct" and d["concurrency"] == conc and d["round"] == g["round"]
                       and d["throughput_rps"]]
             paired_text = (f"{statistics.median(paired):.2f} {min(paired):.2f}..{max(paired):.2f}"
-                           if path == "gateway" and paired else "")
-            print(f"{conc:>3} {path:<8} {med['throughput_rps']:>9.1f} {med['p50_ms']:>8.2f} {med['p99_ms']:>8.2f} "
+                           if path != "direct" and paired else "")
+            print(f"{conc:>3} {path:<{width}} {med['throughput_rps']:>9.1f} {med['p50_ms']:>8.2f} {med['p99_ms']:>8.2f} "
                   f"{med['worker_cpu_ms_per_request']:>10.3f} {med['gateway_cpu_ms_per_request']:>11.3f} "
                   f"{ratio:>6.2f} {paired_text:>17} {errors:>6}")
     return 0
