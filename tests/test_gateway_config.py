@@ -60,7 +60,7 @@ def test_defaults_match_the_documented_values():
     assert dict(config.scheduling.models) == {}
     assert (config.endpoints, config.endpoint_refresh_seconds, config.metrics_endpoints) == \
         ((), 10.0, ())
-    assert config.cpu_policy == "batch"
+    assert config.cpu_policy == "normal"
 
 
 FULL = """\
@@ -93,7 +93,7 @@ endpoints:
   - "[fd00::7]:9001"
 endpoint_refresh_seconds: 2
 metrics_endpoints: ["worker-svc:9101"]
-cpu_policy: normal
+cpu_policy: batch
 """
 
 
@@ -116,7 +116,7 @@ def test_a_full_gateway_file_loads_every_key(tmp_path: Path):
                                 "[fd00::7]:9001")
     assert config.endpoint_refresh_seconds == 2.0
     assert config.metrics_endpoints == ("worker-svc:9101",)
-    assert config.cpu_policy == "normal"
+    assert config.cpu_policy == "batch"
 
 
 def test_the_seeds_gateway_file_loads(tmp_path: Path):
@@ -464,15 +464,15 @@ def test_embedded_gateway_env_overrides_the_block():
 
 
 def test_cpu_policy_is_batch_or_normal_in_a_file_a_node_and_the_environment():
-    assert gateway({"endpoints": ["w0:1"], "cpu_policy": "normal"}).cpu_policy == "normal"
-    assert gateway({"endpoints": ["w0:1"]}, {"INFERENCE_SERVER_GATEWAY_CPU_POLICY": "normal"}).cpu_policy == "normal"
+    assert gateway({"endpoints": ["w0:1"], "cpu_policy": "batch"}).cpu_policy == "batch"
+    assert gateway({"endpoints": ["w0:1"]}, {"INFERENCE_SERVER_GATEWAY_CPU_POLICY": "batch"}).cpu_policy == "batch"
     assert gateway_error({"endpoints": ["w0:1"], "cpu_policy": "idle"}) == \
-        "cpu_policy: expected one of batch, normal, got 'idle'"
+        "cpu_policy: expected one of normal, batch, got 'idle'"
     assert gateway_error({"endpoints": ["w0:1"]}, {"INFERENCE_SERVER_GATEWAY_CPU_POLICY": "fifo"}).startswith(
         "INFERENCE_SERVER_GATEWAY_CPU_POLICY: ")
-    nodefile = node({"gpus": 2, "gateway": {"cpu_policy": "normal"}})
-    assert embedded_gateway_config(nodefile, {}).cpu_policy == "normal"
-    assert embedded_gateway_config(node({"gpus": 2}), {}).cpu_policy == "batch"
+    nodefile = node({"gpus": 2, "gateway": {"cpu_policy": "batch"}})
+    assert embedded_gateway_config(nodefile, {}).cpu_policy == "batch"
+    assert embedded_gateway_config(node({"gpus": 2}), {}).cpu_policy == "normal"
     assert node_error({"gpus": 2, "gateway": {"cpu_policy": 1}}).startswith("gateway.cpu_policy: ")
 
 

@@ -343,7 +343,7 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
     with serve(tmp_path, examples_repo, workers=[{"name": "a", "port": grpc0}, {"name": "b", "port": grpc1}],
                metrics_base_port=http0,
                supervisor={"restart_backoff_initial_seconds": 0.1},
-               gateway={"scheduling": {"mode": "least_outstanding"}},
+               gateway={"scheduling": {"mode": "least_outstanding"}, "cpu_policy": "batch"},
                listen={"grpc": "127.0.0.1:0", "http": "127.0.0.1:0", "rest": "127.0.0.1:0"}) as node:
         client = grpcclient.InferenceServerClient(node.url)
         assert client.is_server_ready()
@@ -377,8 +377,8 @@ def test_xlaserve_run_serves_a_two_worker_node_behind_its_gateway(examples_repo,
             time.sleep(0.05)
         assert _index_entry(client, "mlp") == {"name": "mlp", "version": "1", "state": "READY", "reason": ""}
         _rest_through_the_gateway(node)
-        # the supervisor hosts the gateway: its cpu_policy (batch by default); the workers it
-        # started keep the node's own policy
+        # the supervisor hosts the gateway: its cpu_policy (batch here); the workers it started
+        # keep the node's own policy
         assert _thread_policies(node.process.pid) == {os.SCHED_BATCH}
         for name in "ab":
             assert _thread_policies(_child(node.process.pid, ["--worker", name])) == {os.SCHED_OTHER}
@@ -598,7 +598,7 @@ def test_the_standalone_gateway_follows_a_dns_name_and_stops_on_sigterm(two_work
     config_file = tmp_path / "gateway.yaml"
     config_file.write_text(yaml.safe_dump({"listen": {"grpc": "127.0.0.1:0", "metrics": "127.0.0.1:0"},
                                            "endpoints": [f"localhost:{two_workers[0].grpc_port}"],
-                                           "logging": {"level": "info"}}))
+                                           "logging": {"level": "info"}, "cpu_policy": "batch"}))
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen([sys.executable, "-m", "xlaserve", "gateway", str(config_file), "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -611,7 +611,7 @@ def test_the_standalone_gateway_follows_a_dns_name_and_stops_on_sigterm(two_work
         while time.monotonic() < deadline and not client.is_server_ready():
             time.sleep(0.05)
         assert client.infer("mlp", _mlp_input()).as_numpy("output").shape[0] == 1
-        # cpu_policy batch (the default), its threads started after it too
+        # cpu_policy batch: every thread of the process, those started after it too
         assert _thread_policies(proc.pid) == {os.SCHED_BATCH}
     finally:
         proc.send_signal(signal.SIGTERM)

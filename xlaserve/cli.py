@@ -133,7 +133,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
         print(f"xlaserve: {exc}", file=sys.stderr)
         return 2
     _node_logging(args, config)      # the file's logging: block, where the command line did not choose
-    apply_policy(config.cpu_policy)  # before the event loop starts its threads: they inherit it
+    apply_policy(config.cpu_policy)  # (batch) before the event loop starts its threads: they inherit it
     return _serving(lambda: trio.run(lambda: serve_gateway(config, ready_file=args.ready_file)))
 
 

@@ -1,12 +1,13 @@
 """The gateway's Linux CPU scheduling policy (``cpu_policy``; docs/gateway.md, "CPU policy").
 
 The gateway relays: each time a client's or a worker's bytes arrive it wakes, handles whatever
-has come and goes back to wait. Under the default policy (``SCHED_OTHER``) every such wake-up
-may preempt whatever runs on the core (a worker's event loop, XLA's threads, a co-located
-client), so on a saturated host the gateway and the processes that feed it take turns a few
-requests at a time. Under ``SCHED_BATCH`` the gateway's wake-ups do not preempt: it runs when a
-core comes free or the running task's slice ends, and then relays everything that arrived
-meanwhile. With a core to spare nothing changes (a wake-up takes an idle core at once).
+has come and goes back to wait. Under Linux's default policy (``SCHED_OTHER``) every such
+wake-up may preempt whatever runs on the core (a worker's event loop, XLA's threads, a
+co-located client). Under ``SCHED_BATCH`` (``cpu_policy: batch``) they do not: the gateway runs
+when a core comes free or the running task's slice ends, and then relays everything that arrived
+meanwhile. That pays where clients run on the gateway's cores, and costs a little where the
+gateway shares them with workers alone (measured in docs/gateway.md), so ``normal``, which sets
+nothing, is the default. With a core to spare neither changes anything.
 
 A policy is set on every thread of the process, and threads started later inherit it. It is
 applied at the start of the process, before the event loop: by ``xlaserve gateway``, and by a
@@ -24,9 +25,9 @@ log = logging.getLogger("xlaserve.cpupolicy")
 
 __all__ = ["POLICIES", "WORKER_POLICY_ENV", "apply_policy", "current_policy", "restore_worker_policy"]
 
-#: ``cpu_policy`` values -> Linux policies (None where the platform has none: nothing is set)
-POLICIES: dict[str, int | None] = {"batch": getattr(os, "SCHED_BATCH", None),
-                                   "normal": getattr(os, "SCHED_OTHER", None)}
+#: ``cpu_policy`` values that set a policy -> Linux policies (None where the platform has none);
+#: ``normal`` sets nothing: the process keeps the policy it was started with
+POLICIES: dict[str, int | None] = {"batch": getattr(os, "SCHED_BATCH", None)}
 
 #: set by a node's supervisor on each worker it starts: ``policy:priority``, the numbers
 #: ``sched_getscheduler`` and ``sched_getparam`` gave before the gateway's policy was applied
@@ -42,9 +43,12 @@ def current_policy() -> str:
 
 
 def apply_policy(name: str, what: str = "the gateway") -> bool:
-    """Put this process (its threads, and those started later) under ``cpu_policy`` ``name``
-    (a key of :data:`POLICIES`). Returns whether it was set; where it cannot be (no such
-    policy on this platform, refused by the system) ``what`` runs on as it was, with a warning."""
+    """Put this process (its threads, and those started later) under ``cpu_policy`` ``name``:
+    ``normal`` sets nothing, ``batch`` :data:`POLICIES`' policy. Returns whether one was set;
+    where it cannot be (no such policy on this platform, refused by the system) ``what`` runs
+    on as it was, with a warning."""
+    if name == "normal":
+        return False
     policy = POLICIES[name]
     if policy is None or not hasattr(os, "sched_setscheduler"):
         log.warning("%s runs under the default CPU policy: this platform has no %s scheduling policy "

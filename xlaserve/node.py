@@ -141,9 +141,8 @@ def run_node(node: NodeConfig, ready_file: str | None = None, node_path: str | N
     # the gateway's CPU policy is this process's (it hosts the gateway); the workers take back
     # the one the node was started with
     own = current_policy()
-    if own:
+    if apply_policy(gateway.cpu_policy, "the node's supervisor and gateway"):
         specs = tuple(dataclasses.replace(s, env=MappingProxyType({**s.env, WORKER_POLICY_ENV: own})) for s in specs)
-    apply_policy(gateway.cpu_policy, "the node's supervisor and gateway")
     return trio.run(functools.partial(supervise, node_path, node, count=count, specs=specs,
                                       gateway=embedded_gateway(gateway, workers, ready_file=ready_file)))
 

@@ -268,11 +268,12 @@ class GatewayConfig:
         metrics_endpoints: the workers' HTTP addresses, ``"host:port"``, whose ``/metrics``
             the gateway scrapes and serves again on its own with a ``worker`` label. Default
             empty. In a node file it is not a key: the node's workers are these.
-        cpu_policy: the gateway process's Linux CPU scheduling policy: ``batch``
-            (``SCHED_BATCH``: its wake-ups do not preempt the workers and clients sharing its
-            cores, so it relays more per turn when they are all busy) or ``normal``
-            (``SCHED_OTHER``). Default ``batch``. A node's gateway runs in the supervisor's
-            process, so the supervisor runs under it; its workers keep the node's own policy
+        cpu_policy: the gateway process's Linux CPU scheduling policy: ``normal`` (the one
+            it was started with, Linux's default) or ``batch`` (``SCHED_BATCH``: its wake-ups do
+            not preempt what runs on its cores; it pays where clients share the gateway's
+            cores, and costs a little where only workers do: docs/gateway.md, "CPU policy").
+            Default ``normal``. A node's gateway runs in the supervisor's process, so the
+            supervisor runs under it; its workers keep the node's own policy
             (:mod:`xlaserve.cpupolicy`).
     """
 
@@ -287,7 +288,7 @@ class GatewayConfig:
     endpoint_refresh_seconds: float = config_key(10.0, low=0.0, low_open=True)
     metrics_endpoints: tuple[str, ...] = config_key(
         (), parse=_parse_endpoints, describe="a list of host:port addresses")
-    cpu_policy: str = config_key("batch", choices=("batch", "normal"))
+    cpu_policy: str = config_key("normal", choices=("normal", "batch"))
 
 
 _SECTIONS: dict[str, type] = {"listen": GatewayListenConfig, "grpc": GatewayGrpcConfig,
