@@ -309,7 +309,8 @@ class Connection(Handler):
         tcp = stream.transport_stream.socket if tls else stream.socket
         self.peer = peer_address(tcp.getpeername())   # for endpoints.client_shm_peers
         self.out_ready = trio.Event()
-        self.h2 = H2Connection(self, limits=limits, clock=trio.current_time, stream_window=OUR_STREAM_WINDOW,
+        self.h2 = H2Connection(self, limits=limits, clock=trio.lowlevel.current_clock().current_time,
+                               stream_window=OUR_STREAM_WINDOW,
                                conn_window=OUR_CONN_WINDOW, max_frame=OUR_MAX_FRAME)
         #: the open calls by stream id (the engine's streams: one dict)
         self.calls: dict[int, Call] = self.h2.streams
@@ -673,6 +674,15 @@ class Connection(Handler):
             length = len(payload)
             self.held_bound += length
             if self.held_bound > self.held_check and not self._may_hold(call, length):
+                return
+            if (end_stream and not call.body and not call.messages and not self.inflating and length >= 5
+                    and not payload[0] and int.from_bytes(payload[1:5], "big") == length - 5
+                    and length - 5 <= self.server.max_recv_bytes):
+                # the usual unary request: one uncompressed message in one DATA frame that ends
+                # the stream; the message is copied out of the read buffer once (cut_messages'
+                # checks: its flag is 0, its prefix gives its length, which is within the limit)
+                call.messages.append(bytes(payload[5:]))
+                self._end_of_request(call)
                 return
             call.body += payload
             self._cut_messages(call)

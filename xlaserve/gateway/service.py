@@ -321,7 +321,10 @@ class GatewayService:
         self.in_flight += 1
         key = (worker, model)
         self.routed[key] = self.routed.get(key, 0) + 1
-        self.router.started(worker, model)
+        router = self.router
+        filling = router.mode == "lpt_packing"     # (only lpt_packing's filling reads the router's counts)
+        if filling:
+            router.started(worker, model)
 
         answered = False
         metadata = _forwarded(call.metadata)
@@ -337,7 +340,8 @@ class GatewayService:
                 return
             answered = True
             self.in_flight -= 1
-            self.router.finished(worker, model)
+            if filling:
+                router.finished(worker, model)
             if trace is not None:
                 _finish_forward(trace, outcome)
             try:

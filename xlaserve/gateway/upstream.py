@@ -222,6 +222,7 @@ class Upstream(Handler):
         self._held_resets: deque[_Call] = deque()
         self._reset_wake = trio.Event()
         self._faults = LineLimiter(log)     # one line a second for connections that fail
+        self._now: Callable[[], float] = trio.current_time     # the run's clock (_reset_state)
 
     # ---- the caller's side ---------------------------------------------------------------
     def start(self, path: str, message: bytes, on_done: Callable[[Reply | UpstreamError], None], *,
@@ -257,7 +258,7 @@ class Upstream(Handler):
                     self._blocks.clear()
                 self._blocks[key] = block
         call = _Call(block, MESSAGE_PREFIX.pack(0, len(message)) + message, on_done,
-                     trio.current_time() + timeout, on_message)
+                     self._now() + timeout, on_message)
         self.outstanding += 1
         self.streaming += on_message is not None
         if too_large is not None:
@@ -266,7 +267,7 @@ class Upstream(Handler):
         if not self.up:
             self._finish(call, UpstreamError(Status.UNAVAILABLE, self._down_message(), unprocessed=True))
             return call
-        if not math.isinf(timeout):
+        if timeout != math.inf:
             if usual:       # the request timeout: deadlines come in start order, a queue keeps them sorted
                 self._in_order.append(call)
             else:
@@ -409,7 +410,9 @@ class Upstream(Handler):
         self._blocks.clear()        # checked against the last connection's advertised limit
         self._reset_tokens, self._reset_at = float(RESET_BURST), trio.current_time()
         self._held_resets.clear()
-        self._h2 = H2Connection(self, client=True, limits=self.limits, clock=trio.current_time,
+        # the run's clock, read without trio.current_time's two calls in between (one a request)
+        self._now = trio.lowlevel.current_clock().current_time
+        self._h2 = H2Connection(self, client=True, limits=self.limits, clock=self._now,
                                 stream_window=OUR_WINDOW, conn_window=OUR_WINDOW, max_frame=MAX_REPLY_FRAME,
                                 limit_names=WORKER_LIMIT_NAMES)
         return self._h2
@@ -757,8 +760,7 @@ class Upstream(Handler):
         on_done = call.on_done
         # what the call held goes now: its timer entry stays in the heap until its deadline
         # comes up or the heap is compacted
-        call.data = call.block = b""
-        call.body = bytearray()
+        call.data = call.block = call.body = b""
         call.on_done = call.on_message = None
         in_order = self._in_order
         while in_order and in_order[0].done:

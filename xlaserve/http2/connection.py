@@ -100,6 +100,7 @@ DEFAULT_CONN_WINDOW = 16 * 1024 * 1024
 DEFAULT_MAX_FRAME = 1024 * 1024
 
 _MASK = 0x7FFFFFFF
+_PLAIN_HEADERS = END_HEADERS | PADDED | PRIORITY_FLAG     # of these, a usual HEADERS frame has END_HEADERS alone
 _END = ("end",)         # a pending item: END_STREAM on the DATA before it; trailers wait as (block,)
 
 
@@ -395,7 +396,10 @@ class H2Connection:
         u32 = U32.unpack_from
         handle = self._frame
         window_update = self._on_window_update
+        on_data = self._on_data
+        on_block = self._on_header_block
         max_frame = self.max_frame
+        max_block = self.limits.max_header_block_bytes
         while end - pos >= 9:
             lt, flags, stream_id = unpack(buffer, pos)
             length = lt >> 8
@@ -407,9 +411,20 @@ class H2Connection:
             if stop > end:
                 break
             ftype = lt & 0xFF
+            # The frames of every call (DATA, a whole header block, WINDOW_UPDATE) go straight to
+            # their handler once the connection is settled and no header block is open; anything
+            # else, or anything unusual about them, takes _frame's checks.
+            usual = self.settled and self.continuation is None
             if ftype == DATA:
-                handle(DATA, flags, stream_id & _MASK, view[pos + 9:stop])
-            elif ftype == WINDOW_UPDATE and length == 4 and self.settled and self.continuation is None:
+                if usual:
+                    on_data(flags, stream_id & _MASK, view[pos + 9:stop])
+                else:
+                    handle(DATA, flags, stream_id & _MASK, view[pos + 9:stop])
+            elif ftype == HEADERS and usual and flags & _PLAIN_HEADERS == END_HEADERS and stream_id & 1 \
+                    and length <= max_block:
+                # one whole header block, neither padded nor with a priority: decoded as it is
+                on_block(flags, stream_id & _MASK, bytes(view[pos + 9:stop]))
+            elif ftype == WINDOW_UPDATE and length == 4 and usual:
                 # a peer sends one or two per reply: taken here, without the bytes
                 window_update(stream_id & _MASK, u32(buffer, pos + 9)[0] & _MASK)
             else:
@@ -774,12 +789,15 @@ class H2Connection:
         if end_stream and 0 < n <= window and n <= self.send_window and n <= self.peer_max_frame \
                 and len(block) <= self.peer_max_frame:
             # the usual request: HEADERS and one DATA frame that ends the stream, in one write
+            # (write and _ended inlined: the stream was open, so it is half closed, not closed)
             stream.send_window -= n
             self.send_window -= n
-            pack = FRAME_HEADER.pack
-            self.write(b"".join((pack(len(block) << 8 | HEADERS, END_HEADERS, sid), block,
-                                 pack(n << 8 | DATA, END_STREAM, sid), data)))
-            self._ended(stream)
+            stream.state = HALF_CLOSED_LOCAL
+            if not self.stopped:
+                pack = FRAME_HEADER.pack
+                self.out += b"".join((pack(len(block) << 8 | HEADERS, END_HEADERS, sid), block,
+                                      pack(n << 8 | DATA, END_STREAM, sid), data))
+                self._output_ready()
         elif n:
             self.write(self._header_frames(sid, block, 0))
             self.send_data(stream, data, end_stream)
