@@ -99,6 +99,7 @@ WRITE_CHUNK = 4 * 1024 * 1024              # the writer's timeout counts per chu
 MAX_HOLD_SECONDS = 200e-6
 # a reader's turn: the engine's WORK_PER_TURN frames (+1 per 64 KiB of DATA, per 256 B of others)...
 STARTS_PER_TURN = 32                       # ...and at most this many requests handed on (decoding them is the cost)
+SMALL_REQUEST = 65536                      # a whole unary request up to this size skips message cutting (data_received)
 FLUSH_SECONDS = 5.0                        # a closing connection's last writes
 CALM_FLUSH_SECONDS = 0.5                   # ... when the peer broke a rule or a limit
 DEFAULT_MAX_CONNECTIONS = 1024             # endpoints.max_connections
@@ -675,12 +676,14 @@ class Connection(Handler):
             self.held_bound += length
             if self.held_bound > self.held_check and not self._may_hold(call, length):
                 return
-            if (end_stream and not call.body and not call.messages and not self.inflating and length >= 5
-                    and not payload[0] and int.from_bytes(payload[1:5], "big") == length - 5
+            if (end_stream and 5 <= length <= SMALL_REQUEST and not call.body and not call.messages
+                    and not self.inflating and not payload[0] and int.from_bytes(payload[1:5], "big") == length - 5
                     and length - 5 <= self.server.max_recv_bytes):
-                # the usual unary request: one uncompressed message in one DATA frame that ends
-                # the stream; the message is copied out of the read buffer once (cut_messages'
-                # checks: its flag is 0, its prefix gives its length, which is within the limit)
+                # the usual small unary request: one uncompressed message in one DATA frame that
+                # ends the stream; the message is copied out of the read buffer once (cut_messages'
+                # checks: its flag is 0, its prefix gives its length, which is within the limit).
+                # A large one takes the general path, whose message is a view of a bytearray (its
+                # tensors then writable views, as before).
                 call.messages.append(bytes(payload[5:]))
                 self._end_of_request(call)
                 return
