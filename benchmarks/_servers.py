@@ -168,6 +168,40 @@ def stop(proc: subprocess.Popen, group: bool = False) -> None:
         proc.wait()
 
 
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its live descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo += children.get(p, [])
+    return found
+
+
+def pin_tree(pid: int, cpus: set[int]) -> None:
+    """Hold every thread of ``pid`` and its descendants to ``cpus`` (threads started later
+    inherit it from the thread that starts them)."""
+    for p in tree_pids(pid):
+        try:
+            threads = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                os.sched_setaffinity(int(tid), cpus)
+            except OSError:         # a thread that ended meanwhile
+                pass
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` and all its live descendants."""
     tick = os.sysconf("SC_CLK_TCK")
