@@ -16,8 +16,8 @@ _REASONS = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 400: "Bad Re
             503: "Service Unavailable"}
 _MAX_HEADER = 16 * 1024
 _SECONDS = 10.0         # a connection's whole exchange: request read and answer written
-#: connections answered at once (probes and scrapes need a few); one more is answered 503 and
-#: closed, so a flood of connections to this port cannot take the process's file descriptors
+#: connections served at once (probes and scrapes need a few), so a flood of connections to this
+#: port cannot take the process's file descriptors; one more closes the oldest (see serve_admin)
 MAX_CONNECTIONS = 64
 
 
@@ -28,23 +28,29 @@ async def serve_admin(host: str, port: int, routes: dict[str, Route], *,
     served. Each connection runs inside its own guard (:mod:`xlaserve.frontend.guard`): a peer
     that resets, sends garbage or stalls, or a route that raises, costs that connection only
     (a route's exception is answered 500 and logged, one line a second). At most
-    ``max_connections`` are served at once; one more is answered 503 and closed."""
+    ``max_connections`` are served at once; one more closes the oldest of them and is served.
+    An exchange takes a millisecond; a connection held open idle, trickling its head or never
+    reading its answer is the oldest one, so a client that holds ``max_connections`` open costs
+    only its own (refusing the new one instead let it keep every probe out for good, and a
+    liveness probe that fails restarts the process)."""
     limiter = LineLimiter(log)
-    active = 0
+    active: dict[trio.CancelScope, float] = {}      # served now, oldest first: when each began
 
     async def handle(stream: trio.SocketStream) -> None:
-        nonlocal active
-        if active >= max_connections:
-            with trio.move_on_after(1.0):
-                await _send(stream, 503, "text/plain", f"the admin port serves {max_connections} connections at "
-                                                       "once; try again\n".encode(), False)
-            return
-        active += 1
+        if len(active) >= max_connections:
+            oldest = next(iter(active))
+            began = active.pop(oldest)
+            oldest.cancel()
+            limiter.line(logging.WARNING, "the admin port serves %d connections at once: closed the oldest "
+                         "(%.1f s old) for a new one", max_connections, trio.current_time() - began)
+        now = trio.current_time()
+        scope = trio.CancelScope(deadline=now + _SECONDS)
+        active[scope] = now
         try:
-            with trio.move_on_after(_SECONDS):
+            with scope:
                 await _answer(stream, routes, limiter)
         finally:
-            active -= 1
+            active.pop(scope, None)
 
     if listeners is None:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
