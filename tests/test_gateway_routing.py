@@ -199,6 +199,27 @@ def test_worker_pages_merge_into_one_exposition_with_a_worker_label():
     assert relabel({}) == ""
 
 
+def test_a_worker_page_with_broken_lines_leaves_the_merged_page_valid():
+    """A line that was not a valid sample (labels not name="value", a value that is no number,
+    a worker label of its own) was passed on and made the gateway's whole /metrics page
+    unparseable: Prometheus fails the scrape, the gateway's own metrics and every good worker's
+    with it. Such lines are dropped; the valid ones stay."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from xlaserve.gateway.scrape import relabel
+    good = '# TYPE xlaserve_requests counter\nxlaserve_requests_total{model="m"} 3.0\n'
+    broken = ('xlaserve_a{bad label} 1\nxlaserve_b hello\nxlaserve_c{worker="evil"} 1\nxlaserve_d 1 2 3\n'
+              '<html><body>502 Bad Gateway</body></html>\nxlaserve_e{x="a\\"b",} +Inf 1700000000\n'
+              'xlaserve_f{ } -1.5e3\n')
+    page = relabel({"a": good, "b": broken})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(page) for s in f.samples}
+    assert samples == {("xlaserve_requests_total", (("model", "m"), ("worker", "a"))): 3.0,
+                       ("xlaserve_e", (("worker", "b"), ("x", 'a"b'))): float("inf"),
+                       ("xlaserve_f", (("worker", "b"),)): -1500.0}
+    assert "xlaserve_d" not in page and "evil" not in page
+
+
 def test_a_worker_status_gRPC_does_not_define_is_unknown():
     from grpclib.const import Status
 

@@ -3,7 +3,9 @@
 :func:`scrape` fetches one worker's Prometheus text page (HTTP/1.1 GET, bounded in time and
 size); :func:`relabel` merges several pages into one valid exposition: each metric family once
 (its ``# HELP`` and ``# TYPE`` from the first page that has it), with every page's samples under
-it, each sample carrying ``worker="NAME"``.
+it, each sample carrying ``worker="NAME"``. A line that is not a valid sample (its labels,
+its value) or that carries a ``worker`` label of its own is dropped, so one broken page cannot
+make the merged one unparseable.
 """
 from __future__ import annotations
 
@@ -15,7 +17,14 @@ import trio
 __all__ = ["scrape", "relabel", "MAX_PAGE_BYTES"]
 
 MAX_PAGE_BYTES = 8 * 1024 * 1024
-_SAMPLE = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
+# a sample line of the text format 0.0.4, whole: name, label set, value, optional timestamp. A
+# line that is not one is dropped: passed on, it made the gateway's whole page unparseable, and
+# Prometheus fails the scrape (the gateway's own metrics and every other worker's with it)
+_LABEL = r'[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*"'
+_VALUE = r"[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?|Inf|inf|NaN|nan)"
+_SAMPLE = re.compile(rf"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{{\s*(?:{_LABEL}\s*(?:,\s*{_LABEL}\s*)*,?\s*)?\}})?"
+                     rf"([ \t]+{_VALUE}(?:[ \t]+-?\d+)?)[ \t]*")
+_WORKER_LABEL = re.compile(r'[{,]\s*worker\s*="')
 
 
 async def scrape(host: str, port: int, *, timeout: float = 5.0, path: str = "/metrics") -> str:
@@ -62,10 +71,12 @@ def relabel(pages: Mapping[str, str]) -> str:
                     family = families.setdefault(parts[2], {"meta": {}, "samples": []})
                     family["meta"].setdefault(parts[1], line)
                 continue
-            match = _SAMPLE.match(line)
+            match = _SAMPLE.fullmatch(line)
             if match is None:
                 continue
             name, labels, rest = match.groups()
+            if labels and _WORKER_LABEL.search(labels):     # a second worker label: not a valid series
+                continue
             labels = "{" + label + ("," + labels[1:] if labels and labels != "{}" else "}")
             family = families.setdefault(_family_of(name, families), {"meta": {}, "samples": []})
             family["samples"].append(name + labels + rest)
