@@ -488,6 +488,38 @@ def test_watch_status_sends_a_model_change_at_once_and_at_most_one_per_min_inter
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
+def test_watch_status_streams_are_bounded_and_a_closed_one_frees_its_place():
+    """Each WatchStatus stream costs the worker's Trio thread a snapshot every 0.05 s: 800 from one
+    client took it whole. Past the limit one more is refused, naming the limit and what to do;
+    a stream that ends (cancelled, or by an error) gives its place back."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery)
+            control = WorkerControlService(port, max_watch_streams=2)
+            scopes = []
+            for _ in range(2):
+                scope = trio.CancelScope()
+                scopes.append(scope)
+
+                async def watch(scope=scope):
+                    with scope:
+                        await control.WatchStatus(_Stream(cpb.WatchStatusRequest(interval_seconds=0.05)))
+                nursery.start_soon(watch)
+            await trio.sleep(1)
+            with pytest.raises(GRPCError) as refused:
+                await control.WatchStatus(_Stream(cpb.WatchStatusRequest()))
+            assert refused.value.status is Status.RESOURCE_EXHAUSTED
+            assert refused.value.message.startswith("this worker serves at most 2 WatchStatus streams at once")
+            scopes[0].cancel()                  # the client hung up
+            await trio.sleep(0.001)
+            stream = _Stream(cpb.WatchStatusRequest(interval_seconds=1.0))
+            nursery.start_soon(control.WatchStatus, stream)
+            await trio.sleep(0.5)
+            assert len(stream.sent) == 1        # served
+            nursery.cancel_scope.cancel()
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
 # ---- load and unload, as the composition root sends them to the lifecycle actor --------------
 def test_model_control_asks_the_lifecycle_actor_and_raises_its_answer():
     async def main():

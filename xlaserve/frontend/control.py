@@ -19,7 +19,8 @@ import trio
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
 from xlaserve.config.schema import MAX_WEIGHT, MIN_WEIGHT
-from xlaserve.errors import InternalError, InvalidArgument, ModelNotFound, XlaserveError, internal_message
+from xlaserve.errors import (InternalError, InvalidArgument, ModelNotFound, ResourceExhausted, XlaserveError,
+                             internal_message)
 from xlaserve.frontend.admission import Admission
 from xlaserve.frontend.port import WorkerPort
 from xlaserve.frontend.statuses import rpc
@@ -29,6 +30,11 @@ log = logging.getLogger("xlaserve.control")
 
 DEFAULT_WATCH_INTERVAL = 1.0
 MIN_WATCH_INTERVAL = 0.05
+#: WatchStatus streams served at once (a gateway opens one per worker, ``xlaserve top`` one); one
+#: more is refused RESOURCE_EXHAUSTED. Each costs a snapshot every MIN_WATCH_INTERVAL at most,
+#: built on the Trio thread: 800 of them, from one client, took that thread whole and inference
+#: from 0.6 ms to 108 ms.
+MAX_WATCH_STREAMS = 32
 
 
 def status_snapshot(worker: WorkerPort, admission: Admission | None = None) -> pb.ModelControlStatusResponse:
@@ -96,9 +102,12 @@ class WorkerControlService(WorkerControlBase):
     """The ``WorkerControl`` service of one worker, reached through ``worker``; ``admission``
     (the KServe service's) gives the requests in flight."""
 
-    def __init__(self, worker: WorkerPort, admission: Admission | None = None) -> None:
+    def __init__(self, worker: WorkerPort, admission: Admission | None = None, *,
+                 max_watch_streams: int = MAX_WATCH_STREAMS) -> None:
         self._worker = worker
         self._admission = admission
+        self._max_watch_streams = max_watch_streams
+        self._watching = 0
 
     def _addressed(self, request) -> None:
         """A request naming a worker (``worker``, set for a gateway) is for this one only."""
@@ -196,6 +205,17 @@ class WorkerControlService(WorkerControlBase):
         request = await stream.recv_message()
         interval = request.interval_seconds if request.interval_seconds > 0 else DEFAULT_WATCH_INTERVAL
         interval = max(interval, MIN_WATCH_INTERVAL)
+        if self._watching >= self._max_watch_streams:
+            raise ResourceExhausted(f"this worker serves at most {self._max_watch_streams} WatchStatus streams at "
+                                    "once and all are open; close one, call ModelControlStatus for one snapshot, "
+                                    "or watch through a gateway (one stream per worker for all its clients)")
+        self._watching += 1
+        try:
+            await self._watch(stream, interval)
+        finally:
+            self._watching -= 1
+
+    async def _watch(self, stream, interval: float) -> None:
         # Ends when the client cancels, or with OK when the worker starts draining: a status
         # stream is not work in flight, so a drain does not wait for it. A change of the model
         # table (a model loading, ready, failed, gone) is sent at once, not at the next interval,
