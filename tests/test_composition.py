@@ -396,6 +396,28 @@ def test_worker_control_reads_and_changes_the_worker_through_the_port():
     trio.run(main)
 
 
+def test_worker_control_refuses_to_pin_a_model_with_no_version_serving():
+    """A pin on a model still loading (or failed) cannot be checked against the budget: accepted,
+    it answered OK and then failed the load when the version's weights did not fit. Other floors
+    apply to its later versions as before."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = _port(nursery)
+            control = WorkerControlService(port)
+            for state in (ModelState.LOADING, ModelState.UNAVAILABLE):
+                port.models.publish(ModelEntry("cnn", state))
+                with pytest.raises(GRPCError) as refused:
+                    await _call(control.SetModelResidency,
+                                cpb.SetModelResidencyRequest(model="cnn", residency="device"))
+                assert refused.value.status is Status.FAILED_PRECONDITION
+                assert refused.value.message.startswith(
+                    f"cannot pin model 'cnn' (residency device): it is {state.value} with no version serving")
+                assert port.weights.floor_of("cnn") is Floor.SYSTEM        # nothing changed
+            await _call(control.SetModelResidency, cpb.SetModelResidencyRequest(model="cnn", residency="unpinned"))
+            assert port.weights.floor_of("cnn") is Floor.UNPINNED
+    trio.run(main)
+
+
 def test_worker_control_reports_the_tally_in_flight_device_time_and_uptime():
     from xlaserve.frontend.admission import Admission
     from xlaserve.metrics import LATENCY_BUCKETS, Metrics

@@ -19,8 +19,8 @@ import trio
 from xlaserve._proto import xlaserve_control_pb2 as pb
 from xlaserve._proto.xlaserve_control_grpc import WorkerControlBase
 from xlaserve.config.schema import MAX_WEIGHT, MIN_WEIGHT
-from xlaserve.errors import (InternalError, InvalidArgument, ModelNotFound, ResourceExhausted, XlaserveError,
-                             internal_message)
+from xlaserve.errors import (FailedPrecondition, InternalError, InvalidArgument, ModelNotFound, ResourceExhausted,
+                             XlaserveError, internal_message)
 from xlaserve.frontend.admission import Admission
 from xlaserve.frontend.port import WorkerPort
 from xlaserve.frontend.statuses import rpc
@@ -157,6 +157,14 @@ class WorkerControlService(WorkerControlBase):
         request = await stream.recv_message()
         self._addressed(request)
         self._known(request.model)
+        entry = self._worker.models.snapshot[request.model]
+        if request.residency == "device" and entry.serving is None:
+            # No version admitted yet (loading) or any more (failed): the pin cannot be checked
+            # against the budget now, and one accepted here that does not fit failed the load.
+            raise FailedPrecondition(
+                f"cannot pin model '{request.model}' (residency device): it is {entry.state.value} with no version "
+                "serving, so its weights cannot be checked against the budget yet; pin it once it is READY, or set "
+                f"scheduler.models.{request.model}.residency: device in the node file")
         # an unknown floor: Floor.parse's ValueError, answered INVALID_ARGUMENT
         await self._in_trio_task(lambda: self._worker.weights.set_residency(request.model, request.residency))
         log.info("control: %s residency set to %s", request.model, request.residency)
