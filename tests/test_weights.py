@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import threading
 from types import MappingProxyType, SimpleNamespace
 
 import numpy as np
@@ -426,6 +427,60 @@ def test_set_residency_pins_and_refuses_past_the_budget(tmp_path, device):
             assert {r.model: r.host_bytes for r in cache.snapshot()}["b"] == 0
             # the weight pool's one region holds a (pinned): nothing to give back
             assert await cache.compact() == ("nothing to do: the weight pool has no empty region", 0)
+            nursery.cancel_scope.cancel()
+    run(main)
+
+
+class _GatedReads:
+    """A model's weights whose reads wait for ``gate`` and count how many run at once."""
+
+    def __init__(self, weights) -> None:
+        self._weights = weights
+        self.gate = threading.Event()
+        self.gate.set()
+        self._lock = threading.Lock()
+        self.running = self.most = 0
+
+    def __getattr__(self, name):
+        return getattr(self._weights, name)
+
+    def read(self):
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            self.gate.wait(10)
+            return self._weights.read()
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_storm_of_residency_changes_reads_one_host_copy_at_a_time(tmp_path, device):
+    """Each change to device started its own task and host read: a storm of device/unpinned
+    held as many copies of the weights as reads in flight (68 MiB for a 1 MiB model on a real
+    worker). One task per model applies the floor, once more if asked again meanwhile, and ends
+    with the copies the last floor wants."""
+    reads = _GatedReads(make_model(tmp_path, "a", MB).weights)
+    a = dataclasses.replace(make_model(tmp_path, "a", MB), weights=reads)
+
+    async def main():
+        cache = cache_for(device, 4 * MB)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(cache.run)
+            await cache.admit(a)
+            reads.gate.clear()                  # reads wait: the storm's tasks pile up
+            for _ in range(50):
+                cache.set_residency("a", "unpinned")
+                cache.set_residency("a", "device")
+                await trio.sleep(0)
+            await trio.sleep(0.1)
+            reads.gate.set()
+            with trio.fail_after(10):
+                while {r.model: (r.host_bytes, r.resident_bytes) for r in cache.snapshot()}["a"] != (MB, MB):
+                    await trio.sleep(0.01)
+            assert reads.most == 1
+            assert cache.residency("a") == "device"
             nursery.cancel_scope.cancel()
     run(main)
 
