@@ -187,19 +187,24 @@ def tree_pids(pid: int) -> list[int]:
     return found
 
 
-def pin_tree(pid: int, cpus: set[int]) -> None:
-    """Hold every thread of ``pid`` and its descendants to ``cpus`` (threads started later
-    inherit it from the thread that starts them)."""
-    for p in tree_pids(pid):
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Hold every thread of process ``pid`` to ``cpus`` (threads started later inherit it from
+    the thread that starts them)."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in threads:
         try:
-            threads = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in threads:
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except OSError:         # a thread that ended meanwhile
-                pass
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:         # a thread that ended meanwhile
+            pass
+
+
+def pin_tree(pid: int, cpus: set[int]) -> None:
+    """:func:`pin_threads` for ``pid`` and each of its descendants."""
+    for p in tree_pids(pid):
+        pin_threads(p, cpus)
 
 
 def tree_cpu_seconds(pid: int) -> float:

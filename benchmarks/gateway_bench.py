@@ -35,8 +35,8 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks._servers import (consecutive_free_pair, export_mlp_as, free_ports, pin_tree, stop, tree_cpu_seconds,
-                                 wait_ready, xlaserve)
+from benchmarks._servers import (consecutive_free_pair, export_mlp_as, free_ports, pin_threads, pin_tree, stop,
+                                 tree_cpu_seconds, wait_ready, xlaserve)
 from xlaserve.bench import loadgen
 
 INPUTS = {"mlp": [loadgen.InputSpec("input", "FP32", (1, 512))]}
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(cpus) < 2:
                 raise SystemExit("--pin needs at least two CPUs")
             servers_cpus = set(cpus[1:])
-            pin_tree(os.getpid(), {cpus[0]})
+            pin_threads(os.getpid(), {cpus[0]})      # this process alone: the servers are its children
         for round_ in range(args.rounds):
             order = list(targets) if round_ % 2 == 0 else list(targets)[::-1]
             for path in order:
