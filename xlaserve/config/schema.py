@@ -577,7 +577,8 @@ class TracingConfig:
             object a finished span, a line, appended to ``file``). Default ``otlp``.
         otlp_endpoint: where ``otlp`` posts spans, an ``http://`` or ``https://`` URL. Default
             ``http://localhost:4318/v1/traces`` (an OpenTelemetry Collector on this machine).
-        otlp_timeout_seconds: how long one export may take, > 0. Default 10.
+        otlp_timeout_seconds: how long one export may take, reading the collector's answer
+            included, > 0; also the longest shutdown waits for the last export. Default 10.
         file: the JSON-lines file the ``file`` exporter appends to (created if missing; every
             process of a node may share it). Required with ``exporter: file``; only with it.
         max_queued_spans: finished spans waiting to be exported, >= 1; past it new spans are

@@ -347,12 +347,56 @@ being carried into older generations, whose collections cost more. (The SDK's ba
 exports 512 spans a call by default: an OTLP collector gets batches of a similar size.)"""
 
 
+MAX_RESPONSE_BYTES = 64 * 1024
+"""Bytes of a collector's answer read, at most. An OTLP answer is a few bytes (a partial-success
+count and message) and the exporter reads only its status and headers; ``requests`` would read a
+whole body into memory, so a broken or hostile collector answering with an endless body grew the
+worker's memory without bound while the export thread never finished."""
+
+
+def bounded_session():
+    """A ``requests`` session for the OTLP exporter that reads at most :data:`MAX_RESPONSE_BYTES`
+    of an answer's body, undecoded, within the request's ``timeout`` in all (``requests``' own
+    timeout bounds each read, so a body dripped a byte at a time would never end); an answer
+    longer or slower than that is cut off and its connection closed, its status kept."""
+    import requests
+
+    class BoundedSession(requests.Session):
+        def send(self, request, **kwargs):
+            kwargs["stream"] = True
+            response = super().send(request, **kwargs)
+            timeout = kwargs.get("timeout")
+            timeout = timeout[-1] if isinstance(timeout, tuple) else timeout
+            deadline = time.monotonic() + (timeout if timeout is not None else 10.0)
+            body = bytearray()
+            complete = False
+            try:
+                while len(body) <= MAX_RESPONSE_BYTES and time.monotonic() < deadline:
+                    chunk = response.raw.read1(MAX_RESPONSE_BYTES + 1 - len(body), decode_content=False)
+                    if not chunk:
+                        complete = True
+                        break
+                    body += chunk
+            except Exception:       # a reset or a read timeout: the status is what matters
+                pass
+            response._content = bytes(body[:MAX_RESPONSE_BYTES])
+            response._content_consumed = True
+            if complete:
+                response.raw.release_conn()
+            else:
+                response.close()
+            return response
+    return BoundedSession()
+
+
 class SpanExport:
     """The export thread of one process's :class:`~xlaserve.tracing.Tracing`."""
 
     def __init__(self, exporter: SpanExporter | JsonLinesWriter, resource: Resource, interval: float,
-                 description: str, max_queued_spans: int) -> None:
+                 description: str, max_queued_spans: int, shutdown_timeout: float = 10.0) -> None:
         self._exporter = exporter
+        #: how long :meth:`close` waits for the last export (``tracing.otlp_timeout_seconds``)
+        self._shutdown_timeout = shutdown_timeout
         self._resource = resource
         self._interval = interval
         self._description = description
@@ -377,9 +421,11 @@ class SpanExport:
             exporter, description = JsonLinesWriter(config.file, resource), f"file {config.file}"
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, timeout=config.otlp_timeout_seconds)
+            exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint, timeout=config.otlp_timeout_seconds,
+                                        session=bounded_session())
             description = f"otlp {config.otlp_endpoint}"
-        return cls(exporter, resource, config.export_interval_seconds, description, config.max_queued_spans)
+        return cls(exporter, resource, config.export_interval_seconds, description, config.max_queued_spans,
+                   config.otlp_timeout_seconds)
 
     def describe(self) -> str:
         return self._description
@@ -400,14 +446,19 @@ class SpanExport:
             self._wake.wait(self._interval)
             self._wake.clear()
             self.flush()
+        self.flush()        # closing: what was queued while the last export ran
 
     def flush(self) -> None:
-        """Export every queued trace now (the export thread, or close)."""
+        """Export every queued trace now (the export thread, or close). Closing, the first batch
+        that fails ends it: a collector that is down or hangs would cost each batch its timeout."""
         traces = self._tracing.take()
         for at in range(0, len(traces), EXPORT_TRACES):
-            self._export(traces[at:at + EXPORT_TRACES])
+            if not self._export(traces[at:at + EXPORT_TRACES]) and self._stop:
+                log.error("tracing: at shutdown, the spans of %d requests were not exported (the export to %s "
+                          "failed)", len(traces) - at, self._description)
+                return
 
-    def _export(self, traces: list) -> None:
+    def _export(self, traces: list) -> bool:
         try:
             if isinstance(self._exporter, JsonLinesWriter):
                 result = SpanExportResult.SUCCESS if self._exporter.write(traces, self._epoch) else "write failed"
@@ -419,6 +470,7 @@ class SpanExport:
             self._failed_at = time.monotonic()
             log.error("tracing: exporting the spans of %d requests with %s failed: %s", len(traces),
                       self._description, result)
+        return result is SpanExportResult.SUCCESS
 
     def spans(self, traces) -> list[ReadableSpan]:
         """The SDK spans of finished ``traces``: a ``ReadableSpan`` each, parents first."""
@@ -456,12 +508,18 @@ class SpanExport:
         return out
 
     def close(self) -> None:
-        """Stop the thread, export what is left and shut the exporter down."""
+        """Stop the thread, export what is left and shut the exporter down, waiting at most
+        ``shutdown_timeout`` seconds for the export thread (a collector that hangs must not hold
+        the process's exit): what it has not sent by then is lost, and said so."""
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(10.0)
-        self.flush()
+        if self._thread is None:
+            self.flush()
+        else:
+            self._thread.join(self._shutdown_timeout)
+            if self._thread.is_alive():
+                log.error("tracing: the export to %s did not finish within %gs (tracing.otlp_timeout_seconds) of "
+                          "shutdown; the spans it had not sent are lost", self._description, self._shutdown_timeout)
         try:
             self._exporter.shutdown()
         except Exception:
