@@ -19,6 +19,40 @@ _SECONDS = 10.0         # a connection's whole exchange: request read and answer
 #: connections served at once (probes and scrapes need a few), so a flood of connections to this
 #: port cannot take the process's file descriptors; one more closes the oldest (see serve_admin)
 MAX_CONNECTIONS = 64
+#: /metrics renders may take at most 1/(1 + REUSE_FACTOR) of the Trio thread (see reused)
+REUSE_FACTOR = 10.0
+#: ... after a burst of this many seconds of renders back to back, each one fresh
+REUSE_BURST_SECONDS = 0.05
+
+
+def reused(route: Route, *, factor: float = REUSE_FACTOR, burst: float = REUSE_BURST_SECONDS) -> Route:
+    """``route``, answering again with its last answer, without running, while the time its
+    renders took owes more than ``burst`` seconds; the debt drains at one second per ``factor``.
+    For ``/metrics``: its page is rendered on the Trio thread that also serves inference, and a
+    flood of scrapes (hundreds a second) rendered one each, so the scraper took most of the
+    thread (mlp fell from ~5 000 to ~800 req/s). Reused, renders take at most 1/(1 + factor)
+    of the thread however fast scrapes come, and the page served is at most ``factor`` renders
+    old (tens of ms for a worker's page; Prometheus scrapes every 15 s); a scrape that does not
+    come in a flood (a probe, a person's curl after a request) is rendered now. A route that
+    raises is not kept: the next request runs it again. Not for ``/readyz`` or ``/healthz``."""
+    kept: tuple[int, str, bytes] | None = None
+    owed, since = 0.0, 0.0          # seconds of render not yet drained, as of when
+
+    def route_reused() -> tuple[int, str, bytes]:
+        nonlocal kept, owed, since
+        now = trio.current_time()
+        owed = max(0.0, owed - (now - since) / factor)
+        since = now
+        if kept is not None and owed > burst:
+            return kept
+        kept = None
+        answer = route()
+        since = trio.current_time()
+        owed += since - now
+        kept = answer
+        return answer
+
+    return route_reused
 
 
 async def serve_admin(host: str, port: int, routes: dict[str, Route], *,

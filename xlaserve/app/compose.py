@@ -18,7 +18,7 @@ from pathlib import Path
 
 import trio
 
-from xlaserve.admin import serve_admin
+from xlaserve.admin import reused, serve_admin
 from xlaserve.config import WorkerConfig
 from xlaserve.errors import FailedPrecondition, StartupError, Unavailable
 from xlaserve.frontend.bridge import Bridge
@@ -122,7 +122,7 @@ def _health(config: WorkerConfig, table: ModelTable, metrics: Metrics):
             metrics.models.labels(state).set(n)
         return 200, "text/plain; version=0.0.4; charset=utf-8", metrics.exposition()
 
-    return {"/healthz": healthz, "/readyz": readyz, "/metrics": metrics_page}
+    return {"/healthz": healthz, "/readyz": readyz, "/metrics": reused(metrics_page)}
 
 
 def prefetch_for(setting: str, device) -> bool:
