@@ -872,6 +872,41 @@ os._exit(5)
     assert caplog.text.count("unreadable ready report") == 2
 
 
+def test_a_worker_that_closes_its_ready_descriptor_and_runs_on_is_named_once(caplog):
+    """End-of-file on the ready pipe without a report, from a worker that does not exit: it will
+    never report, so one warning names it; the other worker is served as ever."""
+    specs = [fake("good", SERVES),
+             fake("mute", "os.close(int(os.environ['XLASERVE_READY_FD'])); time.sleep(60)")]
+
+    async def main():
+        supervisor = Supervisor(specs, FAST, write=lambda line: None)
+        events = supervisor.subscribe()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            await wait_for(events, 1, WorkerReady)
+            with trio.fail_after(10):
+                while "closed its XLASERVE_READY_FD descriptor" not in caplog.text:
+                    await trio.sleep(0.05)
+            status = {s.name: s.state for s in supervisor.status()}
+            supervisor.stop()
+        return status
+
+    with caplog.at_level(logging.WARNING, logger="xlaserve.supervisor"):
+        status = trio.run(main)
+    assert status == {"good": WorkerState.RUNNING, "mute": WorkerState.STARTING}
+    warnings = [r.getMessage() for r in caplog.records if "READY_FD" in r.getMessage()]
+    assert warnings == ["worker mute closed its XLASERVE_READY_FD descriptor without reporting that it "
+                        "serves, and runs on; it stays starting"]
+
+
+def test_a_worker_that_exits_without_a_ready_report_is_not_said_to_have_closed_it(caplog):
+    with caplog.at_level(logging.WARNING, logger="xlaserve.supervisor"):
+        code = trio.run(Supervisor([fake("w0", "time.sleep(0.05); sys.exit(3)")], FAST,
+                                   write=lambda line: None).run)
+    assert code == 1
+    assert "descriptor without reporting" not in caplog.text
+
+
 # --- the worker's side: the ready report and the child's command line --------------------------------
 
 

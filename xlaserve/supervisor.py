@@ -61,6 +61,9 @@ TAIL_LINES = 50
 OUTPUT_DRAIN_SECONDS = 1.0
 # The ready report is one short JSON line; a child that writes more is not believed.
 MAX_READY_BYTES = 4096
+# End-of-file on the ready pipe is how an exiting worker's report ends; a worker still running this
+# long after it closed the descriptor without a report never will report, and is named once.
+READY_CLOSED_GRACE_SECONDS = 1.0
 _READ_CHUNK = 64 * 1024
 # Lines relayed between two turns of the other tasks: a chunk of 64 KiB of empty lines is 65,536
 # lines (about 0.2 s of relaying), which must not hold the gateway's requests all that time.
@@ -491,7 +494,7 @@ class Supervisor:
             async with trio.open_nursery() as nursery:
                 output_done = trio.Event()
                 nursery.start_soon(self._relay_output, worker, process.stdout, output_done)
-                nursery.start_soon(self._read_ready, worker, process.pid, ready)
+                nursery.start_soon(self._read_ready, worker, process, ready)
                 returncode = await process.wait()
                 with trio.move_on_after(OUTPUT_DRAIN_SECONDS):
                     await output_done.wait()
@@ -534,7 +537,8 @@ class Supervisor:
         finally:
             done.set()
 
-    async def _read_ready(self, worker: _Worker, pid: int, stream: trio.lowlevel.FdStream) -> None:
+    async def _read_ready(self, worker: _Worker, process: trio.Process,
+                          stream: trio.lowlevel.FdStream) -> None:
         report = b""
         while len(report) < MAX_READY_BYTES and b"\n" not in report:
             try:
@@ -545,7 +549,14 @@ class Supervisor:
                 break
             report += chunk
         if not report:
-            return      # it exited (or closed the descriptor) without saying it serves
+            # it exited without saying it serves (this task is then cancelled within the grace),
+            # or it closed the descriptor and runs on, staying `starting` for good: say so once
+            await trio.sleep(READY_CLOSED_GRACE_SECONDS)
+            if process.returncode is None:
+                log.warning("worker %s closed its %s descriptor without reporting that it serves, and "
+                            "runs on; it stays %s", worker.spec.name, READY_FD_ENV,
+                            WorkerState.STARTING.value, extra={"worker": worker.spec.name})
+            return
         ports = parse_ready(report.split(b"\n", 1)[0])
         if ports is None:
             log.warning("worker %s wrote an unreadable ready report to %s (%r); it stays %s",
@@ -555,7 +566,7 @@ class Supervisor:
         worker.ports = ports
         if worker.state is WorkerState.STARTING:
             worker.state = WorkerState.RUNNING
-        self._emit(WorkerReady(worker.spec.name, pid, *ports))
+        self._emit(WorkerReady(worker.spec.name, process.pid, *ports))
 
 
 # --- the entry point -----------------------------------------------------------------------------
