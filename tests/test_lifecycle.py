@@ -246,3 +246,40 @@ def test_a_directory_whose_name_holds_a_control_character_is_no_bundle(tmp_path)
 
     trio.run(main)
     assert all("is not a bundle name" in str(r) and "control characters" in str(r) for r in refusals), refusals
+
+
+def test_a_directory_the_worker_may_not_read_is_skipped_and_rescans_go_on(tmp_path, monkeypatch):
+    """A directory in model_repo that the worker may not search (``chmod 000``, another user's
+    ``0700``) made checking it for a manifest raise PermissionError: every rescan failed (a
+    traceback in the log each time) and no bundle was added, reloaded or removed while it
+    was there. It is no bundle the worker can load, so it is skipped."""
+    import os
+    import pathlib
+    repo = tmp_path / "models"
+    export_simple(repo, (1,))
+    locked = repo / "locked"
+    (locked / "inner").mkdir(parents=True)
+    os.chmod(locked, 0)       # root may read it anyway: the stat below refuses as a non-root worker's would
+    real_stat = pathlib.Path.stat
+
+    def stat(self, *, follow_symlinks=True):
+        if self.parent == locked:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    device = Device("cpu")
+    config = resolve_worker(parse_node_config({"model_repo": str(repo), "global": {"runtime": {"backend": "cpu"}}},
+                                              tmp_path))
+
+    async def main():
+        scheduler, _ = trio.open_memory_channel(1)
+        lifecycle = Lifecycle(config, device, ModelTable(), scheduler, WeightCache(device, trio.CapacityLimiter(1)))
+        assert lifecycle.discover() == ["simple"]
+        return await lifecycle.rescan()
+
+    try:
+        plan = trio.run(main)
+    finally:
+        os.chmod(locked, 0o755)
+    assert plan.added == ("simple",) and not plan.changed and not plan.removed

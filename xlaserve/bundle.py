@@ -274,7 +274,13 @@ def bundle_name_ok(name: str) -> bool:
 
 
 def is_bundle(path: Path) -> bool:
-    return bundle_name_ok(path.name) and path.is_dir() and (path / MANIFEST).is_file()
+    """Whether ``path`` is a bundle the worker can load. A directory it may not search (``chmod
+    000``, another user's ``0700``) is none: the PermissionError of looking for its manifest
+    failed every rescan of the repository while that directory was there."""
+    try:
+        return bundle_name_ok(path.name) and path.is_dir() and (path / MANIFEST).is_file()
+    except OSError:
+        return False
 
 
 def bundle_fingerprint(path: Path) -> str:
