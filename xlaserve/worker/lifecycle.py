@@ -282,8 +282,13 @@ class Lifecycle:
                 continue
             try:
                 current[name] = bundle_fingerprint(p)
-            except OSError:   # removed while we looked: the next rescan sees it gone
-                continue
+            except OSError:
+                # A file or directory removed between the listing and its stat (an editor's swap
+                # file, rsync's temporary file renamed into place), or the bundle itself: a known
+                # bundle keeps its fingerprint, never counted removed (an unload of a serving
+                # model); the removal was a file event, and the next rescan looks again.
+                if name in self._seen:
+                    current[name] = self._seen[name]
         return current
 
     async def rescan(self) -> RescanPlan:
