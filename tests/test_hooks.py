@@ -604,6 +604,17 @@ def test_call_hook_turns_anything_raised_into_internal_error_and_counts_it(exc, 
     assert counted == [("g", "preprocess"), ("g", "postprocess")]
 
 
+async def _submit_behind_a_hung_one(service, model: ModelVersion, requests: int, replies: list,
+                                    hung: threading.Event) -> None:
+    """Submit ``requests`` to ``model``: the first (x = -1, no deadline) hangs its hook, and the
+    rest (x = 1, a 5 s deadline) go in once it has started (``hung`` set)."""
+    for i in range(requests):
+        service.submit(ClientRequest(model, {"x": np.full((1, 4), -1 if i == 0 else 1, np.float32)}, 1,
+                                     f"r{i}", None if i == 0 else 5.0, replies.append, time.perf_counter_ns()))
+        if i == 0:
+            await trio.to_thread.run_sync(hung.wait, 10)
+
+
 async def _serve_hooked(model: ModelVersion, requests: int, timeout: float | None = None, release=None):
     """Submit ``requests`` requests of ``model`` to a service over a stand-in scheduler that
     doubles x. Waits for each to be answered, then ``release()`` (blocking, in a thread: lets
@@ -935,13 +946,7 @@ def test_requests_starved_of_a_hook_thread_are_counted_and_the_pool_shows_busy(s
             service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1, meta_threads=3,
                                        hook_starved=lambda *key: starved.append(key))
             seen.append(service.thread_statistics())
-            model = _hooked(**{stage: hook})
-            for i in range(4):
-                service.submit(ClientRequest(model, {"x": np.full((1, 4), -1 if i == 0 else 1, np.float32)}, 1,
-                                             f"r{i}", None if i == 0 else 5.0, replies.append,
-                                             time.perf_counter_ns()))
-                if i == 0:
-                    await trio.to_thread.run_sync(hung.wait, 10)
+            await _submit_behind_a_hung_one(service, _hooked(**{stage: hook}), 4, replies, hung)
             await trio.sleep(1)                 # (mock time, short of the deadline)
             seen.append(service.thread_statistics())
             await trio.sleep(5)                 # past it
@@ -1018,12 +1023,7 @@ def test_a_meta_request_that_never_got_a_meta_thread_is_told_so_and_counted():
         async with trio.open_nursery() as nursery:
             service = InferenceService(to_scheduler, nursery, table, meta_threads=1,
                                        hook_starved=lambda *key: starved.append(key))
-            for i in range(2):
-                service.submit(ClientRequest(meta, {"x": np.full((1, 4), -1 if i == 0 else 1, np.float32)}, 1,
-                                             f"r{i}", None if i == 0 else 5.0, replies.append,
-                                             time.perf_counter_ns()))
-                if i == 0:
-                    await trio.to_thread.run_sync(hung.wait, 10)
+            await _submit_behind_a_hung_one(service, meta, 2, replies, hung)
             await trio.sleep(1)
             seen.append(service.thread_statistics().meta)
             await trio.sleep(5)
