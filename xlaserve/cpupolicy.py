@@ -82,7 +82,6 @@ def _set(policy: int, priority: int, what: str) -> bool:
         threads = [0]       # no /proc: the calling thread, and those it starts from now on
     param = os.sched_param(priority)
     try:
-        os.sched_setscheduler(0, policy, param)
         for tid in threads:
             try:
                 os.sched_setscheduler(tid, policy, param)

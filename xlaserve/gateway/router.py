@@ -52,6 +52,9 @@ class Router:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         self.workers: tuple[str, ...] = tuple(workers)
         self.mode = mode
+        #: whether picks read the calls in flight per (worker, model) (lpt_packing's filling):
+        #: only then must the caller report them (started, finished)
+        self.counts_calls = mode == "lpt_packing"
         self.fill_factor = fill_factor
         self.policy = policy
         self._outstanding = outstanding

@@ -322,8 +322,8 @@ class GatewayService:
         key = (worker, model)
         self.routed[key] = self.routed.get(key, 0) + 1
         router = self.router
-        filling = router.mode == "lpt_packing"     # (only lpt_packing's filling reads the router's counts)
-        if filling:
+        counted = router.counts_calls
+        if counted:
             router.started(worker, model)
 
         answered = False
@@ -340,7 +340,7 @@ class GatewayService:
                 return
             answered = True
             self.in_flight -= 1
-            if filling:
+            if counted:
                 router.finished(worker, model)
             if trace is not None:
                 _finish_forward(trace, outcome)
