@@ -341,7 +341,15 @@ class Gateway:
                     if pending[0] is not None and not ended.is_set():
                         await trio.sleep_until(applied[0] + STATUS_GAP)
                         if pending[0] is not None and not ended.is_set():
-                            apply(pending[0])
+                            try:
+                                apply(pending[0])
+                            except Exception:
+                                # (on_message's apply fails the watch call alone; here, in the
+                                # gateway's nursery, a bug must not end the gateway either)
+                                log.exception("gateway: applying a status of worker %s failed; routing around "
+                                              "it until its next status", name)
+                                if self.router.is_up(name):
+                                    self.router.worker_down(name)
                     continue
                 if not ended.is_set() and self.router.is_up(name):
                     self.router.worker_down(name)

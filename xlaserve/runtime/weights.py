@@ -733,6 +733,8 @@ class WeightCache:
         except (Unavailable, OSError) as exc:
             log.error("model %s: cannot apply residency %s: %s", key[0], self._book.floor(key).value
                       if key in self._book else "?", exc)
+        except Exception:           # a bug or a runtime error: this model's residency, not the worker
+            log.exception("model %s: applying its residency failed", key[0])
 
     async def compact(self) -> tuple[str, int]:
         """Defragment device memory where the backend can. Returns a message and the bytes freed."""

@@ -70,6 +70,20 @@ def _uncounted(model: str, hook: str) -> None:
     pass
 
 
+def _guarded_counter(counter: FailureCounter, what: str) -> FailureCounter:
+    """``counter``, whose failure is logged and goes no further: it is called on the paths that
+    answer a request (the deadline task, a stopping worker's), which must answer whatever it does."""
+    if counter is _uncounted:
+        return counter
+
+    def count(model: str, hook: str) -> None:
+        try:
+            counter(model, hook)
+        except Exception:
+            log.exception("counting %s of model '%s' (%s) failed", what, model, hook)
+    return count
+
+
 @dataclass(frozen=True, slots=True)
 class ReplyLimit:
     """The most bytes the reply to a request may carry (``max_bytes``, set by the node-file key
@@ -433,7 +447,7 @@ class InferenceService:
         self._meta_limiter = trio.CapacityLimiter(meta_threads)
         self._tasks: dict[object, Stages] = {}      # by ticket: cancellable requests that run as tasks
         self.hook_failed: FailureCounter = hook_failed or _uncounted
-        self.hook_starved: FailureCounter = hook_starved or _uncounted
+        self.hook_starved: FailureCounter = _guarded_counter(hook_starved or _uncounted, "a starved hook")
         self._expiry: _Expiry | None = None
 
     def thread_statistics(self) -> HookThreads:
