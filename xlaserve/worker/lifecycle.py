@@ -267,14 +267,17 @@ class Lifecycle:
                 _request_rescan(rescans)
 
     # ---- repository rescans ------------------------------------------------------------------
-    def current_fingerprints(self) -> dict[str, str]:
-        """Every bundle directory now, with its fingerprint. A directory the actor already
+    def current_fingerprints(self) -> dict[str, str] | None:
+        """Every bundle directory now, with its fingerprint; None when ``model_repo`` is gone or
+        not a directory (as a rescan starts or while it lists it). A directory the actor already
         knows counts even while its manifest is missing (a half-done edit), so that edit is a
         failed reload, never an unload."""
         current: dict[str, str] = {}
-        if not self.repo.is_dir():
-            return current
-        for p in self.repo.iterdir():
+        try:
+            entries = list(self.repo.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        for p in entries:
             name = p.name
             if name.startswith(".") or not self._included(name) or not p.is_dir():
                 continue
@@ -292,7 +295,8 @@ class Lifecycle:
         return current
 
     async def rescan(self) -> RescanPlan:
-        if not self.repo.is_dir():
+        current = self.current_fingerprints()
+        if current is None:
             # A repository unmounted, deleted by mistake or halfway through being replaced by
             # another directory is not every bundle removed: what is loaded keeps serving until
             # model_repo is back, and its next rescan compares the bundles there.
@@ -304,7 +308,7 @@ class Lifecycle:
         if self._repo_missing:
             log.info("model_repo %s is back; rescanning it", self.repo)
             self._repo_missing = False
-        plan = plan_rescan(self._seen, self.current_fingerprints())
+        plan = plan_rescan(self._seen, current)
         if plan:
             log.info("repository changed: added %s, changed %s, removed %s",
                      list(plan.added) or "-", list(plan.changed) or "-", list(plan.removed) or "-")
