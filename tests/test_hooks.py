@@ -853,6 +853,54 @@ def test_a_request_cancelled_while_its_hook_waits_for_a_thread_is_answered_witho
     assert tasks == {}                          # both tickets forgotten once answered
 
 
+@pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
+def test_a_request_cancelled_while_every_hook_thread_hangs_is_answered_at_once(stage):
+    """As above, but the hook threads stay held: the cancelled request (no deadline) is answered
+    CANCELLED at once, its work taken out of the pool's queue, not when a thread frees (it held
+    its admission slot, its tensors and its ticket for as long as the hooks hung)."""
+    hook, hung, release = _hanging()
+
+    async def main():
+        replies: dict = {}
+        to_scheduler, inbox = trio.open_memory_channel(100)
+
+        async def scheduler():
+            async for message in inbox:
+                if isinstance(message, InferRequest):
+                    message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(scheduler)
+            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1)
+            model = _hooked(**{stage: hook})
+            for i, value in enumerate((-1, 1)):
+                service.submit(ClientRequest(model, {"x": np.full((1, 4), value, np.float32)}, 1, f"r{i}", None,
+                                             lambda out, i=i: replies.__setitem__(i, out), time.perf_counter_ns(),
+                                             ticket=f"t{i}"))
+                if i == 0:
+                    await trio.to_thread.run_sync(hung.wait, 10)
+            with trio.move_on_after(10):
+                while service.thread_statistics().hook.waiting < 1:
+                    await trio.sleep(0.01)
+            service.cancel("t1")                # its client went away; the hung hook holds on
+            with trio.move_on_after(10):
+                while 1 not in replies:
+                    await trio.sleep(0.01)
+            waiting, tasks = service.thread_statistics().hook.waiting, set(service._tasks)
+            release.set()
+            with trio.move_on_after(10):
+                while 0 not in replies:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        return replies, waiting, tasks
+
+    replies, waiting, tasks = trio.run(main)
+    assert isinstance(replies[1], Cancelled) and "r1" in str(replies[1]), replies[1]
+    assert waiting == 0                         # out of the pool's queue while the hook still hung
+    assert tasks == {"t0"}                      # its ticket forgotten; the hung one's kept
+    assert isinstance(replies[0], InferResult)
+
+
 def test_the_deadline_watcher_keeps_no_finished_postprocess_alive():
     """The watcher of postprocess deadlines holds each request's work item weakly: once a hook
     thread has run it, what it held (the execution's outputs) goes with it, not when its

@@ -122,11 +122,14 @@ class Stages:
     tickets of its requests now in the scheduler. Trio thread only, except ``cancelled``, which
     a meta thread reads."""
 
-    __slots__ = ("cancelled", "queued")
+    __slots__ = ("cancelled", "queued", "waiting")
 
     def __init__(self) -> None:
         self.cancelled = False
         self.queued: set[object] = set()
+        #: its hook's work waiting in the hook pool, and what answers it if the client goes away
+        #: first (taken out of the queue then: answered at once, not when a thread frees)
+        self.waiting: tuple[Callable[[], None], Callable[[], None]] | None = None
 
 
 class _Answer:
@@ -521,6 +524,9 @@ class InferenceService:
             self._cancel_queued(ticket)
             return
         stages.cancelled = True
+        waiting, stages.waiting = stages.waiting, None
+        if waiting is not None and self._hook_pool.withdraw(waiting[0]):
+            waiting[1]()        # its hook never got a thread: answered now, not once one frees
         for queued in list(stages.queued):
             self._cancel_queued(queued)
 
@@ -587,6 +593,8 @@ class InferenceService:
                     answer(done)            # a ClientRequest's reply is thread-safe
                 if deadline < math.inf:
                     self._expiring().add(deadline, answer, model.name, request.request_id, work)
+                if ticket is not None:
+                    stages.waiting = (work, lambda: answer(_cancelled(model.name, request.request_id)))
                 self._hook_pool.submit(work)
             except Exception as exc:
                 log.exception("model '%s': request '%s' failed after its execution", model.name,
@@ -665,7 +673,12 @@ class InferenceService:
                 token.run_sync_soon(done.set)
             except trio.RunFinishedError:
                 pass  # the worker stopped; nobody waits for this hook any more
+
+        def withdrawn() -> None:        # (cancel, Trio thread) the client went away before a thread took it
+            result.append(Error(_cancelled(request.model.name, request.request_id)))
+            done.set()
         if deadline > trio.current_time():
+            stages.waiting = (work, withdrawn)
             self._hook_pool.submit(work)
             try:
                 with trio.move_on_at(deadline):
@@ -677,6 +690,8 @@ class InferenceService:
                 if self._hook_pool.withdraw(work):
                     self.hook_starved(request.model.name, hook)
                 raise
+            finally:
+                stages.waiting = None   # (what it holds, the hook's arguments, goes with it)
             if self._hook_pool.withdraw(work):
                 answer(self._starved(request.model.name, request.request_id, hook))
                 return _LATE
