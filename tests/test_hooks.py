@@ -806,6 +806,47 @@ def test_requests_answered_while_waiting_for_a_hook_thread_leave_the_queue(stage
     assert kept == 0, f"the tensors of {kept} of 20 requests already answered are still held, waiting for a hook thread"
 
 
+async def _cancel_behind_a_hung_hook(stage: str, hook, hung: threading.Event, release: threading.Event,
+                                     while_hung=None):
+    """Two ticketed requests without a deadline to a model whose ``stage`` hook is ``hook`` (from
+    :func:`_hanging`), one hook thread: the first hangs it; the second waits for a thread and its
+    client goes away (``t1`` cancelled). Then ``while_hung(service, replies)`` (awaited, if
+    given), the hook released, both answered. Returns the replies by index, the tickets still
+    (ticket -> stages) still known once both are answered, and what ``while_hung`` returned."""
+    replies: dict = {}
+    to_scheduler, inbox = trio.open_memory_channel(100)
+
+    async def scheduler():
+        async for message in inbox:
+            if isinstance(message, InferRequest):
+                message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
+
+    seen = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scheduler)
+        service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1)
+        model = _hooked(**{stage: hook})
+        for i, value in enumerate((-1, 1)):
+            service.submit(ClientRequest(model, {"x": np.full((1, 4), value, np.float32)}, 1, f"r{i}", None,
+                                         lambda out, i=i: replies.__setitem__(i, out), time.perf_counter_ns(),
+                                         ticket=f"t{i}"))
+            if i == 0:
+                await trio.to_thread.run_sync(hung.wait, 10)
+        with trio.move_on_after(10):
+            while service.thread_statistics().hook.waiting < 1:
+                await trio.sleep(0.01)
+        service.cancel("t1")                # its client went away
+        if while_hung is not None:
+            seen = await while_hung(service, replies)
+        release.set()
+        with trio.move_on_after(10):
+            while len(replies) < 2:
+                await trio.sleep(0.01)
+        tasks = dict(service._tasks)
+        nursery.cancel_scope.cancel()
+    return replies, tasks, seen
+
+
 @pytest.mark.parametrize("stage", ["preprocess", "postprocess"])
 def test_a_request_cancelled_while_its_hook_waits_for_a_thread_is_answered_without_running_it(stage):
     """The client of a hooked request goes away while its hook waits for a thread (all of them
@@ -814,39 +855,7 @@ def test_a_request_cancelled_while_its_hook_waits_for_a_thread_is_answered_witho
     Now it is answered CANCELLED when its turn comes, its hook not run, its ticket forgotten."""
     ran: list[str] = []
     hook, hung, release = _hanging(ran)
-
-    async def main():
-        replies: dict = {}
-        to_scheduler, inbox = trio.open_memory_channel(100)
-
-        async def scheduler():
-            async for message in inbox:
-                if isinstance(message, InferRequest):
-                    message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(scheduler)
-            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1)
-            model = _hooked(**{stage: hook})
-            for i, value in enumerate((-1, 1)):
-                service.submit(ClientRequest(model, {"x": np.full((1, 4), value, np.float32)}, 1, f"r{i}", None,
-                                             lambda out, i=i: replies.__setitem__(i, out), time.perf_counter_ns(),
-                                             ticket=f"t{i}"))
-                if i == 0:
-                    await trio.to_thread.run_sync(hung.wait, 10)
-            with trio.move_on_after(10):
-                while service.thread_statistics().hook.waiting < 1:
-                    await trio.sleep(0.01)
-            service.cancel("t1")                # its client went away
-            release.set()
-            with trio.move_on_after(10):
-                while len(replies) < 2:
-                    await trio.sleep(0.01)
-            tasks = dict(service._tasks)
-            nursery.cancel_scope.cancel()
-        return replies, tasks
-
-    replies, tasks = trio.run(main)
+    replies, tasks, _ = trio.run(_cancel_behind_a_hung_hook, stage, hook, hung, release)
     assert ran == ["hung"], ran                 # the cancelled request's hook never ran
     assert isinstance(replies[1], Cancelled) and "r1" in str(replies[1]), replies[1]
     assert isinstance(replies[0], InferResult)
@@ -860,41 +869,13 @@ def test_a_request_cancelled_while_every_hook_thread_hangs_is_answered_at_once(s
     its admission slot, its tensors and its ticket for as long as the hooks hung)."""
     hook, hung, release = _hanging()
 
-    async def main():
-        replies: dict = {}
-        to_scheduler, inbox = trio.open_memory_channel(100)
+    async def while_hung(service, replies):     # the hung hook holds on: answered all the same
+        with trio.move_on_after(10):
+            while 1 not in replies:
+                await trio.sleep(0.01)
+        return service.thread_statistics().hook.waiting, set(service._tasks)
 
-        async def scheduler():
-            async for message in inbox:
-                if isinstance(message, InferRequest):
-                    message.reply(InferResult({"y": message.inputs["x"] * 2}, 4, 0, 0, 0, 0))
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(scheduler)
-            service = InferenceService(to_scheduler, nursery, ModelTable(), hook_threads=1)
-            model = _hooked(**{stage: hook})
-            for i, value in enumerate((-1, 1)):
-                service.submit(ClientRequest(model, {"x": np.full((1, 4), value, np.float32)}, 1, f"r{i}", None,
-                                             lambda out, i=i: replies.__setitem__(i, out), time.perf_counter_ns(),
-                                             ticket=f"t{i}"))
-                if i == 0:
-                    await trio.to_thread.run_sync(hung.wait, 10)
-            with trio.move_on_after(10):
-                while service.thread_statistics().hook.waiting < 1:
-                    await trio.sleep(0.01)
-            service.cancel("t1")                # its client went away; the hung hook holds on
-            with trio.move_on_after(10):
-                while 1 not in replies:
-                    await trio.sleep(0.01)
-            waiting, tasks = service.thread_statistics().hook.waiting, set(service._tasks)
-            release.set()
-            with trio.move_on_after(10):
-                while 0 not in replies:
-                    await trio.sleep(0.01)
-            nursery.cancel_scope.cancel()
-        return replies, waiting, tasks
-
-    replies, waiting, tasks = trio.run(main)
+    replies, _, (waiting, tasks) = trio.run(_cancel_behind_a_hung_hook, stage, hook, hung, release, while_hung)
     assert isinstance(replies[1], Cancelled) and "r1" in str(replies[1]), replies[1]
     assert waiting == 0                         # out of the pool's queue while the hook still hung
     assert tasks == {"t0"}                      # its ticket forgotten; the hung one's kept
